@@ -1,0 +1,27 @@
+"""The typed errors zerostall raises; every one names the key, file or step at fault."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every zerostall error."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint exists at the given path (or under the given tag)."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """Data exists at the path but no manifest was committed: the save never finished."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checksum, size or structural check failed: the bytes on storage are not what was saved."""
+
+
+class StateMismatchError(CheckpointError):
+    """The checkpoint and the target state disagree (missing/unexpected keys, shapes, dtypes)."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A value cannot be saved or restored safely (e.g. an object that would need pickle)."""

@@ -1,0 +1,227 @@
+"""The on-disk format: the manifest (the only commit point) and safetensors-valid data files.
+
+A checkpoint is a directory (or object prefix) holding ``manifest.json`` and data files named
+``<generation>-r<rank>-<n>.safetensors``. The manifest lists every entry (tensor, python value or
+alias) with its chunks: a box in the global tensor, the data file, the byte range and one xxh3-64
+checksum per fixed-size block. See docs/format.md for the full description.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import xxhash
+
+from .errors import CorruptCheckpointError
+
+FORMAT_NAME = "zerostall"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+DATA_ALIGNMENT = 4096
+DEFAULT_BLOCK_SIZE = 4 << 20
+
+_DATA_FILE_RE = re.compile(r"^(?P<gen>[0-9a-f]+-[0-9a-f]+)-r(?P<rank>\d+)-(?P<n>\d+)\.safetensors$")
+_MANIFEST_TMP_RE = re.compile(r"^manifest\.json\.(?P<gen>[0-9a-f]+-[0-9a-f]+)\.tmp$")
+
+# dtypes safetensors knows; every other dtype is stored as U8 with the true dtype in the manifest
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def new_generation() -> str:
+    """A per-save id: time-ordered, random-suffixed, so two saves never share file names."""
+    return f"{time.time_ns():x}-{secrets.token_hex(4)}"
+
+
+def data_file_name(generation: str, rank: int, index: int) -> str:
+    return f"{generation}-r{rank:05d}-{index:03d}.safetensors"
+
+
+def manifest_tmp_name(generation: str) -> str:
+    return f"{MANIFEST_NAME}.{generation}.tmp"
+
+
+def file_generation(name: str) -> str | None:
+    """The generation a data file or manifest temp file belongs to; None for foreign files."""
+    match = _DATA_FILE_RE.match(name) or _MANIFEST_TMP_RE.match(name)
+    return match.group("gen") if match else None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in manifest")
+    return dtype
+
+
+def block_checksums(data: memoryview, block_size: int) -> list[str]:
+    """xxh3-64 of each ``block_size`` block of ``data`` (the last block may be short)."""
+    return [
+        xxhash.xxh3_64_hexdigest(data[start:start + block_size])
+        for start in range(0, len(data), block_size)
+    ] or [xxhash.xxh3_64_hexdigest(b"")]
+
+
+@dataclass
+class Chunk:
+    """One stored piece of a tensor: a box of the global tensor and where its bytes live."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    nbytes: int
+    checksums: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"offsets": list(self.offsets), "sizes": list(self.sizes), "file": self.file,
+                "offset": self.offset, "nbytes": self.nbytes, "checksums": self.checksums}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Chunk":
+        return cls(tuple(d["offsets"]), tuple(d["sizes"]), d["file"], d["offset"], d["nbytes"],
+                   list(d["checksums"]))
+
+
+@dataclass
+class Entry:
+    """A leaf of the saved state. ``kind`` is "tensor", "object" (a python value) or "alias"."""
+
+    fqn: str
+    path: tuple[Any, ...]
+    kind: str
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    chunks: list[Chunk] = field(default_factory=list)
+    value: Any = None
+    alias_of: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        assert self.dtype is not None
+        return dtype_from_name(self.dtype)
+
+    def to_json(self, encode_path) -> dict[str, Any]:
+        d: dict[str, Any] = {"fqn": self.fqn, "path": encode_path(self.path), "kind": self.kind}
+        if self.kind == "tensor":
+            d.update(dtype=self.dtype, shape=list(self.shape or ()),
+                     chunks=[c.to_json() for c in self.chunks])
+        elif self.kind == "object":
+            d["value"] = self.value
+        else:
+            d["alias_of"] = self.alias_of
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], decode_path) -> "Entry":
+        return cls(
+            fqn=d["fqn"], path=decode_path(d["path"]), kind=d["kind"], dtype=d.get("dtype"),
+            shape=tuple(d["shape"]) if "shape" in d else None,
+            chunks=[Chunk.from_json(c) for c in d.get("chunks", ())],
+            value=d.get("value"), alias_of=d.get("alias_of"),
+        )
+
+
+@dataclass
+class Manifest:
+    """Everything needed to read a checkpoint: no process group and no model code required."""
+
+    generation: str
+    entries: list[Entry]
+    files: dict[str, int]
+    tree: Any
+    world_size: int = 1
+    block_size: int = DEFAULT_BLOCK_SIZE
+    step: int | None = None
+    metadata: Any = None
+    created: float = field(default_factory=time.time)
+    version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.files.values())
+
+    def to_bytes(self, encode_path) -> bytes:
+        """Serialize as ``{"checksum": H, "manifest": BODY}`` where H is the xxh3-64 of BODY."""
+        body = json.dumps({
+            "format": FORMAT_NAME, "version": self.version, "generation": self.generation,
+            "created": self.created, "step": self.step, "world_size": self.world_size,
+            "block_size": self.block_size, "checksum": "xxh3_64", "files": self.files,
+            "metadata": self.metadata, "tree": self.tree,
+            "entries": [e.to_json(encode_path) for e in self.entries],
+        }, separators=(",", ":"), allow_nan=False).encode()
+        return b'{"checksum":"%s","manifest":%s}\n' % (xxhash.xxh3_64_hexdigest(body).encode(), body)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, decode_path, where: str) -> "Manifest":
+        prefix = b'{"checksum":"'
+        head = len(prefix) + 16 + len(b'","manifest":')
+        body = raw[head:].rstrip(b"\n")[:-1]
+        if not raw.startswith(prefix) or xxhash.xxh3_64_hexdigest(body).encode() != raw[len(prefix):len(prefix) + 16]:
+            raise CorruptCheckpointError(f"manifest {where} fails its checksum (damaged or not a zerostall manifest)")
+        try:
+            d = json.loads(body)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
+        if d.get("format") != FORMAT_NAME:
+            raise CorruptCheckpointError(f"{where} is not a zerostall manifest")
+        if d["version"] > FORMAT_VERSION:
+            raise CorruptCheckpointError(
+                f"manifest {where} has format version {d['version']}; this zerostall reads <= {FORMAT_VERSION}")
+        return cls(
+            generation=d["generation"], entries=[Entry.from_json(e, decode_path) for e in d["entries"]],
+            files=dict(d["files"]), tree=d["tree"], world_size=d["world_size"],
+            block_size=d["block_size"], step=d["step"], metadata=d["metadata"],
+            created=d["created"], version=d["version"],
+        )
+
+
+@dataclass
+class FileItem:
+    """One tensor (or chunk) placed in a data file: its name there, dtype, shape and size."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def safetensors_header(items: Iterable[FileItem], generation: str) -> tuple[bytes, list[int]]:
+    """Build a safetensors header whose data section starts 4 KiB-aligned.
+
+    Returns the header bytes (length prefix included, padded with spaces) and each item's
+    absolute byte offset in the file. Items must already be ordered by descending itemsize so
+    that packing with no gaps keeps every tensor at its natural alignment.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": FORMAT_NAME, "generation": generation}}
+    relative = []
+    pos = 0
+    for item in items:
+        st_dtype = _SAFETENSORS_DTYPES.get(item.dtype)
+        shape = list(item.shape) if st_dtype else [item.nbytes]
+        header[item.name] = {"dtype": st_dtype or "U8", "shape": shape, "data_offsets": [pos, pos + item.nbytes]}
+        relative.append(pos)
+        pos += item.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    data_start = -(-(8 + len(text)) // DATA_ALIGNMENT) * DATA_ALIGNMENT
+    text = text + b" " * (data_start - 8 - len(text))
+    return struct.pack("<Q", len(text)) + text, [data_start + r for r in relative]

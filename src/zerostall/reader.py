@@ -1,0 +1,533 @@
+"""Reading: a session on one committed checkpoint: its entries, single tensors, loads and verification.
+
+Every block read is checked against its xxh3 checksum (unless the caller opts out). Loads fill
+target tensors in place, straight from storage into their memory when dtype and layout match,
+and through a bounded staging buffer otherwise (dtype conversion, slices, other devices).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence, overload
+
+import torch
+import xxhash
+
+from . import codec
+from .engine import _view_key, decode_path, default_threads, tensor_bytes
+from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                     IncompleteCheckpointError, StateMismatchError, UnsupportedValueError)
+from .format import MANIFEST_NAME, Chunk, Entry, Manifest, file_generation
+from .plan import contiguous_strides, element_span, intersect
+from .state import Path, flatten, fqn, init_optimizer_state, rebuild
+from .storage import Storage, storage_for
+
+log = logging.getLogger(__name__)
+
+_PIECE_BYTES = 32 << 20
+_STAGING_BYTES = 256 << 20
+KeyFilter = Callable[[str], bool] | Iterable[str] | None
+
+
+@dataclass
+class Mismatch:
+    """What a non-strict load could not match: fully-qualified names, with the reason for shapes."""
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.mismatched)
+
+    def describe(self, limit: int = 20) -> str:
+        parts = []
+        for label, names in (("missing from the checkpoint", self.missing),
+                             ("unexpected in the checkpoint", self.unexpected),
+                             ("mismatched", self.mismatched)):
+            if names:
+                shown = ", ".join(names[:limit]) + (f", … ({len(names) - limit} more)" if len(names) > limit else "")
+                parts.append(f"{label}: {shown}")
+        return "; ".join(parts)
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """The committed manifest at ``storage``, or the precise error for why there is none."""
+    if not storage.exists():
+        raise CheckpointNotFoundError(f"no checkpoint at {storage.location}")
+    try:
+        raw = storage.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError:
+        data = [n for n in storage.list() if file_generation(n)]
+        raise IncompleteCheckpointError(
+            f"{storage.location} has no manifest: its save never committed "
+            f"({len(data)} uncommitted data file(s) present)") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the manifest of {storage.location}: {exc}") from exc
+    return Manifest.from_bytes(raw, decode_path, os.path.join(storage.location, MANIFEST_NAME))
+
+
+class Checkpoint:
+    """A read session on one checkpoint (what :func:`zerostall.open` returns); use it as a context manager."""
+
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True, allow_pickle: bool = False,
+                 threads: int | None = None) -> None:
+        self.storage = storage_for(path)
+        self.path = self.storage.location
+        self.manifest = read_manifest(self.storage)
+        self.verify_reads = verify
+        self.allow_pickle = allow_pickle
+        self.threads = threads or default_threads()
+        self._by_path = {e.path: e for e in self.manifest.entries}
+        self._by_fqn: dict[str, Entry] = {}
+        for e in self.manifest.entries:
+            self._by_fqn.setdefault(e.fqn, e)
+        self._maps: dict[str, memoryview | None] = {}
+        self._scratch = threading.local()
+
+    # -- what is in it -------------------------------------------------------------------------
+    @property
+    def entries(self) -> dict[str, Entry]:
+        """Entries by fully-qualified name, in save order."""
+        return dict(self._by_fqn)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The caller's metadata given to ``save``, decoded."""
+        return codec.decode(self.manifest.metadata, where="metadata", allow_pickle=self.allow_pickle) or {}
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.step
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release file handles; tensors returned by :meth:`read` stay valid."""
+        self.storage.close()
+        self._maps.clear()
+
+    def _entry(self, key: str | Path) -> Entry:
+        entry = self._by_path.get(key) if isinstance(key, tuple) else self._by_fqn.get(key)
+        if entry is None:
+            raise KeyError(f"{key!r} is not in checkpoint {self.path}")
+        return self._resolve(entry)
+
+    def _resolve(self, entry: Entry) -> Entry:
+        while entry.kind == "alias":
+            target = self._by_fqn.get(entry.alias_of or "")
+            if target is None:
+                raise CorruptCheckpointError(f"entry {entry.fqn} aliases {entry.alias_of}, which is not in {self.path}")
+            entry = target
+        return entry
+
+    # -- reading -------------------------------------------------------------------------------
+    def read(self, key: str | Path, *, verify: bool | None = None) -> Any:
+        """One entry: a tensor (memory-mapped from the file where possible) or a python value."""
+        entry = self._entry(key)
+        if entry.kind == "object":
+            return codec.decode(entry.value, where=entry.fqn, allow_pickle=self.allow_pickle)
+        verify = self.verify_reads if verify is None else verify
+        shape, dtype = entry.shape or (), entry.torch_dtype
+        chunk = entry.chunks[0] if len(entry.chunks) == 1 else None
+        if chunk is not None and chunk.sizes == shape and chunk.nbytes > 0:
+            mapped = self._map(chunk.file)
+            if mapped is not None:
+                if chunk.offset + chunk.nbytes > len(mapped):
+                    raise CorruptCheckpointError(f"{chunk.file} is truncated: entry {entry.fqn} lies past its end")
+                if verify:
+                    self._check_blocks(entry, chunk, 0, mapped[chunk.offset:chunk.offset + chunk.nbytes])
+                raw = torch.frombuffer(mapped, dtype=torch.uint8, count=chunk.nbytes, offset=chunk.offset)
+                return raw.view(dtype).reshape(shape)
+        out = torch.empty(shape, dtype=dtype)
+        self._fill([(out, entry)], verify)
+        return out
+
+    def state(self) -> Any:
+        """The whole saved state, rebuilt from the manifest's tree (tensors memory-mapped)."""
+        tree = codec.decode(self.manifest.tree, allow_pickle=self.allow_pickle)
+        cache: dict[str, Any] = {}
+
+        def build(node: Any) -> Any:
+            if isinstance(node, codec.Ref):
+                entry = self._resolve(self.manifest.entries[node.index])
+                if entry.fqn not in cache:
+                    cache[entry.fqn] = self.read(entry.path)
+                return cache[entry.fqn]
+            if isinstance(node, dict):
+                return {k: build(v) for k, v in node.items()}
+            if isinstance(node, (list, tuple)):
+                return type(node)(build(v) for v in node)
+            return node
+
+        return build(tree)
+
+    def _map(self, name: str) -> memoryview | None:
+        if name not in self._maps:
+            try:
+                self._maps[name] = self.storage.memory_map(name)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"data file {name} of {self.path} is missing") from None
+        return self._maps[name]
+
+    # -- loading into a target state -----------------------------------------------------------
+    @overload
+    def load(self, state: Any, *, strict: Literal[True] = ..., prefix: str | Path = ..., keys: KeyFilter = ...,
+             strip: Sequence[str] = ..., strict_dtype: bool = ..., materialize: bool = ...,
+             verify: bool | None = ...) -> Any: ...
+
+    @overload
+    def load(self, state: Any, *, strict: Literal[False], prefix: str | Path = ..., keys: KeyFilter = ...,
+             strip: Sequence[str] = ..., strict_dtype: bool = ..., materialize: bool = ...,
+             verify: bool | None = ...) -> tuple[Any, Mismatch]: ...
+
+    def load(self, state: Any, *, strict: bool = True, prefix: str | Path = (), keys: KeyFilter = None,
+             strip: Sequence[str] = (), strict_dtype: bool = False, materialize: bool = False,
+             verify: bool | None = None) -> Any:
+        """Fill ``state`` in place from this checkpoint and return it.
+
+        ``prefix`` selects a subtree of the checkpoint (``"model"`` loads a bare model from a
+        full training checkpoint); ``keys`` filters by name (a predicate or glob patterns);
+        ``strip`` drops wrapper segments such as ``("_orig_mod", "module")`` from key names on
+        both sides. With ``strict=True`` any missing/unexpected key or shape mismatch raises
+        :class:`StateMismatchError` before anything is modified; with ``strict=False`` what
+        matches is loaded and ``(state, Mismatch)`` is returned. dtypes convert like
+        ``load_state_dict`` unless ``strict_dtype``. Meta-device targets need ``materialize``.
+        """
+        verify = self.verify_reads if verify is None else verify
+        prefix_path = (prefix,) if isinstance(prefix, str) else tuple(prefix)
+        select = _key_filter(keys)
+        source = self._source_index(prefix_path, strip, select)
+        under = {rel[:i] for rel in source for i in range(len(rel))}
+
+        def prepare(path: Path, obj: Any) -> None:
+            if isinstance(obj, torch.optim.Optimizer) and _normalize(path + ("state",), strip) in under:
+                init_optimizer_state(obj)
+
+        flat = flatten(state, prepare=prepare)
+        plan = _LoadPlan()
+        seen_targets: set[tuple[Any, ...]] = set()
+        for path, value in flat.leaves.items():
+            rel = _normalize(path, strip)
+            if not select(fqn(rel)):
+                continue
+            self._match(plan, path, rel, value, source, under, strict_dtype, materialize, seen_targets)
+        plan.mismatch.unexpected = [e.fqn for rel, e in source.items() if rel not in plan.consumed]
+        if plan.meta:
+            raise StateMismatchError(
+                f"targets on the meta device have no memory to load into: {', '.join(plan.meta[:20])}; "
+                "pass materialize=True to allocate them from the checkpoint")
+        if strict and plan.mismatch:
+            raise StateMismatchError(f"checkpoint {self.path} does not match the target state: {plan.mismatch.describe()}")
+        self._fill(plan.tensors, verify)
+        for path, entry, like in plan.new_tensors:
+            plan.replacements[path] = self._materialize(entry, like, verify)
+        result = rebuild(state, flat, plan.replacements, assign=materialize)
+        if strict:
+            return result
+        if plan.mismatch:
+            log.warning("partial load from %s: %s", self.path, plan.mismatch.describe())
+        return result, plan.mismatch
+
+    def _source_index(self, prefix: Path, strip: Sequence[str], select: Callable[[str], bool]) -> dict[Path, Entry]:
+        source: dict[Path, Entry] = {}
+        for e in self.manifest.entries:
+            if e.path[:len(prefix)] != prefix:
+                continue
+            rel = _normalize(e.path[len(prefix):], strip)
+            if not select(fqn(rel)):
+                continue
+            if rel in source:
+                raise StateMismatchError(f"entries {source[rel].fqn} and {e.fqn} collide once {list(strip)} are stripped")
+            source[rel] = e
+        return source
+
+    def _match(self, plan: "_LoadPlan", path: Path, rel: Path, value: Any, source: dict[Path, Entry],
+               under: set[Path], strict_dtype: bool, materialize: bool, seen: set[tuple[Any, ...]]) -> None:
+        name = fqn(path)
+        entry = source.get(rel)
+        if entry is None:
+            if isinstance(value, (dict, list, tuple)) and not value and rel in under:
+                plan.replacements[path] = self._subtree(source, rel, plan.consumed)
+            else:
+                plan.mismatch.missing.append(name)
+            return
+        plan.consumed.add(rel)
+        entry = self._resolve(entry)
+        if not isinstance(value, torch.Tensor):
+            if entry.kind == "tensor":
+                plan.new_tensors.append((path, entry, None))
+            else:
+                plan.replacements[path] = codec.decode(entry.value, where=entry.fqn, allow_pickle=self.allow_pickle)
+            return
+        if entry.kind != "tensor":
+            plan.mismatch.mismatched.append(f"{name} (the checkpoint holds a python value, the target a tensor)")
+        elif tuple(value.shape) != entry.shape:
+            plan.mismatch.mismatched.append(f"{name} (shape {list(entry.shape or ())} in the checkpoint, "
+                                            f"{list(value.shape)} in the target)")
+        elif strict_dtype and value.dtype != entry.torch_dtype:
+            plan.mismatch.mismatched.append(f"{name} (dtype {entry.dtype} in the checkpoint, "
+                                            f"{str(value.dtype).removeprefix('torch.')} in the target)")
+        elif value.is_meta:
+            if materialize:
+                plan.new_tensors.append((path, entry, value))
+            else:
+                plan.meta.append(name)
+        elif _view_key(value) not in seen:
+            seen.add(_view_key(value))
+            plan.tensors.append((value, entry))
+
+    def _subtree(self, source: dict[Path, Entry], root: Path, consumed: set[Path]) -> Any:
+        """Rebuild the checkpoint's subtree under ``root`` for a target that holds an empty container."""
+        tree: dict[Any, Any] = {}
+        for rel, entry in source.items():
+            if rel[:len(root)] == root and len(rel) > len(root):
+                consumed.add(rel)
+                node = tree
+                for k in rel[len(root):-1]:
+                    node = node.setdefault(k, {})
+                node[rel[-1]] = self.read(entry.path)
+        return tree
+
+    def _materialize(self, entry: Entry, like: torch.Tensor | None, verify: bool) -> torch.Tensor:
+        dtype = like.dtype if like is not None else entry.torch_dtype
+        out = torch.empty(entry.shape or (), dtype=dtype)
+        self._fill([(out, entry)], verify)
+        return out
+
+    # -- moving bytes --------------------------------------------------------------------------
+    def _fill(self, targets: list[tuple[torch.Tensor, Entry]], verify: bool) -> None:
+        """Copy each entry's bytes into its target tensor, reading in parallel."""
+        direct: list[tuple[Entry, Chunk, int, memoryview]] = []
+        staged: list[tuple[torch.Tensor, Entry, Chunk, tuple[Any, Any]]] = []
+        for target, entry in targets:
+            box = ((0,) * target.dim(), tuple(target.shape))
+            for chunk in entry.chunks:
+                inter = intersect(box, (chunk.offsets, chunk.sizes))
+                if inter is None:
+                    continue
+                if (inter == box and chunk.sizes == box[1] and target.device.type == "cpu"
+                        and target.dtype == entry.torch_dtype and target.is_contiguous()
+                        and not target.is_conj() and not target.is_neg()):
+                    direct.extend(self._pieces(entry, chunk, 0, tensor_bytes(target.data)))
+                else:
+                    staged.append((target, entry, chunk, inter))
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read") as pool:
+            _run(pool, self._read_piece, direct, verify)
+            for batch in _batches(staged, lambda s: s[2].nbytes, _STAGING_BYTES):
+                self._fill_staged(pool, batch, verify)
+
+    def _fill_staged(self, pool: ThreadPoolExecutor, batch: list[tuple[torch.Tensor, Entry, Chunk, Any]],
+                     verify: bool) -> None:
+        copies = []
+        pieces = []
+        block = self.manifest.block_size
+        for target, entry, chunk, inter in batch:
+            itemsize = entry.torch_dtype.itemsize
+            first, last = element_span((chunk.offsets, chunk.sizes), inter)
+            lo, hi = first * itemsize, last * itemsize
+            if verify:
+                lo, hi = lo // block * block, min(-(-hi // block) * block, chunk.nbytes)
+            buf = torch.empty(hi - lo, dtype=torch.uint8)
+            pieces.extend(self._pieces(entry, chunk, lo, tensor_bytes(buf)))
+            copies.append((target, entry, chunk, inter, buf, first * itemsize - lo))
+        _run(pool, self._read_piece, pieces, verify)
+        with torch.no_grad():
+            for target, entry, chunk, inter, buf, skip in copies:
+                if _numel(inter[1]) == 0:
+                    continue
+                src = buf[skip:].view(entry.torch_dtype).as_strided(inter[1], contiguous_strides(chunk.sizes))
+                target[tuple(slice(o, o + s) for o, s in zip(inter[0], inter[1]))].copy_(src)
+
+    def _pieces(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview) -> Iterator[tuple[Entry, Chunk, int, memoryview]]:
+        """Split a read of ``chunk`` bytes ``[lo, lo+len(out))`` into block-aligned pieces."""
+        step = self._piece_step()
+        if len(out) == 0:
+            yield entry, chunk, lo, out
+        for start in range(0, len(out), step):
+            yield entry, chunk, lo + start, out[start:start + step]
+
+    def _piece_step(self) -> int:
+        block = self.manifest.block_size
+        return max(block, _PIECE_BYTES // block * block)
+
+    def _read_piece(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview, verify: bool) -> None:
+        try:
+            self.storage.read_into(chunk.file, chunk.offset + lo, out)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"data file {chunk.file} of {self.path} is missing (entry {entry.fqn})") from None
+        except EOFError:
+            raise CorruptCheckpointError(
+                f"data file {chunk.file} of {self.path} is truncated: entry {entry.fqn} lies past its end") from None
+        except OSError as exc:
+            raise CheckpointError(f"reading {chunk.file} of {self.path} (entry {entry.fqn}) failed: {exc}") from exc
+        if verify:
+            self._check_blocks(entry, chunk, lo, out)
+
+    def _check_blocks(self, entry: Entry, chunk: Chunk, lo: int, data: memoryview) -> None:
+        block = self.manifest.block_size
+        expected = max(1, -(-chunk.nbytes // block))
+        if len(chunk.checksums) != expected:
+            raise CorruptCheckpointError(f"entry {entry.fqn} in {chunk.file}: {len(chunk.checksums)} checksums for "
+                                         f"{expected} blocks")
+        for start in range(0, max(len(data), 1), block):
+            index = (lo + start) // block
+            if xxhash.xxh3_64_hexdigest(data[start:start + block]) != chunk.checksums[index]:
+                first = chunk.offset + lo + start
+                raise CorruptCheckpointError(
+                    f"checksum mismatch in {chunk.file} of {self.path}: entry {entry.fqn}, block {index} "
+                    f"(file bytes {first}-{first + min(block, len(data) - start)})")
+
+    # -- verification --------------------------------------------------------------------------
+    def verify(self, *, progress: Callable[[int], None] | None = None) -> int:
+        """Check every file size and every block checksum; returns bytes checked.
+
+        Raises :class:`CorruptCheckpointError` listing every fault found (``.faults``).
+        """
+        faults: list[str] = []
+        for name, size in self.manifest.files.items():
+            try:
+                actual = self.storage.size(name)
+            except FileNotFoundError:
+                faults.append(f"data file {name} is missing")
+                continue
+            if actual != size:
+                faults.append(f"data file {name} has {actual} bytes, the manifest says {size}")
+        for entry in self.manifest.entries:
+            try:
+                self._resolve(entry)
+                if entry.kind == "object" and not self.allow_pickle:
+                    _decode_safely(entry)
+            except CheckpointError as exc:
+                faults.append(str(exc))
+        jobs = [(e, c) for e in self.manifest.entries if e.kind == "tensor" for c in e.chunks]
+        lock = threading.Lock()
+
+        def check(entry: Entry, chunk: Chunk) -> None:
+            try:
+                step = self._piece_step()
+                for piece in range(0, max(chunk.nbytes, 1), step):
+                    out = self._scratch_view(min(step, chunk.nbytes - piece))
+                    self._read_piece(entry, chunk, piece, out, True)
+                    if progress is not None:
+                        progress(len(out))
+            except CheckpointError as exc:
+                with lock:
+                    faults.append(str(exc))
+
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-verify") as pool:
+            list(pool.map(lambda job: check(*job), jobs))
+        if faults:
+            error = CorruptCheckpointError(f"{self.path} failed verification: " + "; ".join(faults[:10])
+                                           + (f"; … ({len(faults) - 10} more)" if len(faults) > 10 else ""))
+            error.faults = faults  # type: ignore[attr-defined]
+            raise error
+        return sum(c.nbytes for _, c in jobs)
+
+    def _scratch_view(self, n: int) -> memoryview:
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = self._scratch.buf = bytearray(max(n, 1))
+        return memoryview(buf)[:n]
+
+
+@dataclass
+class _LoadPlan:
+    tensors: list[tuple[torch.Tensor, Entry]] = field(default_factory=list)
+    new_tensors: list[tuple[Path, Entry, torch.Tensor | None]] = field(default_factory=list)
+    replacements: dict[Path, Any] = field(default_factory=dict)
+    consumed: set[Path] = field(default_factory=set)
+    meta: list[str] = field(default_factory=list)
+    mismatch: Mismatch = field(default_factory=Mismatch)
+
+
+def _decode_safely(entry: Entry) -> None:
+    try:
+        codec.decode(entry.value, where=entry.fqn, allow_pickle=False)
+    except UnsupportedValueError as exc:
+        if "pickle" not in str(exc):
+            raise CorruptCheckpointError(f"entry {entry.fqn}: {exc}") from exc
+
+
+def _run(pool: ThreadPoolExecutor, fn: Callable[..., None], jobs: list[tuple[Any, ...]], verify: bool) -> None:
+    """Run jobs largest first; the first failure is raised after the others finish."""
+    jobs = sorted(jobs, key=lambda j: -len(j[-1]))
+    for fut in [pool.submit(fn, *job, verify) for job in jobs]:
+        fut.result()
+
+
+def _batches(items: list[Any], size: Callable[[Any], int], limit: int) -> Iterator[list[Any]]:
+    batch: list[Any] = []
+    total = 0
+    for item in items:
+        if batch and total + size(item) > limit:
+            yield batch
+            batch, total = [], 0
+        batch.append(item)
+        total += size(item)
+    if batch:
+        yield batch
+
+
+def _numel(sizes: Sequence[int]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _normalize(path: Path, strip: Sequence[str]) -> Path:
+    """Drop wrapper segments (``module``, ``_orig_mod``) from string keys, e.g. DDP/compile prefixes."""
+    if not strip:
+        return path
+    drop = set(strip)
+    out = []
+    for k in path:
+        if isinstance(k, str):
+            kept = [seg for seg in k.split(".") if seg not in drop]
+            if not kept:
+                continue
+            k = ".".join(kept)
+        out.append(k)
+    return tuple(out)
+
+
+def _key_filter(keys: KeyFilter) -> Callable[[str], bool]:
+    if keys is None:
+        return lambda name: True
+    if callable(keys):
+        return keys
+    patterns = [keys] if isinstance(keys, str) else list(keys)
+    return lambda name: any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns)
+
+
+def open(path: str | os.PathLike[str], process_group: Any = None, *, verify: bool = True,
+         allow_pickle: bool = False, threads: int | None = None) -> Checkpoint:
+    """Open a read session on the checkpoint at ``path``."""
+    from .engine import _require_single_process
+
+    _require_single_process(process_group)
+    return Checkpoint(path, verify=verify, allow_pickle=allow_pickle, threads=threads)
+
+
+def load(state: Any, path: str | os.PathLike[str], *, strict: bool = True, process_group: Any = None,
+         verify: bool = True, allow_pickle: bool = False, threads: int | None = None, **options: Any) -> Any:
+    """Load the checkpoint at ``path`` into ``state`` in place and return it (see :meth:`Checkpoint.load`)."""
+    with open(path, process_group, verify=verify, allow_pickle=allow_pickle, threads=threads) as ck:
+        return ck.load(state, strict=strict, **options)
+
+
+def verify(path: str | os.PathLike[str], *, threads: int | None = None,
+           progress: Callable[[int], None] | None = None) -> int:
+    """Check every checksum of the checkpoint at ``path``; raises :class:`CorruptCheckpointError`."""
+    with open(path, threads=threads) as ck:
+        return ck.verify(progress=progress)

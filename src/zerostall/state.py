@@ -1,0 +1,180 @@
+"""Flatten nested training state into leaves keyed by path, and put loaded leaves back.
+
+A path is a tuple of keys (dict keys of any hashable type, list/tuple indices), so keys that
+contain "." or are not strings never collide. Objects with ``state_dict()``/``load_state_dict()``
+are replaced by their state dict; containers with no tensor anywhere below them are kept whole
+as one python-value leaf (an LR scheduler's state, an optimizer's ``param_groups``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import torch
+
+Path = tuple[Any, ...]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict()``: modules, optimizers, schedulers…"""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+def is_stateful(obj: Any) -> bool:
+    return not isinstance(obj, (dict, torch.Tensor, type)) and isinstance(obj, Stateful)
+
+
+def fqn(path: Path) -> str:
+    """The dotted name users see (``model.layers.0.weight``); paths stay the real keys."""
+    return ".".join(str(k) for k in path)
+
+
+@dataclass
+class Flat:
+    """A flattened state: tensor and python-value leaves, plus the stateful objects met."""
+
+    leaves: dict[Path, Any] = field(default_factory=dict)
+    statefuls: dict[Path, tuple[Any, Any]] = field(default_factory=dict)
+    skeleton: Any = None
+
+    def tensors(self) -> dict[Path, torch.Tensor]:
+        return {p: v for p, v in self.leaves.items() if isinstance(v, torch.Tensor)}
+
+
+def flatten(state: Any, *, prepare: Callable[[Path, Any], None] | None = None) -> Flat:
+    """Walk ``state`` once. ``prepare(path, obj)`` runs on each stateful object before its
+    ``state_dict()`` is taken (the loader uses it to create a fresh optimizer's state)."""
+    flat = Flat()
+
+    def walk(node: Any, path: Path) -> tuple[bool, Any]:
+        if is_stateful(node):
+            if prepare is not None:
+                prepare(path, node)
+            sd = node.state_dict()
+            flat.statefuls[path] = (node, sd)
+            node = sd
+        if isinstance(node, torch.Tensor):
+            flat.leaves[path] = node
+            return True, node
+        if isinstance(node, (dict, list, tuple)) and len(node) > 0:
+            start = len(flat.leaves)
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            walked = [(k, *walk(v, path + (k,))) for k, v in items]
+            if any(has_tensor for _, has_tensor, _ in walked):
+                return True, _same_container(node, [(k, plain) for k, _, plain in walked])
+            for p in list(flat.leaves)[start:]:
+                del flat.leaves[p]
+            plain = _same_container(node, [(k, plain) for k, _, plain in walked])
+            flat.leaves[path] = plain
+            return False, plain
+        flat.leaves[path] = node
+        return False, node
+
+    _, flat.skeleton = walk(state, ())
+    return flat
+
+
+def _same_container(node: Any, items: list[tuple[Any, Any]]) -> Any:
+    if isinstance(node, dict):
+        return {k: v for k, v in items}
+    values = [v for _, v in items]
+    return tuple(values) if isinstance(node, tuple) else values
+
+
+def rebuild(state: Any, flat: Flat, replacements: dict[Path, Any], *, assign: bool = False) -> Any:
+    """Put loaded python values back and hand state dicts to their objects.
+
+    Dicts and lists are updated in place; tuples (immutable) are rebuilt, which is why the
+    caller gets the result back. Stateful objects receive ``load_state_dict`` with their state
+    dict, whose tensors the loader already filled in place. ``assign`` makes modules take the
+    loaded tensors as their parameters (needed when they were on the meta device).
+    """
+
+    def hand_over(obj: Any, sd: Any) -> None:
+        if assign and isinstance(obj, torch.nn.Module):
+            obj.load_state_dict(sd, assign=True)
+        else:
+            obj.load_state_dict(sd)
+
+    def visit(node: Any, path: Path) -> Any:
+        if path in flat.statefuls:
+            obj, sd = flat.statefuls[path]
+            hand_over(obj, visit_plain(sd, path))
+            return obj
+        return visit_plain(node, path)
+
+    def visit_plain(node: Any, path: Path) -> Any:
+        if path in replacements:
+            return merge(node, path, replacements[path])
+        if isinstance(node, dict):
+            for k in list(node):
+                new = visit(node[k], path + (k,))
+                if new is not node[k]:
+                    node[k] = new
+            return node
+        if isinstance(node, (list, tuple)):
+            return _refill(node, [visit(v, path + (i,)) for i, v in enumerate(node)])
+        return node
+
+    def merge(node: Any, path: Path, new: Any) -> Any:
+        """Replace ``node`` by the loaded value ``new``, keeping container and object identity."""
+        if path in flat.statefuls and node is not flat.statefuls[path][1]:
+            obj, sd = flat.statefuls[path]
+            hand_over(obj, merge(sd, path, new))
+            return obj
+        if isinstance(node, dict) and isinstance(new, dict):
+            merged = {k: merge(node.get(k), path + (k,), v) for k, v in new.items()}
+            node.clear()
+            node.update(merged)
+            return node
+        if isinstance(node, list) and isinstance(new, list):
+            return _refill(node, [merge(node[i] if i < len(node) else None, path + (i,), v)
+                                  for i, v in enumerate(new)])
+        return new
+
+    return visit(state, ())
+
+
+def _refill(node: list | tuple, values: list[Any]) -> list | tuple:
+    if isinstance(node, list):
+        node[:] = values
+        return node
+    return type(node)(*values) if hasattr(node, "_fields") else type(node)(values)
+
+
+def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
+    """Create a fresh optimizer's state (as DCP does) so a checkpoint can be loaded into it.
+
+    Runs one step with zero gradients and a learning rate of 0, which leaves the parameters
+    unchanged, then restores the learning rates and gradients.
+    """
+    if optim.state:
+        return
+    saved_grads = {}
+    saved_lrs = []
+    for group in optim.param_groups:
+        lr = group.get("lr")
+        saved_lrs.append(lr.clone() if isinstance(lr, torch.Tensor) else lr)
+        if isinstance(lr, torch.Tensor):
+            lr.fill_(0.0)
+        elif lr is not None:
+            group["lr"] = 0.0
+        for p in group["params"]:
+            if p.requires_grad:
+                saved_grads[p] = p.grad
+                p.grad = torch.zeros_like(p)
+    try:
+        optim.step()
+    finally:
+        for group, lr in zip(optim.param_groups, saved_lrs):
+            if isinstance(lr, torch.Tensor):
+                group["lr"].copy_(lr)
+            elif lr is not None:
+                group["lr"] = lr
+        for p, grad in saved_grads.items():
+            p.grad = grad

@@ -1,0 +1,20 @@
+"""Storage backends: where checkpoint files live. One backend a module, one small interface."""
+
+from __future__ import annotations
+
+import os
+
+from .base import Storage
+from .local import LocalStorage
+
+
+def storage_for(path: str | os.PathLike[str], *, fsync: bool = True) -> Storage:
+    """The backend for ``path``: local (or shared POSIX) paths today; URLs get their own backends."""
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        scheme = text.split("://", 1)[0]
+        raise ValueError(f"no storage backend for {scheme}:// URLs yet (path {text!r})")
+    return LocalStorage(text.removeprefix("file://"), fsync=fsync)
+
+
+__all__ = ["Storage", "LocalStorage", "storage_for"]

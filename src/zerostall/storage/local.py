@@ -1,0 +1,154 @@
+"""Local and shared POSIX file systems: parallel ``writev`` from tensor memory, ``preadv`` into it."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from typing import Iterable
+
+from .base import Storage
+
+_WRITEV_BYTES = 16 << 20
+_WRITEV_PARTS = 512
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStorage(Storage):
+    """A directory. ``fsync=False`` skips every fsync (for scratch tiers where speed beats durability)."""
+
+    def __init__(self, root: str, *, fsync: bool = True) -> None:
+        self.location = os.path.abspath(root)
+        self.fsync = fsync
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.location, name)
+
+    def create(self) -> None:
+        if os.path.isdir(self.location):
+            return
+        os.makedirs(self.location, exist_ok=True)
+        if self.fsync:
+            _fsync_dir(os.path.dirname(self.location))
+
+    def exists(self) -> bool:
+        return os.path.isdir(self.location)
+
+    def list(self) -> list[str]:
+        try:
+            return sorted(os.listdir(self.location))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def size(self, name: str) -> int:
+        return os.stat(self._path(name)).st_size
+
+    def write(self, name: str, parts: Iterable[memoryview]) -> int:
+        path = self._path(name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            written = 0
+            batch: list[memoryview] = []
+            batch_bytes = 0
+            for part in parts:
+                if not len(part):
+                    continue
+                batch.append(part)
+                batch_bytes += len(part)
+                if batch_bytes >= _WRITEV_BYTES or len(batch) >= _WRITEV_PARTS:
+                    written += _writev_all(fd, batch)
+                    batch, batch_bytes = [], 0
+            if batch:
+                written += _writev_all(fd, batch)
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            raise
+        os.close(fd)
+        return written
+
+    def _fd(self, name: str) -> int:
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is None:
+                fd = os.open(self._path(name), os.O_RDONLY | os.O_CLOEXEC)
+                self._fds[name] = fd
+            return fd
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        fd = self._fd(name)
+        done = 0
+        total = len(out)
+        while done < total:
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n == 0:
+                raise EOFError(f"{self._path(name)} ends at byte {offset + done}, expected {offset + total}")
+            done += n
+
+    def read_bytes(self, name: str) -> bytes:
+        with open(self._path(name), "rb") as f:
+            return f.read()
+
+    def publish(self, name: str, tmp_name: str, data: bytes) -> None:
+        tmp = self._path(tmp_name)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            _writev_all(fd, [memoryview(data)])
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self._path(name))
+        if self.fsync:
+            _fsync_dir(self.location)
+
+    def delete(self, name: str) -> None:
+        with self._lock:
+            fd = self._fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+        try:
+            os.unlink(self._path(name))
+        except FileNotFoundError:
+            pass
+
+    def memory_map(self, name: str) -> memoryview | None:
+        with open(self._path(name), "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return None
+            return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _writev_all(fd: int, parts: list[memoryview]) -> int:
+    """``writev`` until every byte of ``parts`` is written (short writes do happen)."""
+    total = sum(len(p) for p in parts)
+    pending = list(parts)
+    first = 0
+    while first < len(pending):
+        n = os.writev(fd, pending[first:first + _WRITEV_PARTS])
+        while first < len(pending) and n >= len(pending[first]):
+            n -= len(pending[first])
+            first += 1
+        if n:
+            pending[first] = pending[first][n:]
+    return total
