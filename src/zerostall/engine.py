@@ -61,7 +61,8 @@ def check_tensor(t: torch.Tensor, where: str) -> None:
 
 def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
     """Identity of a tensor view: two leaves with the same key hold the very same bytes."""
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+            t.is_conj(), t.is_neg())
 
 
 def build_entries(state: Any, *, allow_pickle: bool) -> tuple[list[Entry], list[WriteItem], Any]:
@@ -85,7 +86,7 @@ def build_entries(state: Any, *, allow_pickle: bool) -> tuple[list[Entry], list[
             continue
         seen[key] = name
         entries.append(Entry(name, path, "tensor", dtype=dtype_name(value.dtype), shape=tuple(value.shape)))
-        source = value.detach().to("cpu").contiguous()
+        source = value.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
         file_name = name
         while file_name in names:
             file_name += "#"

@@ -29,6 +29,11 @@ def is_stateful(obj: Any) -> bool:
     return not isinstance(obj, (dict, torch.Tensor, type)) and isinstance(obj, Stateful)
 
 
+def is_container(node: Any) -> bool:
+    """Dicts, lists and tuples are walked into; ``torch.Size`` and other tuple types are values."""
+    return isinstance(node, dict) or type(node) in (list, tuple)
+
+
 def fqn(path: Path) -> str:
     """The dotted name users see (``model.layers.0.weight``); paths stay the real keys."""
     return ".".join(str(k) for k in path)
@@ -61,7 +66,7 @@ def flatten(state: Any, *, prepare: Callable[[Path, Any], None] | None = None) -
         if isinstance(node, torch.Tensor):
             flat.leaves[path] = node
             return True, node
-        if isinstance(node, (dict, list, tuple)) and len(node) > 0:
+        if is_container(node) and len(node) > 0:
             start = len(flat.leaves)
             items = node.items() if isinstance(node, dict) else enumerate(node)
             walked = [(k, *walk(v, path + (k,))) for k, v in items]
@@ -117,7 +122,7 @@ def rebuild(state: Any, flat: Flat, replacements: dict[Path, Any], *, assign: bo
                 if new is not node[k]:
                     node[k] = new
             return node
-        if isinstance(node, (list, tuple)):
+        if is_container(node):
             return _refill(node, [visit(v, path + (i,)) for i, v in enumerate(node)])
         return node
 

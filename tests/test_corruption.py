@@ -1,0 +1,367 @@
+"""Damaged checkpoints are detected and reported precisely: flipped bytes, truncated or missing
+files, a missing or damaged manifest, and pickle as an explicit opt-in on save and on load.
+
+Everything here works on real files written by ``zs.save``; the damage is done with plain file
+operations, never by mocking the library.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+import zerostall as zs
+
+WEIGHT = "layer.weight"  # fqn of the tensor the byte-level tests damage
+
+
+class Thing:
+    """A module-level class (importable, so pickle can store it) that the codec does not know."""
+
+    def __init__(self, x: int = 0) -> None:
+        self.x = x
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Thing) and other.x == self.x
+
+
+def make_state() -> dict:
+    return {
+        "layer": {"weight": torch.arange(4096, dtype=torch.float32) / 7, "bias": torch.arange(16, dtype=torch.int64)},
+        "head": torch.linspace(-1, 1, 300, dtype=torch.float64).reshape(20, 15),
+        "step": 12,
+    }
+
+
+def empty_like_state() -> dict:
+    return {
+        "layer": {"weight": torch.zeros(4096), "bias": torch.zeros(16, dtype=torch.int64)},
+        "head": torch.zeros(20, 15, dtype=torch.float64),
+        "step": 0,
+    }
+
+
+def assert_state_equal(got: dict, want: dict) -> None:
+    assert torch.equal(got["layer"]["weight"], want["layer"]["weight"])
+    assert torch.equal(got["layer"]["bias"], want["layer"]["bias"])
+    assert torch.equal(got["head"], want["head"])
+    assert got["step"] == want["step"]
+
+
+def chunk_of(path, fqn: str) -> zs.Chunk:
+    with zs.open(path) as ck:
+        entry = ck.entries[fqn]
+        assert entry.kind == "tensor" and len(entry.chunks) == 1
+        return entry.chunks[0]
+
+
+def flip_byte(file: str, offset: int, mask: int = 0x01) -> None:
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        (b,) = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b ^ mask]))
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = tmp_path / "ckpt"
+    state = make_state()
+    zs.save(state, path)
+    return path, state
+
+
+# -- (a) a flipped byte inside a tensor's data --------------------------------------------------
+
+def test_flipped_byte_is_caught_by_load_verify_and_read(saved):
+    path, state = saved
+    chunk = chunk_of(path, WEIGHT)
+    data_file = os.path.join(path, chunk.file)
+    flip_byte(data_file, chunk.offset + chunk.nbytes // 2 + 1)
+
+    with pytest.raises(zs.CorruptCheckpointError) as exc:
+        zs.load(empty_like_state(), path)
+    assert WEIGHT in str(exc.value) and chunk.file in str(exc.value)
+
+    with pytest.raises(zs.CorruptCheckpointError) as exc:
+        zs.verify(path)
+    assert WEIGHT in str(exc.value) and chunk.file in str(exc.value)
+
+    with zs.open(path) as ck, pytest.raises(zs.CorruptCheckpointError) as exc:
+        ck.read(WEIGHT)
+    assert WEIGHT in str(exc.value) and chunk.file in str(exc.value)
+
+    # the undamaged entries still read fine one by one
+    with zs.open(path) as ck:
+        assert torch.equal(ck.read("head"), state["head"])
+        assert torch.equal(ck.read("layer.bias"), state["layer"]["bias"])
+
+
+def test_flipped_byte_loads_with_verify_off(saved):
+    """verify=False is an explicit opt-out: the damaged value is loaded as stored."""
+    path, state = saved
+    chunk = chunk_of(path, WEIGHT)
+    pos = chunk.nbytes // 2 + 1
+    flip_byte(os.path.join(path, chunk.file), chunk.offset + pos)
+
+    expected = state["layer"]["weight"].clone()
+    expected.view(torch.uint8)[pos] ^= 0x01
+    assert not torch.equal(expected, state["layer"]["weight"])
+
+    target = empty_like_state()
+    out = zs.load(target, path, verify=False)
+    assert torch.equal(target["layer"]["weight"], expected)
+    assert torch.equal(out["layer"]["weight"], expected)
+    assert torch.equal(target["head"], state["head"])
+
+    with zs.open(path, verify=False) as ck:
+        assert torch.equal(ck.read(WEIGHT), expected)
+    with zs.open(path) as ck:
+        assert torch.equal(ck.read(WEIGHT, verify=False), expected)
+
+
+def test_flipped_byte_in_a_converted_load_is_caught(saved):
+    """The staged path (dtype conversion) verifies too."""
+    path, _ = saved
+    chunk = chunk_of(path, WEIGHT)
+    flip_byte(os.path.join(path, chunk.file), chunk.offset + 3)
+    target = empty_like_state()
+    target["layer"]["weight"] = torch.zeros(4096, dtype=torch.float64)
+    with pytest.raises(zs.CorruptCheckpointError) as exc:
+        zs.load(target, path)
+    assert WEIGHT in str(exc.value) and chunk.file in str(exc.value)
+
+
+# -- (b) a truncated data file --------------------------------------------------------------------
+
+@pytest.mark.parametrize("keep", ["half", "header_only", "one_byte_short"])
+def test_truncated_data_file(saved, keep):
+    path, _ = saved
+    chunk = chunk_of(path, WEIGHT)
+    data_file = os.path.join(path, chunk.file)
+    end = chunk.offset + chunk.nbytes
+    assert os.path.getsize(data_file) >= end
+    size = {"half": chunk.offset + chunk.nbytes // 2, "header_only": chunk.offset, "one_byte_short": end - 1}[keep]
+    os.truncate(data_file, size)
+
+    with pytest.raises(zs.CorruptCheckpointError) as exc:
+        zs.load(empty_like_state(), path)
+    assert chunk.file in str(exc.value)
+
+    with pytest.raises(zs.CorruptCheckpointError) as exc:
+        zs.verify(path)
+    assert chunk.file in str(exc.value)
+
+    with zs.open(path) as ck, pytest.raises(zs.CorruptCheckpointError) as exc:
+        ck.read(WEIGHT)
+    assert chunk.file in str(exc.value)
+
+
+def test_data_file_with_extra_bytes_fails_verify(saved):
+    """A file longer than the manifest says is not what was saved either."""
+    path, _ = saved
+    chunk = chunk_of(path, WEIGHT)
+    with open(os.path.join(path, chunk.file), "ab") as f:
+        f.write(b"\0" * 10)
+    with pytest.raises(zs.CorruptCheckpointError) as exc:
+        zs.verify(path)
+    assert chunk.file in str(exc.value)
+
+
+# -- (c) no manifest, no checkpoint ----------------------------------------------------------------
+
+def test_missing_manifest_is_incomplete(saved):
+    path, _ = saved
+    os.remove(os.path.join(path, "manifest.json"))
+    with pytest.raises(zs.IncompleteCheckpointError):
+        zs.load(empty_like_state(), path)
+    with pytest.raises(zs.IncompleteCheckpointError):
+        zs.open(path)
+    with pytest.raises(zs.IncompleteCheckpointError) as exc:
+        zs.verify(path)
+    assert isinstance(exc.value, zs.CheckpointError)
+    assert str(path) in str(exc.value)
+
+
+def test_empty_directory_is_incomplete(tmp_path):
+    with pytest.raises(zs.IncompleteCheckpointError):
+        zs.open(tmp_path)
+
+
+def test_nonexistent_path_is_not_found(tmp_path):
+    missing = tmp_path / "never-saved"
+    for call in (lambda: zs.load(empty_like_state(), missing), lambda: zs.open(missing),
+                 lambda: zs.verify(missing)):
+        with pytest.raises(zs.CheckpointNotFoundError) as exc:
+            call()
+        assert isinstance(exc.value, zs.CheckpointError)
+        assert isinstance(exc.value, FileNotFoundError)
+        assert "never-saved" in str(exc.value)
+    assert not missing.exists(), "reading must not create the directory"
+
+
+# -- (d) a damaged manifest ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["start", "checksum", "middle", "near_end"])
+def test_flipped_byte_in_manifest(saved, where):
+    path, _ = saved
+    manifest = os.path.join(path, "manifest.json")
+    raw = open(manifest, "rb").read()
+    pos = {"start": 0, "checksum": 15, "middle": len(raw) // 2, "near_end": len(raw) - 3}[where]
+    flip_byte(manifest, pos)
+    with pytest.raises(zs.CorruptCheckpointError) as exc:
+        zs.open(path)
+    assert "manifest" in str(exc.value)
+    with pytest.raises(zs.CorruptCheckpointError):
+        zs.load(empty_like_state(), path)
+    with pytest.raises(zs.CorruptCheckpointError):
+        zs.verify(path)
+
+
+def test_every_single_byte_flip_in_manifest_is_caught(saved):
+    """No position in manifest.json may be damaged without the reader noticing: every byte of the
+    framing (the first and last 64 bytes) and a sample of the body."""
+    path, _ = saved
+    manifest = os.path.join(path, "manifest.json")
+    raw = open(manifest, "rb").read()
+    undetected = []
+    positions = sorted(set(range(64)) | set(range(len(raw) - 64, len(raw))) | set(range(64, len(raw), 37)))
+    for pos in positions:
+        damaged = bytearray(raw)
+        damaged[pos] ^= 0x01
+        with open(manifest, "wb") as f:
+            f.write(damaged)
+        try:
+            zs.open(path).close()
+        except zs.CorruptCheckpointError:
+            continue
+        undetected.append((pos, chr(raw[pos])))
+    assert not undetected, f"byte flips in manifest.json ({len(raw)} bytes) not detected at {undetected}"
+
+
+def test_truncated_manifest(saved):
+    path, _ = saved
+    manifest = os.path.join(path, "manifest.json")
+    size = os.path.getsize(manifest)
+    for keep in (0, 10, size // 2, size - 2):
+        os.truncate(manifest, keep)
+        with pytest.raises(zs.CorruptCheckpointError):
+            zs.open(path)
+
+
+# -- (e) a missing data file -----------------------------------------------------------------------
+
+def test_missing_data_file(saved):
+    path, _ = saved
+    chunk = chunk_of(path, WEIGHT)
+    os.remove(os.path.join(path, chunk.file))
+
+    with pytest.raises(zs.CorruptCheckpointError) as exc:
+        zs.load(empty_like_state(), path)
+    assert chunk.file in str(exc.value)
+
+    with pytest.raises(zs.CorruptCheckpointError) as exc:
+        zs.verify(path)
+    assert chunk.file in str(exc.value)
+
+    with zs.open(path) as ck, pytest.raises(zs.CorruptCheckpointError) as exc:
+        ck.read(WEIGHT)
+    assert chunk.file in str(exc.value)
+
+
+# -- (f) the damaged block is named ------------------------------------------------------------------
+
+BLOCK = 4096
+N_FLOATS = 16 * BLOCK // 4 + 100  # 16 full 4 KiB blocks and a short 17th
+
+
+@pytest.mark.parametrize("block", [0, 7, 16])
+def test_flip_names_the_right_block(tmp_path, block):
+    path = tmp_path / "ckpt"
+    weight = torch.arange(N_FLOATS, dtype=torch.float32)
+    zs.save({"big": weight, "other": torch.ones(10)}, path, block_size=BLOCK)
+    chunk = chunk_of(path, "big")
+    assert len(chunk.checksums) == 17
+    pos = block * BLOCK + 5
+    assert pos < chunk.nbytes
+    flip_byte(os.path.join(path, chunk.file), chunk.offset + pos)
+    first = chunk.offset + block * BLOCK
+
+    def check(message: str) -> None:
+        assert "big" in message and chunk.file in message
+        assert re.search(rf"\bblock {block}\b", message), message
+        assert f"file bytes {first}-" in message
+
+    with pytest.raises(zs.CorruptCheckpointError) as exc:
+        zs.load({"big": torch.zeros(N_FLOATS), "other": torch.zeros(10)}, path)
+    check(str(exc.value))
+    with pytest.raises(zs.CorruptCheckpointError) as exc:
+        zs.verify(path)
+    check(str(exc.value))
+    with zs.open(path) as ck, pytest.raises(zs.CorruptCheckpointError) as exc:
+        ck.read("big")
+    check(str(exc.value))
+
+    # the undamaged entry beside it still loads on its own
+    with zs.open(path) as ck:
+        other = torch.zeros(10)
+        ck.load({"other": other}, keys=["other"])
+        assert torch.equal(other, torch.ones(10))
+
+
+# -- (g) pickle is an opt-in on save and on load ------------------------------------------------------
+
+def test_unknown_object_is_refused_without_pickle(tmp_path):
+    path = tmp_path / "ckpt"
+    state = {"w": torch.ones(3), "opts": {"thing": Thing(5)}}
+    with pytest.raises(zs.UnsupportedValueError) as exc:
+        zs.save(state, path)
+    assert "opts.thing" in str(exc.value)
+    assert "Thing" in str(exc.value)
+    assert isinstance(exc.value, zs.CheckpointError)
+    assert not (path / "manifest.json").exists()
+    with pytest.raises((zs.CheckpointNotFoundError, zs.IncompleteCheckpointError)):
+        zs.open(path)
+
+
+def test_pickle_opt_in_on_save_and_on_load(tmp_path):
+    path = tmp_path / "ckpt"
+    state = {"w": torch.ones(3), "opts": {"thing": Thing(5)}}
+    zs.save(state, path, allow_pickle=True)
+
+    with pytest.raises(zs.UnsupportedValueError) as exc:
+        zs.load({"w": torch.zeros(3), "opts": {"thing": None}}, path)
+    assert isinstance(exc.value, zs.CheckpointError)
+    assert "opts" in str(exc.value) and "pickle" in str(exc.value)
+
+    with zs.open(path) as ck, pytest.raises(zs.UnsupportedValueError):
+        ck.read("opts")
+
+    # verify checks the bytes without unpickling anything
+    assert zs.verify(path) > 0
+
+    target = {"w": torch.zeros(3), "opts": {"thing": None}}
+    out = zs.load(target, path, allow_pickle=True)
+    assert torch.equal(target["w"], torch.ones(3))
+    assert out["opts"]["thing"] == Thing(5)
+    with zs.open(path, allow_pickle=True) as ck:
+        assert ck.read("opts") == {"thing": Thing(5)}
+
+
+# -- (h) verify on a clean checkpoint ----------------------------------------------------------------
+
+def test_verify_clean_returns_bytes_checked(saved):
+    path, state = saved
+    n = zs.verify(path)
+    tensor_bytes = sum(t.numel() * t.element_size()
+                       for t in (state["layer"]["weight"], state["layer"]["bias"], state["head"]))
+    assert n == tensor_bytes > 0
+    seen = []
+    assert zs.verify(path, progress=seen.append) == n
+    assert sum(seen) == n
+    target = empty_like_state()
+    zs.load(target, path)
+    assert_state_equal(target, state)
