@@ -59,7 +59,7 @@ def check_tensor(t: torch.Tensor, where: str) -> None:
         raise UnsupportedValueError(f"{where}: tensor is on the meta device and has no data to save")
 
 
-def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
+def view_key(t: torch.Tensor) -> tuple[Any, ...]:
     """Identity of a tensor view: two leaves with the same key hold the very same bytes."""
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
             t.is_conj(), t.is_neg())
@@ -80,7 +80,7 @@ def build_entries(state: Any, *, allow_pickle: bool) -> tuple[list[Entry], list[
             entries.append(Entry(name, path, "object", value=codec.encode(value, where=name, allow_pickle=allow_pickle)))
             continue
         check_tensor(value, name)
-        key = _view_key(value)
+        key = view_key(value)
         if key in seen:
             entries.append(Entry(name, path, "alias", alias_of=seen[key]))
             continue
@@ -137,7 +137,7 @@ def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None,
     ``state_dict()``. Saving into an existing checkpoint leaves it intact until the new manifest
     commits. ``fsync=False`` trades durability for speed on scratch storage.
     """
-    _require_single_process(process_group)
+    require_single_process(process_group)
     entries, items, tree = build_entries(state, allow_pickle=allow_pickle)
     storage = storage_for(path, fsync=fsync)
     generation = new_generation()
@@ -149,14 +149,15 @@ def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None,
             metadata=codec.encode(dict(metadata or {}), where="metadata", allow_pickle=allow_pickle))
         commit(storage, manifest)
     except BaseException:
-        _delete_generation(storage, generation)
+        if not _is_committed(storage, generation):
+            _delete_generation(storage, generation)
         storage.close()
         raise
     delete_other_generations(storage, generation)
     storage.close()
 
 
-def _require_single_process(process_group: Any) -> None:
+def require_single_process(process_group: Any) -> None:
     import torch.distributed as dist
 
     if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
@@ -194,6 +195,14 @@ def commit(storage: Storage, manifest: Manifest) -> None:
         storage.publish(MANIFEST_NAME, manifest_tmp_name(manifest.generation), manifest.to_bytes(encode_path))
     except OSError as exc:
         raise CheckpointError(f"committing the manifest in {storage.location} failed: {exc}") from exc
+
+
+def _is_committed(storage: Storage, generation: str) -> bool:
+    """Whether the manifest in place is ours: a failure after the rename must not delete its data."""
+    try:
+        return Manifest.from_bytes(storage.read_bytes(MANIFEST_NAME), decode_path, storage.location).generation == generation
+    except (OSError, CheckpointError):
+        return False
 
 
 def _delete_generation(storage: Storage, generation: str) -> None:

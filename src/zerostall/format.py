@@ -173,10 +173,12 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, raw: bytes, decode_path, where: str) -> "Manifest":
-        prefix = b'{"checksum":"'
-        head = len(prefix) + 16 + len(b'","manifest":')
-        body = raw[head:].rstrip(b"\n")[:-1]
-        if not raw.startswith(prefix) or xxhash.xxh3_64_hexdigest(body).encode() != raw[len(prefix):len(prefix) + 16]:
+        prefix, separator, suffix = b'{"checksum":"', b'","manifest":', b"}\n"
+        head = len(prefix) + 16 + len(separator)
+        body = raw[head:-len(suffix)]
+        digest = raw[len(prefix):len(prefix) + 16]
+        if (raw[:len(prefix)] != prefix or raw[len(prefix) + 16:head] != separator or not raw.endswith(suffix)
+                or xxhash.xxh3_64_hexdigest(body).encode() != digest):
             raise CorruptCheckpointError(f"manifest {where} fails its checksum (damaged or not a zerostall manifest)")
         try:
             d = json.loads(body)

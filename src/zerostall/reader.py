@@ -19,7 +19,7 @@ import torch
 import xxhash
 
 from . import codec
-from .engine import _view_key, decode_path, default_threads, tensor_bytes
+from .engine import decode_path, default_threads, require_single_process, tensor_bytes, view_key
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompleteCheckpointError, StateMismatchError, UnsupportedValueError)
 from .format import MANIFEST_NAME, Chunk, Entry, Manifest, file_generation
@@ -282,8 +282,8 @@ class Checkpoint:
                 plan.new_tensors.append((path, entry, value))
             else:
                 plan.meta.append(name)
-        elif _view_key(value) not in seen:
-            seen.add(_view_key(value))
+        elif view_key(value) not in seen:
+            seen.add(view_key(value))
             plan.tensors.append((value, entry))
 
     def _subtree(self, source: dict[Path, Entry], root: Path, consumed: set[Path]) -> Any:
@@ -513,9 +513,7 @@ def _key_filter(keys: KeyFilter) -> Callable[[str], bool]:
 def open(path: str | os.PathLike[str], process_group: Any = None, *, verify: bool = True,
          allow_pickle: bool = False, threads: int | None = None) -> Checkpoint:
     """Open a read session on the checkpoint at ``path``."""
-    from .engine import _require_single_process
-
-    _require_single_process(process_group)
+    require_single_process(process_group)
     return Checkpoint(path, verify=verify, allow_pickle=allow_pickle, threads=threads)
 
 
