@@ -186,8 +186,8 @@ def test_missing_manifest_is_incomplete(saved):
     assert str(path) in str(exc.value)
 
 
-def test_empty_directory_is_incomplete(tmp_path):
-    with pytest.raises(zs.IncompleteCheckpointError):
+def test_empty_directory_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(zs.CheckpointNotFoundError, match="no manifest, no data files"):
         zs.open(tmp_path)
 
 

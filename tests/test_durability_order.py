@@ -57,6 +57,14 @@ class Recorder:
         with self._lock:
             self.events.append((op, path))
 
+    def dir_syncs(self, root: str, rename: int) -> tuple[int, int]:
+        """The directory fsync just before the rename (data entries durable) and the one after it."""
+        hits = [i for i, e in enumerate(self.events) if e == ("fsync", root)]
+        before = [i for i in hits if i < rename]
+        after = [i for i in hits if i > rename]
+        assert before and len(after) == 1, f"expected directory fsyncs around the rename, got {self.events}"
+        return before[-1], after[0]
+
     def index(self, op: str, path: str) -> int:
         hits = [i for i, e in enumerate(self.events) if e == (op, path)]
         assert len(hits) == 1, f"expected exactly one {op} of {path}, got {len(hits)} in {self.events}"
@@ -89,11 +97,12 @@ def test_commit_order_into_existing_checkpoint(tmp_path, monkeypatch, threads):
     data_syncs = [rec.index("fsync", os.path.join(root, f)) for f in new_files]
     tmp_sync = rec.index("fsync", tmp)
     rename = rec.index("replace", f"{tmp} -> {manifest}")
-    dir_sync = rec.index("fsync", root)
+    pre_sync, dir_sync = rec.dir_syncs(root, rename)
     deletes = [rec.index("unlink", os.path.join(root, f)) for f in old_files]
 
     assert max(data_syncs) < tmp_sync, events
-    assert tmp_sync < rename < dir_sync, events
+    assert max(data_syncs) < pre_sync < rename < dir_sync, events
+    assert tmp_sync < rename, events
     assert dir_sync < min(deletes), events
 
     # nothing of the new generation is deleted, nothing is fsync'd or renamed after the deletes
@@ -124,8 +133,9 @@ def test_first_save_makes_the_directory_durable_before_writing(tmp_path, monkeyp
     tmp_sync = rec.index("fsync", os.path.join(root, f"manifest.json.{generation}.tmp"))
     rename = rec.index("replace", f"{os.path.join(root, f'manifest.json.{generation}.tmp')} -> "
                                   f"{os.path.join(root, 'manifest.json')}")
-    dir_sync = rec.index("fsync", root)
+    pre_sync, dir_sync = rec.dir_syncs(root, rename)
     assert parent_sync < min(data_syncs) and max(data_syncs) < tmp_sync < rename < dir_sync, rec.events
+    assert max(data_syncs) < pre_sync < rename, rec.events
     assert not [e for e in rec.events if e[0] == "unlink"], rec.events
 
 

@@ -284,3 +284,16 @@ def test_read_is_memory_mapped_and_state_round_trips(tmp_path):
         assert torch.equal(w, state["w"])
         assert ck.entries["n"].kind == "object" and ck.read("n") == {"k": [1, 2]}
     assert torch.equal(w * 1, state["w"])  # still valid after close
+
+
+def test_colliding_dotted_names_stay_distinct(tmp_path):
+    inner = torch.ones(3)
+    state = {"a.b": torch.zeros(3), "a": {"b": inner}, "c": inner}
+    zs.save(state, tmp_path / "ck")
+    target = {"a.b": torch.full((3,), 5.0), "a": {"b": torch.full((3,), 5.0)}, "c": torch.full((3,), 5.0)}
+    zs.load(target, tmp_path / "ck")
+    assert torch.equal(target["a.b"], torch.zeros(3))
+    assert torch.equal(target["a"]["b"], inner) and torch.equal(target["c"], inner)
+    with zs.open(tmp_path / "ck") as ck:
+        assert torch.equal(ck.read(("c",)), inner) and torch.equal(ck.read(("a", "b")), inner)
+        assert torch.equal(ck.read(("a.b",)), torch.zeros(3))

@@ -11,11 +11,12 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import click
 from rich.console import Console
@@ -154,7 +155,7 @@ def entry_row(ck: zs.Checkpoint, entry: Entry) -> dict[str, Any]:
     if entry.kind == "tensor":
         row.update(dtype=entry.dtype, shape=list(entry.shape or ()), chunks=len(entry.chunks), bytes=entry.nbytes)
     elif entry.kind == "alias":
-        row["alias_of"] = entry.alias_of
+        row["alias_of"] = ck.manifest.entries[entry.alias_of].fqn if entry.alias_of is not None else None
     else:
         try:
             row["value"] = repr(ck.read(entry.path))

@@ -19,7 +19,7 @@ import xxhash
 from . import codec
 from .errors import CheckpointError, UnsupportedValueError
 from .format import (DEFAULT_BLOCK_SIZE, MANIFEST_NAME, Chunk, Entry, FileItem, Manifest, data_file_name,
-                     dtype_name, file_generation, manifest_tmp_name, new_generation, safetensors_header)
+                     dtype_name, file_generation, generation_time, manifest_tmp_name, new_generation, safetensors_header)
 from .plan import WriteItem, assign_files
 from .state import Path, flatten, fqn
 from .storage import Storage, storage_for
@@ -70,7 +70,7 @@ def build_entries(state: Any, *, allow_pickle: bool) -> tuple[list[Entry], list[
     flat = flatten(state)
     entries: list[Entry] = []
     items: list[WriteItem] = []
-    seen: dict[tuple[Any, ...], str] = {}
+    seen: dict[tuple[Any, ...], int] = {}
     index: dict[Path, int] = {}
     names: set[str] = set()
     for path, value in flat.leaves.items():
@@ -84,7 +84,7 @@ def build_entries(state: Any, *, allow_pickle: bool) -> tuple[list[Entry], list[
         if key in seen:
             entries.append(Entry(name, path, "alias", alias_of=seen[key]))
             continue
-        seen[key] = name
+        seen[key] = len(entries)
         entries.append(Entry(name, path, "tensor", dtype=dtype_name(value.dtype), shape=tuple(value.shape)))
         source = value.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
         file_name = name
@@ -153,7 +153,7 @@ def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None,
             _delete_generation(storage, generation)
         storage.close()
         raise
-    delete_other_generations(storage, generation)
+    delete_older_generations(storage, generation)
     storage.close()
 
 
@@ -214,11 +214,12 @@ def _delete_generation(storage: Storage, generation: str) -> None:
                 log.warning("could not remove %s of the failed save in %s", name, storage.location)
 
 
-def delete_other_generations(storage: Storage, keep: str) -> None:
-    """After a commit, remove data files (and manifest temps) no manifest references any more."""
+def delete_older_generations(storage: Storage, keep: str) -> None:
+    """After a commit, remove data files (and manifest temps) of older generations: no manifest
+    references them any more. Newer ones may belong to a save still in flight, so they stay."""
     for name in storage.list():
         gen = file_generation(name)
-        if gen is not None and gen != keep:
+        if gen is not None and gen != keep and generation_time(gen) <= generation_time(keep):
             try:
                 storage.delete(name)
             except OSError as exc:

@@ -39,6 +39,11 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+def generation_time(generation: str) -> int:
+    """The creation time (ns) encoded in a generation id; ids compare by it."""
+    return int(generation.split("-", 1)[0], 16)
+
+
 def new_generation() -> str:
     """A per-save id: time-ordered, random-suffixed, so two saves never share file names."""
     return f"{time.time_ns():x}-{secrets.token_hex(4)}"
@@ -109,7 +114,7 @@ class Entry:
     shape: tuple[int, ...] | None = None
     chunks: list[Chunk] = field(default_factory=list)
     value: Any = None
-    alias_of: str | None = None
+    alias_of: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -184,17 +189,20 @@ class Manifest:
             d = json.loads(body)
         except ValueError as exc:
             raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
-        if d.get("format") != FORMAT_NAME:
+        if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(f"{where} is not a zerostall manifest")
         if d["version"] > FORMAT_VERSION:
             raise CorruptCheckpointError(
                 f"manifest {where} has format version {d['version']}; this zerostall reads <= {FORMAT_VERSION}")
-        return cls(
-            generation=d["generation"], entries=[Entry.from_json(e, decode_path) for e in d["entries"]],
-            files=dict(d["files"]), tree=d["tree"], world_size=d["world_size"],
-            block_size=d["block_size"], step=d["step"], metadata=d["metadata"],
-            created=d["created"], version=d["version"],
-        )
+        try:
+            return cls(
+                generation=d["generation"], entries=[Entry.from_json(e, decode_path) for e in d["entries"]],
+                files=dict(d["files"]), tree=d["tree"], world_size=d["world_size"],
+                block_size=d["block_size"], step=d["step"], metadata=d["metadata"],
+                created=d["created"], version=d["version"],
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptCheckpointError(f"manifest {where} is malformed: {exc!r}") from exc
 
 
 @dataclass

@@ -64,6 +64,8 @@ def read_manifest(storage: Storage) -> Manifest:
         raw = storage.read_bytes(MANIFEST_NAME)
     except FileNotFoundError:
         data = [n for n in storage.list() if file_generation(n)]
+        if not data:
+            raise CheckpointNotFoundError(f"no checkpoint at {storage.location} (no manifest, no data files)") from None
         raise IncompleteCheckpointError(
             f"{storage.location} has no manifest: its save never committed "
             f"({len(data)} uncommitted data file(s) present)") from None
@@ -123,11 +125,13 @@ class Checkpoint:
         return self._resolve(entry)
 
     def _resolve(self, entry: Entry) -> Entry:
-        while entry.kind == "alias":
-            target = self._by_fqn.get(entry.alias_of or "")
-            if target is None:
-                raise CorruptCheckpointError(f"entry {entry.fqn} aliases {entry.alias_of}, which is not in {self.path}")
-            entry = target
+        entries = self.manifest.entries
+        if entry.kind == "alias":
+            index = entry.alias_of
+            if not isinstance(index, int) or not 0 <= index < len(entries) or entries[index].kind != "tensor":
+                raise CorruptCheckpointError(f"entry {entry.fqn} aliases entry #{index}, which is not a tensor "
+                                             f"entry of {self.path}")
+            return entries[index]
         return entry
 
     # -- reading -------------------------------------------------------------------------------
@@ -391,7 +395,8 @@ class Checkpoint:
     def verify(self, *, progress: Callable[[int], None] | None = None) -> int:
         """Check every file size and every block checksum; returns bytes checked.
 
-        Raises :class:`CorruptCheckpointError` listing every fault found (``.faults``).
+        ``progress(nbytes)`` is called from the reader threads as blocks are checked. Raises
+        :class:`CorruptCheckpointError` listing every fault found (``.faults``).
         """
         faults: list[str] = []
         for name, size in self.manifest.files.items():

@@ -112,6 +112,8 @@ class LocalStorage(Storage):
                 os.fsync(fd)
         finally:
             os.close(fd)
+        if self.fsync:
+            _fsync_dir(self.location)  # the data files' directory entries are durable before the commit
         os.replace(tmp, self._path(name))
         if self.fsync:
             _fsync_dir(self.location)
