@@ -106,17 +106,18 @@ def byte_views(state: dict[str, torch.Tensor]) -> list[memoryview]:
 def balanced_shards(views: list[memoryview], n: int) -> list[list[memoryview]]:
     """Cut the concatenated bytes of views into n runs of (nearly) equal length."""
     total = sum(v.nbytes for v in views)
+    ends = [(k + 1) * total // n for k in range(n)]  # end offset of each shard; the last is total
     shards: list[list[memoryview]] = [[] for _ in range(n)]
-    start = 0  # global offset of the current view
+    shard, offset = 0, 0  # current shard, global offset of the next byte
     for view in views:
         pos = 0
         while pos < view.nbytes:
-            shard = min(n - 1, (start + pos) * n // total)
-            shard_end = (shard + 1) * total // n
-            take = min(view.nbytes - pos, shard_end - (start + pos))
+            while offset >= ends[shard]:
+                shard += 1
+            take = min(view.nbytes - pos, ends[shard] - offset)
             shards[shard].append(view[pos : pos + take])
             pos += take
-        start += view.nbytes
+            offset += take
     return shards
 
 
