@@ -8,6 +8,7 @@ and through a bounded staging buffer otherwise (dtype conversion, slices, other 
 from __future__ import annotations
 
 import fnmatch
+import heapq
 import logging
 import os
 import threading
@@ -19,7 +20,7 @@ import torch
 import xxhash
 
 from . import codec
-from .engine import decode_path, default_threads, require_single_process, tensor_bytes, view_key
+from .engine import CACHE_PIECE, decode_path, default_threads, require_single_process, tensor_bytes, view_key
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompleteCheckpointError, StateMismatchError, UnsupportedValueError)
 from .format import MANIFEST_NAME, Chunk, Entry, Manifest, file_generation
@@ -326,7 +327,7 @@ class Checkpoint:
                 else:
                     staged.append((target, entry, chunk, inter))
         with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read") as pool:
-            _run(pool, self._read_piece, direct, verify)
+            _run(pool, self.threads, self._read_piece, direct, verify)
             for batch in _batches(staged, lambda s: s[2].nbytes, _STAGING_BYTES):
                 self._fill_staged(pool, batch, verify)
 
@@ -344,7 +345,7 @@ class Checkpoint:
             buf = torch.empty(hi - lo, dtype=torch.uint8)
             pieces.extend(self._pieces(entry, chunk, lo, tensor_bytes(buf)))
             copies.append((target, entry, chunk, inter, buf, first * itemsize - lo))
-        _run(pool, self._read_piece, pieces, verify)
+        _run(pool, self.threads, self._read_piece, pieces, verify)
         with torch.no_grad():
             for target, entry, chunk, inter, buf, skip in copies:
                 if _numel(inter[1]) == 0:
@@ -365,6 +366,22 @@ class Checkpoint:
         return max(block, _PIECE_BYTES // block * block)
 
     def _read_piece(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview, verify: bool) -> None:
+        """Read chunk bytes ``[lo, lo+len(out))``; when verifying, hash each cache-sized piece right
+        after reading it (``lo`` is then block-aligned) and check every block's checksum."""
+        if not verify:
+            self._read_raw(entry, chunk, lo, out)
+            return
+        block = self.manifest.block_size
+        self._check_count(entry, chunk)
+        for start in range(0, max(len(out), 1), block):
+            hasher = xxhash.xxh3_64()
+            for offset in range(start, min(start + block, len(out)), CACHE_PIECE):
+                piece = out[offset:min(offset + CACHE_PIECE, start + block)]
+                self._read_raw(entry, chunk, lo + offset, piece)
+                hasher.update(piece)
+            self._check_digest(entry, chunk, lo + start, min(block, len(out) - start), hasher.hexdigest())
+
+    def _read_raw(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview) -> None:
         try:
             self.storage.read_into(chunk.file, chunk.offset + lo, out)
         except FileNotFoundError:
@@ -374,22 +391,28 @@ class Checkpoint:
                 f"data file {chunk.file} of {self.path} is truncated: entry {entry.fqn} lies past its end") from None
         except OSError as exc:
             raise CheckpointError(f"reading {chunk.file} of {self.path} (entry {entry.fqn}) failed: {exc}") from exc
-        if verify:
-            self._check_blocks(entry, chunk, lo, out)
 
-    def _check_blocks(self, entry: Entry, chunk: Chunk, lo: int, data: memoryview) -> None:
-        block = self.manifest.block_size
-        expected = max(1, -(-chunk.nbytes // block))
+    def _check_count(self, entry: Entry, chunk: Chunk) -> None:
+        expected = max(1, -(-chunk.nbytes // self.manifest.block_size))
         if len(chunk.checksums) != expected:
             raise CorruptCheckpointError(f"entry {entry.fqn} in {chunk.file}: {len(chunk.checksums)} checksums for "
                                          f"{expected} blocks")
+
+    def _check_digest(self, entry: Entry, chunk: Chunk, lo: int, length: int, digest: str) -> None:
+        index = lo // self.manifest.block_size
+        if digest != chunk.checksums[index]:
+            first = chunk.offset + lo
+            raise CorruptCheckpointError(
+                f"checksum mismatch in {chunk.file} of {self.path}: entry {entry.fqn}, block {index} "
+                f"(file bytes {first}-{first + length})")
+
+    def _check_blocks(self, entry: Entry, chunk: Chunk, lo: int, data: memoryview) -> None:
+        """Check data already in memory (a memory map) against its blocks' checksums."""
+        self._check_count(entry, chunk)
+        block = self.manifest.block_size
         for start in range(0, max(len(data), 1), block):
-            index = (lo + start) // block
-            if xxhash.xxh3_64_hexdigest(data[start:start + block]) != chunk.checksums[index]:
-                first = chunk.offset + lo + start
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in {chunk.file} of {self.path}: entry {entry.fqn}, block {index} "
-                    f"(file bytes {first}-{first + min(block, len(data) - start)})")
+            piece = data[start:start + block]
+            self._check_digest(entry, chunk, lo + start, len(piece), xxhash.xxh3_64_hexdigest(piece))
 
     # -- verification --------------------------------------------------------------------------
     def verify(self, *, progress: Callable[[int], None] | None = None) -> int:
@@ -463,10 +486,22 @@ def _decode_safely(entry: Entry) -> None:
             raise CorruptCheckpointError(f"entry {entry.fqn}: {exc}") from exc
 
 
-def _run(pool: ThreadPoolExecutor, fn: Callable[..., None], jobs: list[tuple[Any, ...]], verify: bool) -> None:
-    """Run jobs largest first; the first failure is raised after the others finish."""
-    jobs = sorted(jobs, key=lambda j: -len(j[-1]))
-    for fut in [pool.submit(fn, *job, verify) for job in jobs]:
+def _run(pool: ThreadPoolExecutor, threads: int, fn: Callable[..., None], jobs: list[tuple[Any, ...]],
+         verify: bool) -> None:
+    """Run read jobs as one task per thread with balanced bytes (largest first onto the
+    least-loaded thread); the first failure is raised after the others finish."""
+    lanes: list[list[tuple[Any, ...]]] = [[] for _ in range(threads)]
+    heap = [(0, i) for i in range(len(lanes))]
+    for job in sorted(jobs, key=lambda j: -len(j[-1])):
+        load, lane = heapq.heappop(heap)
+        lanes[lane].append(job)
+        heapq.heappush(heap, (load + len(job[-1]), lane))
+
+    def drain(lane: list[tuple[Any, ...]]) -> None:
+        for job in lane:
+            fn(*job, verify)
+
+    for fut in [pool.submit(drain, lane) for lane in lanes if lane]:
         fut.result()
 
 

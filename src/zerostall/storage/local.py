@@ -9,7 +9,7 @@ from typing import Iterable
 
 from .base import Storage
 
-_WRITEV_BYTES = 16 << 20
+_WRITEV_BYTES = 1 << 20  # small, so bytes hashed just before are still in cache when written
 _WRITEV_PARTS = 512
 
 
