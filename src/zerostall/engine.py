@@ -1,26 +1,37 @@
-"""Saving: flatten the state, plan the data files, write them in parallel, commit the manifest.
+"""Saving: flatten the state, plan who writes what, write in parallel, commit the manifest.
 
-The commit protocol: data files of a new generation are written and fsync'd, then the manifest is
-published atomically (temp + fsync + rename + directory fsync), and only then are the files of
-older generations deleted. A crash at any instant leaves either the old or the new checkpoint.
+Every rank collects what it holds; one small collective checks that the cached plan still fits
+(or plans anew); each rank writes its share of a new generation of data files; the commit runs
+through storage records (see :mod:`zerostall.commit`) and the coordinator publishes the manifest
+atomically. Only then are the files of older generations deleted, so a crash at any instant
+leaves either the old or the new checkpoint.
 """
 
 from __future__ import annotations
 
-import ctypes
+import json
 import logging
 import os
+import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 import torch
 import xxhash
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from . import codec
-from .errors import CheckpointError, UnsupportedValueError
+from .collectives import Group
+from .commit import await_commit, await_records, write_abort, write_record
+from .errors import CheckpointError, StateMismatchError, UnsupportedValueError
 from .format import (DEFAULT_BLOCK_SIZE, MANIFEST_NAME, Chunk, Entry, FileItem, Manifest, data_file_name,
-                     dtype_name, file_generation, generation_time, manifest_tmp_name, new_generation, safetensors_header)
-from .plan import WriteItem, assign_files
+                     dtype_name, file_generation, generation_time, manifest_tmp_name, new_generation, parse_record,
+                     safetensors_header)
+from .memory import tensor_bytes
+from .plan import ChunkKey, Row, SavePlan, WriteItem, assign_files, build_plan, structure_digest
 from .state import Path, flatten, fqn
 from .storage import Storage, storage_for
 
@@ -42,16 +53,10 @@ def decode_path(data: list[Any]) -> Path:
     return tuple(codec.decode(k) for k in data)
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor's memory (kept valid while ``t`` lives)."""
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
-
-
 def check_tensor(t: torch.Tensor, where: str) -> None:
     """Refuse tensors whose bytes are not plain strided data we can store and restore exactly."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
         raise UnsupportedValueError(f"{where}: tensor subclass {type(t).__qualname__} is not supported")
     if t.layout != torch.strided or t.is_quantized or t.is_nested:
@@ -67,43 +72,96 @@ def view_key(t: torch.Tensor) -> tuple[Any, ...]:
             t.is_conj(), t.is_neg())
 
 
-def build_entries(state: Any, *, allow_pickle: bool) -> tuple[list[Entry], list[WriteItem], Any]:
-    """Flatten ``state`` into manifest entries and the tensors to write; returns the skeleton tree."""
+def path_key(path: Path) -> str:
+    """A canonical string for a key path, identical on every rank (used in plans and records)."""
+    return json.dumps(encode_path(path), separators=(",", ":"))
+
+
+class _Leaf:
+    """A placeholder for a leaf in the skeleton tree until entry indices are known."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+
+@dataclass
+class Collected:
+    """What this rank holds, ready to plan and write: no collective has run yet."""
+
+    entries: dict[str, Entry] = field(default_factory=dict)
+    rank_local: list[Entry] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
+    items: list[WriteItem] = field(default_factory=list)
+    objects: dict[str, Any] = field(default_factory=dict)
+    skeleton: Any = None
+
+
+def local_box(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """This rank's piece of a tensor and its box (offsets, sizes) in the global tensor.
+
+    For a DTensor the box comes from DTensor itself, which also handles the strided shards that
+    FSDP2 + TP produce; a plain tensor is its own whole box.
+    """
+    if isinstance(value, DTensor):
+        if any(p.is_partial() for p in value.placements):
+            raise UnsupportedValueError("DTensors with Partial placements must be reduced before saving")
+        sizes, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        return value.to_local(), tuple(offsets), tuple(sizes)
+    return value, (0,) * value.dim(), tuple(value.shape)
+
+
+def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
+    """Flatten ``state`` into entries, structure rows for planning, and the tensors to write."""
     flat = flatten(state)
-    entries: list[Entry] = []
-    items: list[WriteItem] = []
-    seen: dict[tuple[Any, ...], int] = {}
-    index: dict[Path, int] = {}
+    out = Collected()
+    seen: dict[tuple[Any, ...], str] = {}
     names: set[str] = set()
     for path, value in flat.leaves.items():
-        name = fqn(path)
-        index[path] = len(entries)
+        name, key, local = fqn(path), path_key(path), path in flat.rank_local
         if not isinstance(value, torch.Tensor):
-            entries.append(Entry(name, path, "object", value=codec.encode(value, where=name, allow_pickle=allow_pickle)))
+            encoded = codec.encode(value, where=name, allow_pickle=allow_pickle)
+            if local:
+                out.rank_local.append(Entry(name, path, "object", value=encoded, rank=rank))
+            else:
+                out.rows.append(Row(key, "object"))
+                out.objects[key] = encoded
             continue
         check_tensor(value, name)
-        key = view_key(value)
-        if key in seen:
-            entries.append(Entry(name, path, "alias", alias_of=seen[key]))
+        identity = view_key(value)
+        if identity in seen and not local:
+            out.rows.append(Row(key, "alias", alias_of=seen[identity]))
             continue
-        seen[key] = len(entries)
-        entries.append(Entry(name, path, "tensor", dtype=dtype_name(value.dtype), shape=tuple(value.shape)))
-        source = value.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
-        file_name = name
+        piece, offsets, sizes = local_box(value)
+        source = piece.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+        dtype = dtype_name(value.dtype)
+        entry = Entry(name, path, "tensor", dtype=dtype, shape=tuple(value.shape), rank=rank if local else None)
+        if local:
+            out.rank_local.append(entry)
+        else:
+            seen[identity] = key
+            out.entries[key] = entry
+            out.rows.append(Row(key, "tensor", dtype, tuple(value.shape), offsets, sizes, _nbytes(source)))
+        file_name = name if sizes == tuple(value.shape) else f"{name}@{','.join(map(str, offsets))}"
         while file_name in names:
             file_name += "#"
         names.add(file_name)
-        items.append(WriteItem(len(entries) - 1, file_name, source, (0,) * value.dim()))
-    tree = codec.encode(_skeleton_refs(flat.skeleton, (), index))
-    return entries, items, tree
+        out.items.append(WriteItem(entry, file_name, source, offsets, (key, offsets), local))
+    out.skeleton = _skeleton(flat.skeleton, (), set(flat.leaves))
+    return out
 
 
-def _skeleton_refs(node: Any, path: Path, index: dict[Path, int]) -> Any:
-    if path in index:
-        return codec.Ref(index[path])
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _skeleton(node: Any, path: Path, leaves: set[Path]) -> Any:
+    if path in leaves:
+        return _Leaf(path)
     if isinstance(node, dict):
-        return {k: _skeleton_refs(v, path + (k,), index) for k, v in node.items()}
-    values = [_skeleton_refs(v, path + (i,), index) for i, v in enumerate(node)]
+        return {k: _skeleton(v, path + (k,), leaves) for k, v in node.items()}
+    values = [_skeleton(v, path + (i,), leaves) for i, v in enumerate(node)]
     return tuple(values) if isinstance(node, tuple) else values
 
 
@@ -138,33 +196,194 @@ def _write_file(storage: Storage, name: str, items: list[WriteItem], generation:
     return name, size, chunks
 
 
+@dataclass
+class SaveInfo:
+    """What one rank's ``save`` did: the checkpoint it committed and where the time went."""
+
+    path: str
+    generation: str
+    step: int | None
+    bytes_written: int
+    replanned: bool
+    plan_s: float
+    write_s: float
+    commit_s: float
+    total_s: float
+
+
+class SavePlanner:
+    """Computes save plans and caches them per structure (see :mod:`zerostall.plan`)."""
+
+    def __init__(self, cache_size: int = 8) -> None:
+        self._cache: OrderedDict[tuple[int, ...], SavePlan] = OrderedDict()
+        self._cache_size = cache_size
+
+    def plan(self, group: Group, collected: Collected) -> tuple[SavePlan, str, bool]:
+        """The plan, the generation id every rank uses, and whether planning ran (not cached).
+
+        Always one small all-gather (structure digest and rank 0's generation id); on a cache
+        miss also an all-gather of the structures and one of replica checksums.
+        """
+        digest = structure_digest(collected.rows)
+        mine = new_generation().split("-")
+        gathered = group.all_gather_ints([digest, int(mine[0], 16), int(mine[1], 16)])
+        digests = tuple(g[0] for g in gathered)
+        generation = f"{gathered[0][1]:x}-{gathered[0][2]:08x}"
+        plan = self._cache.get(digests)
+        if plan is not None:
+            self._cache.move_to_end(digests)
+            return plan, generation, False
+        try:
+            plan = build_plan(group.all_gather_object(collected.rows), digests)
+        except ValueError as exc:
+            raise StateMismatchError(str(exc)) from None
+        _check_replicas(group, plan, collected)
+        self._cache[digests] = plan
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return plan, generation, True
+
+
+def _check_replicas(group: Group, plan: SavePlan, collected: Collected) -> None:
+    """On a structure's first save, check by checksum that every replica holds the same value."""
+    if group.size == 1:
+        return
+    mine: dict[ChunkKey, int] = {}
+    for item in collected.items:
+        if not item.rank_local and len(plan.holders[item.key]) > 1:
+            mine[item.key] = xxhash.xxh3_64_intdigest(tensor_bytes(item.tensor))
+    for key, encoded in collected.objects.items():
+        if len(plan.holders[(key, ())]) > 1:
+            mine[(key, ())] = xxhash.xxh3_64_intdigest(json.dumps(encoded, sort_keys=True).encode())
+    everyone = group.all_gather_object(mine)
+    bad = sorted({key for d in everyone for key, h in d.items() if any(o.get(key, h) != h for o in everyone)})
+    if bad:
+        names = ", ".join(fqn(decode_path(json.loads(k))) + (f" (box at {list(o)})" if o else "") for k, o in bad)
+        raise StateMismatchError(f"replicas disagree on {names}: ranks hold different values for a leaf that is "
+                                 "not sharded; make them equal or mark it with zerostall.rank_local()")
+
+
+_PLANNER = SavePlanner()
+
+
 def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None, step: int | None = None,
          metadata: Mapping[str, Any] | None = None, threads: int | None = None, fsync: bool = True,
-         allow_pickle: bool = False, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+         allow_pickle: bool = False, block_size: int = DEFAULT_BLOCK_SIZE,
+         commit_timeout: float = 600.0) -> SaveInfo:
     """Save ``state`` to ``path`` and return once the checkpoint is committed (durable, visible).
 
-    ``state`` is any nesting of dicts/lists/tuples of tensors, python values and objects with
-    ``state_dict()``. Saving into an existing checkpoint leaves it intact until the new manifest
-    commits. ``fsync=False`` trades durability for speed on scratch storage.
+    ``state`` is any nesting of dicts/lists/tuples of tensors (DTensors included), python values
+    and objects with ``state_dict()``. Collective when ``torch.distributed`` is initialized: every
+    rank calls it; replicated data is written once, balanced over the ranks that hold it. Saving
+    into an existing checkpoint leaves it intact until the new manifest commits; a rank that fails
+    or dies fails the save everywhere within ``commit_timeout`` seconds, with no manifest written.
+    ``fsync=False`` trades durability for speed on scratch storage.
     """
-    require_single_process(process_group)
-    entries, items, tree = build_entries(state, allow_pickle=allow_pickle)
+    t0 = time.perf_counter()
+    group = Group(process_group)
+    collected = collect(state, group.rank, allow_pickle=allow_pickle)
+    plan, generation, replanned = _PLANNER.plan(group, collected)
+    t_plan = time.perf_counter()
     storage = storage_for(path, fsync=fsync)
-    generation = new_generation()
+    mine = [i for i in collected.items if i.rank_local or plan.writes(group.rank, i.key)]
     try:
         _create(storage)
-        files = _write_data(storage, entries, items, generation, threads or default_threads(), block_size)
-        manifest = Manifest(
-            generation=generation, entries=entries, files=files, tree=tree, block_size=block_size, step=step,
-            metadata=codec.encode(dict(metadata or {}), where="metadata", allow_pickle=allow_pickle))
-        commit(storage, manifest)
-    except BaseException:
-        if not _is_committed(storage, generation):
-            _delete_generation(storage, generation)
+        files = _write_data(storage, mine, generation, group.rank, threads or default_threads(), block_size)
+        record = _record(collected, plan, group.rank, files, mine)
+        if not group.is_coordinator:
+            write_record(storage, generation, group.rank, "done", record)
+    except BaseException as exc:
+        _delete_generation(storage, generation, group.rank)
+        if group.size > 1:
+            _report_failure(storage, generation, group, exc)
         storage.close()
         raise
-    delete_older_generations(storage, generation)
+    t_write = time.perf_counter()
+    try:
+        if group.is_coordinator:
+            records = {0: record, **await_records(storage, generation, list(range(1, group.size)), commit_timeout)}
+            commit(storage, assemble(collected, plan, records, generation, group.size, step,
+                                     codec.encode(dict(metadata or {}), where="metadata", allow_pickle=allow_pickle),
+                                     block_size))
+        else:
+            await_commit(storage, generation, commit_timeout)
+    except BaseException as exc:
+        if group.is_coordinator and not _is_committed(storage, generation):
+            if group.size > 1:
+                write_abort(storage, generation, f"{type(exc).__name__}: {exc}")
+            _delete_generation(storage, generation, group.rank)
+            storage.delete(manifest_tmp_name(generation))
+        storage.close()
+        raise
+    if group.is_coordinator:
+        delete_older_generations(storage, generation)
+        _delete_records(storage, generation)
     storage.close()
+    end = time.perf_counter()
+    return SaveInfo(storage.location, generation, step, sum(files.values()), replanned,
+                    t_plan - t0, t_write - t_plan, end - t_write, end - t0)
+
+
+def _report_failure(storage: Storage, generation: str, group: Group, exc: BaseException) -> None:
+    """Make the other ranks give up now instead of at the timeout (best effort)."""
+    reason = f"{type(exc).__name__}: {exc}"
+    try:
+        if group.is_coordinator:
+            write_abort(storage, generation, reason)
+        else:
+            write_record(storage, generation, group.rank, "failed", {"error": reason})
+    except OSError:
+        log.warning("could not record the failure of rank %d in %s", group.rank, storage.location)
+
+
+def _record(collected: Collected, plan: SavePlan, rank: int, files: dict[str, int],
+            written: list[WriteItem]) -> dict[str, Any]:
+    """This rank's ``done`` record: its files, the chunks it wrote and the values it owns."""
+    return {
+        "rank": rank,
+        "files": files,
+        "chunks": [[i.key[0], i.entry.chunks[-1].to_json()] for i in written if not i.rank_local],
+        "objects": [[k, v] for k, v in collected.objects.items() if plan.writes(rank, (k, ()))],
+        "rank_local": [e.to_json(encode_path) for e in collected.rank_local],
+    }
+
+
+def assemble(collected: Collected, plan: SavePlan, records: dict[int, dict[str, Any]], generation: str,
+             world_size: int, step: int | None, metadata: Any, block_size: int) -> Manifest:
+    """The coordinator builds the manifest from the plan and every rank's record."""
+    entries: list[Entry] = []
+    index: dict[tuple[str, int | None], int] = {}
+    for row in plan.entries:
+        path = decode_path(json.loads(row.key))
+        index[(row.key, None)] = len(entries)
+        entries.append(Entry(fqn(path), path, row.kind, dtype=row.dtype, shape=row.shape))
+    for row, entry in zip(plan.entries, entries):
+        if row.kind == "alias":
+            entry.alias_of = index[(row.alias_of or "", None)]
+    files: dict[str, int] = {}
+    for rank, record in sorted(records.items()):
+        files.update(record["files"])
+        for key, chunk in record["chunks"]:
+            entries[index[(key, None)]].chunks.append(Chunk.from_json(chunk))
+        for key, value in record["objects"]:
+            entries[index[(key, None)]].value = value
+        for data in record["rank_local"]:
+            entry = Entry.from_json(data, decode_path)
+            index[(path_key(entry.path), rank)] = len(entries)
+            entries.append(entry)
+    for entry in entries:
+        entry.chunks.sort(key=lambda c: c.offsets)
+
+    def refs(node: Any) -> Any:
+        if isinstance(node, _Leaf):
+            key = path_key(node.path)
+            return codec.Ref(index.get((key, None), index.get((key, 0), -1)))
+        if isinstance(node, dict):
+            return {k: refs(v) for k, v in node.items()}
+        return type(node)(refs(v) for v in node)
+
+    return Manifest(generation=generation, entries=entries, files=files, tree=codec.encode(refs(collected.skeleton)),
+                    world_size=world_size, block_size=block_size, step=step, metadata=metadata)
 
 
 def require_single_process(process_group: Any) -> None:
@@ -181,10 +400,11 @@ def _create(storage: Storage) -> None:
         raise CheckpointError(f"cannot create checkpoint directory {storage.location}: {exc}") from exc
 
 
-def _write_data(storage: Storage, entries: list[Entry], items: list[WriteItem], generation: str,
-                threads: int, block_size: int) -> dict[str, int]:
-    groups = assign_files(items, threads)
-    names = [data_file_name(generation, 0, n) for n in range(len(groups))]
+def _write_data(storage: Storage, items: list[WriteItem], generation: str, rank: int, threads: int,
+                block_size: int) -> dict[str, int]:
+    """Write this rank's items into balanced files in parallel; each item's chunk is appended to its entry."""
+    groups = assign_files(items, threads) if items else []
+    names = [data_file_name(generation, rank, n) for n in range(len(groups))]
     files: dict[str, int] = {}
     with ThreadPoolExecutor(max_workers=max(1, len(groups)), thread_name_prefix="zerostall-write") as pool:
         futures = [pool.submit(_write_file, storage, n, g, generation, block_size) for n, g in zip(names, groups)]
@@ -195,7 +415,7 @@ def _write_data(storage: Storage, entries: list[Entry], items: list[WriteItem], 
                 raise CheckpointError(f"writing {exc.filename or storage.location} failed: {exc}") from exc
             files[name] = size
             for item, chunk in zip(group, chunks):
-                entries[item.entry].chunks.append(chunk)
+                item.entry.chunks.append(chunk)
     return files
 
 
@@ -215,13 +435,22 @@ def _is_committed(storage: Storage, generation: str) -> bool:
         return False
 
 
-def _delete_generation(storage: Storage, generation: str) -> None:
+def _delete_generation(storage: Storage, generation: str, rank: int) -> None:
+    """Remove this rank's files of a save that did not commit."""
+    own = f"{generation}-r{rank:05d}"
     for name in storage.list():
-        if file_generation(name) == generation:
+        if name.startswith(own):
             try:
                 storage.delete(name)
             except OSError:
                 log.warning("could not remove %s of the failed save in %s", name, storage.location)
+
+
+def _delete_records(storage: Storage, generation: str) -> None:
+    for name in storage.list():
+        parsed = parse_record(name)
+        if parsed is not None and parsed[0] == generation:
+            storage.delete(name)
 
 
 def delete_older_generations(storage: Storage, keep: str) -> None:

@@ -27,8 +27,10 @@ MANIFEST_NAME = "manifest.json"
 DATA_ALIGNMENT = 4096
 DEFAULT_BLOCK_SIZE = 4 << 20
 
-_DATA_FILE_RE = re.compile(r"^(?P<gen>[0-9a-f]+-[0-9a-f]+)-r(?P<rank>\d+)-(?P<n>\d+)\.safetensors$")
-_MANIFEST_TMP_RE = re.compile(r"^manifest\.json\.(?P<gen>[0-9a-f]+-[0-9a-f]+)\.tmp$")
+_GEN = r"(?P<gen>[0-9a-f]+-[0-9a-f]+)"
+_DATA_FILE_RE = re.compile(rf"^{_GEN}-r(?P<rank>\d+)-(?P<n>\d+)\.safetensors$")
+_RECORD_RE = re.compile(rf"^{_GEN}(-r(?P<rank>\d+)\.(?P<kind>done|failed)|\.abort)$")
+_MANIFEST_TMP_RE = re.compile(rf"^manifest\.json\.{_GEN}\.tmp$")
 
 # dtypes safetensors knows; every other dtype is stored as U8 with the true dtype in the manifest
 _SAFETENSORS_DTYPES = {
@@ -53,13 +55,31 @@ def data_file_name(generation: str, rank: int, index: int) -> str:
     return f"{generation}-r{rank:05d}-{index:03d}.safetensors"
 
 
+def record_name(generation: str, rank: int, kind: str) -> str:
+    """A rank's commit record: ``done`` (its files, sizes and checksums) or ``failed``."""
+    return f"{generation}-r{rank:05d}.{kind}"
+
+
+def abort_name(generation: str) -> str:
+    return f"{generation}.abort"
+
+
+def parse_record(name: str) -> tuple[str, int | None, str] | None:
+    """(generation, rank, kind) of a commit record name; kind "abort" has no rank."""
+    match = _RECORD_RE.match(name)
+    if not match:
+        return None
+    rank = match.group("rank")
+    return match.group("gen"), int(rank) if rank else None, match.group("kind") or "abort"
+
+
 def manifest_tmp_name(generation: str) -> str:
     return f"{MANIFEST_NAME}.{generation}.tmp"
 
 
 def file_generation(name: str) -> str | None:
     """The generation a data file or manifest temp file belongs to; None for foreign files."""
-    match = _DATA_FILE_RE.match(name) or _MANIFEST_TMP_RE.match(name)
+    match = _DATA_FILE_RE.match(name) or _RECORD_RE.match(name) or _MANIFEST_TMP_RE.match(name)
     return match.group("gen") if match else None
 
 
@@ -115,6 +135,7 @@ class Entry:
     chunks: list[Chunk] = field(default_factory=list)
     value: Any = None
     alias_of: int | None = None
+    rank: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -127,6 +148,8 @@ class Entry:
 
     def to_json(self, encode_path) -> dict[str, Any]:
         d: dict[str, Any] = {"fqn": self.fqn, "path": encode_path(self.path), "kind": self.kind}
+        if self.rank is not None:
+            d["rank"] = self.rank
         if self.kind == "tensor":
             d.update(dtype=self.dtype, shape=list(self.shape or ()),
                      chunks=[c.to_json() for c in self.chunks])
@@ -142,7 +165,7 @@ class Entry:
             fqn=d["fqn"], path=decode_path(d["path"]), kind=d["kind"], dtype=d.get("dtype"),
             shape=tuple(d["shape"]) if "shape" in d else None,
             chunks=[Chunk.from_json(c) for c in d.get("chunks", ())],
-            value=d.get("value"), alias_of=d.get("alias_of"),
+            value=d.get("value"), alias_of=d.get("alias_of"), rank=d.get("rank"),
         )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -13,12 +13,14 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 @dataclass
 class WriteItem:
-    """One chunk to write: the source tensor (CPU, contiguous) and its place in the entry."""
+    """One chunk to write: the source tensor (CPU, contiguous), its entry and its box offsets."""
 
-    entry: int
+    entry: Any
     name: str
     tensor: torch.Tensor
     offsets: tuple[int, ...]
+    key: tuple[str, tuple[int, ...]] = ("", ())
+    rank_local: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -72,3 +74,86 @@ def element_span(chunk: Box, inner: Box) -> tuple[int, int]:
     first = sum((io - co) * st for io, co, st in zip(inner[0], chunk[0], strides))
     last = sum((io + isz - 1 - co) * st for io, isz, co, st in zip(inner[0], inner[1], chunk[0], strides))
     return first, last + 1
+
+
+# -- the global save plan ------------------------------------------------------------------------
+#
+# Every rank describes what it holds (a "structure": one row per global leaf, no data); the rows
+# of all ranks are gathered once and every rank computes the same plan from them, so the plan
+# needs no further messages. A plan is cached under the digests of all ranks' structures: the
+# next save of an unchanged structure only checks, with one small collective, that the digests
+# still agree.
+
+ChunkKey = tuple[str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One global leaf as one rank holds it: a tensor box, an alias or a python value."""
+
+    key: str
+    kind: str
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    offsets: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
+    nbytes: int = 0
+    alias_of: str | None = None
+
+
+def structure_digest(rows: Sequence[Row]) -> int:
+    """A signed 64-bit digest of a rank's structure (fits an int64 collective)."""
+    import xxhash
+
+    digest = xxhash.xxh3_64_intdigest(repr(list(rows)).encode())
+    return digest - (1 << 64) if digest >= 1 << 63 else digest
+
+
+@dataclass
+class SavePlan:
+    """Who writes which chunk, and the global entry table (in a rank-independent order)."""
+
+    digests: tuple[int, ...]
+    entries: list[Row]
+    writers: dict[ChunkKey, int]
+    holders: dict[ChunkKey, list[int]]
+    bytes_per_rank: list[int]
+
+    def writes(self, rank: int, key: ChunkKey) -> bool:
+        return self.writers.get(key) == rank
+
+
+def build_plan(structures: Sequence[Sequence[Row]], digests: Sequence[int]) -> SavePlan:
+    """Dedup replicated chunks and balance their writing over their holders.
+
+    Chunks are taken fewest holders first, then largest first, and each goes to its least-loaded
+    holder by bytes (lowest rank on ties): deterministic, so every rank computes the same plan.
+    Python values are written by their lowest-ranked holder. Raises ``ValueError`` naming the key
+    when ranks disagree on a leaf's kind, dtype or global shape.
+    """
+    entries: dict[str, Row] = {}
+    holders: dict[ChunkKey, list[int]] = {}
+    sizes: dict[ChunkKey, int] = {}
+    for rank, rows in enumerate(structures):
+        for row in rows:
+            first = entries.setdefault(row.key, row)
+            if (first.kind, first.dtype, first.shape, first.alias_of) != (row.kind, row.dtype, row.shape, row.alias_of):
+                raise ValueError(f"{row.key}: rank {rank} holds {_describe(row)}, another rank {_describe(first)}; "
+                                 "mark per-rank values with zerostall.rank_local()")
+            if row.kind in ("tensor", "object"):
+                key = (row.key, row.offsets)
+                holders.setdefault(key, []).append(rank)
+                sizes[key] = row.nbytes
+    load = [0] * len(structures)
+    writers: dict[ChunkKey, int] = {}
+    for key in sorted(holders, key=lambda k: (len(holders[k]), -sizes[k], k)):
+        writer = min(holders[key], key=lambda r: (load[r], r))
+        writers[key] = writer
+        load[writer] += sizes[key]
+    return SavePlan(tuple(digests), list(entries.values()), writers, holders, load)
+
+
+def _describe(row: Row) -> str:
+    if row.kind == "tensor":
+        return f"a {row.dtype} tensor of shape {list(row.shape or ())}"
+    return "an alias" if row.kind == "alias" else "a python value"

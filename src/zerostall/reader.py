@@ -20,7 +20,8 @@ import torch
 import xxhash
 
 from . import codec
-from .engine import CACHE_PIECE, decode_path, default_threads, require_single_process, tensor_bytes, view_key
+from .engine import CACHE_PIECE, decode_path, default_threads, require_single_process, view_key
+from .memory import tensor_bytes
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompleteCheckpointError, StateMismatchError, UnsupportedValueError)
 from .format import MANIFEST_NAME, Chunk, Entry, Manifest, file_generation

@@ -25,6 +25,24 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
+class RankLocal:
+    """Marks a value as this rank's own (RNG state, data-loader position): saved per rank, left
+    out of the cross-rank agreement check, and restored by rank index."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"rank_local({self.value!r})"
+
+
+def rank_local(value: Any) -> RankLocal:
+    """Mark ``value`` (a tensor, python value or nested state) as per-rank state."""
+    return value if isinstance(value, RankLocal) else RankLocal(value)
+
+
 def is_stateful(obj: Any) -> bool:
     return not isinstance(obj, (dict, torch.Tensor, type)) and isinstance(obj, Stateful)
 
@@ -44,6 +62,7 @@ class Flat:
     """A flattened state: tensor and python-value leaves, plus the stateful objects met."""
 
     leaves: dict[Path, Any] = field(default_factory=dict)
+    rank_local: set[Path] = field(default_factory=set)
     statefuls: dict[Path, tuple[Any, Any]] = field(default_factory=dict)
     skeleton: Any = None
 
@@ -56,7 +75,11 @@ def flatten(state: Any, *, prepare: Callable[[Path, Any], None] | None = None) -
     ``state_dict()`` is taken (the loader uses it to create a fresh optimizer's state)."""
     flat = Flat()
 
-    def walk(node: Any, path: Path) -> tuple[bool, Any]:
+    def walk(node: Any, path: Path, local: bool = False) -> tuple[bool, Any]:
+        if isinstance(node, RankLocal):
+            return walk(node.value, path, True)
+        if local:
+            flat.rank_local.add(path)
         if is_stateful(node):
             if prepare is not None:
                 prepare(path, node)
@@ -69,11 +92,12 @@ def flatten(state: Any, *, prepare: Callable[[Path, Any], None] | None = None) -
         if is_container(node) and len(node) > 0:
             start = len(flat.leaves)
             items = node.items() if isinstance(node, dict) else enumerate(node)
-            walked = [(k, *walk(v, path + (k,))) for k, v in items]
+            walked = [(k, *walk(v, path + (k,), local)) for k, v in items]
             if any(has_tensor for _, has_tensor, _ in walked):
                 return True, _same_container(node, [(k, plain) for k, _, plain in walked])
             for p in list(flat.leaves)[start:]:
                 del flat.leaves[p]
+                flat.rank_local.discard(p)
             plain = _same_container(node, [(k, plain) for k, _, plain in walked])
             flat.leaves[path] = plain
             return False, plain
@@ -107,6 +131,9 @@ def rebuild(state: Any, flat: Flat, replacements: dict[Path, Any], *, assign: bo
             obj.load_state_dict(sd)
 
     def visit(node: Any, path: Path) -> Any:
+        if isinstance(node, RankLocal):
+            node.value = visit(node.value, path)
+            return node
         if path in flat.statefuls:
             obj, sd = flat.statefuls[path]
             hand_over(obj, visit_plain(sd, path))
@@ -128,6 +155,9 @@ def rebuild(state: Any, flat: Flat, replacements: dict[Path, Any], *, assign: bo
 
     def merge(node: Any, path: Path, new: Any) -> Any:
         """Replace ``node`` by the loaded value ``new``, keeping container and object identity."""
+        if isinstance(node, RankLocal):
+            node.value = merge(node.value, path, new)
+            return node
         if path in flat.statefuls and node is not flat.statefuls[path][1]:
             obj, sd = flat.statefuls[path]
             hand_over(obj, merge(sd, path, new))

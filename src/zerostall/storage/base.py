@@ -43,6 +43,10 @@ class Storage(ABC):
     def read_bytes(self, name: str) -> bytes:
         """The whole content of a small file (the manifest)."""
 
+    def read_head(self, name: str, n: int) -> bytes:
+        """Up to the first ``n`` bytes of a file (to peek at a manifest's generation)."""
+        return self.read_bytes(name)[:n]
+
     @abstractmethod
     def publish(self, name: str, tmp_name: str, data: bytes) -> None:
         """Atomically make ``name`` hold ``data``: readers see the old content or the new, whole."""

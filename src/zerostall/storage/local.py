@@ -103,6 +103,10 @@ class LocalStorage(Storage):
         with open(self._path(name), "rb") as f:
             return f.read()
 
+    def read_head(self, name: str, n: int) -> bytes:
+        with open(self._path(name), "rb") as f:
+            return f.read(n)
+
     def publish(self, name: str, tmp_name: str, data: bytes) -> None:
         tmp = self._path(tmp_name)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)

@@ -1,0 +1,72 @@
+"""The few collectives zerostall needs, over a process group or trivially in one process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .memory import tensor_bytes
+
+
+class Group:
+    """This process's view of the ranks taking part in a save or load.
+
+    ``process_group=None`` means the default group when ``torch.distributed`` is initialized, and a
+    world of one otherwise, so single-process code takes exactly the same path.
+    """
+
+    def __init__(self, process_group: Any = None) -> None:
+        active = dist.is_available() and dist.is_initialized()
+        if process_group is not None and not active:
+            raise ValueError("a process_group was given but torch.distributed is not initialized")
+        self.pg = (process_group or dist.group.WORLD) if active else None
+        self.rank = dist.get_rank(self.pg) if self.pg is not None else 0
+        self.size = dist.get_world_size(self.pg) if self.pg is not None else 1
+        self.device = torch.device("cpu")
+        if self.pg is not None and dist.get_backend(self.pg) == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's list of int64 values (same length everywhere): one small collective."""
+        if self.pg is None:
+            return [list(values)]
+        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
+        out = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(out, mine, group=self.pg)
+        return [t.tolist() for t in out]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's python object (planning metadata only, never tensor data)."""
+        if self.pg is None:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        """``data`` from ``src`` on every rank, sent as a tensor (size first, then the bytes)."""
+        if self.pg is None:
+            assert data is not None
+            return data
+        size = torch.tensor([len(data) if self.rank == src else 0], dtype=torch.int64, device=self.device)
+        dist.broadcast(size, src=self._global(src), group=self.pg)
+        if self.rank == src and data:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        else:
+            buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.broadcast(buf, src=self._global(src), group=self.pg)
+        return bytes(tensor_bytes(buf.cpu()))
+
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
+        """Broadcast a preallocated tensor in place from group rank ``src``."""
+        if self.pg is not None:
+            dist.broadcast(tensor, src=self._global(src), group=self.pg)
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.pg, group_rank) if self.pg is not dist.group.WORLD else group_rank
