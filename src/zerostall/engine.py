@@ -68,6 +68,8 @@ def check_tensor(t: torch.Tensor, where: str) -> None:
 
 def view_key(t: torch.Tensor) -> tuple[Any, ...]:
     """Identity of a tensor view: two leaves with the same key hold the very same bytes."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
             t.is_conj(), t.is_neg())
 
@@ -384,13 +386,6 @@ def assemble(collected: Collected, plan: SavePlan, records: dict[int, dict[str, 
 
     return Manifest(generation=generation, entries=entries, files=files, tree=codec.encode(refs(collected.skeleton)),
                     world_size=world_size, block_size=block_size, step=step, metadata=metadata)
-
-
-def require_single_process(process_group: Any) -> None:
-    import torch.distributed as dist
-
-    if process_group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        raise CheckpointError("multi-rank save/load is not supported yet: run with one process")
 
 
 def _create(storage: Storage) -> None:

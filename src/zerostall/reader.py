@@ -8,6 +8,7 @@ and through a bounded staging buffer otherwise (dtype conversion, slices, other 
 from __future__ import annotations
 
 import fnmatch
+import json
 import heapq
 import logging
 import os
@@ -19,13 +20,14 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Sequence, overloa
 import torch
 import xxhash
 
-from . import codec
-from .engine import CACHE_PIECE, decode_path, default_threads, require_single_process, view_key
+from . import codec, errors
+from .collectives import Group
+from .engine import CACHE_PIECE, decode_path, default_threads, local_box, view_key
 from .memory import tensor_bytes
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompleteCheckpointError, StateMismatchError, UnsupportedValueError)
 from .format import MANIFEST_NAME, Chunk, Entry, Manifest, file_generation
-from .plan import contiguous_strides, element_span, intersect
+from .plan import Box, contiguous_strides, element_span, intersect
 from .state import Path, flatten, fqn, init_optimizer_state, rebuild
 from .storage import Storage, storage_for
 
@@ -58,12 +60,12 @@ class Mismatch:
         return "; ".join(parts)
 
 
-def read_manifest(storage: Storage) -> Manifest:
-    """The committed manifest at ``storage``, or the precise error for why there is none."""
+def read_manifest_bytes(storage: Storage) -> bytes:
+    """The committed manifest's raw bytes at ``storage``, or the precise error for why there is none."""
     if not storage.exists():
         raise CheckpointNotFoundError(f"no checkpoint at {storage.location}")
     try:
-        raw = storage.read_bytes(MANIFEST_NAME)
+        return storage.read_bytes(MANIFEST_NAME)
     except FileNotFoundError:
         data = [n for n in storage.list() if file_generation(n)]
         if not data:
@@ -73,24 +75,33 @@ def read_manifest(storage: Storage) -> Manifest:
             f"({len(data)} uncommitted data file(s) present)") from None
     except OSError as exc:
         raise CheckpointError(f"cannot read the manifest of {storage.location}: {exc}") from exc
+
+
+def parse_manifest(storage: Storage, raw: bytes) -> Manifest:
     return Manifest.from_bytes(raw, decode_path, os.path.join(storage.location, MANIFEST_NAME))
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """The committed manifest at ``storage``."""
+    return parse_manifest(storage, read_manifest_bytes(storage))
 
 
 class Checkpoint:
     """A read session on one checkpoint (what :func:`zerostall.open` returns); use it as a context manager."""
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True, allow_pickle: bool = False,
-                 threads: int | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, process_group: Any = None, verify: bool = True,
+                 allow_pickle: bool = False, threads: int | None = None) -> None:
+        self.group = Group(process_group)
         self.storage = storage_for(path)
         self.path = self.storage.location
-        self.manifest = read_manifest(self.storage)
+        self.manifest = _agreed_manifest(self.storage, self.group)
         self.verify_reads = verify
         self.allow_pickle = allow_pickle
         self.threads = threads or default_threads()
-        self._by_path = {e.path: e for e in self.manifest.entries}
+        self._by_path = {(e.path, e.rank): e for e in self.manifest.entries}
         self._by_fqn: dict[str, Entry] = {}
         for e in self.manifest.entries:
-            self._by_fqn.setdefault(e.fqn, e)
+            self._by_fqn.setdefault(e.fqn if e.rank is None else f"{e.fqn}@rank{e.rank}", e)
         self._maps: dict[str, memoryview | None] = {}
         self._scratch = threading.local()
 
@@ -121,7 +132,10 @@ class Checkpoint:
         self._maps.clear()
 
     def _entry(self, key: str | Path) -> Entry:
-        entry = self._by_path.get(key) if isinstance(key, tuple) else self._by_fqn.get(key)
+        if isinstance(key, tuple):
+            entry = self._by_path.get((key, None)) or self._by_path.get((key, self.group.rank))
+        else:
+            entry = self._by_fqn.get(key) or self._by_fqn.get(f"{key}@rank{self.group.rank}")
         if entry is None:
             raise KeyError(f"{key!r} is not in checkpoint {self.path}")
         return self._resolve(entry)
@@ -138,7 +152,10 @@ class Checkpoint:
 
     # -- reading -------------------------------------------------------------------------------
     def read(self, key: str | Path, *, verify: bool | None = None) -> Any:
-        """One entry: a tensor (memory-mapped from the file where possible) or a python value."""
+        """One entry, whole: a tensor (memory-mapped from the file where possible) or a python value.
+
+        ``key`` is a dotted name or a key path tuple; a rank-local entry is this rank's copy
+        (``"name@rankN"`` names another rank's)."""
         entry = self._entry(key)
         if entry.kind == "object":
             return codec.decode(entry.value, where=entry.fqn, allow_pickle=self.allow_pickle)
@@ -155,7 +172,7 @@ class Checkpoint:
                 raw = torch.frombuffer(mapped, dtype=torch.uint8, count=chunk.nbytes, offset=chunk.offset)
                 return raw.view(dtype).reshape(shape)
         out = torch.empty(shape, dtype=dtype)
-        self._fill([(out, entry)], verify)
+        self._fill([(out, _whole(out), entry)], verify)
         return out
 
     def state(self) -> Any:
@@ -189,16 +206,16 @@ class Checkpoint:
     @overload
     def load(self, state: Any, *, strict: Literal[True] = ..., prefix: str | Path = ..., keys: KeyFilter = ...,
              strip: Sequence[str] = ..., strict_dtype: bool = ..., materialize: bool = ...,
-             verify: bool | None = ...) -> Any: ...
+             verify: bool | None = ..., broadcast: bool = ...) -> Any: ...
 
     @overload
     def load(self, state: Any, *, strict: Literal[False], prefix: str | Path = ..., keys: KeyFilter = ...,
              strip: Sequence[str] = ..., strict_dtype: bool = ..., materialize: bool = ...,
-             verify: bool | None = ...) -> tuple[Any, Mismatch]: ...
+             verify: bool | None = ..., broadcast: bool = ...) -> tuple[Any, Mismatch]: ...
 
     def load(self, state: Any, *, strict: bool = True, prefix: str | Path = (), keys: KeyFilter = None,
              strip: Sequence[str] = (), strict_dtype: bool = False, materialize: bool = False,
-             verify: bool | None = None) -> Any:
+             verify: bool | None = None, broadcast: bool = False) -> Any:
         """Fill ``state`` in place from this checkpoint and return it.
 
         ``prefix`` selects a subtree of the checkpoint (``"model"`` loads a bare model from a
@@ -208,6 +225,10 @@ class Checkpoint:
         :class:`StateMismatchError` before anything is modified; with ``strict=False`` what
         matches is loaded and ``(state, Mismatch)`` is returned. dtypes convert like
         ``load_state_dict`` unless ``strict_dtype``. Meta-device targets need ``materialize``.
+
+        Collective when distributed: each rank reads only the bytes its targets need (DTensor
+        shards reshard from any saved layout). ``broadcast=True`` has one rank read each chunk
+        that every rank needs whole and broadcast it to the others.
         """
         verify = self.verify_reads if verify is None else verify
         prefix_path = (prefix,) if isinstance(prefix, str) else tuple(prefix)
@@ -222,9 +243,14 @@ class Checkpoint:
         flat = flatten(state, prepare=prepare)
         plan = _LoadPlan()
         seen_targets: set[tuple[Any, ...]] = set()
+        world_changed = self.manifest.world_size != self.group.size
         for path, value in flat.leaves.items():
             rel = _normalize(path, strip)
             if not select(fqn(rel)):
+                continue
+            if world_changed and path in flat.rank_local and rel not in source:
+                plan.mismatch.mismatched.append(f"{fqn(path)} (rank-local, saved by {self.manifest.world_size} "
+                                                f"ranks, loading on {self.group.size})")
                 continue
             self._match(plan, path, rel, value, source, under, strict_dtype, materialize, seen_targets)
         plan.mismatch.unexpected = [e.fqn for rel, e in source.items() if rel not in plan.consumed]
@@ -234,7 +260,8 @@ class Checkpoint:
                 "pass materialize=True to allocate them from the checkpoint")
         if strict and plan.mismatch:
             raise StateMismatchError(f"checkpoint {self.path} does not match the target state: {plan.mismatch.describe()}")
-        self._fill(plan.tensors, verify)
+        received = self._broadcast_fill(plan.tensors, verify) if broadcast and self.group.size > 1 else set()
+        self._fill(plan.tensors, verify, skip=received)
         for path, entry, like in plan.new_tensors:
             plan.replacements[path] = self._materialize(entry, like, verify)
         result = rebuild(state, flat, plan.replacements, assign=materialize)
@@ -246,7 +273,10 @@ class Checkpoint:
 
     def _source_index(self, prefix: Path, strip: Sequence[str], select: Callable[[str], bool]) -> dict[Path, Entry]:
         source: dict[Path, Entry] = {}
+        same_world = self.manifest.world_size == self.group.size
         for e in self.manifest.entries:
+            if e.rank is not None and (not same_world or e.rank != self.group.rank):
+                continue
             if e.path[:len(prefix)] != prefix:
                 continue
             rel = _normalize(e.path[len(prefix):], strip)
@@ -288,9 +318,11 @@ class Checkpoint:
                 plan.new_tensors.append((path, entry, value))
             else:
                 plan.meta.append(name)
-        elif view_key(value) not in seen:
-            seen.add(view_key(value))
-            plan.tensors.append((value, entry))
+        else:
+            piece, offsets, sizes = local_box(value)
+            if view_key(piece) not in seen:
+                seen.add(view_key(piece))
+                plan.tensors.append((piece, (offsets, sizes), entry))
 
     def _subtree(self, source: dict[Path, Entry], root: Path, consumed: set[Path]) -> Any:
         """Rebuild the checkpoint's subtree under ``root`` for a target that holds an empty container."""
@@ -307,52 +339,111 @@ class Checkpoint:
     def _materialize(self, entry: Entry, like: torch.Tensor | None, verify: bool) -> torch.Tensor:
         dtype = like.dtype if like is not None else entry.torch_dtype
         out = torch.empty(entry.shape or (), dtype=dtype)
-        self._fill([(out, entry)], verify)
+        self._fill([(out, _whole(out), entry)], verify)
         return out
 
     # -- moving bytes --------------------------------------------------------------------------
-    def _fill(self, targets: list[tuple[torch.Tensor, Entry]], verify: bool) -> None:
-        """Copy each entry's bytes into its target tensor, reading in parallel."""
+    def _fill(self, targets: list[tuple[torch.Tensor, Box, Entry]], verify: bool, skip: set[int] = frozenset()) -> None:
+        """Copy into each target (a tensor holding ``box`` of its entry) the bytes of every chunk
+        that intersects it, reading in parallel: straight into the target when a chunk is exactly
+        the target's box and layouts match, through staging buffers otherwise. Chunks whose
+        ``id`` is in ``skip`` were already delivered (by broadcast)."""
         direct: list[tuple[Entry, Chunk, int, memoryview]] = []
-        staged: list[tuple[torch.Tensor, Entry, Chunk, tuple[Any, Any]]] = []
-        for target, entry in targets:
-            box = ((0,) * target.dim(), tuple(target.shape))
+        staged: list[tuple[torch.Tensor, Box, Entry, Chunk, Box]] = []
+        for target, box, entry in targets:
+            covered = 0
             for chunk in entry.chunks:
                 inter = intersect(box, (chunk.offsets, chunk.sizes))
                 if inter is None:
                     continue
-                if (inter == box and chunk.sizes == box[1] and target.device.type == "cpu"
-                        and target.dtype == entry.torch_dtype and target.is_contiguous()
-                        and not target.is_conj() and not target.is_neg()):
+                covered += _numel(inter[1])
+                if id(chunk) in skip:
+                    continue
+                if inter == box == (chunk.offsets, chunk.sizes) and _direct(target, entry):
                     direct.extend(self._pieces(entry, chunk, 0, tensor_bytes(target.data)))
                 else:
-                    staged.append((target, entry, chunk, inter))
+                    staged.append((target, box, entry, chunk, inter))
+            if covered < _numel(box[1]):
+                raise CorruptCheckpointError(f"entry {entry.fqn} of {self.path} has no data for part of the box "
+                                             f"{[list(b) for b in box]}: its chunks do not cover the tensor")
         with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read") as pool:
             _run(pool, self.threads, self._read_piece, direct, verify)
-            for batch in _batches(staged, lambda s: s[2].nbytes, _STAGING_BYTES):
+            for batch in _batches(staged, lambda s: s[3].nbytes, _STAGING_BYTES):
                 self._fill_staged(pool, batch, verify)
 
-    def _fill_staged(self, pool: ThreadPoolExecutor, batch: list[tuple[torch.Tensor, Entry, Chunk, Any]],
+    def _broadcast_fill(self, targets: list[tuple[torch.Tensor, Box, Entry]], verify: bool) -> set[int]:
+        """Deliver the chunks that every rank needs whole: one rank reads each (balanced by bytes,
+        verified) and broadcasts it into preallocated buffers, the target itself where layouts
+        match. Returns the ids of the chunks delivered."""
+        index = {id(e): i for i, e in enumerate(self.manifest.entries)}
+        wanted: dict[tuple[int, int], tuple[torch.Tensor, Box, Entry, Chunk]] = {}
+        for target, box, entry in targets:
+            for n, chunk in enumerate(entry.chunks):
+                if intersect(box, (chunk.offsets, chunk.sizes)) == (chunk.offsets, chunk.sizes) and chunk.nbytes:
+                    wanted[(index[id(entry)], n)] = (target, box, entry, chunk)
+        everyone = self.group.all_gather_object(sorted(wanted))
+        common = sorted(set.intersection(*(set(map(tuple, keys)) for keys in everyone)))
+        load = [0] * self.group.size
+        readers = {}
+        for key in sorted(common, key=lambda k: (-wanted[k][3].nbytes, k)):
+            readers[key] = min(range(self.group.size), key=lambda r: (load[r], r))
+            load[readers[key]] += wanted[key][3].nbytes
+        buffers = {}
+        for key in common:
+            target, box, entry, chunk = wanted[key]
+            whole = box == (chunk.offsets, chunk.sizes) and _direct(target, entry)
+            buffers[key] = target.data.reshape(-1).view(torch.uint8) if whole else torch.empty(chunk.nbytes, dtype=torch.uint8)
+        failure = None
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read") as pool:
+            reads = {key: pool.submit(self._read_chunk, wanted[key][2], wanted[key][3], buffers[key], verify)
+                     for key in common if readers[key] == self.group.rank}
+            for key in common:
+                if key in reads:
+                    try:
+                        reads[key].result()
+                    except CheckpointError as exc:
+                        failure = failure or exc
+                self.group.broadcast_tensor(buffers[key], src=readers[key])
+        failed = [r for r, (flag,) in enumerate(self.group.all_gather_ints([failure is not None])) if flag]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise CheckpointError(f"broadcast load from {self.path} failed: ranks {failed} could not read their share")
+        with torch.no_grad():
+            for key in common:
+                target, box, entry, chunk = wanted[key]
+                if buffers[key].data_ptr() != target.data_ptr() or target.device.type != "cpu":
+                    src = buffers[key].view(entry.torch_dtype).reshape(chunk.sizes)
+                    region = tuple(slice(o - b, o - b + s) for o, b, s in zip(chunk.offsets, box[0], chunk.sizes))
+                    target[region].copy_(src)
+        return {id(wanted[key][3]) for key in common}
+
+    def _read_chunk(self, entry: Entry, chunk: Chunk, buf: torch.Tensor, verify: bool) -> None:
+        for piece in self._pieces(entry, chunk, 0, tensor_bytes(buf)):
+            self._read_piece(*piece, verify)
+
+    def _fill_staged(self, pool: ThreadPoolExecutor, batch: list[tuple[torch.Tensor, Box, Entry, Chunk, Box]],
                      verify: bool) -> None:
         copies = []
         pieces = []
         block = self.manifest.block_size
-        for target, entry, chunk, inter in batch:
+        for target, box, entry, chunk, inter in batch:
             itemsize = entry.torch_dtype.itemsize
             first, last = element_span((chunk.offsets, chunk.sizes), inter)
             lo, hi = first * itemsize, last * itemsize
             if verify:
                 lo, hi = lo // block * block, min(-(-hi // block) * block, chunk.nbytes)
-            buf = torch.empty(hi - lo, dtype=torch.uint8)
+            buf = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=target.device.type == "cuda")
             pieces.extend(self._pieces(entry, chunk, lo, tensor_bytes(buf)))
-            copies.append((target, entry, chunk, inter, buf, first * itemsize - lo))
+            copies.append((target, box, entry, chunk, inter, buf, first * itemsize - lo))
         _run(pool, self.threads, self._read_piece, pieces, verify)
         with torch.no_grad():
-            for target, entry, chunk, inter, buf, skip in copies:
+            for target, box, entry, chunk, inter, buf, skip in copies:
                 if _numel(inter[1]) == 0:
                     continue
                 src = buf[skip:].view(entry.torch_dtype).as_strided(inter[1], contiguous_strides(chunk.sizes))
-                target[tuple(slice(o, o + s) for o, s in zip(inter[0], inter[1]))].copy_(src)
+                region = tuple(slice(o - b, o - b + s) for o, b, s in zip(inter[0], box[0], inter[1]))
+                target[region].copy_(src, non_blocking=target.device.type == "cuda")
 
     def _pieces(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview) -> Iterator[tuple[Entry, Chunk, int, memoryview]]:
         """Split a read of ``chunk`` bytes ``[lo, lo+len(out))`` into block-aligned pieces."""
@@ -479,6 +570,36 @@ class _LoadPlan:
     mismatch: Mismatch = field(default_factory=Mismatch)
 
 
+def _whole(t: torch.Tensor) -> Box:
+    return (0,) * t.dim(), tuple(t.shape)
+
+
+def _direct(target: torch.Tensor, entry: Entry) -> bool:
+    """Whether stored bytes can be read straight into ``target``'s memory."""
+    return (target.device.type == "cpu" and target.dtype == entry.torch_dtype and target.is_contiguous()
+            and not target.is_conj() and not target.is_neg())
+
+
+def _agreed_manifest(storage: Storage, group: Group) -> Manifest:
+    """Rank 0 reads the manifest and broadcasts its bytes, so every rank opens the same one
+    (even if a save commits meanwhile); an error on rank 0 is raised on every rank."""
+    if group.size == 1:
+        return read_manifest(storage)
+    payload = None
+    if group.is_coordinator:
+        try:
+            raw = read_manifest_bytes(storage)
+            parse_manifest(storage, raw)
+            payload = b"M" + raw
+        except CheckpointError as exc:
+            payload = b"E" + json.dumps([type(exc).__name__, str(exc)]).encode()
+    data = group.broadcast_bytes(payload)
+    if data[:1] == b"E":
+        kind, message = json.loads(data[1:])
+        raise getattr(errors, kind, CheckpointError)(message)
+    return parse_manifest(storage, data[1:])
+
+
 def _decode_safely(entry: Entry) -> None:
     try:
         codec.decode(entry.value, where=entry.fqn, allow_pickle=False)
@@ -553,9 +674,9 @@ def _key_filter(keys: KeyFilter) -> Callable[[str], bool]:
 
 def open(path: str | os.PathLike[str], process_group: Any = None, *, verify: bool = True,
          allow_pickle: bool = False, threads: int | None = None) -> Checkpoint:
-    """Open a read session on the checkpoint at ``path``."""
-    require_single_process(process_group)
-    return Checkpoint(path, verify=verify, allow_pickle=allow_pickle, threads=threads)
+    """Open a read session on the checkpoint at ``path`` (collective when distributed: rank 0
+    reads the manifest and every rank gets the same one)."""
+    return Checkpoint(path, process_group=process_group, verify=verify, allow_pickle=allow_pickle, threads=threads)
 
 
 def load(state: Any, path: str | os.PathLike[str], *, strict: bool = True, process_group: Any = None,

@@ -1,0 +1,281 @@
+"""Distributed save/load over real gloo process groups (2–4 ranks, persistent workers)."""
+
+from __future__ import annotations
+
+import pickle
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import zerostall as zs
+from distributed import RankError
+
+# -- functions that run on every rank ----------------------------------------------------------
+
+
+def full_value(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def dtensor(value: torch.Tensor, mesh_shape: tuple[int, ...], placements) -> DTensor:
+    mesh = init_device_mesh("cpu", mesh_shape)
+    return distribute_tensor(value, mesh, placements)
+
+
+def save_sharded(path: str, mesh_shape: tuple[int, ...], placements) -> None:
+    state = {"w": dtensor(full_value((10, 6), 1), mesh_shape, placements),
+             "v": dtensor(full_value((7,), 2), (dist.get_world_size(),), [Shard(0)]),
+             "step": 3}
+    zs.save(state, path)
+
+
+def load_sharded(path: str, mesh_shape: tuple[int, ...], placements) -> bool:
+    state = {"w": dtensor(torch.zeros(10, 6), mesh_shape, placements),
+             "v": dtensor(torch.zeros(7), (dist.get_world_size(),), [Replicate()]), "step": 0}
+    out = zs.load(state, path)
+    return (torch.equal(out["w"].full_tensor(), full_value((10, 6), 1))
+            and torch.equal(out["v"].full_tensor(), full_value((7,), 2)) and out["step"] == 3)
+
+
+def replicated_state(rank: int, corrupt_rank: int | None = None) -> dict:
+    state = {f"layer{i}": full_value((100 + 37 * i, 64), i) for i in range(24)}
+    if rank == corrupt_rank:
+        state["layer3"] = state["layer3"] + 1
+    return state
+
+
+def save_replicated(path: str, corrupt_rank: int | None = None) -> dict:
+    info = zs.save(replicated_state(dist.get_rank(), corrupt_rank), path)
+    return {"bytes": info.bytes_written, "replanned": info.replanned}
+
+
+def load_replicated(path: str, broadcast: bool) -> dict:
+    target = {k: torch.zeros_like(v) for k, v in replicated_state(0).items()}
+    before = _rchar()
+    zs.load(target, path, broadcast=broadcast)
+    read = _rchar() - before
+    ok = all(torch.equal(target[k], v) for k, v in replicated_state(0).items())
+    return {"ok": ok, "read": read}
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+def count_collectives(path: str) -> list[dict]:
+    """Save the same structure three times (values change), then a changed one; count collectives."""
+    from zerostall import collectives
+
+    calls: list[tuple[str, int]] = []
+    originals = {name: getattr(collectives.Group, name) for name in ("all_gather_ints", "all_gather_object")}
+
+    def counting(name):
+        def wrapper(self, payload):
+            calls.append((name, len(pickle.dumps(payload))))
+            return originals[name](self, payload)
+        return wrapper
+
+    for name in originals:
+        setattr(collectives.Group, name, counting(name))
+    try:
+        out = []
+        for step, extra in ((1, False), (2, False), (3, False), (4, True)):
+            calls.clear()
+            state = {"w": full_value((64, 8), 0) * step, "step": step}
+            if extra:
+                state["new"] = torch.ones(3)
+            info = zs.save(state, path)
+            out.append({"replanned": info.replanned, "calls": list(calls), "plan_s": info.plan_s})
+        return out
+    finally:
+        for name, fn in originals.items():
+            setattr(collectives.Group, name, fn)
+
+
+def rank_local_round_trip(path: str) -> dict:
+    rank = dist.get_rank()
+    zs.save({"w": torch.ones(4), "rng": zs.rank_local({"seed": rank, "t": torch.full((2,), float(rank))})}, path)
+    target = {"w": torch.zeros(4), "rng": zs.rank_local({"seed": -1, "t": torch.zeros(2)})}
+    out = zs.load(target, path)
+    return {"seed": out["rng"].value["seed"], "t": out["rng"].value["t"].tolist()}
+
+
+def load_rank_local_other_world(path: str) -> str:
+    target = {"w": torch.zeros(4), "rng": zs.rank_local({"seed": -1, "t": torch.zeros(2)})}
+    try:
+        zs.load(target, path)
+    except zs.StateMismatchError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def failing_save(path: str, how: str, timeout: float) -> str:
+    """Rank 1 fails while writing (an exception, or SIGKILL); report what every rank saw."""
+    from zerostall import engine
+
+    rank = dist.get_rank()
+    if rank == 1:
+        original = engine._write_data
+
+        def broken(*args, **kwargs):
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise OSError(28, "No space left on device (injected)")
+
+        engine._write_data = broken
+    start = time.monotonic()
+    try:
+        zs.save({"w": full_value((32, 32), 5), "rank": zs.rank_local(rank)}, path, commit_timeout=timeout)
+    except zs.CheckpointError as exc:
+        return f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}"
+    finally:
+        if rank == 1:
+            engine._write_data = original
+    return "committed"
+
+
+def fsdp_model(seed: int):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def fsdp_steps(model, optim, steps: int, seed: int) -> list[float]:
+    g = torch.Generator().manual_seed(seed + dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        loss = model(torch.randn(8, 16, generator=g)).pow(2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        losses.append(loss.item())
+    return losses
+
+
+def fsdp_resume(path: str) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optim = fsdp_model(0)
+    fsdp_steps(model, optim, 2, seed=1)
+    msd, osd = get_state_dict(model, optim)
+    zs.save({"model": msd, "optim": osd}, path)
+    expected = fsdp_steps(model, optim, 3, seed=2)
+
+    fresh, fresh_optim = fsdp_model(7)
+    msd, osd = get_state_dict(fresh, fresh_optim)
+    state = zs.load({"model": msd, "optim": osd}, path)
+    set_state_dict(fresh, fresh_optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return {"expected": expected, "resumed": fsdp_steps(fresh, fresh_optim, 3, seed=2)}
+
+
+# -- the tests -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world,save_mesh,save_pl,load_world,load_mesh,load_pl", [
+    (2, (2,), [Shard(0)], 2, (2,), [Shard(1)]),          # FSDP-like rows -> TP-like columns
+    (2, (2,), [Shard(1)], 4, (4,), [Shard(0)]),          # M > N
+    (4, (2, 2), [Shard(0), Shard(1)], 2, (2,), [Shard(0)]),  # 2-D mesh -> 1-D, M < N
+    (4, (2, 2), [Replicate(), Shard(0)], 4, (4,), [Shard(1)]),  # HSDP-style replicate x shard
+    (4, (4,), [Shard(0)], 2, (2,), [Replicate()]),       # uneven (10 rows / 4) and into replicas
+], ids=["2to2-rows-cols", "2to4", "2d-to-1d", "hsdp", "uneven-to-replicated"])
+def test_resharding_load(ranks, tmp_path, world, save_mesh, save_pl, load_world, load_mesh, load_pl):
+    path = str(tmp_path / "ck")
+    ranks(world).run(save_sharded, path, save_mesh, save_pl)
+    assert all(ranks(load_world).run(load_sharded, path, load_mesh, load_pl))
+    single = zs.load({"w": torch.zeros(10, 6), "v": torch.zeros(7), "step": 0}, path)  # N -> 1, no process group
+    assert torch.equal(single["w"], full_value((10, 6), 1)) and torch.equal(single["v"], full_value((7,), 2))
+
+
+def test_single_process_checkpoint_loads_sharded(ranks, tmp_path):
+    path = str(tmp_path / "ck")
+    zs.save({"w": full_value((10, 6), 1), "v": full_value((7,), 2), "step": 3}, path)
+    assert all(ranks(2).run(load_sharded, path, (2,), [Shard(1)]))
+
+
+def test_replicated_state_is_written_once_and_balanced(ranks, tmp_path):
+    path = str(tmp_path / "ck")
+    infos = ranks(4).run(save_replicated, path)
+    with zs.open(path) as ck:
+        assert all(len(e.chunks) == 1 for e in ck.entries.values())
+        total = sum(e.nbytes for e in ck.entries.values())
+    written = [i["bytes"] for i in infos]
+    assert sum(written) < total * 1.01 + 4 * 4096 * 4  # each byte once (plus file headers)
+    assert max(written) / (sum(written) / 4) <= 1.10
+    for broadcast in (False, True):
+        loads = ranks(4).run(load_replicated, path, broadcast)
+        assert all(r["ok"] for r in loads)
+        ratio = sum(r["read"] for r in loads) / total
+        assert (ratio < 1.2) if broadcast else (ratio > 3.5), ratio
+
+
+def test_replicas_that_disagree_are_named(ranks, tmp_path):
+    with pytest.raises(RankError) as err:
+        ranks(2).run(save_replicated, str(tmp_path / "ck"), 1)
+    assert set(err.value.failures) == {0, 1}
+    for failure in err.value.failures.values():
+        assert failure.type.endswith("StateMismatchError") and "layer3" in failure.message
+
+
+def test_second_save_runs_one_small_collective(ranks, tmp_path):
+    runs = ranks(2).run(count_collectives, str(tmp_path / "ck"))
+    for rank_runs in runs:
+        first, second, third, changed = rank_runs
+        assert first["replanned"] and not second["replanned"] and not third["replanned"] and changed["replanned"]
+        for cached in (second, third):
+            assert [name for name, _ in cached["calls"]] == ["all_gather_ints"]
+            assert cached["calls"][0][1] < 80  # three int64s
+        assert "all_gather_object" in [name for name, _ in changed["calls"]]
+    with zs.open(str(tmp_path / "ck")) as ck:
+        assert ck.step is None and "new" in ck.entries
+
+
+def test_rank_local_values_round_trip_and_report_world_change(ranks, tmp_path):
+    path = str(tmp_path / "ck")
+    results = ranks(2).run(rank_local_round_trip, path)
+    assert results == [{"seed": 0, "t": [0.0, 0.0]}, {"seed": 1, "t": [1.0, 1.0]}]
+    with zs.open(path) as ck:
+        assert {"rng.seed@rank0", "rng.seed@rank1", "rng.t@rank1"} <= set(ck.entries)
+    messages = ranks(4).run(load_rank_local_other_world, path)
+    assert all("rank-local, saved by 2 ranks, loading on 4" in m for m in messages)
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_rank_failure_fails_the_save_everywhere_and_keeps_the_previous(ranks, tmp_path, how):
+    path = str(tmp_path / "ck")
+    zs.save({"w": torch.ones(32, 32), "rank": zs.rank_local(0)}, path)
+    with pytest.raises(RankError) as err:
+        ranks(2).run(failing_save, path, how, 6.0, timeout=60)
+    error = err.value
+    if how == "raise":
+        assert "No space left" in error.failures[1].message
+        rank0 = error.results[0]
+    else:
+        assert error.dead == [1]
+        rank0 = error.results[0]
+    assert rank0.startswith("CommitError") and ("rank 1:" in rank0 or "ranks [1] did not finish" in rank0)
+    seconds = float(rank0.split(" after ")[1].split("s:")[0])
+    assert seconds < (2.0 if how == "raise" else 12.0)
+    target = {"w": torch.zeros(32, 32), "rank": zs.rank_local(-1)}
+    zs.load(target, path, strict=False)
+    assert torch.equal(target["w"], torch.ones(32, 32))
+    zs.verify(path)
+
+
+def test_fsdp2_model_and_optimizer_resume_bit_exactly(ranks, tmp_path):
+    results = ranks(2).run(fsdp_resume, str(tmp_path / "ck"))
+    for r in results:
+        assert r["resumed"] == r["expected"]
