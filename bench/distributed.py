@@ -29,7 +29,7 @@ Measured alongside, untimed:
   syscalls on files; gloo's socket traffic and pages touched through mmap do not count), summed
   over ranks, / the bytes of the checkpoint's data files;
 - zerostall's planning time on the first save of the fsdp structure and on later saves, when
-  zerostall exposes ``zs.last_save_stats()`` (a mapping or object with ``plan_s``); null otherwise.
+  zerostall's ``save`` returns a ``SaveInfo`` whose ``plan_s`` is the planning time of that save.
 
 An operation that fails on any rank is reported under ``errors`` (with the first failing rank) and
 skipped from then on; the other contenders go on (a failure that leaves the ranks in different
@@ -107,12 +107,16 @@ class RankLog:
 # --- the contenders -------------------------------------------------------------------------
 
 
+_last_zerostall_save: list[zs.SaveInfo] = []
+
+
+def zerostall_save(state: Any, path: str) -> None:
+    _last_zerostall_save[:] = [zs.save(state, path)]
+
+
 def zerostall_plan_s() -> float | None:
-    stats_of = getattr(zs, "last_save_stats", None)
-    if stats_of is None:
-        return None
-    stats = stats_of()
-    return stats["plan_s"] if isinstance(stats, Mapping) else getattr(stats, "plan_s", None)
+    """Planning time of the last zerostall save (its ``SaveInfo.plan_s``)."""
+    return _last_zerostall_save[0].plan_s if _last_zerostall_save else None
 
 
 def dcp_save(state: Any, path: str) -> None:
@@ -130,7 +134,7 @@ def contenders(broadcast: bool) -> list[Contender]:
     return [
         Contender(
             "zerostall",
-            zs.save,
+            zerostall_save,
             zs_loads,
             re.compile(r"^.+-r(\d{5})-\d+\.safetensors$"),
             zerostall_plan_s,
@@ -362,9 +366,10 @@ def summarize_case(logs: list[RankLog], cs: list[Contender]) -> dict[str, Any]:
     }
 
 
-def max_over_ranks(values: list[list[float]]) -> float | None:
-    """Median over saves of the max over ranks; None where zerostall gave no figure."""
-    per_save = [max(v) for v in zip(*values)]
+def min_over_ranks(values: list[list[float]]) -> float | None:
+    """Median over saves of the min over ranks: the rank that reaches the planning collective last
+    waits for no one, so its figure is the planning cost without the ranks' arrival skew."""
+    per_save = [min(v) for v in zip(*values)]
     return round(statistics.median(per_save), 4) if per_save else None
 
 
@@ -404,8 +409,9 @@ def worker(rank: int, args: argparse.Namespace, port: int, root: str) -> None:
                     "replicated": summarize_case([g["replicated"] for g in gathered], rep_cs),
                 },
                 "plan_s": {
-                    when: max_over_ranks([g["fsdp"].plan_s.get(when, []) for g in gathered])
+                    f"{when}{suffix(case)}": min_over_ranks([g[case].plan_s.get(when, []) for g in gathered])
                     for when in ("first", "resave")
+                    for case in CASES
                 },
                 "errors": {
                     f"{op}{suffix(case)}": error
@@ -446,6 +452,8 @@ def headline(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
     out |= {
         "zerostall_first_plan_s": result["plan_s"]["first"],
         "zerostall_resave_plan_s": result["plan_s"]["resave"],
+        "zerostall_first_plan_s_replicated": result["plan_s"]["first_replicated"],
+        "zerostall_resave_plan_s_replicated": result["plan_s"]["resave_replicated"],
         "write_imbalance": replicated["write_imbalance"].get("zerostall"),
         "dcp_write_imbalance": replicated["write_imbalance"].get("dcp"),
         "broadcast_load_s": replicated["seconds"].get("zerostall_broadcast_load"),
@@ -453,7 +461,7 @@ def headline(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         "zerostall_read_bytes_ratio": reads.get("zerostall_load"),
         "dcp_read_bytes_ratio": reads.get("dcp_load"),
         "errors": result["errors"],
-        "notes": [] if hasattr(zs, "last_save_stats") else ["zerostall has no last_save_stats()"],
+        "notes": ["plan_s: SaveInfo.plan_s of the warm-up (first) save and of the timed (cached) saves"],
         "size_mb": args.size_mb,
         "reps": args.reps,
         "dir": args.dir,

@@ -207,6 +207,7 @@ class SaveInfo:
     step: int | None
     bytes_written: int
     replanned: bool
+    collect_s: float
     plan_s: float
     write_s: float
     commit_s: float
@@ -284,6 +285,7 @@ def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None,
     t0 = time.perf_counter()
     group = Group(process_group)
     collected = collect(state, group.rank, allow_pickle=allow_pickle)
+    t_collect = time.perf_counter()
     plan, generation, replanned = _PLANNER.plan(group, collected)
     t_plan = time.perf_counter()
     storage = storage_for(path, fsync=fsync)
@@ -322,8 +324,8 @@ def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None,
         _delete_records(storage, generation)
     storage.close()
     end = time.perf_counter()
-    return SaveInfo(storage.location, generation, step, sum(files.values()), replanned,
-                    t_plan - t0, t_write - t_plan, end - t_write, end - t0)
+    return SaveInfo(storage.location, generation, step, sum(files.values()), replanned, t_collect - t0,
+                    t_plan - t_collect, t_write - t_plan, end - t_write, end - t0)
 
 
 def _report_failure(storage: Storage, generation: str, group: Group, exc: BaseException) -> None:
