@@ -266,9 +266,9 @@ def test_rank_failure_fails_the_save_everywhere_and_keeps_the_previous(ranks, tm
     else:
         assert error.dead == [1]
         rank0 = error.results[0]
-    assert rank0.startswith("CommitError") and ("rank 1:" in rank0 or "ranks [1] did not finish" in rank0)
-    seconds = float(rank0.split(" after ")[1].split("s:")[0])
-    assert seconds < (2.0 if how == "raise" else 12.0)
+    # an exception is reported by rank 1's own record, at once; a death by the commit timeout
+    expected = "rank 1: OSError" if how == "raise" else "ranks [1] did not finish writing within 6 s"
+    assert rank0.startswith("CommitError") and expected in rank0, rank0
     target = {"w": torch.zeros(32, 32), "rank": zs.rank_local(-1)}
     zs.load(target, path, strict=False)
     assert torch.equal(target["w"], torch.ones(32, 32))
@@ -279,3 +279,45 @@ def test_fsdp2_model_and_optimizer_resume_bit_exactly(ranks, tmp_path):
     results = ranks(2).run(fsdp_resume, str(tmp_path / "ck"))
     for r in results:
         assert r["resumed"] == r["expected"]
+
+
+def plain_mlp(seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+
+
+def save_fsdp_tp(path: str) -> dict:
+    """FSDP2 over "dp" + tensor parallel over "tp" on a 2x2 mesh: strided shards included."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = plain_mlp(3)
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    sd = model.state_dict()
+    zs.save({"model": sd}, path)
+    return {"full": {k: v.full_tensor() for k, v in sd.items()},
+            "placements": sorted({type(p).__name__ for v in sd.values() for p in v.placements})}
+
+
+def load_fsdp_only(path: str) -> bool:
+    from torch.distributed.fsdp import fully_shard
+
+    model = plain_mlp(99)
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    zs.load({"model": model}, path)
+    return all(torch.equal(v.full_tensor(), plain_mlp(3).state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_fsdp_plus_tp_strided_shards_reshard_exactly(ranks, tmp_path):
+    path = str(tmp_path / "ck")
+    results = ranks(4).run(save_fsdp_tp, path)
+    assert "_StridedShard" in results[0]["placements"]
+    reference = plain_mlp(3).state_dict()
+    for k, v in results[0]["full"].items():
+        assert torch.equal(v, reference[k]), k
+    model = plain_mlp(50)
+    zs.load({"model": model}, path)  # into one process, no process group
+    assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
+    assert all(ranks(2).run(load_fsdp_only, path))  # FSDP+TP on 4 ranks -> FSDP on 2
