@@ -59,7 +59,7 @@ def await_records(storage: Storage, generation: str, ranks: list[int], timeout: 
             if parsed[2] == "done":
                 done.add(parsed[1])
             elif parsed[2] == "failed":
-                failed[parsed[1]] = storage.read_bytes(name).decode(errors="replace")
+                failed[parsed[1]] = _failure_reason(storage.read_bytes(name))
         if failed:
             raise CommitError("save failed on " + "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items())))
         if done == wanted:
@@ -68,6 +68,13 @@ def await_records(storage: Storage, generation: str, ranks: list[int], timeout: 
             raise CommitError(f"ranks {sorted(wanted - done)} did not finish writing within {timeout:.0f} s "
                               f"(dead or stuck); the save of generation {generation} is abandoned")
         delay = _sleep(delay)
+
+
+def _failure_reason(raw: bytes) -> str:
+    try:
+        return str(json.loads(raw)["error"])
+    except (ValueError, KeyError, TypeError):
+        return raw.decode(errors="replace")
 
 
 def await_commit(storage: Storage, generation: str, timeout: float) -> None:
