@@ -31,15 +31,18 @@ def dtensor(value: torch.Tensor, mesh_shape: tuple[int, ...], placements) -> DTe
 def save_sharded(path: str, mesh_shape: tuple[int, ...], placements) -> None:
     state = {"w": dtensor(full_value((10, 6), 1), mesh_shape, placements),
              "v": dtensor(full_value((7,), 2), (dist.get_world_size(),), [Shard(0)]),
+             "tiny": dtensor(full_value((2,), 4), (dist.get_world_size(),), [Shard(0)]),  # empty shards at 4 ranks
              "step": 3}
     zs.save(state, path)
 
 
 def load_sharded(path: str, mesh_shape: tuple[int, ...], placements) -> bool:
     state = {"w": dtensor(torch.zeros(10, 6), mesh_shape, placements),
-             "v": dtensor(torch.zeros(7), (dist.get_world_size(),), [Replicate()]), "step": 0}
-    out = zs.load(state, path)
+             "v": dtensor(torch.zeros(7), (dist.get_world_size(),), [Replicate()]),
+             "tiny": dtensor(torch.zeros(2), (dist.get_world_size(),), [Shard(0)]), "step": 0}
+    out = zs.load(state, path, max_staging_bytes=64)
     return (torch.equal(out["w"].full_tensor(), full_value((10, 6), 1))
+            and torch.equal(out["tiny"].full_tensor(), full_value((2,), 4))
             and torch.equal(out["v"].full_tensor(), full_value((7,), 2)) and out["step"] == 3)
 
 
@@ -187,22 +190,23 @@ def fsdp_resume(path: str) -> dict:
 
 @pytest.mark.parametrize("world,save_mesh,save_pl,load_world,load_mesh,load_pl", [
     (2, (2,), [Shard(0)], 2, (2,), [Shard(1)]),          # FSDP-like rows -> TP-like columns
+    (2, (2,), [Shard(1)], 2, (2,), [Shard(0)]),          # and back
     (2, (2,), [Shard(1)], 4, (4,), [Shard(0)]),          # M > N
     (4, (2, 2), [Shard(0), Shard(1)], 2, (2,), [Shard(0)]),  # 2-D mesh -> 1-D, M < N
     (4, (2, 2), [Replicate(), Shard(0)], 4, (4,), [Shard(1)]),  # HSDP-style replicate x shard
     (4, (4,), [Shard(0)], 2, (2,), [Replicate()]),       # uneven (10 rows / 4) and into replicas
-], ids=["2to2-rows-cols", "2to4", "2d-to-1d", "hsdp", "uneven-to-replicated"])
+], ids=["2to2-rows-cols", "2to2-cols-rows", "2to4", "2d-to-1d", "hsdp", "uneven-to-replicated"])
 def test_resharding_load(ranks, tmp_path, world, save_mesh, save_pl, load_world, load_mesh, load_pl):
     path = str(tmp_path / "ck")
     ranks(world).run(save_sharded, path, save_mesh, save_pl)
     assert all(ranks(load_world).run(load_sharded, path, load_mesh, load_pl))
-    single = zs.load({"w": torch.zeros(10, 6), "v": torch.zeros(7), "step": 0}, path)  # N -> 1, no process group
+    single = zs.load({"w": torch.zeros(10, 6), "v": torch.zeros(7), "tiny": torch.zeros(2), "step": 0}, path)
     assert torch.equal(single["w"], full_value((10, 6), 1)) and torch.equal(single["v"], full_value((7,), 2))
 
 
 def test_single_process_checkpoint_loads_sharded(ranks, tmp_path):
     path = str(tmp_path / "ck")
-    zs.save({"w": full_value((10, 6), 1), "v": full_value((7,), 2), "step": 3}, path)
+    zs.save({"w": full_value((10, 6), 1), "v": full_value((7,), 2), "tiny": full_value((2,), 4), "step": 3}, path)
     assert all(ranks(2).run(load_sharded, path, (2,), [Shard(1)]))
 
 
@@ -321,3 +325,19 @@ def test_fsdp_plus_tp_strided_shards_reshard_exactly(ranks, tmp_path):
     zs.load({"model": model}, path)  # into one process, no process group
     assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
     assert all(ranks(2).run(load_fsdp_only, path))  # FSDP+TP on 4 ranks -> FSDP on 2
+
+
+def load_wrong_shape(path: str) -> str:
+    try:
+        zs.load({"w": dtensor(torch.zeros(10, 7), (dist.get_world_size(),), [Shard(0)]), "v": torch.zeros(7),
+                 "tiny": torch.zeros(2), "step": 0}, path)
+    except zs.StateMismatchError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_structure_mismatch_on_load_is_named(ranks, tmp_path):
+    path = str(tmp_path / "ck")
+    ranks(2).run(save_sharded, path, (2,), [Shard(0)])
+    for message in ranks(2).run(load_wrong_shape, path):
+        assert "w (shape [10, 6] in the checkpoint, [10, 7] in the target)" in message

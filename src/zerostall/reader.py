@@ -34,7 +34,7 @@ from .storage import Storage, storage_for
 log = logging.getLogger(__name__)
 
 _PIECE_BYTES = 32 << 20
-_STAGING_BYTES = 256 << 20
+DEFAULT_STAGING_BYTES = 256 << 20
 KeyFilter = Callable[[str], bool] | Iterable[str] | None
 
 
@@ -206,16 +206,18 @@ class Checkpoint:
     @overload
     def load(self, state: Any, *, strict: Literal[True] = ..., prefix: str | Path = ..., keys: KeyFilter = ...,
              strip: Sequence[str] = ..., strict_dtype: bool = ..., materialize: bool = ...,
-             verify: bool | None = ..., broadcast: bool = ...) -> Any: ...
+             verify: bool | None = ..., broadcast: bool = ..., max_staging_bytes: int = ...) -> Any: ...
 
     @overload
     def load(self, state: Any, *, strict: Literal[False], prefix: str | Path = ..., keys: KeyFilter = ...,
              strip: Sequence[str] = ..., strict_dtype: bool = ..., materialize: bool = ...,
-             verify: bool | None = ..., broadcast: bool = ...) -> tuple[Any, Mismatch]: ...
+             verify: bool | None = ..., broadcast: bool = ...,
+             max_staging_bytes: int = ...) -> tuple[Any, Mismatch]: ...
 
     def load(self, state: Any, *, strict: bool = True, prefix: str | Path = (), keys: KeyFilter = None,
              strip: Sequence[str] = (), strict_dtype: bool = False, materialize: bool = False,
-             verify: bool | None = None, broadcast: bool = False) -> Any:
+             verify: bool | None = None, broadcast: bool = False,
+             max_staging_bytes: int = DEFAULT_STAGING_BYTES) -> Any:
         """Fill ``state`` in place from this checkpoint and return it.
 
         ``prefix`` selects a subtree of the checkpoint (``"model"`` loads a bare model from a
@@ -228,7 +230,9 @@ class Checkpoint:
 
         Collective when distributed: each rank reads only the bytes its targets need (DTensor
         shards reshard from any saved layout). ``broadcast=True`` has one rank read each chunk
-        that every rank needs whole and broadcast it to the others.
+        that every rank needs whole and broadcast it to the others. Bytes that cannot go straight
+        into a target pass through staging buffers of at most ``max_staging_bytes`` at a time
+        (pinned when the target is on a GPU), so host memory stays bounded.
         """
         verify = self.verify_reads if verify is None else verify
         prefix_path = (prefix,) if isinstance(prefix, str) else tuple(prefix)
@@ -261,7 +265,7 @@ class Checkpoint:
         if strict and plan.mismatch:
             raise StateMismatchError(f"checkpoint {self.path} does not match the target state: {plan.mismatch.describe()}")
         received = self._broadcast_fill(plan.tensors, verify) if broadcast and self.group.size > 1 else set()
-        self._fill(plan.tensors, verify, skip=received)
+        self._fill(plan.tensors, verify, skip=received, staging=max_staging_bytes)
         for path, entry, like in plan.new_tensors:
             plan.replacements[path] = self._materialize(entry, like, verify)
         result = rebuild(state, flat, plan.replacements, assign=materialize)
@@ -343,7 +347,8 @@ class Checkpoint:
         return out
 
     # -- moving bytes --------------------------------------------------------------------------
-    def _fill(self, targets: list[tuple[torch.Tensor, Box, Entry]], verify: bool, skip: set[int] = frozenset()) -> None:
+    def _fill(self, targets: list[tuple[torch.Tensor, Box, Entry]], verify: bool, skip: set[int] = frozenset(),
+              staging: int = DEFAULT_STAGING_BYTES) -> None:
         """Copy into each target (a tensor holding ``box`` of its entry) the bytes of every chunk
         that intersects it, reading in parallel: straight into the target when a chunk is exactly
         the target's box and layouts match, through staging buffers otherwise. Chunks whose
@@ -368,7 +373,7 @@ class Checkpoint:
                                              f"{[list(b) for b in box]}: its chunks do not cover the tensor")
         with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read") as pool:
             _run(pool, self.threads, self._read_piece, direct, verify)
-            for batch in _batches(staged, lambda s: s[3].nbytes, _STAGING_BYTES):
+            for batch in _batches(staged, lambda s: s[3].nbytes, staging):
                 self._fill_staged(pool, batch, verify)
 
     def _broadcast_fill(self, targets: list[tuple[torch.Tensor, Box, Entry]], verify: bool) -> set[int]:
