@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import inspect
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -196,7 +197,9 @@ def test_kill_while_writing_died_mid_data(killed):
     """Stage "writing" died on a writev of the data, not before it started or after it ended."""
     _, _, returncode, output = killed["writing"]
     assert returncode == -9
-    assert "SIGKILL at writev call 3" in output
+    # two writer threads race to the third call: whichever gets there first kills the process
+    match = re.search(r"SIGKILL at writev call (\d+)", output)
+    assert match and int(match.group(1)) >= 3, output
 
 
 # -- failed saves (exceptions) -----------------------------------------------------------------------
