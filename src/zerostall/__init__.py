@@ -1,5 +1,6 @@
 """zerostall: fast, sharded, asynchronous, verified checkpointing for PyTorch training."""
 
+from .background import AsyncSaver, SaveHandle, async_save
 from .engine import SaveInfo, default_threads, save
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                      StateMismatchError, UnsupportedValueError)
@@ -10,7 +11,7 @@ from .state import RankLocal, Stateful, rank_local
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "load", "open", "verify", "default_threads", "rank_local", "RankLocal", "SaveInfo", "Checkpoint",
+    "save", "async_save", "AsyncSaver", "SaveHandle", "load", "open", "verify", "default_threads", "rank_local", "RankLocal", "SaveInfo", "Checkpoint",
     "Mismatch", "Entry", "Chunk", "Stateful",
     "FORMAT_VERSION", "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "StateMismatchError", "UnsupportedValueError",

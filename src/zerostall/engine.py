@@ -136,7 +136,7 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
             out.rows.append(Row(key, "alias", alias_of=seen[identity]))
             continue
         piece, offsets, sizes = local_box(value)
-        source = piece.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+        source = piece.detach().resolve_conj().resolve_neg().contiguous()
         dtype = dtype_name(value.dtype)
         entry = Entry(name, path, "tensor", dtype=dtype, shape=tuple(value.shape), rank=rank if local else None)
         if local:
@@ -254,7 +254,7 @@ def _check_replicas(group: Group, plan: SavePlan, collected: Collected) -> None:
     mine: dict[ChunkKey, int] = {}
     for item in collected.items:
         if not item.rank_local and len(plan.holders[item.key]) > 1:
-            mine[item.key] = xxhash.xxh3_64_intdigest(tensor_bytes(item.tensor))
+            mine[item.key] = xxhash.xxh3_64_intdigest(tensor_bytes(item.tensor.cpu()))
     for key, encoded in collected.objects.items():
         if len(plan.holders[(key, ())]) > 1:
             mine[(key, ())] = xxhash.xxh3_64_intdigest(json.dumps(encoded, sort_keys=True).encode())
@@ -269,31 +269,58 @@ def _check_replicas(group: Group, plan: SavePlan, collected: Collected) -> None:
 _PLANNER = SavePlanner()
 
 
-def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None, step: int | None = None,
-         metadata: Mapping[str, Any] | None = None, threads: int | None = None, fsync: bool = True,
-         allow_pickle: bool = False, block_size: int = DEFAULT_BLOCK_SIZE,
-         commit_timeout: float = 600.0) -> SaveInfo:
-    """Save ``state`` to ``path`` and return once the checkpoint is committed (durable, visible).
+@dataclass
+class Prepared:
+    """A save after its collective part: what this rank writes, under which generation, and how.
 
-    ``state`` is any nesting of dicts/lists/tuples of tensors (DTensors included), python values
-    and objects with ``state_dict()``. Collective when ``torch.distributed`` is initialized: every
-    rank calls it; replicated data is written once, balanced over the ranks that hold it. Saving
-    into an existing checkpoint leaves it intact until the new manifest commits; a rank that fails
-    or dies fails the save everywhere within ``commit_timeout`` seconds, with no manifest written.
-    ``fsync=False`` trades durability for speed on scratch storage.
+    Built in the caller's thread (planning may run collectives); :func:`persist` then needs no
+    process group, so it can run in a background writer.
     """
+
+    group: Group
+    collected: Collected
+    plan: SavePlan
+    generation: str
+    replanned: bool
+    items: list[WriteItem]
+    storage: Storage
+    step: int | None
+    metadata: Any
+    threads: int
+    block_size: int
+    commit_timeout: float
+    collect_s: float
+    plan_s: float
+
+
+def prepare(state: Any, path: str | os.PathLike[str], *, process_group: Any = None, step: int | None = None,
+            metadata: Mapping[str, Any] | None = None, threads: int | None = None, fsync: bool = True,
+            allow_pickle: bool = False, block_size: int = DEFAULT_BLOCK_SIZE,
+            commit_timeout: float = 600.0) -> Prepared:
+    """Collect, encode and plan a save (collective when distributed); no byte is written yet."""
     t0 = time.perf_counter()
     group = Group(process_group)
     collected = collect(state, group.rank, allow_pickle=allow_pickle)
     t_collect = time.perf_counter()
     plan, generation, replanned = _PLANNER.plan(group, collected)
-    t_plan = time.perf_counter()
-    storage = storage_for(path, fsync=fsync)
-    mine = [i for i in collected.items if i.rank_local or plan.writes(group.rank, i.key)]
+    items = [i for i in collected.items if i.rank_local or plan.writes(group.rank, i.key)]
+    encoded = codec.encode(dict(metadata or {}), where="metadata", allow_pickle=allow_pickle)
+    return Prepared(group, collected, plan, generation, replanned, items, storage_for(path, fsync=fsync), step,
+                    encoded, threads or default_threads(), block_size, commit_timeout, t_collect - t0,
+                    time.perf_counter() - t_collect)
+
+
+def persist(prepared: Prepared) -> SaveInfo:
+    """Write this rank's items and take part in the commit (see :mod:`zerostall.commit`)."""
+    p, group, storage, generation = prepared, prepared.group, prepared.storage, prepared.generation
+    t0 = time.perf_counter()
+    for item in p.items:
+        if item.tensor.device.type != "cpu":
+            item.tensor = item.tensor.cpu()
     try:
         _create(storage)
-        files = _write_data(storage, mine, generation, group.rank, threads or default_threads(), block_size)
-        record = _record(collected, plan, group.rank, files, mine)
+        files = _write_data(storage, p.items, generation, group.rank, p.threads, p.block_size)
+        record = _record(p.collected, p.plan, group.rank, files, p.items)
         if not group.is_coordinator:
             write_record(storage, generation, group.rank, "done", record)
     except BaseException as exc:
@@ -305,12 +332,11 @@ def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None,
     t_write = time.perf_counter()
     try:
         if group.is_coordinator:
-            records = {0: record, **await_records(storage, generation, list(range(1, group.size)), commit_timeout)}
-            commit(storage, assemble(collected, plan, records, generation, group.size, step,
-                                     codec.encode(dict(metadata or {}), where="metadata", allow_pickle=allow_pickle),
-                                     block_size))
+            others = await_records(storage, generation, list(range(1, group.size)), p.commit_timeout)
+            commit(storage, assemble(p.collected, p.plan, {0: record, **others}, generation, group.size, p.step,
+                                     p.metadata, p.block_size))
         else:
-            await_commit(storage, generation, commit_timeout)
+            await_commit(storage, generation, p.commit_timeout)
     except BaseException as exc:
         if group.is_coordinator and not _is_committed(storage, generation):
             if group.size > 1:
@@ -324,8 +350,30 @@ def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None,
         _delete_records(storage, generation)
     storage.close()
     end = time.perf_counter()
-    return SaveInfo(storage.location, generation, step, sum(files.values()), replanned, t_collect - t0,
-                    t_plan - t_collect, t_write - t_plan, end - t_write, end - t0)
+    return SaveInfo(storage.location, generation, p.step, sum(files.values()), p.replanned, p.collect_s,
+                    p.plan_s, t_write - t0, end - t_write, p.collect_s + p.plan_s + end - t0)
+
+
+def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None, step: int | None = None,
+         metadata: Mapping[str, Any] | None = None, threads: int | None = None, fsync: bool = True,
+         allow_pickle: bool = False, block_size: int = DEFAULT_BLOCK_SIZE,
+         commit_timeout: float = 600.0) -> SaveInfo:
+    """Save ``state`` to ``path`` and return once the checkpoint is committed (durable, visible).
+
+    ``state`` is any nesting of dicts/lists/tuples of tensors (DTensors included), python values
+    and objects with ``state_dict()``. Collective when ``torch.distributed`` is initialized: every
+    rank calls it; replicated data is written once, balanced over the ranks that hold it. Saving
+    into an existing checkpoint leaves it intact until the new manifest commits; a rank that fails
+    or dies fails the save everywhere within ``commit_timeout`` seconds, with no manifest written.
+    ``fsync=False`` trades durability for speed on scratch storage. An asynchronous save still in
+    flight (:func:`zerostall.async_save`) is waited for first.
+    """
+    from .background import wait_for_default
+
+    wait_for_default()
+    return persist(prepare(state, path, process_group=process_group, step=step, metadata=metadata,
+                           threads=threads, fsync=fsync, allow_pickle=allow_pickle, block_size=block_size,
+                           commit_timeout=commit_timeout))
 
 
 def _report_failure(storage: Storage, generation: str, group: Group, exc: BaseException) -> None:

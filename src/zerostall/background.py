@@ -1,0 +1,193 @@
+"""Asynchronous saving: return once the save is enqueued; capture and persist in the background.
+
+An :class:`AsyncSaver` owns a reused buffer pool and one background worker, so one save is in
+flight at a time. ``save`` runs the collective part (planning) in the caller's thread, records
+where the caller's CUDA stream is, and returns a :class:`SaveHandle` whose ``staged`` future is
+done when the state has been copied (the caller may mutate it from then on) and whose
+``committed`` future is done when the checkpoint is durable and visible. A background failure is
+raised on ``committed.result()``, on the next ``save`` and on ``close``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from .capture import BufferPool, capture, record_caller_stream
+from .engine import SaveInfo, persist, prepare
+from .errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+class SaveHandle:
+    """The two futures of one asynchronous save."""
+
+    def __init__(self, path: str, step: int | None) -> None:
+        self.path = path
+        self.step = step
+        self.staged: Future[None] = Future()
+        self.committed: Future[SaveInfo] = Future()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the state has been captured: call this before mutating it (optimizer step)."""
+        self.staged.result(timeout)
+
+    def result(self, timeout: float | None = None) -> SaveInfo:
+        """Block until committed; raises what the background raised."""
+        return self.committed.result(timeout)
+
+    def done(self) -> bool:
+        return self.committed.done()
+
+
+class AsyncSaver:
+    """Owns the capture buffers and the background writer of asynchronous saves.
+
+    ``if_busy="wait"`` makes a new save wait for the previous one to commit; ``"skip"`` returns
+    ``None`` instead while one is in flight. ``pin_memory``/``shared_memory`` configure the
+    buffer pool (see :class:`zerostall.capture.BufferPool`).
+    """
+
+    def __init__(self, *, pin_memory: bool | None = None, shared_memory: bool = False,
+                 if_busy: str = "wait") -> None:
+        if if_busy not in ("wait", "skip"):
+            raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
+        self.pool = BufferPool(pin_memory=pin_memory, shared_memory=shared_memory)
+        self.if_busy = if_busy
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerostall-async")
+        self._current: SaveHandle | None = None
+        self._failure: BaseException | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def save(self, state: Any, path: str | os.PathLike[str], **options: Any) -> SaveHandle | None:
+        """Start saving ``state`` (collective when distributed); options are those of ``zerostall.save``."""
+        if self._closed:
+            raise CheckpointError("this AsyncSaver is closed")
+        self._raise_failure()
+        if self._current is not None and not self._current.done():
+            if self.if_busy == "skip":
+                log.info("skipping the save to %s: the save to %s is still in flight", path, self._current.path)
+                return None
+            self.wait()
+        prepared = prepare(state, path, **options)
+        ready = record_caller_stream(prepared.items)
+        buffers = self.pool.buffers(prepared.items)
+        handle = SaveHandle(prepared.storage.location, prepared.step)
+        self._current = handle
+        self._worker.submit(self._run, prepared, buffers, ready, handle)
+        return handle
+
+    def reserve(self, state: Any, **options: Any) -> float:
+        """Allocate the buffer pool for ``state``'s structure now (collective when distributed), so
+        the first save costs no more than the rest; returns the seconds spent allocating."""
+        prepared = prepare(state, os.devnull, **options)
+        self.pool.buffers(prepared.items)
+        return self.pool.alloc_s
+
+    def _run(self, prepared: Any, buffers: list[Any], ready: Any, handle: SaveHandle) -> None:
+        try:
+            capture(prepared.items, buffers, ready)
+        except BaseException as exc:
+            self._fail(handle, exc, staged=True)
+            return
+        handle.staged.set_result(None)
+        try:
+            handle.committed.set_result(persist(prepared))
+        except BaseException as exc:
+            self._fail(handle, exc, staged=False)
+
+    def _fail(self, handle: SaveHandle, exc: BaseException, *, staged: bool) -> None:
+        log.error("asynchronous save to %s failed: %s", handle.path, exc)
+        with self._lock:
+            self._failure = exc
+        if staged:
+            handle.staged.set_exception(exc)
+        handle.committed.set_exception(exc)
+
+    def _raise_failure(self) -> None:
+        with self._lock:
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            raise CheckpointError(f"a previous asynchronous save failed: {failure}") from failure
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight (if any) has captured the state."""
+        if self._current is not None:
+            try:
+                self._current.staged.result()
+            except BaseException:
+                self._raise_failure()
+                raise
+
+    def wait(self) -> SaveInfo | None:
+        """Block until the save in flight (if any) commits; raises its failure."""
+        current = self._current
+        if current is None:
+            return None
+        try:
+            return current.committed.result()
+        except BaseException:
+            self._raise_failure()
+            raise
+
+    def close(self) -> None:
+        """Finish the save in flight, free the buffers, stop the worker; raises a pending failure."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+            self._raise_failure()
+        finally:
+            self._closed = True
+            self._worker.shutdown(wait=True)
+            self.pool.close()
+
+    def __enter__(self) -> "AsyncSaver":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+_default: AsyncSaver | None = None
+_default_lock = threading.Lock()
+
+
+def default_saver() -> AsyncSaver:
+    """The process-wide saver behind :func:`async_save` (drained at exit)."""
+    global _default
+    with _default_lock:
+        if _default is None or _default._closed:
+            _default = AsyncSaver()
+        return _default
+
+
+def async_save(state: Any, path: str | os.PathLike[str], **options: Any) -> SaveHandle:
+    """Save asynchronously with the default saver; see :class:`AsyncSaver` and ``zerostall.save``."""
+    handle = default_saver().save(state, path, **options)
+    assert handle is not None
+    return handle
+
+
+def wait_for_default() -> None:
+    """Finish the default saver's save in flight, so a synchronous save never overlaps it."""
+    if _default is not None and not _default._closed:
+        _default.wait()
+
+
+def _drain_at_exit() -> None:
+    """Commit the save in flight at a normal exit. Registered with threading's exit hooks, which
+    run before ``concurrent.futures`` refuses new work (plain ``atexit`` would run after)."""
+    if _default is not None:
+        try:
+            _default.close()
+        except BaseException as exc:  # at exit there is no caller left to raise to
+            log.error("asynchronous save failed at exit: %s", exc)
+
+
+threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]

@@ -1,0 +1,107 @@
+"""Capture: copy the state into host buffers that are allocated once and reused.
+
+The copy of a CUDA tensor runs on a side stream that first waits for an event recorded on the
+caller's stream when the save was requested, so every kernel queued before the save that writes
+the state is included, and the copies overlap what the caller queues next. CPU tensors are copied
+too (snapshotted, never aliased), so the caller may mutate them once capture is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import torch
+
+from .plan import WriteItem
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 64
+
+
+class BufferPool:
+    """Host buffers for one structure's captured copies: one arena, allocated on first use (or by
+    :meth:`reserve`), reused while the structure stays the same, released by :meth:`close`.
+
+    ``pin_memory`` (default: when CUDA is available) makes device-to-host copies fast and
+    asynchronous; ``shared_memory`` puts the arena in shared memory for a writer process.
+    """
+
+    def __init__(self, *, pin_memory: bool | None = None, shared_memory: bool = False) -> None:
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.shared_memory = shared_memory
+        self._key: tuple[tuple[torch.dtype, tuple[int, ...]], ...] | None = None
+        self._arena: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []
+        self.alloc_s = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._arena is None else self._arena.numel()
+
+    def buffers(self, items: Sequence[WriteItem]) -> list[torch.Tensor]:
+        """One host tensor per item (same dtype and shape), reusing the arena when it fits."""
+        key = tuple((i.tensor.dtype, tuple(i.tensor.shape)) for i in items)
+        if key != self._key:
+            self._allocate(key)
+        return self._views
+
+    def _allocate(self, key: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> None:
+        start = time.perf_counter()
+        self.close()
+        offsets, total = [], 0
+        for dtype, shape in key:
+            offsets.append(total)
+            total += -(-_numel(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+        arena = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pin_memory)
+        if self.shared_memory:
+            arena.share_memory_()
+        arena.zero_()  # touch every page now: first-touch faults are slow, and belong to allocation
+        self._views = [arena[o:o + _numel(shape) * dtype.itemsize].view(dtype).reshape(shape)
+                       for o, (dtype, shape) in zip(offsets, key)]
+        self._arena, self._key = arena, key
+        self.alloc_s = time.perf_counter() - start
+        log.debug("allocated a %d-byte capture pool in %.3f s", total, self.alloc_s)
+
+    def close(self) -> None:
+        """Release the arena (it is allocated again on the next use)."""
+        self._arena, self._views, self._key = None, [], None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def record_caller_stream(items: Sequence[WriteItem]) -> "torch.cuda.Event | None":
+    """An event on the caller's current CUDA stream, marking all work queued so far."""
+    if not any(i.tensor.is_cuda for i in items):
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream())
+    return event
+
+
+def capture(items: Sequence[WriteItem], buffers: Sequence[torch.Tensor], ready: "torch.cuda.Event | None") -> None:
+    """Copy every item's tensor into its buffer and make the item point at the copy."""
+    stream = None
+    if ready is not None:
+        stream = torch.cuda.Stream()
+        stream.wait_event(ready)
+    with torch.no_grad():
+        for item, buf in zip(items, buffers):
+            source = item.tensor
+            if source.is_cuda:
+                assert stream is not None
+                with torch.cuda.stream(stream):
+                    buf.copy_(source, non_blocking=True)
+                source.record_stream(stream)
+            else:
+                buf.copy_(source)
+            item.tensor = buf
+    if stream is not None:
+        stream.synchronize()

@@ -1,0 +1,161 @@
+"""Asynchronous saves on CPU: staged/committed futures, snapshots, errors, pool, memory, exit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerostall as zs
+from zerostall import engine
+
+
+def state_of(value: float, n: int = 1 << 16) -> dict:
+    return {"w": torch.full((n,), value), "b": torch.full((3, 3), value).t(), "step": int(value)}
+
+
+def loaded(path) -> dict:
+    target = state_of(0.0)
+    return zs.load(target, path)
+
+
+def test_mutation_after_staged_does_not_reach_the_checkpoint(tmp_path):
+    with zs.AsyncSaver() as saver:
+        state = state_of(1.0)
+        handle = saver.save(state, tmp_path / "ck", step=1)
+        handle.wait_staged()
+        state["w"].fill_(9.0)
+        state["b"].fill_(9.0)
+        state["step"] = 9
+        info = handle.result()
+    assert info.step == 1
+    out = loaded(tmp_path / "ck")
+    assert torch.equal(out["w"], torch.full((1 << 16,), 1.0)) and out["step"] == 1
+    assert torch.equal(out["b"], torch.full((3, 3), 1.0))
+
+
+def test_background_failure_surfaces_on_the_future_the_next_save_and_close(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    saver = zs.AsyncSaver()
+    handle = saver.save(state_of(1.0), tmp_path / "file" / "ck")
+    with pytest.raises(zs.CheckpointError, match="cannot create checkpoint directory"):
+        handle.result()
+    with pytest.raises(zs.CheckpointError, match="previous asynchronous save failed"):
+        saver.save(state_of(2.0), tmp_path / "ok")
+    handle = saver.save(state_of(3.0), tmp_path / "ok")  # reported once, then saving goes on
+    handle.result()
+    saver.save(state_of(4.0), tmp_path / "file" / "again")
+    with pytest.raises(zs.CheckpointError):
+        saver.close()
+    assert loaded(tmp_path / "ok")["step"] == 3
+
+
+def slow_writes(monkeypatch, gate: threading.Event) -> None:
+    original = engine._write_data
+
+    def gated(*args, **kwargs):
+        gate.wait(30)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_write_data", gated)
+
+
+def test_sync_save_waits_for_the_async_one_in_flight(tmp_path, monkeypatch):
+    gate = threading.Event()
+    slow_writes(monkeypatch, gate)
+    handle = zs.async_save(state_of(1.0), tmp_path / "a")
+    handle.wait_staged()
+    threading.Timer(0.2, gate.set).start()
+    zs.save(state_of(2.0), tmp_path / "b")  # blocks until the async save committed
+    assert handle.done() and handle.result().step is None
+    assert loaded(tmp_path / "a")["step"] == 1 and loaded(tmp_path / "b")["step"] == 2
+
+
+def test_one_save_in_flight_wait_or_skip(tmp_path, monkeypatch):
+    gate = threading.Event()
+    slow_writes(monkeypatch, gate)
+    with zs.AsyncSaver(if_busy="skip") as saver:
+        first = saver.save(state_of(1.0), tmp_path / "a")
+        assert saver.save(state_of(2.0), tmp_path / "b") is None
+        gate.set()
+        first.result()
+        saver.save(state_of(3.0), tmp_path / "b").result()
+    assert loaded(tmp_path / "b")["step"] == 3
+    gate.clear()
+    threading.Timer(0.2, gate.set).start()
+    with zs.AsyncSaver() as saver:
+        first = saver.save(state_of(1.0), tmp_path / "c")
+        second = saver.save(state_of(2.0), tmp_path / "c")  # waits for the first to commit
+        assert first.done()
+        second.result()
+    assert loaded(tmp_path / "c")["step"] == 2
+
+
+def test_pool_is_reused_and_close_releases_it(tmp_path):
+    saver = zs.AsyncSaver()
+    alloc = saver.reserve(state_of(0.0))
+    assert alloc >= 0 and saver.pool.nbytes >= (1 << 16) * 4
+    arena = saver.pool.buffers(engine.prepare(state_of(0.0), tmp_path / "x").items)[0]
+    saver.save(state_of(1.0), tmp_path / "ck").result()
+    assert saver.pool.buffers(engine.prepare(state_of(0.0), tmp_path / "x").items)[0] is arena
+    saver.close()
+    assert saver.pool.nbytes == 0
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_fifty_async_saves_keep_memory_flat(tmp_path):
+    state = {f"t{i}": torch.randn(1 << 18) for i in range(8)}  # 8 MiB
+    with zs.AsyncSaver() as saver:
+        for _ in range(3):
+            saver.save(state, tmp_path / "ck").result()
+        before = rss_mb()
+        for step in range(50):
+            saver.save(state, tmp_path / "ck", step=step).wait_staged()
+        saver.wait()
+        growth = rss_mb() - before
+    assert growth < 64, f"RSS grew by {growth:.1f} MB over 50 saves"
+    with zs.open(tmp_path / "ck") as ck:
+        assert ck.step == 49
+
+
+def test_exit_drains_the_save_in_flight(tmp_path):
+    script = textwrap.dedent(f"""
+        import torch, zerostall as zs
+        from zerostall import engine
+        original = engine._write_data
+        def slow(*a, **k):
+            import time; time.sleep(0.5)
+            return original(*a, **k)
+        engine._write_data = slow
+        zs.async_save({{"w": torch.ones(1000)}}, {str(tmp_path / "ck")!r}, step=7)
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    with zs.open(tmp_path / "ck") as ck:
+        assert ck.step == 7
+
+
+def async_on_ranks(path: str) -> dict:
+    rank = dist.get_rank()
+    state = {"w": torch.full((64,), 2.0), "own": zs.rank_local(torch.full((2,), float(rank)))}
+    with zs.AsyncSaver() as saver:
+        handle = saver.save(state, path, step=5)
+        handle.wait_staged()
+        state["w"].fill_(0.0)
+        info = handle.result()
+    target = {"w": torch.zeros(64), "own": zs.rank_local(torch.zeros(2))}
+    zs.load(target, path)
+    return {"step": info.step, "w": target["w"][0].item(), "own": target["own"].value.tolist()}
+
+
+def test_async_save_across_ranks(ranks, tmp_path):
+    results = ranks(2).run(async_on_ranks, str(tmp_path / "ck"))
+    assert results == [{"step": 5, "w": 2.0, "own": [0.0, 0.0]}, {"step": 5, "w": 2.0, "own": [1.0, 1.0]}]
