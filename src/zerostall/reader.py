@@ -449,6 +449,8 @@ class Checkpoint:
                 src = buf[skip:].view(entry.torch_dtype).as_strided(inter[1], contiguous_strides(chunk.sizes))
                 region = tuple(slice(o - b, o - b + s) for o, b, s in zip(inter[0], box[0], inter[1]))
                 target[region].copy_(src, non_blocking=target.device.type == "cuda")
+        if any(target.is_cuda for target, *_ in batch):
+            torch.cuda.current_stream().synchronize()  # the staging buffers are reused next batch
 
     def _pieces(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview) -> Iterator[tuple[Entry, Chunk, int, memoryview]]:
         """Split a read of ``chunk`` bytes ``[lo, lo+len(out))`` into block-aligned pieces."""
