@@ -1,0 +1,366 @@
+"""CheckpointManager: a directory of checkpoints by step, ``latest``, open/close, resume, retention.
+
+Layout under ``root``: one checkpoint directory per step (``step_000000100``) or tag, a
+``latest`` pointer (JSON, replaced atomically, written only after a commit) and a writer lease
+(``.writer-lease``) naming the host, boot and process that writes here, renewed while it lives.
+Retention (see :mod:`zerostall.retention`) runs on the coordinator after each commit, in the
+background; a checkpoint is deleted manifest first, so a half-deleted one is never seen as valid.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import secrets
+import shutil
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+from .background import AsyncSaver, SaveHandle
+from .collectives import Group
+from .engine import SaveInfo, save
+from .errors import CheckpointError, CheckpointNotFoundError
+from .format import MANIFEST_NAME
+from .reader import Checkpoint, read_manifest
+from .retention import CheckpointRecord, RetentionPolicy, kept
+from .state import RankLocal, rank_local
+from .storage import LocalStorage
+
+log = logging.getLogger(__name__)
+
+LATEST_NAME = "latest"
+LEASE_NAME = ".writer-lease"
+_RNG_KEY = "__rng__"
+
+
+def step_tag(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+def _write_atomic(path: str, data: bytes, fsync: bool) -> None:
+    tmp = f"{path}.{secrets.token_hex(4)}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if fsync:
+        fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class WriterLease:
+    """Who writes under a root: host, boot id, pid and a token, renewed every ``ttl / 3`` seconds.
+
+    A lease is stale when it was not renewed within ``ttl``, or when it names this host and boot
+    and a pid that no longer runs. ``flock`` is not used: it is unreliable on NFS/Lustre and does
+    not exist on object stores.
+    """
+
+    def __init__(self, root: str, ttl: float, fsync: bool) -> None:
+        self.path = os.path.join(root, LEASE_NAME)
+        self.ttl = ttl
+        self.fsync = fsync
+        self.me = {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": os.getpid(),
+                   "token": secrets.token_hex(8)}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def holder(self) -> dict[str, Any] | None:
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def is_stale(self, lease: dict[str, Any]) -> bool:
+        if time.time() - lease.get("renewed", 0) > self.ttl:
+            return True
+        if lease.get("host") == self.me["host"] and lease.get("boot_id") == self.me["boot_id"]:
+            try:
+                os.kill(int(lease["pid"]), 0)
+            except ProcessLookupError:
+                return True
+            except (PermissionError, KeyError, ValueError):
+                return False
+        return False
+
+    def acquire(self) -> None:
+        """Take the lease or raise naming its live holder; re-read after writing to settle races."""
+        current = self.holder()
+        if current is not None and current.get("token") != self.me["token"] and not self.is_stale(current):
+            raise CheckpointError(f"{os.path.dirname(self.path)} is being written by {current.get('host')} "
+                                  f"pid {current.get('pid')} (lease renewed {time.time() - current['renewed']:.0f} s "
+                                  "ago); two managers must not write one root")
+        self._renew()
+        time.sleep(random.uniform(0.01, 0.05))
+        if (self.holder() or {}).get("token") != self.me["token"]:
+            raise CheckpointError(f"another manager took {os.path.dirname(self.path)} at the same moment")
+        self._thread = threading.Thread(target=self._keep_alive, name="zerostall-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        _write_atomic(self.path, json.dumps({**self.me, "renewed": time.time()}).encode(), self.fsync)
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                self._renew()
+            except OSError as exc:
+                log.warning("could not renew the writer lease %s: %s", self.path, exc)
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if (self.holder() or {}).get("token") == self.me["token"]:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class CheckpointManager:
+    """Steps and tags under one root: ``save`` (create → save → commit), ``open``, ``restore``,
+    ``latest``, retention. Collective when distributed: every rank makes the same calls.
+
+    ``keep_*``/``metric``/``mode``/``protect`` set the retention rules; ``save_every`` and
+    ``save_interval_s`` drive :meth:`should_save`; ``async_save`` makes ``save`` return a
+    :class:`SaveHandle` at once. ``rank_local_keys`` are top-level keys of the state saved per
+    rank (data loaders); RNG states (torch, CUDA, python, numpy) are saved and restored per rank.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None, keep_every: int | None = None,
+                 keep_best: int | None = None, metric: str | None = None, mode: str = "min",
+                 keep_time_interval: float | None = None, protect: Callable[[int], bool] | None = None,
+                 save_every: int | None = None, save_interval_s: float | None = None, async_save: bool = False,
+                 rank_local_keys: tuple[str, ...] = ("dataloader", "data_loader"), process_group: Any = None,
+                 fsync: bool = True, lease_ttl: float = 60.0, **save_options: Any) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self.policy = RetentionPolicy(keep_last, keep_every, keep_best, metric, mode, keep_time_interval, protect)
+        self.save_every = save_every
+        self.save_interval_s = save_interval_s
+        self.rank_local_keys = rank_local_keys
+        self.process_group = process_group
+        self.group = Group(process_group)
+        self.fsync = fsync
+        self.save_options = save_options
+        self.saver = AsyncSaver() if async_save else None
+        self._pinned: set[int] = set()
+        self._last_save_time = time.monotonic()
+        self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerostall-retention")
+        self._pending_delete: Future[None] | None = None
+        self.lease: WriterLease | None = None
+        if self.group.is_coordinator:
+            os.makedirs(self.root, exist_ok=True)
+            self.lease = WriterLease(self.root, lease_ttl, fsync)
+            self.lease.acquire()
+            self._clean_stale_attempts()
+
+    # -- deciding and saving -------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is due: every ``save_every`` steps and/or ``save_interval_s`` seconds."""
+        by_step = self.save_every is not None and step % self.save_every == 0
+        by_time = self.save_interval_s is not None and time.monotonic() - self._last_save_time >= self.save_interval_s
+        return by_step or by_time
+
+    def save(self, step: int, state: Any, *, metrics: dict[str, float] | None = None,
+             tag: str | None = None) -> SaveInfo | SaveHandle:
+        """create → save → commit: write ``state`` as ``step`` (or ``tag``), then update ``latest``
+        and apply retention once it has committed."""
+        tag = tag or step_tag(step)
+        path = self.create(tag)
+        wrapped = self._wrap(state)
+        metadata = {"metrics": dict(metrics or {}), "tag": tag}
+        self._last_save_time = time.monotonic()
+        self._pinned.add(step)
+        options = {"process_group": self.process_group, "step": step, "metadata": metadata, "fsync": self.fsync,
+                   **self.save_options}
+        if self.saver is None:
+            try:
+                info = save(wrapped, path, **options)
+            finally:
+                self._pinned.discard(step)
+            self.commit(tag, step)
+            return info
+        handle = self.saver.save(wrapped, path, **options)
+        assert handle is not None
+        handle.committed.add_done_callback(lambda fut: self._committed_async(fut, tag, step))
+        return handle
+
+    def _committed_async(self, fut: Future, tag: str, step: int) -> None:
+        self._pinned.discard(step)
+        if fut.exception() is None:
+            self.commit(tag, step)
+
+    def create(self, tag: str) -> str:
+        """The directory a new checkpoint ``tag`` is written into (created by the save itself)."""
+        if "/" in tag or tag in (LATEST_NAME, LEASE_NAME) or tag.startswith("."):
+            raise ValueError(f"invalid checkpoint tag {tag!r}")
+        return os.path.join(self.root, tag)
+
+    def commit(self, tag: str, step: int | None) -> None:
+        """After the checkpoint committed: point ``latest`` at it, then apply retention in the background."""
+        if not self.group.is_coordinator:
+            return
+        _write_atomic(os.path.join(self.root, LATEST_NAME), json.dumps({"tag": tag, "step": step}).encode(),
+                      self.fsync)
+        self._pending_delete = self._deleter.submit(self._apply_retention)
+
+    # -- reading -------------------------------------------------------------------------------
+    def checkpoints(self) -> list[tuple[str, CheckpointRecord]]:
+        """Committed checkpoints (tag, record), oldest step first."""
+        found = []
+        for name in sorted(os.listdir(self.root)) if os.path.isdir(self.root) else ():
+            path = os.path.join(self.root, name)
+            if name.startswith(".") or not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+                continue
+            try:
+                manifest = read_manifest(LocalStorage(path))
+            except CheckpointError:
+                continue
+            metadata = manifest.metadata if isinstance(manifest.metadata, dict) else {}
+            metrics = {k: v for k, v in (metadata.get("metrics") or {}).items() if isinstance(v, (int, float))}
+            step = manifest.step if manifest.step is not None else -1
+            found.append((name, CheckpointRecord(step, manifest.created, metrics)))
+        return sorted(found, key=lambda item: (item[1].step, item[0]))
+
+    def latest(self) -> str | None:
+        """The newest committed checkpoint's tag. Found by scanning, which cannot lag behind a
+        commit; the ``latest`` file mirrors it for other tools."""
+        found = self.checkpoints()
+        return found[-1][0] if found else None
+
+    def open(self, tag: str | None = None, **options: Any) -> Checkpoint | None:
+        """Open ``tag`` (``None``/``"latest"``: the newest committed) on every rank: rank 0 resolves,
+        everyone opens the same one. ``None`` when nothing was committed yet; a named tag that
+        does not exist raises :class:`CheckpointNotFoundError`. Close it (or use ``with``)."""
+        resolved = None
+        if self.group.is_coordinator:
+            resolved = self.latest() if tag in (None, "latest") else tag
+        payload = json.dumps(resolved).encode() if self.group.is_coordinator else None
+        resolved = json.loads(self.group.broadcast_bytes(payload))
+        if resolved is None:
+            return None
+        path = os.path.join(self.root, resolved)
+        try:
+            ck = Checkpoint(path, process_group=self.process_group, **options)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"no checkpoint {resolved!r} under {self.root}") from None
+        ck.tag = resolved  # type: ignore[attr-defined]
+        return ck
+
+    def restore(self, state: Any, tag: str | None = None, **load_options: Any) -> int | None:
+        """Load the newest (or ``tag``) checkpoint into ``state`` in place, RNG states included;
+        returns its step, or ``None`` for a fresh start. It stays protected from retention."""
+        ck = self.open(tag)
+        if ck is None:
+            return None
+        with ck:
+            wrapped = self._wrap(state)
+            ck.load(wrapped, **load_options)
+        _set_rng_state(wrapped[_RNG_KEY].value)
+        if ck.step is not None:
+            self._pinned.add(ck.step)
+        return ck.step
+
+    def _wrap(self, state: Any) -> dict[str, Any]:
+        if not isinstance(state, dict):
+            raise TypeError("CheckpointManager saves a dict of named parts, e.g. {'model': m, 'optim': o}")
+        wrapped = {k: rank_local(v) if k in self.rank_local_keys and not isinstance(v, RankLocal) else v
+                   for k, v in state.items()}
+        wrapped[_RNG_KEY] = rank_local(_rng_state())
+        return wrapped
+
+    # -- retention -----------------------------------------------------------------------------
+    def _apply_retention(self) -> None:
+        found = self.checkpoints()
+        keep = kept([r for _, r in found], self.policy, pinned=sorted(self._pinned))
+        for tag, record in found:
+            if record.step not in keep:
+                delete_checkpoint(os.path.join(self.root, tag))
+
+    def _clean_stale_attempts(self) -> None:
+        """Remove step directories that never committed: we hold the lease, so their writer is dead."""
+        for name in os.listdir(self.root):
+            path = os.path.join(self.root, name)
+            if name.startswith("step_") and os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST_NAME)):
+                log.info("removing the uncommitted checkpoint %s left by a dead writer", path)
+                shutil.rmtree(path, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Finish the save in flight and the retention it triggered."""
+        if self.saver is not None:
+            self.saver.wait()
+        if self._pending_delete is not None:
+            self._pending_delete.result()
+
+    def close(self) -> None:
+        """Finish pending work, stop background threads and give up the writer lease."""
+        try:
+            if self.saver is not None:
+                self.saver.close()
+            if self._pending_delete is not None:
+                self._pending_delete.result()
+        finally:
+            self._deleter.shutdown(wait=True)
+            if self.lease is not None:
+                self.lease.release()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def delete_checkpoint(path: str) -> None:
+    """Delete a checkpoint so that it never looks valid half-way: the manifest goes first."""
+    try:
+        os.unlink(os.path.join(path, MANIFEST_NAME))
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])

@@ -1,0 +1,98 @@
+"""Retention: which committed checkpoints to keep, and by which rule. A pure function, no I/O."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """What retention knows of a committed checkpoint."""
+
+    step: int
+    created: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Rules combine: a checkpoint is kept when any rule keeps it. With no rule, all are kept.
+
+    ``keep_last``: the K newest steps. ``keep_every``: steps divisible by N. ``keep_best``: the K
+    best by ``metric`` (``mode`` "min" or "max"; NaN or missing is never best; ties go to the newer
+    step). ``keep_time_interval``: walking by step, one checkpoint each time at least that many
+    seconds passed since the last one kept by this rule. ``protect(step)``: keep when true.
+    """
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep_best: int | None = None
+    metric: str | None = None
+    mode: str = "min"
+    keep_time_interval: float | None = None
+    protect: Callable[[int], bool] | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep_best is not None and self.metric is None:
+            raise ValueError("keep_best needs a metric")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', not {self.mode!r}")
+        for name in ("keep_last", "keep_every", "keep_best"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+    @property
+    def keeps_all(self) -> bool:
+        return all(getattr(self, n) is None for n in ("keep_last", "keep_every", "keep_best", "keep_time_interval"))
+
+
+def kept(records: Sequence[CheckpointRecord], policy: RetentionPolicy,
+         pinned: Sequence[int] = ()) -> dict[int, list[str]]:
+    """The steps to keep, each with the rules that keep it.
+
+    The newest step is always kept ("newest"), and so is every step in ``pinned`` ("pinned": the
+    checkpoint being resumed from, or one still being written). Steps not in the result may go.
+    """
+    steps = sorted(r.step for r in records)
+    reasons: dict[int, list[str]] = {}
+
+    def keep(step: int, why: str) -> None:
+        reasons.setdefault(step, []).append(why)
+
+    if not steps:
+        return reasons
+    keep(steps[-1], "newest")
+    for step in pinned:
+        if step in steps:
+            keep(step, "pinned")
+    if policy.keeps_all:
+        for step in steps:
+            keep(step, "all")
+        return reasons
+    if policy.keep_last:
+        for step in steps[-policy.keep_last:]:
+            keep(step, "last")
+    if policy.keep_every:
+        for step in steps:
+            if step % policy.keep_every == 0:
+                keep(step, "every")
+    if policy.keep_best:
+        scored = [(r.metrics.get(policy.metric or ""), r.step) for r in records]
+        finite = [(v, s) for v, s in scored if isinstance(v, (int, float)) and not math.isnan(v)]
+        sign = 1 if policy.mode == "min" else -1
+        for _, step in sorted(finite, key=lambda vs: (sign * vs[0], -vs[1]))[:policy.keep_best]:
+            keep(step, "best")
+    if policy.keep_time_interval:
+        last = None
+        for r in sorted(records, key=lambda r: r.step):
+            if last is None or r.created - last >= policy.keep_time_interval:
+                keep(r.step, "time")
+                last = r.created
+    if policy.protect:
+        for step in steps:
+            if policy.protect(step):
+                keep(step, "protected")
+    return reasons
