@@ -169,6 +169,7 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerostall-retention")
         self._pending_delete: Future[None] | None = None
+        self._committing: Future[None] | None = None
         self.lease: WriterLease | None = None
         if self.group.is_coordinator:
             os.makedirs(self.root, exist_ok=True)
@@ -204,13 +205,18 @@ class CheckpointManager:
             return info
         handle = self.saver.save(wrapped, path, **options)
         assert handle is not None
-        handle.committed.add_done_callback(lambda fut: self._committed_async(fut, tag, step))
+        self._committing = committing = Future()
+        handle.committed.add_done_callback(lambda fut: self._committed_async(fut, tag, step, committing))
         return handle
 
-    def _committed_async(self, fut: Future, tag: str, step: int) -> None:
-        self._pinned.discard(step)
-        if fut.exception() is None:
-            self.commit(tag, step)
+    def _committed_async(self, fut: Future, tag: str, step: int, committing: Future) -> None:
+        """Runs when an asynchronous save is done: commit it (latest, retention) if it succeeded."""
+        try:
+            self._pinned.discard(step)
+            if fut.exception() is None:
+                self.commit(tag, step)
+        finally:
+            committing.set_result(None)
 
     def create(self, tag: str) -> str:
         """The directory a new checkpoint ``tag`` is written into (created by the save itself)."""
@@ -311,6 +317,8 @@ class CheckpointManager:
         """Finish the save in flight and the retention it triggered."""
         if self.saver is not None:
             self.saver.wait()
+        if self._committing is not None:
+            self._committing.result()
         if self._pending_delete is not None:
             self._pending_delete.result()
 
@@ -319,6 +327,8 @@ class CheckpointManager:
         try:
             if self.saver is not None:
                 self.saver.close()
+            if self._committing is not None:
+                self._committing.result()
             if self._pending_delete is not None:
                 self._pending_delete.result()
         finally:

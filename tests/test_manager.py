@@ -1,0 +1,183 @@
+"""CheckpointManager: lifecycle, latest, retention on disk, leases, crashes, resume, ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerostall as zs
+from zerostall.manager import LEASE_NAME, step_tag
+
+
+def part(step: int) -> dict:
+    return {"w": torch.full((4,), float(step))}
+
+
+def steps_on_disk(root) -> list[int]:
+    return sorted(int(n.split("_")[1]) for n in os.listdir(root) if n.startswith("step_"))
+
+
+def test_save_commit_latest_and_retention(tmp_path):
+    with zs.CheckpointManager(tmp_path, keep_last=2, keep_every=5) as mgr:
+        for step in range(1, 13):
+            mgr.save(step, part(step))
+            mgr.wait()
+            assert json.loads((tmp_path / "latest").read_text())["tag"] == step_tag(step)
+        assert steps_on_disk(tmp_path) == [5, 10, 11, 12]
+        assert mgr.latest() == step_tag(12)
+
+
+def test_open_resolves_latest_named_and_missing(tmp_path):
+    with zs.CheckpointManager(tmp_path) as mgr:
+        assert mgr.open() is None and mgr.restore(part(0)) is None
+        mgr.save(3, part(3))
+        mgr.save(7, part(7), tag="best-so-far")
+        with mgr.open() as ck:
+            assert ck.tag == "best-so-far" and ck.step == 7
+        with mgr.open(step_tag(3)) as ck:
+            assert ck.tag == step_tag(3) and torch.equal(ck.read("w"), torch.full((4,), 3.0))
+        with pytest.raises(zs.CheckpointNotFoundError, match="nope"):
+            mgr.open("nope")
+
+
+def test_restore_resumes_model_optimizer_and_rng(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 4)).sum().backward()
+    optim.step()
+    with zs.CheckpointManager(tmp_path) as mgr:
+        random.seed(11)
+        mgr.save(1, {"model": model, "optim": optim})
+        expected = (torch.rand(3), random.random())
+    fresh = torch.nn.Linear(4, 2)
+    fresh_optim = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    torch.manual_seed(99)
+    random.seed(99)
+    with zs.CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore({"model": fresh, "optim": fresh_optim}) == 1
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    assert torch.equal(fresh.weight, model.weight)
+    assert torch.equal(fresh_optim.state[fresh.weight]["momentum_buffer"], optim.state[model.weight]["momentum_buffer"])
+
+
+def test_best_never_evicts_the_newest_and_nan_is_never_best(tmp_path):
+    with zs.CheckpointManager(tmp_path, keep_best=1, metric="loss") as mgr:
+        for step, loss in [(1, 0.5), (2, 0.1), (3, float("nan")), (4, 0.9)]:
+            mgr.save(step, part(step), metrics={"loss": loss})
+            mgr.wait()
+        assert steps_on_disk(tmp_path) == [2, 4]
+
+
+def test_async_manager_commits_then_updates_latest_and_prunes(tmp_path):
+    with zs.CheckpointManager(tmp_path, keep_last=1, async_save=True) as mgr:
+        state = part(1)
+        for step in range(1, 5):
+            state["w"].fill_(float(step))
+            handle = mgr.save(step, state)
+            handle.wait_staged()
+        mgr.wait()
+        assert steps_on_disk(tmp_path) == [4]
+        assert json.loads((tmp_path / "latest").read_text())["step"] == 4
+
+
+def test_two_managers_on_one_root_are_refused(tmp_path):
+    first = zs.CheckpointManager(tmp_path)
+    with pytest.raises(zs.CheckpointError, match="being written by"):
+        zs.CheckpointManager(tmp_path)
+    first.close()
+    zs.CheckpointManager(tmp_path).close()
+
+
+def test_lease_of_a_dead_process_is_taken_over(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(proc.stdout)
+    with zs.CheckpointManager(tmp_path) as mgr:
+        lease = json.loads((tmp_path / LEASE_NAME).read_text())
+    lease.update(pid=dead_pid, renewed=time.time(), token="someone-else")
+    (tmp_path / LEASE_NAME).write_text(json.dumps(lease))
+    with zs.CheckpointManager(tmp_path) as mgr:
+        assert json.loads((tmp_path / LEASE_NAME).read_text())["pid"] == os.getpid()
+        assert mgr.latest() is None
+
+
+def crash_script(root, stage: str) -> str:
+    return textwrap.dedent(f"""
+        import os, signal, torch, zerostall as zs
+        from zerostall import engine, manager
+        def die(*a, **k):
+            os.kill(os.getpid(), signal.SIGKILL)
+        mgr = zs.CheckpointManager({str(root)!r})
+        mgr.save(1, {{"w": torch.ones(4)}})
+        mgr.wait()
+        if {stage!r} == "between_save_and_commit":
+            manager._write_atomic = lambda path, *a: die() if path.endswith("latest") else None
+        else:
+            engine._write_data = die
+        mgr.save(2, {{"w": torch.full((4,), 2.0)}})
+    """)
+
+
+@pytest.mark.parametrize("stage", ["between_save_and_commit", "while_writing"])
+def test_crash_leaves_a_resumable_root(tmp_path, stage):
+    proc = subprocess.run([sys.executable, "-c", crash_script(tmp_path, stage)], capture_output=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr.decode()
+    target = {"w": torch.zeros(4)}
+    with zs.CheckpointManager(tmp_path) as mgr:  # the dead writer's lease is stale: taken over
+        step = mgr.restore(target)
+    if stage == "between_save_and_commit":  # the manifest committed, `latest` was never updated
+        assert step == 2 and json.loads((tmp_path / "latest").read_text())["step"] == 1
+    else:  # the half-written step 2 never existed and is cleaned up at start
+        assert step == 1 and steps_on_disk(tmp_path) == [1]
+    assert torch.equal(target["w"], torch.full((4,), float(step)))
+
+
+def open_repeatedly(root: str, rounds: int) -> list[str | None]:
+    mgr = zs.CheckpointManager(root, lease_ttl=5.0)
+    tags = []
+    try:
+        for _ in range(rounds):
+            ck = mgr.open()
+            tags.append(None if ck is None else ck.tag)
+            if ck is not None:
+                ck.load({"w": torch.zeros(4)})
+                ck.close()
+            time.sleep(0.01 * dist.get_rank())
+    finally:
+        mgr.close()
+    return tags
+
+
+def test_ranks_agree_on_open_while_commits_happen(ranks, tmp_path):
+    root = str(tmp_path)
+    stop = threading.Event()
+
+    def writer() -> None:  # commits new steps all the time (not through a manager, so no lease)
+        step = 1
+        while not stop.is_set():
+            try:
+                zs.save(part(step), os.path.join(root, step_tag(step)), step=step, fsync=False)
+            except zs.CheckpointError:
+                pass  # the manager starting on rank 0 removed this not-yet-committed step
+            step += 1
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        results = ranks(2).run(open_repeatedly, root, 30)
+    finally:
+        stop.set()
+        thread.join()
+    assert results[0] == results[1]
+    assert len({t for t in results[0] if t}) > 1  # commits really happened while opening
