@@ -1,12 +1,13 @@
-"""A real training run that checkpoints asynchronously, is killed mid-run, resumes, bit for bit.
+"""A real 2-rank training run that checkpoints asynchronously, is killed, and resumes bit for bit.
 
-Three processes train the same small transformer on CPU: a reference run with no interruption,
-a run that saves asynchronously every few steps (training goes on while the checkpoint is
-written; the loop waits for the capture only before the optimizer step) and is SIGKILLed in the
-middle, and a run that resumes from the newest committed checkpoint. The demo passes when the
-resumed losses and final weights are bit-identical to the reference.
+Two gloo ranks train a small transformer sharded with FSDP2 on CPU. A ``CheckpointManager``
+saves asynchronously every few steps (the loop waits for the capture only before the optimizer
+step) and keeps the last two checkpoints. Three jobs run: a reference with no interruption, a job
+that is SIGKILLed (both ranks) in the middle of training, and a job that restores the newest
+committed checkpoint and finishes. The demo passes when the resumed losses and final weights are
+bit-identical to the reference.
 
-    python examples/demo.py [--steps 60] [--every 10] [--kill-at 37] [--dir DIR]
+    python examples/demo.py [--steps 40] [--every 5] [--kill-at 23] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -16,151 +17,194 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
+import torch.distributed as dist
 
 import zerostall as zs
+
+WORLD = 2
 
 
 class TinyTransformer(torch.nn.Module):
     def __init__(self, vocab: int = 256, dim: int = 64, layers: int = 2) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, dim)
-        layer = torch.nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim, dropout=0.1, batch_first=True)
-        self.encoder = torch.nn.TransformerEncoder(layer, layers)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim, dropout=0.1, batch_first=True)
+            for _ in range(layers))
         self.head = torch.nn.Linear(dim, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.embed(tokens)))
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
 
 
-def build(seed: int = 0) -> dict:
-    """Model, optimizer, schedule and data stream: everything a resume must restore."""
-    torch.manual_seed(seed)
-    model = TinyTransformer()
-    optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=1000)
-    data = torch.Generator().manual_seed(seed + 1)
-    return {"model": model, "optim": optim, "sched": sched, "data": data}
+class Trainer:
+    """Model, optimizer, schedule and this rank's data stream; a Stateful for the manager."""
+
+    def __init__(self, seed: int = 0) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(seed)
+        self.model = TinyTransformer()
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in self.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=3e-3, weight_decay=0.01)
+        self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.optim, T_max=1000)
+        self.data = torch.Generator().manual_seed(seed + 1 + dist.get_rank())
+        torch.manual_seed(seed + 100 + dist.get_rank())  # dropout differs per rank
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optim)
+        return {"model": model, "optim": optim, "sched": self.sched.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.sched.load_state_dict(state["sched"])
+
+    def step(self, before_update) -> float:
+        tokens = torch.randint(0, 256, (8, 33), generator=self.data)
+        logits = self.model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
+        self.optim.zero_grad()
+        loss.backward()
+        before_update()  # an asynchronous save may still be copying the state: let it finish first
+        self.optim.step()
+        self.sched.step()
+        return loss.item()
 
 
-def train_step(parts: dict, before_update=lambda: None) -> float:
-    tokens = torch.randint(0, 256, (8, 33), generator=parts["data"])
-    logits = parts["model"](tokens[:, :-1])
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
-    parts["optim"].zero_grad()
-    loss.backward()
-    before_update()  # an asynchronous save may still be copying the state: let it finish first
-    parts["optim"].step()
-    parts["sched"].step()
-    return loss.item()
+class DataPosition:
+    """The data stream's position: saved per rank (a data loader would be the same)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict:
+        return {"generator": self.trainer.data.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trainer.data.set_state(state["generator"])
 
 
-def checkpoint_state(parts: dict, step: int) -> dict:
-    return {"model": parts["model"], "optim": parts["optim"], "sched": parts["sched"], "step": step,
-            "rng": zs.rank_local({"torch": torch.get_rng_state(), "data": parts["data"].get_state()})}
-
-
-def latest_committed(root: str) -> str | None:
-    """The newest step directory with a committed manifest (uncommitted ones do not exist)."""
-    found = []
-    for name in os.listdir(root) if os.path.isdir(root) else ():
-        try:
-            with zs.open(os.path.join(root, name)) as ck:
-                found.append((ck.step, name))
-        except zs.CheckpointError:
-            continue
-    return os.path.join(root, max(found)[1]) if found else None
-
-
-def run(args: argparse.Namespace) -> None:
-    """One training process: optionally resume, train, save every N steps, optionally die."""
-    parts = build()
+def worker(args: argparse.Namespace) -> None:
+    """One rank of one job: restore if asked, train, checkpoint asynchronously, report on stdout."""
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    dist.init_process_group("gloo")
+    trainer = Trainer()
+    state = {"trainer": trainer, "dataloader": DataPosition(trainer)}
+    mgr = zs.CheckpointManager(args.dir, keep_last=2, save_every=args.every, async_save=True, fsync=False)
     start, restore_s = 0, 0.0
-    if args.resume and (path := latest_committed(args.dir)):
+    if args.resume:
         t0 = time.perf_counter()
-        state = zs.load(checkpoint_state(parts, 0), path)
-        torch.set_rng_state(state["rng"].value["torch"])
-        parts["data"].set_state(state["rng"].value["data"])
-        start, restore_s = state["step"], time.perf_counter() - t0
-    losses, saves, handles = {}, [], []
-    saver = zs.AsyncSaver()
+        start = mgr.restore(state) or 0
+        restore_s = time.perf_counter() - t0
+    losses, saves = {}, []
     for step in range(start + 1, args.steps + 1):
-        losses[step] = train_step(parts, saver.wait_staged)
-        if args.every and step % args.every == 0:
+        losses[step] = trainer.step(mgr.saver.wait_staged if mgr.saver else (lambda: None))
+        if args.every and mgr.should_save(step):
             t0 = time.perf_counter()
-            path = os.path.join(args.dir, f"step_{step:06d}")
-            handles.append(saver.save(checkpoint_state(parts, step), path, step=step))
-            saves.append({"step": step, "blocked_s": time.perf_counter() - t0})
-        print(json.dumps({"step": step, "loss": losses[step]}), flush=True)
-        if step == args.kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-    saver.close()
-    for save, handle in zip(saves, handles):
-        info = handle.result()
-        save.update(bytes=info.bytes_written, committed_s=info.total_s)
-    weights = {k: v.view(-1)[:4].tolist() for k, v in parts["model"].state_dict().items()}
-    print(json.dumps({"done": True, "start": start, "restore_s": restore_s, "saves": saves,
-                      "losses": losses, "weights": weights}), flush=True)
+            handle = mgr.save(step, state)
+            saves.append((step, time.perf_counter() - t0, handle))
+        if dist.get_rank() == 0:
+            print(json.dumps({"step": step, "loss": losses[step]}), flush=True)
+    mgr.close()
+    weights = {k: v.full_tensor().reshape(-1)[:4].tolist() for k, v in trainer.model.state_dict().items()}
+    if dist.get_rank() == 0:
+        rows = [{"step": s, "blocked_s": b, "committed_s": h.result().total_s, "bytes": h.result().bytes_written}
+                for s, b, h in saves]
+        print(json.dumps({"done": True, "start": start, "restore_s": restore_s, "saves": rows,
+                          "losses": losses, "weights": weights}), flush=True)
+    dist.destroy_process_group()
 
 
-def child(*extra: str, steps: int, dir: str) -> tuple[int, list[dict]]:
-    cmd = [sys.executable, __file__, "--child", "--steps", str(steps), "--dir", dir, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode not in (0, -signal.SIGKILL):
-        sys.stderr.write(proc.stderr)
-        raise SystemExit(f"child {cmd} failed with {proc.returncode}")
-    return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job(root: str, *extra: str, steps: int, kill_at: int | None = None) -> list[dict]:
+    """Launch both ranks (like torchrun); optionally SIGKILL them once rank 0 reports ``kill_at``."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(WORLD),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, __file__, "--worker", "--steps", str(steps), "--dir", root, *extra]
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                              text=True) for r in range(WORLD)]
+    lines = []
+    assert procs[0].stdout is not None
+    for line in procs[0].stdout:
+        lines.append(json.loads(line))
+        if kill_at is not None and lines[-1].get("step") == kill_at:
+            for p in procs:
+                p.send_signal(signal.SIGKILL)
+            break
+    codes = [p.wait() for p in procs]
+    if kill_at is None and any(codes):
+        raise SystemExit(f"a rank failed: exit codes {codes}")
+    return lines
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--every", type=int, default=10)
-    parser.add_argument("--kill-at", type=int, default=37)
-    parser.add_argument("--dir", default=None, help="checkpoint root (default: a temporary directory)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--kill-at", type=int, default=23)
+    parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        run(args)
+    if args.worker:
+        worker(args)
         return 0
 
     root = args.dir or tempfile.mkdtemp(prefix="zerostall-demo-")
     shutil.rmtree(root, ignore_errors=True)
-    os.makedirs(root)
-    scratch = os.path.join(root, "reference")
-    print(f"1/3 reference run, {args.steps} steps, no interruption")
-    _, ref = child("--every", "0", "--kill-at", "-1", steps=args.steps, dir=scratch)
-    print(f"2/3 training with a checkpoint every {args.every} steps, SIGKILLed at step {args.kill_at}")
-    code, killed = child("--every", str(args.every), "--kill-at", str(args.kill_at), steps=args.steps,
-                         dir=os.path.join(root, "run"))
-    print(f"    the process died with signal {-code} after step {killed[-1]['step']}")
-    print("3/3 restarting: resume from the newest committed checkpoint")
-    _, resumed = child("--resume", "--every", str(args.every), "--kill-at", "-1", steps=args.steps,
-                       dir=os.path.join(root, "run"))
-    ref_done, res_done = ref[-1], resumed[-1]
-    start = res_done["start"]
-    same_losses = all(ref_done["losses"][k] == v for k, v in res_done["losses"].items())
-    same_weights = ref_done["weights"] == res_done["weights"]
-    lost = killed[-1]["step"] - start
-    saves = res_done["saves"]
+    print(f"1/3 reference: {WORLD} ranks, FSDP2, {args.steps} steps, no interruption")
+    ref = job(os.path.join(root, "reference"), "--every", "0", steps=args.steps)[-1]
+    run = os.path.join(root, "run")
+    print(f"2/3 training with an asynchronous checkpoint every {args.every} steps; both ranks SIGKILLed "
+          f"after step {args.kill_at}")
+    killed = job(run, "--every", str(args.every), steps=args.steps, kill_at=args.kill_at)
+    print(f"    killed after step {killed[-1]['step']}; committed: {sorted(os.listdir(run))}")
+    print("3/3 restarting: restore the newest committed checkpoint and finish")
+    res = job(run, "--resume", "--every", str(args.every), steps=args.steps)[-1]
 
+    start = res["start"]
+    same_losses = all(ref["losses"][k] == v for k, v in res["losses"].items())
+    same_weights = ref["weights"] == res["weights"]
     print()
     print(f"{'step':>6} {'reference loss':>16} {'resumed loss':>16}")
-    for step in sorted(res_done["losses"], key=int)[:: max(1, len(res_done['losses']) // 6)]:
-        print(f"{step:>6} {ref_done['losses'][step]:>16.10f} {res_done['losses'][step]:>16.10f}")
+    shown = sorted(res["losses"], key=int)
+    for step in shown[:: max(1, len(shown) // 6)]:
+        print(f"{step:>6} {ref['losses'][step]:>16.10f} {res['losses'][step]:>16.10f}")
     print()
-    print(f"resumed from step {start} (lost {lost} steps of work), restore took {res_done['restore_s'] * 1e3:.1f} ms")
-    if saves:
-        blocked = sum(s["blocked_s"] for s in saves) / len(saves)
-        committed = sum(s["committed_s"] for s in saves) / len(saves)
-        print(f"{len(saves)} asynchronous saves after the restart, {saves[0]['bytes'] / 1e6:.2f} MB each: "
-              f"{blocked * 1e3:.1f} ms blocked per save, {committed * 1e3:.1f} ms until committed")
+    print(f"resumed from step {start} (lost {args.kill_at - start} steps of work); restore took "
+          f"{res['restore_s'] * 1e3:.0f} ms")
+    if res["saves"]:
+        n = len(res["saves"])
+        blocked = sum(s["blocked_s"] for s in res["saves"]) / n
+        committed = sum(s["committed_s"] for s in res["saves"]) / n
+        print(f"{n} asynchronous saves after the restart, {res['saves'][0]['bytes'] / 1e6:.2f} MB written by "
+              f"rank 0 each: {blocked * 1e3:.1f} ms blocked per save, {committed * 1e3:.0f} ms until committed")
+    print(f"kept on disk: {sorted(n for n in os.listdir(run) if n.startswith('step_'))} "
+          f"(keep_last=2, and step {start}, resumed from, is never deleted by the job that resumed from it)")
     print(f"losses bit-identical: {same_losses}; final weights bit-identical: {same_weights}")
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
