@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from click.testing import CliRunner, Result
 
 import zerostall as zs
 from zerostall.cli import cli
+from zerostall.manager import WriterLease
 
 
 def small_state(step: int) -> dict[str, object]:
@@ -162,3 +164,182 @@ def test_console_script(root: Path) -> None:
                           check=False)
     assert done.returncode == 0, done.stderr
     assert "model.weight" in done.stdout and "float32" in done.stdout
+
+
+# -- ls with metrics and retention, prune ------------------------------------------------------
+LOSSES = {100: 0.9, 200: 0.3, 300: 0.5, 400: 0.6, 500: 0.7}
+
+
+@pytest.fixture
+def managed(tmp_path: Path) -> Path:
+    """A CheckpointManager root: steps 100..500 with a loss (best at 200), then closed."""
+    root = tmp_path / "run"
+    mgr = zs.CheckpointManager(root, fsync=False)
+    try:
+        for step, loss in LOSSES.items():
+            mgr.save(step, {"w": torch.ones(3) * step}, metrics={"loss": loss, "acc": 1 - loss})
+    finally:
+        mgr.close()
+    return root
+
+
+def committed_steps(root: Path) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in root.iterdir() if (p / "manifest.json").exists())
+
+
+def ls_rows(*args: object) -> dict[int, dict]:
+    result = run("ls", *args, "--json")
+    assert result.exit_code == 0, result.output
+    return {r["step"]: r for r in json.loads(result.stdout)["checkpoints"]}
+
+
+def test_ls_json_shows_metrics_latest_and_kept_by(managed: Path) -> None:
+    rows = ls_rows(managed)
+    assert sorted(rows) == sorted(LOSSES)
+    for step, loss in LOSSES.items():
+        assert rows[step]["metrics"]["loss"] == loss and rows[step]["status"] == "committed"
+        assert rows[step]["latest"] is (step == 500)
+        assert rows[step]["kept_by"] == (["newest", "all"] if step == 500 else ["all"])
+    assert json.loads(run("ls", managed, "--json").stdout)["latest"] == "step_000000500"
+
+
+def test_ls_table_shows_metrics_and_latest(managed: Path) -> None:
+    result = run("ls", managed)
+    assert result.exit_code == 0, result.output
+    lines = {line.split()[1]: line for line in result.stdout.splitlines() if "step_" in line}
+    assert "loss=0.3" in lines["step_000000200"] and "acc=0.7" in lines["step_000000200"]
+    assert "latest" in lines["step_000000500"] and "latest" not in lines["step_000000400"]
+    assert "newest" in lines["step_000000500"]
+
+
+def test_ls_keep_best_marks_the_best_step(managed: Path) -> None:
+    rows = ls_rows(managed, "--keep-best", 1, "--metric", "loss")
+    assert rows[200]["kept_by"] == ["best"]
+    assert rows[500]["kept_by"] == ["newest"]
+    assert all(rows[s]["kept_by"] == [] for s in (100, 300, 400))
+    rows = ls_rows(managed, "--keep-best", 1, "--metric", "loss", "--mode", "max")
+    assert "best" in rows[100]["kept_by"] and "best" not in rows[200]["kept_by"]
+    table = run("ls", managed, "--keep-best", 1, "--metric", "loss").stdout
+    best = [line for line in table.splitlines() if "best" in line]
+    assert len(best) == 1 and "step_000000200" in best[0]
+
+
+def test_ls_rule_options_are_checked(managed: Path) -> None:
+    result = run("ls", managed, "--keep-best", 1)
+    assert result.exit_code == 2 and "--metric" in result.stderr
+    result = run("ls", managed, "--keep-last", 0)
+    assert result.exit_code == 2
+
+
+def test_ls_of_a_plain_root_keeps_everything(root: Path) -> None:
+    rows = {r["name"]: r for r in json.loads(run("ls", root, "--json").stdout)["checkpoints"]}
+    assert rows["ckpt-200"]["kept_by"] == ["newest", "all"] and rows["ckpt-10"]["kept_by"] == ["all"]
+    assert rows["ckpt-5"]["kept_by"] == [] and rows["ckpt-30"]["kept_by"] == []
+    assert not any(r["latest"] for r in rows.values()) and rows["ckpt-10"]["metrics"] == {}
+
+
+def test_prune_dry_run_deletes_nothing(managed: Path) -> None:
+    result = run("prune", managed, "--keep-last", 2, "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert committed_steps(managed) == sorted(LOSSES)
+    lines = {line.split()[1]: line for line in result.stdout.splitlines() if "step_" in line}
+    assert all("would delete" in lines[f"step_{s:09d}"] for s in (100, 200, 300))
+    assert "keep" in lines["step_000000400"] and "last" in lines["step_000000400"]
+    assert "would delete 3 checkpoint(s)" in result.stdout
+    report = json.loads(run("prune", managed, "--keep-last", 2, "--dry-run", "--json").stdout)
+    assert report["dry_run"] is True and report["deleted"] == []
+    assert [r["step"] for r in report["would_delete"]] == [100, 200, 300]
+    assert {r["step"]: r["kept_by"] for r in report["kept"]} == {400: ["last"], 500: ["newest", "last"]}
+    assert committed_steps(managed) == sorted(LOSSES)
+
+
+def test_prune_keep_last(managed: Path) -> None:
+    result = run("prune", managed, "--keep-last", 2)
+    assert result.exit_code == 0, result.output
+    assert "deleted 3 checkpoint(s)" in result.stdout
+    assert sorted(p.name for p in managed.iterdir() if p.is_dir()) == ["step_000000400", "step_000000500"]
+    for step in (400, 500):
+        assert zs.verify(managed / f"step_{step:09d}") > 0
+    with zs.CheckpointManager(managed, fsync=False) as mgr:
+        assert mgr.latest() == "step_000000500"
+
+
+def test_prune_rules_combine(managed: Path) -> None:
+    result = run("prune", managed, "--keep-last", 2, "--keep-best", 1, "--metric", "loss", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [r["step"] for r in report["deleted"]] == [100, 300] and report["bytes_freed"] > 0
+    assert committed_steps(managed) == [200, 400, 500]
+    assert not (managed / "step_000000100").exists()
+
+
+def test_prune_keep_best_never_deletes_the_newest(managed: Path) -> None:
+    result = run("prune", managed, "--keep-best", 1, "--metric", "loss")
+    assert result.exit_code == 0, result.output
+    assert committed_steps(managed) == [200, 500]
+    zs.verify(managed / "step_000000500")
+
+
+def test_prune_needs_a_rule(managed: Path) -> None:
+    result = run("prune", managed)
+    assert result.exit_code == 2 and "nothing to prune by" in result.stderr
+    assert committed_steps(managed) == sorted(LOSSES)
+
+
+def test_prune_refuses_an_unknown_metric(managed: Path) -> None:
+    result = run("prune", managed, "--keep-best", 1, "--metric", "los")
+    assert result.exit_code == 2 and "'los'" in result.stderr and "loss" in result.stderr
+    assert committed_steps(managed) == sorted(LOSSES)
+
+
+def test_prune_refuses_while_a_manager_writes(managed: Path) -> None:
+    mgr = zs.CheckpointManager(managed, fsync=False)
+    try:
+        result = run("prune", managed, "--keep-last", 1)
+        assert result.exit_code == 1 and "being written" in result.stderr and "--force" in result.stderr
+        assert "Traceback" not in result.output
+        assert committed_steps(managed) == sorted(LOSSES)
+        forced = run("prune", managed, "--keep-last", 1, "--force")
+        assert forced.exit_code == 0, forced.output
+        assert committed_steps(managed) == [500]
+    finally:
+        mgr.close()
+
+
+def test_prune_ignores_a_stale_lease(managed: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    me = WriterLease(str(managed), ttl=60, fsync=False).me  # this host and boot, a pid that has exited
+    lease = {**me, "pid": int(dead.stdout), "renewed": time.time()}
+    (managed / ".writer-lease").write_text(json.dumps(lease))
+    result = run("prune", managed, "--keep-last", 1)
+    assert result.exit_code == 0, result.output
+    assert committed_steps(managed) == [500]
+
+
+def test_prune_leaves_incomplete_checkpoints_alone(managed: Path) -> None:
+    attempt = managed / "step_000000600"
+    zs.save({"w": torch.ones(3)}, attempt, step=600)
+    (attempt / "manifest.json").unlink()
+    result = run("prune", managed, "--keep-last", 1, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [(r["name"], r["status"]) for r in report["skipped"]] == [("step_000000600", "incomplete")]
+    assert attempt.is_dir() and committed_steps(managed) == [500]
+    table = run("prune", managed, "--keep-last", 1, "--dry-run").stdout
+    assert "leave alone" in table and "incomplete" in table
+
+
+def test_prune_keeps_what_latest_points_at(managed: Path) -> None:
+    (managed / "latest").write_text(json.dumps({"tag": "step_000000300", "step": 300}))
+    report = json.loads(run("prune", managed, "--keep-last", 1, "--json").stdout)
+    assert {r["step"]: r["kept_by"] for r in report["kept"]} == {300: ["pinned"], 500: ["newest", "last"]}
+    assert committed_steps(managed) == [300, 500]
+
+
+def test_prune_of_a_checkpoint_or_nothing(managed: Path, tmp_path: Path) -> None:
+    result = run("prune", managed / "step_000000500", "--keep-last", 1)
+    assert result.exit_code == 2 and "is a checkpoint" in result.stderr
+    result = run("prune", tmp_path / "missing", "--keep-last", 1)
+    assert result.exit_code == 2 and "no such directory" in result.stderr
+    assert committed_steps(managed) == sorted(LOSSES)

@@ -1,8 +1,8 @@
-"""The ``zerostall`` command line: list, inspect and verify checkpoints.
+"""The ``zerostall`` command line: list, inspect, verify and prune checkpoints.
 
 Every command prints a human table by default and one JSON object with ``--json``. Errors are a
-one-line message on stderr and an exit status (1: the checkpoint is incomplete or corrupt, 2: bad
-usage or nothing found), never a traceback.
+one-line message on stderr and an exit status (1: the checkpoint is incomplete or corrupt, or the
+root is being written; 2: bad usage or nothing found), never a traceback.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,8 @@ from rich.table import Column, Table
 
 import zerostall as zs
 from zerostall.format import MANIFEST_NAME, Entry, file_generation
+from zerostall.manager import LATEST_NAME, LEASE_NAME, WriterLease, delete_checkpoint
+from zerostall.retention import CheckpointRecord, RetentionPolicy, kept
 from zerostall.storage import storage_for
 
 FAILED = 1
@@ -82,7 +84,7 @@ def clip(text: str, width: int = _REPR_WIDTH) -> str:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(zs.__version__, prog_name="zerostall")
 def cli() -> None:
-    """zerostall: list, inspect and verify checkpoints."""
+    """zerostall: list, inspect, verify and prune checkpoints."""
 
 
 # -- ls ----------------------------------------------------------------------------------------
@@ -97,6 +99,9 @@ class Listing:
     bytes: int = 0
     created: float | None = None
     error: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    kept_by: list[str] = field(default_factory=list)
+    latest: bool = False
 
 
 def looks_like_checkpoint(path: Path) -> bool:
@@ -116,36 +121,250 @@ def describe(path: Path) -> Listing:
         listing.status, listing.error = "corrupt", str(exc)
     else:
         listing.step, listing.bytes, listing.created = manifest.step, manifest.total_bytes, manifest.created
+        metadata = manifest.metadata if isinstance(manifest.metadata, dict) else {}
+        metrics = metadata.get("metrics")
+        listing.metrics = dict(metrics) if isinstance(metrics, dict) else {}
         return listing
     storage = storage_for(path)
     listing.bytes = sum(storage.size(n) for n in storage.list() if file_generation(n))
     return listing
 
 
+def latest_tag(root: Path) -> str | None:
+    """The tag named by ``ROOT/latest`` (written by CheckpointManager), or ``None``."""
+    try:
+        pointer = json.loads((root / LATEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    tag = pointer.get("tag") if isinstance(pointer, dict) else None
+    return tag if isinstance(tag, str) else None
+
+
+def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """The metrics retention can rank by (numbers), as CheckpointManager reads them."""
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+
+
+def format_metrics(metrics: dict[str, Any]) -> str:
+    """``loss=0.412 acc=0.91``: numbers to 4 significant digits, other values clipped."""
+    parts = []
+    for key, value in metrics.items():
+        text = f"{value:.4g}" if isinstance(value, float) else clip(str(value), 20)
+        parts.append(f"{key}={text}")
+    return " ".join(parts) or "-"
+
+
+def retention_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The rule options shared by ``ls`` and ``prune`` (those of CheckpointManager)."""
+    options = [
+        click.option("--keep-last", type=click.IntRange(min=1), help="Keep the K newest steps."),
+        click.option("--keep-every", type=click.IntRange(min=1), help="Keep the steps divisible by N."),
+        click.option("--keep-best", type=click.IntRange(min=1), help="Keep the K best steps by --metric."),
+        click.option("--metric", help="The metric --keep-best ranks by (from the manifest's metrics)."),
+        click.option("--mode", type=click.Choice(["min", "max"]), default="min", show_default=True,
+                     help="Whether the best --metric is the smallest or the largest."),
+        click.option("--keep-time-interval", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+                     help="Keep one checkpoint each time at least SECONDS passed since the last one kept."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def make_policy(keep_last: int | None, keep_every: int | None, keep_best: int | None, metric: str | None,
+                mode: str, keep_time_interval: float | None) -> RetentionPolicy:
+    """The retention policy of the rule options (exit 2 on an inconsistent combination)."""
+    if metric is not None and keep_best is None:
+        raise Failure("--metric is only used with --keep-best", USAGE)
+    try:
+        return RetentionPolicy(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best, metric=metric,
+                               mode=mode, keep_time_interval=keep_time_interval)
+    except ValueError as exc:
+        raise Failure(str(exc).replace("keep_best needs a metric", "--keep-best needs --metric"), USAGE) from exc
+
+
+def apply_retention(rows: list[Listing], policy: RetentionPolicy, latest: str | None) -> None:
+    """Fill ``kept_by`` of the committed rows with a step, exactly as ``prune`` decides.
+
+    The newest step is always kept ("newest"); so is the step ``latest`` names ("pinned"), when
+    it is not the newest, since a job may be resuming from it. Rows sharing a step share a fate.
+    """
+    ranked = [(r, r.step) for r in rows if r.status == "committed" and r.step is not None]
+    records = [CheckpointRecord(step, r.created or 0.0, numeric_metrics(r.metrics)) for r, step in ranked]
+    newest = max((step for _, step in ranked), default=None)
+    pinned = [step for r, step in ranked if r.name == latest and step != newest]
+    reasons = kept(records, policy, pinned=pinned)
+    for r, step in ranked:
+        r.kept_by = list(reasons.get(step, []))
+
+
+def check_metric(rows: list[Listing], policy: RetentionPolicy) -> str | None:
+    """A message when --keep-best ranks by a metric that no committed checkpoint has (a typo?)."""
+    if policy.keep_best is None:
+        return None
+    committed = [r for r in rows if r.status == "committed" and r.step is not None]
+    if not committed or any(policy.metric in numeric_metrics(r.metrics) for r in committed):
+        return None
+    known = sorted({k for r in committed for k in numeric_metrics(r.metrics)})
+    return (f"no committed checkpoint has the metric {policy.metric!r} "
+            f"(metrics found: {', '.join(known) if known else 'none'})")
+
+
+def scan(root: Path, *, include_root: bool) -> list[Listing]:
+    """The checkpoints in ``root``'s immediate subdirectories (and ``root`` itself), sorted by step."""
+    candidates = ([root] if include_root else []) + sorted(p for p in root.iterdir() if p.is_dir())
+    rows = [describe(p) for p in candidates if looks_like_checkpoint(p)]
+    rows.sort(key=lambda r: (r.step is None, r.step or 0, r.name))
+    latest = latest_tag(root)
+    for r in rows:
+        r.latest = latest is not None and r.name == latest and r.path != str(root)
+    return rows
+
+
 @cli.command()
 @click.argument("root", type=click.Path(path_type=Path))
+@retention_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-def ls(root: Path, as_json: bool) -> None:
-    """List the checkpoints in ROOT (ROOT itself and its immediate subdirectories)."""
+def ls(root: Path, keep_last: int | None, keep_every: int | None, keep_best: int | None, metric: str | None,
+       mode: str, keep_time_interval: float | None, as_json: bool) -> None:
+    """List the checkpoints in ROOT (ROOT itself and its immediate subdirectories).
+
+    The "kept by" column names the rules that keep each committed checkpoint, with the rule
+    options given (the same as prune's), or with none: every checkpoint is kept ("all").
+    """
     if not root.is_dir():
         raise Failure(f"no such directory: {root}", USAGE)
     root = root.absolute()
+    policy = make_policy(keep_last, keep_every, keep_best, metric, mode, keep_time_interval)
     with reported_errors():
-        candidates = [root] + sorted(p for p in root.iterdir() if p.is_dir())
-        rows = [describe(p) for p in candidates if looks_like_checkpoint(p)]
-    rows.sort(key=lambda r: (r.step is None, r.step or 0, r.name))
+        rows = scan(root, include_root=True)
+    apply_retention(rows, policy, latest_tag(root))
+    warning = check_metric(rows, policy)
+    if warning:
+        console(stderr=True).print(f"warning: {warning}")
     if as_json:
-        print_json({"root": str(root), "checkpoints": [asdict(r) for r in rows]})
+        print_json({"root": str(root), "latest": latest_tag(root), "checkpoints": [asdict(r) for r in rows]})
         return
     if not rows:
         console(stderr=True).print(f"no checkpoints in {root}")
         return
-    table = Table("name", Column("step", justify="right"), "status", Column("size", justify="right"), "created")
+    table = Table("name", Column("step", justify="right"), "status", Column("size", justify="right"), "created",
+                  "metrics", "kept by", "latest")
     for r in rows:
         status = r.status if r.error is None else f"{r.status}: {r.error}"
         step = "-" if r.step is None else str(r.step)
-        table.add_row(r.name, step, status, human_bytes(r.bytes), format_time(r.created))
+        kept_by = ", ".join(r.kept_by) or "-"
+        table.add_row(r.name, step, status, human_bytes(r.bytes), format_time(r.created),
+                      format_metrics(r.metrics) if r.status == "committed" else "-", kept_by,
+                      "latest" if r.latest else "")
     console().print(table)
+
+
+# -- prune -------------------------------------------------------------------------------------
+def live_lease(root: Path) -> dict[str, Any] | None:
+    """The writer lease of ``root`` when it is live (a manager is writing there), else ``None``."""
+    lease = WriterLease(str(root), ttl=60, fsync=False)
+    holder = lease.holder()
+    if holder is None or lease.is_stale(holder):
+        return None
+    return holder
+
+
+@cli.command()
+@click.argument("root", type=click.Path(path_type=Path))
+@retention_options
+@click.option("--dry-run", "-n", is_flag=True, help="Report what would be deleted; delete nothing.")
+@click.option("--force", is_flag=True, help="Prune even while a live writer lease says a manager writes ROOT.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def prune(root: Path, keep_last: int | None, keep_every: int | None, keep_best: int | None, metric: str | None,
+          mode: str, keep_time_interval: float | None, dry_run: bool, force: bool, as_json: bool) -> None:
+    """Delete the committed checkpoints under ROOT that no rule keeps.
+
+    Rules combine: a checkpoint is kept when any rule keeps it. The newest committed checkpoint
+    and the one ROOT/latest names are always kept; incomplete, corrupt and step-less checkpoint
+    directories are left alone. A checkpoint is deleted manifest first, so a half-deleted one is
+    never seen as valid. Refused while a manager holds ROOT's writer lease, unless --force.
+    """
+    if not root.is_dir():
+        raise Failure(f"no such directory: {root}", USAGE)
+    root = root.absolute()
+    policy = make_policy(keep_last, keep_every, keep_best, metric, mode, keep_time_interval)
+    if policy.keeps_all:
+        raise Failure("nothing to prune by: give at least one of --keep-last, --keep-every, --keep-best, "
+                      "--keep-time-interval", USAGE)
+    with reported_errors():
+        if looks_like_checkpoint(root):
+            raise Failure(f"{root} is a checkpoint; prune takes the directory that holds checkpoints", USAGE)
+        holder = live_lease(root)
+        if holder is not None:
+            who = f"{holder.get('host')} pid {holder.get('pid')}"
+            if not force:
+                raise Failure(f"{root} is being written by {who} (live {LEASE_NAME}); "
+                              "stop that job first, or pass --force")
+            console(stderr=True).print(f"warning: pruning while {who} holds the writer lease (--force)")
+        rows = [r for r in scan(root, include_root=False) if not r.name.startswith(".")]
+        apply_retention(rows, policy, latest_tag(root))
+        problem = check_metric(rows, policy)
+        if problem:
+            raise Failure(f"{problem}; refusing to prune by it", USAGE)
+        ranked = [r for r in rows if r.status == "committed" and r.step is not None]
+        newest = max((r.step for r in ranked if r.step is not None), default=None)
+        doomed = [r for r in ranked if not r.kept_by and r.step != newest]  # the newest: never, whatever kept() says
+        keep = [r for r in ranked if r not in doomed]
+        skipped = [r for r in rows if r not in ranked]
+        leftovers = []
+        if not dry_run:
+            for r in doomed:
+                delete_checkpoint(r.path)
+                if os.path.exists(r.path):
+                    leftovers.append(r.path)
+
+    freed = sum(r.bytes for r in doomed)
+    if as_json:
+        print_json({
+            "root": str(root), "dry_run": dry_run, "bytes_freed": 0 if dry_run else freed,
+            "deleted": [] if dry_run else [prune_row(r) for r in doomed],
+            "would_delete": [prune_row(r) for r in doomed] if dry_run else [],
+            "kept": [prune_row(r) for r in keep],
+            "skipped": [{**prune_row(r), "status": r.status, "reason": skip_reason(r)} for r in skipped],
+            "leftovers": leftovers,
+        })
+    else:
+        print_prune(doomed, keep, skipped, dry_run=dry_run, freed=freed, leftovers=leftovers)
+    if leftovers:
+        click.get_current_context().exit(FAILED)
+
+
+def prune_row(r: Listing) -> dict[str, Any]:
+    return {"name": r.name, "path": r.path, "step": r.step, "bytes": r.bytes, "metrics": r.metrics,
+            "kept_by": r.kept_by, "latest": r.latest}
+
+
+def skip_reason(r: Listing) -> str:
+    if r.status != "committed":
+        return r.status if r.error is None else f"{r.status}: {r.error}"
+    return "committed without a step"
+
+
+def print_prune(doomed: list[Listing], keep: list[Listing], skipped: list[Listing], *, dry_run: bool, freed: int,
+                leftovers: list[str]) -> None:
+    table = Table("name", Column("step", justify="right"), "action", Column("size", justify="right"), "metrics",
+                  "why", "latest")
+    verb = "would delete" if dry_run else "deleted"
+    rows = [(r, verb, "no rule keeps it") for r in doomed] + [(r, "keep", ", ".join(r.kept_by)) for r in keep]
+    rows.sort(key=lambda item: (item[0].step, item[0].name))
+    rows += [(r, "leave alone", skip_reason(r)) for r in skipped]
+    for r, action, why in rows:
+        table.add_row(r.name, "-" if r.step is None else str(r.step), action, human_bytes(r.bytes),
+                      format_metrics(r.metrics) if r.status == "committed" else "-", why,
+                      "latest" if r.latest else "")
+    out = console()
+    if rows:
+        out.print(table)
+    out.print(f"{verb} {len(doomed)} checkpoint(s) ({human_bytes(freed)}), kept {len(keep)}, "
+              f"left {len(skipped)} alone")
+    for path in leftovers:
+        console(stderr=True).print(f"could not remove everything under {path} (its manifest is gone)")
 
 
 # -- inspect -----------------------------------------------------------------------------------

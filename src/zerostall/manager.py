@@ -71,7 +71,7 @@ def _write_atomic(path: str, data: bytes, fsync: bool) -> None:
 class WriterLease:
     """Who writes under a root: host, boot id, pid and a token, renewed every ``ttl / 3`` seconds.
 
-    A lease is stale when it was not renewed within ``ttl``, or when it names this host and boot
+    A lease is stale when it was not renewed within its ``ttl`` (recorded in it), or when it names this host and boot
     and a pid that no longer runs. ``flock`` is not used: it is unreliable on NFS/Lustre and does
     not exist on object stores.
     """
@@ -93,7 +93,7 @@ class WriterLease:
             return None
 
     def is_stale(self, lease: dict[str, Any]) -> bool:
-        if time.time() - lease.get("renewed", 0) > self.ttl:
+        if time.time() - lease.get("renewed", 0) > lease.get("ttl", self.ttl):
             return True
         if lease.get("host") == self.me["host"] and lease.get("boot_id") == self.me["boot_id"]:
             try:
@@ -119,7 +119,8 @@ class WriterLease:
         self._thread.start()
 
     def _renew(self) -> None:
-        _write_atomic(self.path, json.dumps({**self.me, "renewed": time.time()}).encode(), self.fsync)
+        _write_atomic(self.path, json.dumps({**self.me, "ttl": self.ttl, "renewed": time.time()}).encode(),
+                      self.fsync)
 
     def _keep_alive(self) -> None:
         while not self._stop.wait(self.ttl / 3):
