@@ -43,6 +43,9 @@ class RetentionPolicy:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
+        interval = self.keep_time_interval
+        if interval is not None and not interval > 0:
+            raise ValueError("keep_time_interval must be a positive number of seconds")
 
     @property
     def keeps_all(self) -> bool:
@@ -65,7 +68,7 @@ def kept(records: Sequence[CheckpointRecord], policy: RetentionPolicy,
     if not steps:
         return reasons
     keep(steps[-1], "newest")
-    for step in pinned:
+    for step in sorted(set(pinned)):
         if step in steps:
             keep(step, "pinned")
     if policy.keeps_all:
