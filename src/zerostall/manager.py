@@ -273,7 +273,7 @@ class CheckpointManager:
             ck = Checkpoint(path, process_group=self.process_group, **options)
         except CheckpointNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint {resolved!r} under {self.root}") from None
-        ck.tag = resolved  # type: ignore[attr-defined]
+        ck.tag = resolved
         return ck
 
     def restore(self, state: Any, tag: str | None = None, **load_options: Any) -> int | None:

@@ -94,6 +94,7 @@ class Checkpoint:
         self.group = Group(process_group)
         self.storage = storage_for(path)
         self.path = self.storage.location
+        self.tag = os.path.basename(self.path.rstrip("/"))
         self.manifest = _agreed_manifest(self.storage, self.group)
         self.verify_reads = verify
         self.allow_pickle = allow_pickle
