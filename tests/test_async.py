@@ -159,3 +159,23 @@ def async_on_ranks(path: str) -> dict:
 def test_async_save_across_ranks(ranks, tmp_path):
     results = ranks(2).run(async_on_ranks, str(tmp_path / "ck"))
     assert results == [{"step": 5, "w": 2.0, "own": [0.0, 0.0]}, {"step": 5, "w": 2.0, "own": [1.0, 1.0]}]
+
+
+def test_sigterm_lets_the_save_in_flight_commit(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, signal, time, torch, zerostall as zs
+        from zerostall import engine
+        original = engine._write_data
+        def slow(*a, **k):
+            time.sleep(0.5)
+            return original(*a, **k)
+        engine._write_data = slow
+        saver = zs.AsyncSaver(drain_on_signals=[signal.SIGTERM])
+        saver.save({{"w": torch.ones(1000)}}, {str(tmp_path / "ck")!r}, step=3).wait_staged()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], timeout=120)
+    assert proc.returncode == -15  # the signal still ends the process, after the commit
+    with zs.open(tmp_path / "ck") as ck:
+        assert ck.step == 3

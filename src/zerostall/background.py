@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Sequence
 
 from .capture import BufferPool, capture, record_caller_stream
 from .engine import SaveInfo, persist, prepare
@@ -49,11 +50,13 @@ class AsyncSaver:
 
     ``if_busy="wait"`` makes a new save wait for the previous one to commit; ``"skip"`` returns
     ``None`` instead while one is in flight. ``pin_memory``/``shared_memory`` configure the
-    buffer pool (see :class:`zerostall.capture.BufferPool`).
+    buffer pool (see :class:`zerostall.capture.BufferPool`). ``drain_on_signals`` (e.g.
+    ``[signal.SIGTERM]``, from the main thread) lets the save in flight commit before the signal
+    takes its previous course, so a job stopped by its scheduler keeps its last checkpoint.
     """
 
     def __init__(self, *, pin_memory: bool | None = None, shared_memory: bool = False,
-                 if_busy: str = "wait") -> None:
+                 if_busy: str = "wait", drain_on_signals: Sequence[int] = ()) -> None:
         if if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
         self.pool = BufferPool(pin_memory=pin_memory, shared_memory=shared_memory)
@@ -63,6 +66,23 @@ class AsyncSaver:
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._previous_handlers = {sig: signal.signal(sig, self._drain_then_deliver) for sig in drain_on_signals}
+
+    def _drain_then_deliver(self, signum: int, frame: Any) -> None:
+        """Wait for the save in flight, then let the signal do what it did before we came."""
+        log.warning("signal %d: finishing the checkpoint in flight first", signum)
+        current = self._current
+        if current is not None:
+            try:
+                current.committed.result()
+            except BaseException as exc:
+                log.error("the checkpoint in flight failed: %s", exc)
+        previous = self._previous_handlers.pop(signum, signal.SIG_DFL)
+        signal.signal(signum, previous)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signum)
 
     def save(self, state: Any, path: str | os.PathLike[str], **options: Any) -> SaveHandle | None:
         """Start saving ``state`` (collective when distributed); options are those of ``zerostall.save``."""
@@ -146,6 +166,9 @@ class AsyncSaver:
             self._closed = True
             self._worker.shutdown(wait=True)
             self.pool.close()
+            for sig, previous in self._previous_handlers.items():
+                signal.signal(sig, previous)
+            self._previous_handlers.clear()
 
     def __enter__(self) -> "AsyncSaver":
         return self
