@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -104,10 +105,13 @@ class AsyncSaver:
 
     def reserve(self, state: Any, **options: Any) -> float:
         """Allocate the buffer pool for ``state``'s structure now (collective when distributed), so
-        the first save costs no more than the rest; returns the seconds spent allocating."""
+        the first save costs no more than the rest; returns the seconds spent (0 when the pool
+        already fits). Reserve with the structure you will save: an optimizer's state appears only
+        after its first step."""
         prepared = prepare(state, os.devnull, **options)
+        start = time.perf_counter()
         self.pool.buffers(prepared.items)
-        return self.pool.alloc_s
+        return time.perf_counter() - start
 
     def _run(self, prepared: Any, buffers: list[Any], ready: Any, handle: SaveHandle) -> None:
         try:
