@@ -35,6 +35,7 @@ class BufferPool:
         self._key: tuple[tuple[torch.dtype, tuple[int, ...]], ...] | None = None
         self._arena: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
+        self._registered: torch.Tensor | None = None
         self.alloc_s = 0.0
 
     @property
@@ -55,10 +56,15 @@ class BufferPool:
         for dtype, shape in key:
             offsets.append(total)
             total += -(-_numel(shape) * dtype.itemsize // _ALIGN) * _ALIGN
-        arena = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=self.pin_memory)
+        arena = torch.empty(max(total, 1), dtype=torch.uint8)
         if self.shared_memory:
             arena.share_memory_()
         arena.zero_()  # touch every page now: first-touch faults are slow, and belong to allocation
+        if self.pin_memory:
+            # registered in place rather than taken from torch's pinned cache, which rounds sizes up
+            # to a power of two and keeps the memory after it is released
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0))
+            self._registered = arena
         self._views = [arena[o:o + _numel(shape) * dtype.itemsize].view(dtype).reshape(shape)
                        for o, (dtype, shape) in zip(offsets, key)]
         self._arena, self._key = arena, key
@@ -66,7 +72,10 @@ class BufferPool:
         log.debug("allocated a %d-byte capture pool in %.3f s", total, self.alloc_s)
 
     def close(self) -> None:
-        """Release the arena (it is allocated again on the next use)."""
+        """Release the arena (unpinned and freed; allocated again on the next use)."""
+        if self._registered is not None:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self._registered.data_ptr()))
+            self._registered = None
         self._arena, self._views, self._key = None, [], None
 
 
