@@ -341,3 +341,22 @@ def test_structure_mismatch_on_load_is_named(ranks, tmp_path):
     ranks(2).run(save_sharded, path, (2,), [Shard(0)])
     for message in ranks(2).run(load_wrong_shape, path):
         assert "w (shape [10, 6] in the checkpoint, [10, 7] in the target)" in message
+
+
+def save_pipeline_stages(path: str) -> None:
+    """Pipeline parallel: each rank holds different layers; only rank 0 has the embedding."""
+    rank = dist.get_rank()
+    state = {"layers": {f"stage{rank}": full_value((3, 3), 10 + rank)}}
+    if rank == 0:
+        state["embed"] = full_value((5,), 9)
+    zs.save(state, path)
+
+
+def test_pipeline_stages_are_all_in_the_checkpoint(ranks, tmp_path):
+    path = str(tmp_path / "ck")
+    ranks(2).run(save_pipeline_stages, path)
+    with zs.open(path) as ck:
+        whole = ck.state()
+    assert torch.equal(whole["embed"], full_value((5,), 9))
+    assert torch.equal(whole["layers"]["stage0"], full_value((3, 3), 10))
+    assert torch.equal(whole["layers"]["stage1"], full_value((3, 3), 11))

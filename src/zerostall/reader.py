@@ -177,23 +177,45 @@ class Checkpoint:
         return out
 
     def state(self) -> Any:
-        """The whole saved state, rebuilt from the manifest's tree (tensors memory-mapped)."""
+        """The whole saved state, rebuilt from the manifest's tree (tensors memory-mapped).
+
+        The tree is the coordinator's view; global entries that only other ranks held (pipeline
+        stages) are added by their key paths. Rank-local entries appear as this rank's.
+        """
         tree = codec.decode(self.manifest.tree, allow_pickle=self.allow_pickle)
-        cache: dict[str, Any] = {}
+        entries = self.manifest.entries
+        index = {id(e): i for i, e in enumerate(entries)}
+        cache: dict[int, Any] = {}
+        referenced: set[int] = set()
+
+        def value(i: int) -> Any:
+            referenced.add(i)
+            target = index[id(self._resolve(entries[i]))]
+            if target not in cache:
+                cache[target] = self.read(entries[target].path)
+            return cache[target]
 
         def build(node: Any) -> Any:
             if isinstance(node, codec.Ref):
-                entry = self._resolve(self.manifest.entries[node.index])
-                if entry.fqn not in cache:
-                    cache[entry.fqn] = self.read(entry.path)
-                return cache[entry.fqn]
+                return value(node.index)
             if isinstance(node, dict):
                 return {k: build(v) for k, v in node.items()}
             if isinstance(node, (list, tuple)):
                 return type(node)(build(v) for v in node)
             return node
 
-        return build(tree)
+        result = build(tree)
+        for i, entry in enumerate(entries):
+            if i in referenced or entry.rank is not None or not isinstance(result, dict) or not entry.path:
+                continue
+            node = result
+            for key in entry.path[:-1]:
+                node = node.setdefault(key, {}) if isinstance(node, dict) else None
+                if node is None:
+                    break
+            if isinstance(node, dict):
+                node[entry.path[-1]] = value(i)
+        return result
 
     def _map(self, name: str) -> memoryview | None:
         if name not in self._maps:
