@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -179,3 +180,38 @@ def test_sigterm_lets_the_save_in_flight_commit(tmp_path):
     assert proc.returncode == -15  # the signal still ends the process, after the commit
     with zs.open(tmp_path / "ck") as ck:
         assert ck.step == 3
+
+
+PROCESS_WRITER = """
+import os, signal, sys, torch, zerostall as zs
+if __name__ == "__main__":
+    path, die = sys.argv[1], sys.argv[2] == "die"
+    state = {"w": torch.full((16 << 20,), 1.0), "step": 1}  # 64 MiB: the commit takes a while
+    saver = zs.AsyncSaver(writer="process")
+    handle = saver.save(state, path, step=1)
+    handle.wait_staged()
+    state["w"].fill_(2.0)
+    if die:
+        print("manifest before the kill:", os.path.exists(os.path.join(path, "manifest.json")), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    print("committed", handle.result().step, flush=True)
+    saver.close()
+"""
+
+
+@pytest.mark.parametrize("die", [False, True], ids=["normal", "trainer-killed-after-staged"])
+def test_process_writer_commits_even_if_the_trainer_dies(tmp_path, die):
+    script = tmp_path / "train.py"
+    script.write_text(PROCESS_WRITER)
+    path = tmp_path / "ck"
+    proc = subprocess.run([sys.executable, str(script), str(path), "die" if die else "live"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == (-9 if die else 0), proc.stderr
+    if die:  # the trainer died before the commit: the writer process finished it alone
+        assert "manifest before the kill: False" in proc.stdout
+    deadline = time.monotonic() + 60
+    while not (path / "manifest.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    target = {"w": torch.zeros(16 << 20), "step": 0}
+    zs.load(target, path)
+    assert target["step"] == 1 and torch.equal(target["w"][:4], torch.ones(4))

@@ -1,7 +1,9 @@
 """Asynchronous saving: return once the save is enqueued; capture and persist in the background.
 
 An :class:`AsyncSaver` owns a reused buffer pool and one background worker, so one save is in
-flight at a time. ``save`` runs the collective part (planning) in the caller's thread, records
+flight at a time. The worker captures in a thread; it persists in that thread (``writer="thread"``:
+writes and hashing release the GIL) or hands the captured shared-memory buffers to a persistent
+spawned process (``writer="process"``) that finishes the commit even if the training process dies. ``save`` runs the collective part (planning) in the caller's thread, records
 where the caller's CUDA stream is, and returns a :class:`SaveHandle` whose ``staged`` future is
 done when the state has been copied (the caller may mutate it from then on) and whose
 ``committed`` future is done when the checkpoint is durable and visible. A background failure is
@@ -19,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
 from .capture import BufferPool, capture, record_caller_stream
-from .engine import SaveInfo, persist, prepare
+from .engine import Prepared, SaveInfo, for_writer_process, persist, prepare
 from .errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -57,10 +59,13 @@ class AsyncSaver:
     """
 
     def __init__(self, *, pin_memory: bool | None = None, shared_memory: bool = False,
-                 if_busy: str = "wait", drain_on_signals: Sequence[int] = ()) -> None:
+                 if_busy: str = "wait", writer: str = "thread", drain_on_signals: Sequence[int] = ()) -> None:
         if if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
-        self.pool = BufferPool(pin_memory=pin_memory, shared_memory=shared_memory)
+        if writer not in ("thread", "process"):
+            raise ValueError(f"writer must be 'thread' or 'process', not {writer!r}")
+        self.pool = BufferPool(pin_memory=pin_memory, shared_memory=shared_memory or writer == "process")
+        self._process = _WriterProcess() if writer == "process" else None
         self.if_busy = if_busy
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerostall-async")
         self._current: SaveHandle | None = None
@@ -119,11 +124,16 @@ class AsyncSaver:
         except BaseException as exc:
             self._fail(handle, exc, staged=True)
             return
-        handle.staged.set_result(None)
         try:
-            handle.committed.set_result(persist(prepared))
+            if self._process is not None:
+                self._process.submit(for_writer_process(prepared))  # before `staged`: a crash now loses nothing
+                handle.staged.set_result(None)
+                handle.committed.set_result(self._process.result())
+            else:
+                handle.staged.set_result(None)
+                handle.committed.set_result(persist(prepared))
         except BaseException as exc:
-            self._fail(handle, exc, staged=False)
+            self._fail(handle, exc, staged=not handle.staged.done())
 
     def _fail(self, handle: SaveHandle, exc: BaseException, *, staged: bool) -> None:
         log.error("asynchronous save to %s failed: %s", handle.path, exc)
@@ -169,6 +179,8 @@ class AsyncSaver:
         finally:
             self._closed = True
             self._worker.shutdown(wait=True)
+            if self._process is not None:
+                self._process.close()
             self.pool.close()
             for sig, previous in self._previous_handlers.items():
                 signal.signal(sig, previous)
@@ -179,6 +191,91 @@ class AsyncSaver:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _WriterProcess:
+    """A persistent spawned process that persists captured saves sent to it, one at a time.
+
+    It is not a daemon: when the training process dies after handing over a save, the writer
+    still completes the commit, then exits when it finds its pipe closed.
+    """
+
+    def __init__(self) -> None:
+        import torch.multiprocessing as tmp
+
+        ctx = tmp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_writer_main, args=(child,), name="zerostall-writer", daemon=False)
+        self._proc.start()
+        child.close()
+
+    def submit(self, job: Prepared) -> None:
+        """Hand a save over; returns once the writer holds the shared buffers (they travel as file
+        descriptors served by this process, so it must be alive until then)."""
+        self._conn.send(job)
+        self._expect_ack()
+
+    def _expect_ack(self) -> None:
+        try:
+            ack = self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.join(timeout=5)
+            raise CheckpointError(f"the writer process died (exit code {self._proc.exitcode})") from None
+        if ack != "received":
+            raise CheckpointError(f"unexpected answer from the writer process: {ack!r}")
+
+    def result(self) -> SaveInfo:
+        try:
+            ok, value = self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.join(timeout=5)
+            raise CheckpointError(f"the writer process died (exit code {self._proc.exitcode})") from None
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass
+        self._proc.join(timeout=60)
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._conn.close()
+
+
+def _writer_main(conn: Any) -> None:
+    """The writer process: persist each job received, answer (ok, SaveInfo | exception)."""
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        try:
+            conn.send("received")
+        except OSError:
+            pass  # the training process is gone: commit what it handed over all the same
+        try:
+            reply = (True, persist(job))
+        except BaseException as exc:  # the caller re-raises it
+            reply = (False, exc if _picklable(exc) else CheckpointError(f"{type(exc).__name__}: {exc}"))
+        try:
+            conn.send(reply)
+        except OSError:
+            return  # the training process is gone; the checkpoint is committed (or failed) anyway
+
+
+def _picklable(exc: BaseException) -> bool:
+    import pickle
+
+    try:
+        pickle.dumps(exc)
+    except Exception:
+        return False
+    return True
 
 
 _default: AsyncSaver | None = None

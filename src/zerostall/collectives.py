@@ -28,6 +28,13 @@ class Group:
         if self.pg is not None and dist.get_backend(self.pg) == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
 
+    def detached(self) -> "Group":
+        """This rank's place in the group without the process group itself (picklable): what the
+        background commit needs, since it never runs a collective."""
+        copy = object.__new__(Group)
+        copy.pg, copy.rank, copy.size, copy.device = None, self.rank, self.size, torch.device("cpu")
+        return copy
+
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0

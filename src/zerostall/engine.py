@@ -9,6 +9,7 @@ leaves either the old or the new checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ from .format import (DEFAULT_BLOCK_SIZE, MANIFEST_NAME, Chunk, Entry, FileItem, 
 from .memory import tensor_bytes
 from .plan import ChunkKey, Row, SavePlan, WriteItem, assign_files, build_plan, structure_digest
 from .state import Path, flatten, fqn
-from .storage import Storage, storage_for
+from .storage import LocalStorage, Storage, storage_for
 
 log = logging.getLogger(__name__)
 
@@ -308,6 +309,18 @@ def prepare(state: Any, path: str | os.PathLike[str], *, process_group: Any = No
     return Prepared(group, collected, plan, generation, replanned, items, storage_for(path, fsync=fsync), step,
                     encoded, threads or default_threads(), block_size, commit_timeout, t_collect - t0,
                     time.perf_counter() - t_collect)
+
+
+def for_writer_process(prepared: Prepared) -> Prepared:
+    """A picklable copy of ``prepared`` for a writer process: no process group, no live tensors
+    other than the (captured, shared-memory) items this rank writes, storage by path."""
+    collected = Collected(prepared.collected.entries, prepared.collected.rank_local, prepared.collected.rows, [],
+                          prepared.collected.objects, prepared.collected.skeleton)
+    storage = prepared.storage
+    if not isinstance(storage, LocalStorage):
+        raise CheckpointError(f"a writer process needs a local path, not {storage.location}")
+    return dataclasses.replace(prepared, group=prepared.group.detached(), collected=collected,
+                               storage=LocalStorage(storage.location, fsync=storage.fsync))
 
 
 def persist(prepared: Prepared) -> SaveInfo:

@@ -30,6 +30,12 @@ class LocalStorage(Storage):
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, object]:
+        return {"location": self.location, "fsync": self.fsync}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(str(state["location"]), fsync=bool(state["fsync"]))
+
     def _path(self, name: str) -> str:
         return os.path.join(self.location, name)
 
