@@ -6,7 +6,7 @@ One deterministic state (default 1 GiB of fp32/bf16 CPU tensors of mixed sizes, 
 state of bench/save_load.py) is saved asynchronously by every contender into the same directory
 (default a fresh one under /dev/shm, so software overhead is what shows):
 
-- zerostall: one ``zs.AsyncSaver()`` (its defaults: ``if_busy="wait"``, fsync on); its buffer
+- zerostall: one ``zs.AsyncSaver(writer=...)`` (``--writer thread`` by default, or ``process``; if_busy="wait", fsync on); its buffer
   pool is allocated up front by ``saver.reserve(state)`` and reported apart (``pool_alloc_s``);
 - DCP default: ``dcp.async_save(state, checkpoint_id=path)`` (thread mode; a fresh stager per save,
   which stages synchronously inside the call, so its staged time is its stall);
@@ -527,6 +527,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=10, help="save every N steps (10)")
     parser.add_argument("--train-runs", type=int, default=4, help="timed runs per arm (4)")
     parser.add_argument("--no-pg", action="store_true", help="run without a process group")
+    parser.add_argument("--writer", choices=["thread", "process"], default="thread",
+                        help="zerostall's background writer: threads, or a persistent spawned process")
     parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     return parser.parse_args()
 
@@ -551,7 +553,7 @@ def main() -> None:
         progress(f"building a {args.size_mb} MiB state")
         state = build_state(args.size_mb << 20)
         nbytes = state_bytes(state)
-        saver = zs.AsyncSaver()
+        saver = zs.AsyncSaver(writer=args.writer)
         pool_alloc_s = saver.reserve(state)
         progress(f"zerostall pool allocation {pool_alloc_s:.3f} s")
         zoc = ZeroOverheadDCP()
@@ -569,7 +571,7 @@ def main() -> None:
 
         # -- training overhead --
         trainer = Trainer()
-        train_saver = zs.AsyncSaver()
+        train_saver = zs.AsyncSaver(writer=args.writer)
         train_saver.reserve(trainer.state())
         train_zoc = ZeroOverheadDCP()
         dcp_mode = "zero_overhead" if zoc_works else "thread"
@@ -589,7 +591,7 @@ def main() -> None:
         # -- host memory --
         progress(f"host memory: {MEM_SAVES} async saves of a {MEM_STATE_MB} MiB state")
         small = build_state(MEM_STATE_MB << 20, seed=1)
-        mem_saver = zs.AsyncSaver()
+        mem_saver = zs.AsyncSaver(writer=args.writer)
         mem_saver.reserve(small)
         growth = memory_growth(zerostall_contender(mem_saver).start, small, os.path.join(root, "mem-zs"))
         mem_saver.close()
@@ -638,6 +640,7 @@ def main() -> None:
             "host_mem_saves": MEM_SAVES,
             "host_mem_state_mb": MEM_STATE_MB,
             "reps": args.reps,
+            "writer": args.writer,
             "dir": args.dir,
             "process_group": not args.no_pg,
             "torch_version": torch.__version__,

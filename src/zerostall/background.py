@@ -3,7 +3,10 @@
 An :class:`AsyncSaver` owns a reused buffer pool and one background worker, so one save is in
 flight at a time. The worker captures in a thread; it persists in that thread (``writer="thread"``:
 writes and hashing release the GIL) or hands the captured shared-memory buffers to a persistent
-spawned process (``writer="process"``) that finishes the commit even if the training process dies. ``save`` runs the collective part (planning) in the caller's thread, records
+spawned process (``writer="process"``) that finishes the commit even if the training process dies.
+Threads are the default, by measurement (bench/async_save.py, 1 GiB on 2 CPU cores): the same
+training overhead within noise, commits ~10% sooner (0.49 vs 0.55 s), a pool 3x cheaper to
+allocate (no shared memory) and no process to spawn; choose the process for crash survival. ``save`` runs the collective part (planning) in the caller's thread, records
 where the caller's CUDA stream is, and returns a :class:`SaveHandle` whose ``staged`` future is
 done when the state has been copied (the caller may mutate it from then on) and whose
 ``committed`` future is done when the checkpoint is durable and visible. A background failure is
