@@ -27,15 +27,19 @@ class CommitError(CheckpointError):
     """The save did not commit: a rank failed, died or timed out."""
 
 
+def _put(storage: Storage, name: str, data: bytes) -> None:
+    """Publish a small file atomically: a reader polling for it never sees it half-written."""
+    storage.publish(name, f"{name}.tmp", data)
+
+
 def write_record(storage: Storage, generation: str, rank: int, kind: str, payload: dict[str, Any]) -> None:
-    data = json.dumps(payload, separators=(",", ":")).encode()
-    storage.write(record_name(generation, rank, kind), [memoryview(data)])
+    _put(storage, record_name(generation, rank, kind), json.dumps(payload, separators=(",", ":")).encode())
 
 
 def write_abort(storage: Storage, generation: str, reason: str) -> None:
     """Tell every waiting rank that this generation will never commit (best effort)."""
     try:
-        storage.write(abort_name(generation), [memoryview(reason.encode())])
+        _put(storage, abort_name(generation), reason.encode())
     except OSError:
         pass
 
@@ -99,7 +103,7 @@ def manifest_generation(storage: Storage) -> str | None:
     """The generation named by the manifest in place, read from its first bytes only."""
     try:
         head = storage.read_head(MANIFEST_NAME, 256)
-    except FileNotFoundError:
+    except OSError:
         return None
     match = _GENERATION_RE.search(head)
     return match.group(1).decode() if match else None
