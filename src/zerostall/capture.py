@@ -9,6 +9,7 @@ too (snapshotted, never aliased), so the caller may mutate them once capture is 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Sequence
 
@@ -55,7 +56,7 @@ class BufferPool:
         offsets, total = [], 0
         for dtype, shape in key:
             offsets.append(total)
-            total += -(-_numel(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+            total += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
         arena = torch.empty(max(total, 1), dtype=torch.uint8)
         if self.shared_memory:
             arena.share_memory_()
@@ -65,7 +66,7 @@ class BufferPool:
             # to a power of two and keeps the memory after it is released
             torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0))
             self._registered = arena
-        self._views = [arena[o:o + _numel(shape) * dtype.itemsize].view(dtype).reshape(shape)
+        self._views = [arena[o:o + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
                        for o, (dtype, shape) in zip(offsets, key)]
         self._arena, self._key = arena, key
         self.alloc_s = time.perf_counter() - start
@@ -77,13 +78,6 @@ class BufferPool:
             torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self._registered.data_ptr()))
             self._registered = None
         self._arena, self._views, self._key = None, [], None
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def record_caller_stream(items: Sequence[WriteItem]) -> "torch.cuda.Event | None":

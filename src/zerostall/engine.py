@@ -26,7 +26,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from . import codec
 from .collectives import Group
-from .commit import await_commit, await_records, write_abort, write_record
+from .commit import await_commit, await_records, manifest_generation, write_abort, write_record
 from .errors import CheckpointError, StateMismatchError, UnsupportedValueError
 from .format import (DEFAULT_BLOCK_SIZE, MANIFEST_NAME, Chunk, Entry, FileItem, Manifest, data_file_name,
                      dtype_name, file_generation, generation_time, manifest_tmp_name, new_generation, parse_record,
@@ -56,8 +56,6 @@ def decode_path(data: list[Any]) -> Path:
 
 def check_tensor(t: torch.Tensor, where: str) -> None:
     """Refuse tensors whose bytes are not plain strided data we can store and restore exactly."""
-    if isinstance(t, DTensor):
-        t = t.to_local()
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
         raise UnsupportedValueError(f"{where}: tensor subclass {type(t).__qualname__} is not supported")
     if t.layout != torch.strided or t.is_quantized or t.is_nested:
@@ -69,8 +67,6 @@ def check_tensor(t: torch.Tensor, where: str) -> None:
 
 def view_key(t: torch.Tensor) -> tuple[Any, ...]:
     """Identity of a tensor view: two leaves with the same key hold the very same bytes."""
-    if isinstance(t, DTensor):
-        t = t.to_local()
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
             t.is_conj(), t.is_neg())
 
@@ -131,12 +127,12 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
                 out.rows.append(Row(key, "object"))
                 out.objects[key] = encoded
             continue
-        check_tensor(value, name)
-        identity = view_key(value)
+        piece, offsets, sizes = local_box(value)
+        check_tensor(piece, name)
+        identity = view_key(piece)
         if identity in seen and not local:
             out.rows.append(Row(key, "alias", alias_of=seen[identity]))
             continue
-        piece, offsets, sizes = local_box(value)
         source = piece.detach().resolve_conj().resolve_neg().contiguous()
         dtype = dtype_name(value.dtype)
         entry = Entry(name, path, "tensor", dtype=dtype, shape=tuple(value.shape), rank=rank if local else None)
@@ -145,7 +141,7 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
         else:
             seen[identity] = key
             out.entries[key] = entry
-            out.rows.append(Row(key, "tensor", dtype, tuple(value.shape), offsets, sizes, _nbytes(source)))
+            out.rows.append(Row(key, "tensor", dtype, tuple(value.shape), offsets, sizes, source.nbytes))
         file_name = name if sizes == tuple(value.shape) else f"{name}@{','.join(map(str, offsets))}"
         while file_name in names:
             file_name += "#"
@@ -153,10 +149,6 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
         out.items.append(WriteItem(entry, file_name, source, offsets, (key, offsets), local))
     out.skeleton = _skeleton(flat.skeleton, (), set(flat.leaves))
     return out
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _skeleton(node: Any, path: Path, leaves: set[Path]) -> Any:
@@ -351,7 +343,7 @@ def persist(prepared: Prepared) -> SaveInfo:
         else:
             await_commit(storage, generation, p.commit_timeout)
     except BaseException as exc:
-        if group.is_coordinator and not _is_committed(storage, generation):
+        if group.is_coordinator and manifest_generation(storage) != generation:
             if group.size > 1:
                 write_abort(storage, generation, f"{type(exc).__name__}: {exc}")
             _delete_generation(storage, generation, group.rank)
@@ -359,8 +351,7 @@ def persist(prepared: Prepared) -> SaveInfo:
         storage.close()
         raise
     if group.is_coordinator:
-        delete_older_generations(storage, generation)
-        _delete_records(storage, generation)
+        clean_up_after_commit(storage, generation)
     storage.close()
     end = time.perf_counter()
     return SaveInfo(storage.location, generation, p.step, sum(files.values()), p.replanned, p.collect_s,
@@ -485,14 +476,6 @@ def commit(storage: Storage, manifest: Manifest) -> None:
         raise CheckpointError(f"committing the manifest in {storage.location} failed: {exc}") from exc
 
 
-def _is_committed(storage: Storage, generation: str) -> bool:
-    """Whether the manifest in place is ours: a failure after the rename must not delete its data."""
-    try:
-        return Manifest.from_bytes(storage.read_bytes(MANIFEST_NAME), decode_path, storage.location).generation == generation
-    except (OSError, CheckpointError):
-        return False
-
-
 def _delete_generation(storage: Storage, generation: str, rank: int) -> None:
     """Remove this rank's files of a save that did not commit."""
     own = f"{generation}-r{rank:05d}"
@@ -504,19 +487,14 @@ def _delete_generation(storage: Storage, generation: str, rank: int) -> None:
                 log.warning("could not remove %s of the failed save in %s", name, storage.location)
 
 
-def _delete_records(storage: Storage, generation: str) -> None:
-    for name in storage.list():
-        parsed = parse_record(name)
-        if parsed is not None and parsed[0] == generation:
-            storage.delete(name)
-
-
-def delete_older_generations(storage: Storage, keep: str) -> None:
-    """After a commit, remove data files (and manifest temps) of older generations: no manifest
-    references them any more. Newer ones may belong to a save still in flight, so they stay."""
+def clean_up_after_commit(storage: Storage, keep: str) -> None:
+    """After a commit, remove the files of older generations (no manifest references them any
+    more) and the commit records of this one. Newer generations may belong to a save still in
+    flight, so they stay."""
     for name in storage.list():
         gen = file_generation(name)
-        if gen is not None and gen != keep and generation_time(gen) <= generation_time(keep):
+        older = gen is not None and gen != keep and generation_time(gen) <= generation_time(keep)
+        if older or (gen == keep and parse_record(name) is not None):
             try:
                 storage.delete(name)
             except OSError as exc:

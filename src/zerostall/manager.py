@@ -52,20 +52,9 @@ def _boot_id() -> str:
         return "unknown"
 
 
-def _write_atomic(path: str, data: bytes, fsync: bool) -> None:
-    tmp = f"{path}.{secrets.token_hex(4)}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if fsync:
-        fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def publish(root: str, name: str, data: bytes, fsync: bool) -> None:
+    """Replace ``root/name`` atomically (the storage's own temp + rename commit)."""
+    LocalStorage(root, fsync=fsync).publish(name, f"{name}.{secrets.token_hex(4)}.tmp", data)
 
 
 class WriterLease:
@@ -77,6 +66,7 @@ class WriterLease:
     """
 
     def __init__(self, root: str, ttl: float, fsync: bool) -> None:
+        self.root = root
         self.path = os.path.join(root, LEASE_NAME)
         self.ttl = ttl
         self.fsync = fsync
@@ -119,8 +109,8 @@ class WriterLease:
         self._thread.start()
 
     def _renew(self) -> None:
-        _write_atomic(self.path, json.dumps({**self.me, "ttl": self.ttl, "renewed": time.time()}).encode(),
-                      self.fsync)
+        publish(self.root, LEASE_NAME, json.dumps({**self.me, "ttl": self.ttl, "renewed": time.time()}).encode(),
+                self.fsync)
 
     def _keep_alive(self) -> None:
         while not self._stop.wait(self.ttl / 3):
@@ -229,8 +219,7 @@ class CheckpointManager:
         """After the checkpoint committed: point ``latest`` at it, then apply retention in the background."""
         if not self.group.is_coordinator:
             return
-        _write_atomic(os.path.join(self.root, LATEST_NAME), json.dumps({"tag": tag, "step": step}).encode(),
-                      self.fsync)
+        publish(self.root, LATEST_NAME, json.dumps({"tag": tag, "step": step}).encode(), self.fsync)
         self._pending_delete = self._deleter.submit(self._apply_retention)
 
     # -- reading -------------------------------------------------------------------------------
@@ -326,16 +315,15 @@ class CheckpointManager:
     def close(self) -> None:
         """Finish pending work, stop background threads and give up the writer lease."""
         try:
-            if self.saver is not None:
-                self.saver.close()
-            if self._committing is not None:
-                self._committing.result()
-            if self._pending_delete is not None:
-                self._pending_delete.result()
+            self.wait()
         finally:
-            self._deleter.shutdown(wait=True)
-            if self.lease is not None:
-                self.lease.release()
+            try:
+                if self.saver is not None:
+                    self.saver.close()
+            finally:
+                self._deleter.shutdown(wait=True)
+                if self.lease is not None:
+                    self.lease.release()
 
     def __enter__(self) -> "CheckpointManager":
         return self

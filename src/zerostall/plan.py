@@ -24,7 +24,7 @@ class WriteItem:
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        return self.tensor.nbytes
 
 
 def assign_files(items: Sequence[WriteItem], n_files: int) -> list[list[WriteItem]]:

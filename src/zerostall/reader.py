@@ -11,6 +11,7 @@ import fnmatch
 import json
 import heapq
 import logging
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -206,15 +207,8 @@ class Checkpoint:
 
         result = build(tree)
         for i, entry in enumerate(entries):
-            if i in referenced or entry.rank is not None or not isinstance(result, dict) or not entry.path:
-                continue
-            node = result
-            for key in entry.path[:-1]:
-                node = node.setdefault(key, {}) if isinstance(node, dict) else None
-                if node is None:
-                    break
-            if isinstance(node, dict):
-                node[entry.path[-1]] = value(i)
+            if i not in referenced and entry.rank is None and isinstance(result, dict) and entry.path:
+                _insert(result, entry.path, value(i))
         return result
 
     def _map(self, name: str) -> memoryview | None:
@@ -357,10 +351,7 @@ class Checkpoint:
         for rel, entry in source.items():
             if rel[:len(root)] == root and len(rel) > len(root):
                 consumed.add(rel)
-                node = tree
-                for k in rel[len(root):-1]:
-                    node = node.setdefault(k, {})
-                node[rel[-1]] = self.read(entry.path)
+                _insert(tree, rel[len(root):], self.read(entry.path))
         return tree
 
     def _materialize(self, entry: Entry, like: torch.Tensor | None, verify: bool) -> torch.Tensor:
@@ -384,14 +375,14 @@ class Checkpoint:
                 inter = intersect(box, (chunk.offsets, chunk.sizes))
                 if inter is None:
                     continue
-                covered += _numel(inter[1])
+                covered += math.prod(inter[1])
                 if id(chunk) in skip:
                     continue
                 if inter == box == (chunk.offsets, chunk.sizes) and _direct(target, entry):
                     direct.extend(self._pieces(entry, chunk, 0, tensor_bytes(target.data)))
                 else:
                     staged.append((target, box, entry, chunk, inter))
-            if covered < _numel(box[1]):
+            if covered < math.prod(box[1]):
                 raise CorruptCheckpointError(f"entry {entry.fqn} of {self.path} has no data for part of the box "
                                              f"{[list(b) for b in box]}: its chunks do not cover the tensor")
         with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read") as pool:
@@ -416,11 +407,14 @@ class Checkpoint:
         for key in sorted(common, key=lambda k: (-wanted[k][3].nbytes, k)):
             readers[key] = min(range(self.group.size), key=lambda r: (load[r], r))
             load[readers[key]] += wanted[key][3].nbytes
-        buffers = {}
+        buffers, staged = {}, []
         for key in common:
             target, box, entry, chunk = wanted[key]
-            whole = box == (chunk.offsets, chunk.sizes) and _direct(target, entry)
-            buffers[key] = target.data.reshape(-1).view(torch.uint8) if whole else torch.empty(chunk.nbytes, dtype=torch.uint8)
+            if box == (chunk.offsets, chunk.sizes) and _direct(target, entry):
+                buffers[key] = target.data.reshape(-1).view(torch.uint8)
+            else:
+                buffers[key] = torch.empty(chunk.nbytes, dtype=torch.uint8)
+                staged.append(key)
         failure = None
         with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read") as pool:
             reads = {key: pool.submit(self._read_chunk, wanted[key][2], wanted[key][3], buffers[key], verify)
@@ -438,12 +432,10 @@ class Checkpoint:
         if failed:
             raise CheckpointError(f"broadcast load from {self.path} failed: ranks {failed} could not read their share")
         with torch.no_grad():
-            for key in common:
+            for key in staged:
                 target, box, entry, chunk = wanted[key]
-                if buffers[key].data_ptr() != target.data_ptr() or target.device.type != "cpu":
-                    src = buffers[key].view(entry.torch_dtype).reshape(chunk.sizes)
-                    region = tuple(slice(o - b, o - b + s) for o, b, s in zip(chunk.offsets, box[0], chunk.sizes))
-                    target[region].copy_(src)
+                src = buffers[key].view(entry.torch_dtype).reshape(chunk.sizes)
+                target[_region((chunk.offsets, chunk.sizes), box)].copy_(src)
         return {id(wanted[key][3]) for key in common}
 
     def _read_chunk(self, entry: Entry, chunk: Chunk, buf: torch.Tensor, verify: bool) -> None:
@@ -467,11 +459,10 @@ class Checkpoint:
         _run(pool, self.threads, self._read_piece, pieces, verify)
         with torch.no_grad():
             for target, box, entry, chunk, inter, buf, skip in copies:
-                if _numel(inter[1]) == 0:
+                if math.prod(inter[1]) == 0:
                     continue
                 src = buf[skip:].view(entry.torch_dtype).as_strided(inter[1], contiguous_strides(chunk.sizes))
-                region = tuple(slice(o - b, o - b + s) for o, b, s in zip(inter[0], box[0], inter[1]))
-                target[region].copy_(src, non_blocking=target.device.type == "cuda")
+                target[_region(inter, box)].copy_(src, non_blocking=target.device.type == "cuda")
         if any(target.is_cuda for target, *_ in batch):
             torch.cuda.current_stream().synchronize()  # the staging buffers are reused next batch
 
@@ -600,6 +591,21 @@ class _LoadPlan:
     mismatch: Mismatch = field(default_factory=Mismatch)
 
 
+def _insert(tree: dict[Any, Any], path: Path, value: Any) -> None:
+    """Put ``value`` at ``path`` in nested dicts, creating them; a path that runs into a non-dict
+    node is skipped."""
+    node: Any = tree
+    for key in path[:-1]:
+        node = node.setdefault(key, {}) if isinstance(node, dict) else None
+    if isinstance(node, dict):
+        node[path[-1]] = value
+
+
+def _region(inner: Box, box: Box) -> tuple[slice, ...]:
+    """The slices of a tensor holding ``box`` that cover ``inner`` (a box inside it)."""
+    return tuple(slice(o - b, o - b + s) for o, b, s in zip(inner[0], box[0], inner[1]))
+
+
 def _whole(t: torch.Tensor) -> Box:
     return (0,) * t.dim(), tuple(t.shape)
 
@@ -668,13 +674,6 @@ def _batches(items: list[Any], size: Callable[[Any], int], limit: int) -> Iterat
         total += size(item)
     if batch:
         yield batch
-
-
-def _numel(sizes: Sequence[int]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
 
 
 def _normalize(path: Path, strip: Sequence[str]) -> Path:
