@@ -92,6 +92,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from async_save import Timing, median, remove, rnd, show, stamp, zerostall_read  # shared with the CPU bench
 
 import zerostall as zs
 
@@ -147,14 +148,6 @@ def progress(line: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {line}", file=sys.stderr, flush=True)
 
 
-def median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def rnd(value: float | None, digits: int = 4) -> float | None:
-    return None if value is None else round(value, digits)
-
-
 def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
@@ -187,10 +180,6 @@ class Deadline:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def remove(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def clear(root: str) -> None:
@@ -284,23 +273,6 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
 # --- timing one asynchronous save -----------------------------------------------------------
 
 Futures = tuple["Future[Any] | None", "Future[Any]"]  # (staged or None: staged at return, committed)
-
-
-@dataclass
-class Timing:
-    stall_s: float
-    staged_s: float
-    committed_s: float
-
-
-def stamp(future: Future, fallback: float) -> list[float]:
-    """A list that receives the time ``future`` finishes (``fallback`` if it already has)."""
-    when: list[float] = []
-    if future.done():
-        when.append(fallback)
-    else:
-        future.add_done_callback(lambda _: when.append(time.perf_counter()))
-    return when
 
 
 def time_save(start_save: Callable[[], Futures], deadline: Deadline,
@@ -400,11 +372,6 @@ class Contender:
     name: str  # JSON prefix: zerostall, dcp_default, dcp_zero_overhead
     start: Callable[[Any, str], Futures]
     read: Callable[[str, str, torch.Tensor], torch.Tensor]
-
-
-def zerostall_read(path: str, key: str, like: torch.Tensor) -> torch.Tensor:
-    with zs.open(path) as ck:
-        return ck.read((key,)).clone()
 
 
 def dcp_read(path: str, key: str, like: torch.Tensor) -> torch.Tensor:
@@ -621,11 +588,6 @@ def run_save_part(args: argparse.Namespace, device: torch.device, root: str, dea
     free_device_memory(device)
     empty_host_cache()
     return out
-
-
-def show(label: str, t: Timing | None) -> None:
-    if t is not None:
-        progress(f"{label:32s} stall {t.stall_s:.4f} s  staged {t.staged_s:.4f} s  committed {t.committed_s:.3f} s")
 
 
 # --- part 2: stale capture ------------------------------------------------------------------
