@@ -71,9 +71,12 @@ def view_key(t: torch.Tensor) -> tuple[Any, ...]:
             t.is_conj(), t.is_neg())
 
 
+_KEY_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
 def path_key(path: Path) -> str:
     """A canonical string for a key path, identical on every rank (used in plans and records)."""
-    return json.dumps(encode_path(path), separators=(",", ":"))
+    return _KEY_ENCODER.encode(encode_path(path))
 
 
 class _Leaf:
@@ -95,6 +98,7 @@ class Collected:
     items: list[WriteItem] = field(default_factory=list)
     objects: dict[str, Any] = field(default_factory=dict)
     skeleton: Any = None
+    keys: dict[Path, str] = field(default_factory=dict)
 
 
 def local_box(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
@@ -119,6 +123,7 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
     names: set[str] = set()
     for path, value in flat.leaves.items():
         name, key, local = fqn(path), path_key(path), path in flat.rank_local
+        out.keys[path] = key
         if not isinstance(value, torch.Tensor):
             encoded = codec.encode(value, where=name, allow_pickle=allow_pickle)
             if local:
@@ -306,8 +311,7 @@ def prepare(state: Any, path: str | os.PathLike[str], *, process_group: Any = No
 def for_writer_process(prepared: Prepared) -> Prepared:
     """A picklable copy of ``prepared`` for a writer process: no process group, no live tensors
     other than the (captured, shared-memory) items this rank writes, storage by path."""
-    collected = Collected(prepared.collected.entries, prepared.collected.rank_local, prepared.collected.rows, [],
-                          prepared.collected.objects, prepared.collected.skeleton)
+    collected = dataclasses.replace(prepared.collected, items=[])
     storage = prepared.storage
     if not isinstance(storage, LocalStorage):
         raise CheckpointError(f"a writer process needs a local path, not {storage.location}")
@@ -409,8 +413,9 @@ def assemble(collected: Collected, plan: SavePlan, records: dict[int, dict[str, 
     """The coordinator builds the manifest from the plan and every rank's record."""
     entries: list[Entry] = []
     index: dict[tuple[str, int | None], int] = {}
+    paths = {key: path for path, key in collected.keys.items()}
     for row in plan.entries:
-        path = decode_path(json.loads(row.key))
+        path = paths.get(row.key) or decode_path(json.loads(row.key))
         index[(row.key, None)] = len(entries)
         entries.append(Entry(fqn(path), path, row.kind, dtype=row.dtype, shape=row.shape))
     for row, entry in zip(plan.entries, entries):
@@ -432,7 +437,7 @@ def assemble(collected: Collected, plan: SavePlan, records: dict[int, dict[str, 
 
     def refs(node: Any) -> Any:
         if isinstance(node, _Leaf):
-            key = path_key(node.path)
+            key = collected.keys[node.path]
             return codec.Ref(index.get((key, None), index.get((key, 0), -1)))
         if isinstance(node, dict):
             return {k: refs(v) for k, v in node.items()}
