@@ -7,10 +7,13 @@ two states with each contender at its defaults, collectively on the default proc
 zerostall (``zs.save(state, path)`` / ``zs.load(state, path)``) and DCP
 (``dcp.save(state, checkpoint_id=path)`` / ``dcp.load(state, checkpoint_id=path)``).
 
-- fsdp: a stack of Linear layers sharded with FSDP2 (``fully_shard`` over a 1-D CPU DeviceMesh)
-  and its AdamW state after one step, ``{"model": ..., "optim": ...}`` from
+- fsdp: a model sharded with FSDP2 (``fully_shard`` per block and at the root, over a 1-D CPU
+  DeviceMesh) and its AdamW state after one step, ``{"model": ..., "optim": ...}`` from
   ``get_state_dict(model, optim)``; the parameters are ~1/3 of --size-mb (AdamW keeps exp_avg and
-  exp_avg_sq), so model + optimizer state is ~--size-mb across all ranks;
+  exp_avg_sq), so model + optimizer state is ~--size-mb across all ranks. The model is a 16-block
+  Llama-layout transformer (~590 tensor leaves with the optimizer state: the structure of a real
+  checkpoint, whose planning cost grows with its leaves) or, with --fsdp-model linear, a stack of
+  Linear layers (~60 leaves);
 - replicated (DDP-style): every rank holds the same full plain tensors, ~--size-mb in all, 256
   tensors of mixed sizes and dtypes (``build_state`` of bench/save_load.py). Here zerostall also
   loads with ``broadcast=True`` (one replica reads each byte, the others receive it over gloo).
@@ -72,6 +75,8 @@ import zerostall as zs
 GROUP_TIMEOUT = timedelta(minutes=5)  # a contender stuck in a collective fails instead of hanging
 MAX_WIDTH = 1024  # of the Linear layers
 MIN_LAYERS = 8
+TRANSFORMER_LAYERS = 16
+VOCAB_PER_DIM = 4  # vocabulary = 4 x width
 RESULT_FILE = "result.json"  # rank 0 hands the result to the parent through this file in the root
 CASES = ("fsdp", "replicated")
 
@@ -97,6 +102,7 @@ class RankLog:
     file sizes are read by rank 0 only."""
 
     state_bytes: int
+    tensors: int  # tensor leaves of the state (what planning walks)
     seconds: dict[str, list[float]] = field(default_factory=dict)  # op -> one per rep
     read_bytes: dict[str, list[int]] = field(default_factory=dict)  # load op -> one per rep
     plan_s: dict[str, list[float]] = field(default_factory=dict)  # "first" / "resave" -> values
@@ -146,24 +152,66 @@ def contenders(broadcast: bool) -> list[Contender]:
 # --- the states -----------------------------------------------------------------------------
 
 
-def fsdp_shape(total_bytes: int) -> tuple[int, int]:
-    """(width, layers) of a Linear stack whose fp32 parameters are ~total_bytes / 3."""
+class Block(nn.Module):
+    """A pre-norm transformer block's parameters (Llama layout: 4 attention and 3 MLP matrices, 2
+    norms): the state structure an FSDP2 checkpoint of a real model has, at any width."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.w1, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attention_norm(x)
+        x = x + self.wo(self.wv(h) * torch.sigmoid(self.wq(h) * self.wk(h)))
+        h = self.ffn_norm(x)
+        return x + self.w2(nn.functional.silu(self.w1(h)) * self.w3(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, dim: int, layers: int, vocab: int) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, 8 * dim // 3) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def fsdp_shape(total_bytes: int, kind: str) -> tuple[int, int]:
+    """(width, layers) of a model whose fp32 parameters are ~total_bytes / 3 (AdamW keeps two more
+    copies): a transformer of TRANSFORMER_LAYERS blocks, or a stack of Linear layers."""
     params = total_bytes // 3 // 4
+    if kind == "transformer":  # 12 d^2 per block, plus embedding and output (VOCAB_PER_DIM d^2 each)
+        per_d2 = 12 * TRANSFORMER_LAYERS + 2 * VOCAB_PER_DIM
+        return max(64, math.isqrt(params // per_d2) // 64 * 64), TRANSFORMER_LAYERS
     width = min(MAX_WIDTH, max(64, math.isqrt(params // MIN_LAYERS) // 64 * 64))
     return width, max(1, round(params / (width * width + width)))
 
 
-def fsdp_state(total_bytes: int, world: int) -> dict[str, Any]:
-    """An FSDP2-sharded Linear stack after one AdamW step, as DCP's get_state_dict gives it."""
-    width, layers = fsdp_shape(total_bytes)
+def fsdp_state(total_bytes: int, world: int, kind: str) -> dict[str, Any]:
+    """An FSDP2-sharded model after one AdamW step, as DCP's get_state_dict gives it."""
+    width, layers = fsdp_shape(total_bytes, kind)
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)  # the same initial model on every rank
-    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
+    if kind == "transformer":
+        model: nn.Module = Transformer(width, layers, VOCAB_PER_DIM * width)
+        blocks, batch = list(model.layers), torch.randint(0, VOCAB_PER_DIM * width, (2, 8))
+    else:
+        model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+        blocks, batch = list(model), torch.randn(4, width)
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(4, width)).sum().backward()
+    model(batch).sum().backward()
     optim.step()
     optim.zero_grad()
     model_sd, optim_sd = get_state_dict(model, optim)
@@ -320,7 +368,7 @@ def timed_rep(
 
 def run_case(name: str, state: Any, cs: list[Contender], root: str, reps: int) -> RankLog:
     rank = dist.get_rank()
-    log = RankLog(state_bytes=logical_bytes(state))
+    log = RankLog(state_bytes=logical_bytes(state), tensors=sum(1 for _ in tensors(state)))
     expected = snapshot(state)
     for c in cs:
         if rank == 0:
@@ -353,6 +401,7 @@ def summarize_case(logs: list[RankLog], cs: list[Contender]) -> dict[str, Any]:
     }
     return {
         "state_bytes": rank0.state_bytes,
+        "tensors": rank0.tensors,
         "seconds": {op: round(statistics.median(s), 4) for op, s in per_rep.items()},
         "seconds_per_rep": {op: [round(s, 4) for s in v] for op, v in per_rep.items()},
         "read_bytes_ratio": {op: round(r, 3) for op, r in read_ratio.items()},
@@ -395,7 +444,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, root: str) -> None:
         total_bytes = args.size_mb << 20
         logs: dict[str, RankLog] = {}
         cs = contenders(broadcast=False)
-        logs["fsdp"] = run_case("fsdp", fsdp_state(total_bytes, args.world), cs, root, args.reps)
+        logs["fsdp"] = run_case("fsdp", fsdp_state(total_bytes, args.world, args.fsdp_model), cs, root, args.reps)
         rep_cs = contenders(broadcast=True)
         logs["replicated"] = run_case(
             "replicated", build_state(total_bytes), rep_cs, root, args.reps
@@ -463,6 +512,7 @@ def headline(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         "errors": result["errors"],
         "notes": ["plan_s: SaveInfo.plan_s of the warm-up (first) save and of the timed (cached) saves"],
         "size_mb": args.size_mb,
+        "fsdp_model": args.fsdp_model,
         "reps": args.reps,
         "dir": args.dir,
         "torch_version": torch.__version__,
@@ -503,6 +553,8 @@ def parse_args() -> argparse.Namespace:
         "--size-mb", type=int, default=256, help="state size in MiB, all ranks (256)"
     )
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions (3)")
+    parser.add_argument("--fsdp-model", choices=("transformer", "linear"), default="transformer",
+                        help="the fsdp case's model: transformer blocks (default) or a Linear stack")
     parser.add_argument("--dir", default="/dev/shm", help="where to save (a fresh dir under it)")
     parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     return parser.parse_args()
@@ -514,7 +566,8 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="zerostall-bench-dist-", dir=args.dir)
     try:
         progress(
-            f"spawning {args.world} ranks; fsdp (width, layers) = {fsdp_shape(args.size_mb << 20)}"
+            f"spawning {args.world} ranks; fsdp {args.fsdp_model} (width, layers) = "
+            f"{fsdp_shape(args.size_mb << 20, args.fsdp_model)}"
         )
         mp.spawn(worker, args=(args, free_port(), root), nprocs=args.world)
         with open(os.path.join(root, RESULT_FILE)) as f:

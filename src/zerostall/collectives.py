@@ -39,14 +39,13 @@ class Group:
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
-    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
-        """Every rank's list of int64 values (same length everywhere): one small collective."""
+    def all_reduce_ints(self, values: list[int]) -> list[int]:
+        """The element-wise sums over ranks of int64 values: one collective of fixed size."""
         if self.pg is None:
-            return [list(values)]
-        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
-        out = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(out, mine, group=self.pg)
-        return [t.tolist() for t in out]
+            return list(values)
+        total = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.all_reduce(total, group=self.pg)
+        return total.tolist()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's python object (planning metadata only, never tensor data)."""

@@ -13,8 +13,8 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
@@ -29,7 +29,7 @@ from .collectives import Group
 from .commit import await_commit, await_records, manifest_generation, write_abort, write_record
 from .errors import CheckpointError, StateMismatchError, UnsupportedValueError
 from .format import (DEFAULT_BLOCK_SIZE, MANIFEST_NAME, Chunk, Entry, FileItem, Manifest, data_file_name,
-                     dtype_name, file_generation, generation_time, manifest_tmp_name, new_generation, parse_record,
+                     dtype_name, file_generation, generation_id, generation_time, manifest_tmp_name, parse_record,
                      safetensors_header)
 from .memory import tensor_bytes
 from .plan import ChunkKey, Row, SavePlan, WriteItem, assign_files, build_plan, structure_digest
@@ -213,36 +213,42 @@ class SaveInfo:
 
 
 class SavePlanner:
-    """Computes save plans and caches them per structure (see :mod:`zerostall.plan`)."""
+    """Computes save plans and caches them per process group and structure (see :mod:`zerostall.plan`).
+
+    A save of a cached structure costs one all-reduce of two int64s, whatever the world size: each
+    rank proposes the most recently used cached plan that fits its own structure (slot ``p``, 1-based;
+    0 for none) and contributes ``p + p**2 << 32``; the sums ``S1 = sum(p)`` and ``S2 = sum(p**2)``
+    satisfy ``S1**2 == world * S2`` exactly when every rank proposed the same slot, so agreement is
+    exact, not probabilistic. The second lane carries the coordinator's clock for the generation id.
+    Every rank's cache changes only on agreed outcomes, so slot numbers mean the same plan everywhere.
+    """
 
     def __init__(self, cache_size: int = 8) -> None:
-        self._cache: OrderedDict[tuple[int, ...], SavePlan] = OrderedDict()
+        self._caches: dict[Any, list[SavePlan]] = {}
         self._cache_size = cache_size
 
     def plan(self, group: Group, collected: Collected) -> tuple[SavePlan, str, bool]:
-        """The plan, the generation id every rank uses, and whether planning ran (not cached).
-
-        Always one small all-gather (structure digest and rank 0's generation id); on a cache
-        miss also an all-gather of the structures and one of replica checksums.
-        """
+        """The plan, the generation id every rank uses, and whether planning ran (not cached)."""
+        cache = self._caches.setdefault(group.pg, [])
         digest = structure_digest(collected.rows)
-        mine = new_generation().split("-")
-        gathered = group.all_gather_ints([digest, int(mine[0], 16), int(mine[1], 16)])
-        digests = tuple(g[0] for g in gathered)
-        generation = f"{gathered[0][1]:x}-{gathered[0][2]:08x}"
-        plan = self._cache.get(digests)
-        if plan is not None:
-            self._cache.move_to_end(digests)
-            return plan, generation, False
+        slot = next((n for n, p in enumerate(cache, 1) if p.digests[group.rank] == digest), 0)
+        clock = time.time_ns() if group.is_coordinator else 0
+        proposals, clock = group.all_reduce_ints([slot + (slot * slot << 32), clock])
+        s1, s2 = proposals & 0xFFFFFFFF, proposals >> 32
+        if s1 and s1 * s1 == group.size * s2:
+            plan = cache.pop(s1 // group.size - 1)
+            cache.insert(0, plan)
+            return plan, generation_id(clock, plan.seed), False
+        gathered = group.all_gather_object((collected.rows, secrets.randbits(32)))
+        structures = [rows for rows, _ in gathered]
         try:
-            plan = build_plan(group.all_gather_object(collected.rows), digests)
+            plan = build_plan(structures, [structure_digest(rows) for rows in structures], seed=gathered[0][1])
         except ValueError as exc:
             raise StateMismatchError(str(exc)) from None
         _check_replicas(group, plan, collected)
-        self._cache[digests] = plan
-        while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        return plan, generation, True
+        cache.insert(0, plan)
+        del cache[self._cache_size:]
+        return plan, generation_id(clock, plan.seed), True
 
 
 def _check_replicas(group: Group, plan: SavePlan, collected: Collected) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 import struct
 import time
 from dataclasses import dataclass, field
@@ -46,9 +45,10 @@ def generation_time(generation: str) -> int:
     return int(generation.split("-", 1)[0], 16)
 
 
-def new_generation() -> str:
-    """A per-save id: time-ordered, random-suffixed, so two saves never share file names."""
-    return f"{time.time_ns():x}-{secrets.token_hex(4)}"
+def generation_id(clock_ns: int, seed: int) -> str:
+    """A per-save id: the coordinator's clock (so ids are time-ordered) and 32 bits mixed from it and
+    the coordinator's random ``seed``, so two saves never share file names."""
+    return f"{clock_ns:x}-{xxhash.xxh3_64_intdigest(clock_ns.to_bytes(8, 'little'), seed) & 0xFFFFFFFF:08x}"
 
 
 def data_file_name(generation: str, rank: int, index: int) -> str:

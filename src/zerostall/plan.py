@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+import xxhash
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -102,11 +103,8 @@ class Row:
 
 
 def structure_digest(rows: Sequence[Row]) -> int:
-    """A signed 64-bit digest of a rank's structure (fits an int64 collective)."""
-    import xxhash
-
-    digest = xxhash.xxh3_64_intdigest(repr(list(rows)).encode())
-    return digest - (1 << 64) if digest >= 1 << 63 else digest
+    """A 64-bit digest of a rank's structure: equal digests mean a cached plan still fits it."""
+    return xxhash.xxh3_64_intdigest(repr(list(rows)).encode())
 
 
 @dataclass
@@ -118,12 +116,13 @@ class SavePlan:
     writers: dict[ChunkKey, int]
     holders: dict[ChunkKey, list[int]]
     bytes_per_rank: list[int]
+    seed: int = 0  # the coordinator's random bits, drawn when the plan was made: part of generation ids
 
     def writes(self, rank: int, key: ChunkKey) -> bool:
         return self.writers.get(key) == rank
 
 
-def build_plan(structures: Sequence[Sequence[Row]], digests: Sequence[int]) -> SavePlan:
+def build_plan(structures: Sequence[Sequence[Row]], digests: Sequence[int], seed: int = 0) -> SavePlan:
     """Dedup replicated chunks and balance their writing over their holders.
 
     Chunks are taken fewest holders first, then largest first, and each goes to its least-loaded
@@ -150,7 +149,7 @@ def build_plan(structures: Sequence[Sequence[Row]], digests: Sequence[int]) -> S
         writer = min(holders[key], key=lambda r: (load[r], r))
         writers[key] = writer
         load[writer] += sizes[key]
-    return SavePlan(tuple(digests), list(entries.values()), writers, holders, load)
+    return SavePlan(tuple(digests), list(entries.values()), writers, holders, load, seed)
 
 
 def _describe(row: Row) -> str:

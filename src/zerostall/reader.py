@@ -281,7 +281,7 @@ class Checkpoint:
                 "pass materialize=True to allocate them from the checkpoint")
         if strict and plan.mismatch:
             raise StateMismatchError(f"checkpoint {self.path} does not match the target state: {plan.mismatch.describe()}")
-        received = self._broadcast_fill(plan.tensors, verify) if broadcast and self.group.size > 1 else set()
+        received = self._broadcast_fill(plan.tensors, verify, max_staging_bytes) if broadcast and self.group.size > 1 else set()
         self._fill(plan.tensors, verify, skip=received, staging=max_staging_bytes)
         for path, entry, like in plan.new_tensors:
             plan.replacements[path] = self._materialize(entry, like, verify)
@@ -390,10 +390,15 @@ class Checkpoint:
             for batch in _batches(staged, lambda s: s[3].nbytes, staging):
                 self._fill_staged(pool, batch, verify)
 
-    def _broadcast_fill(self, targets: list[tuple[torch.Tensor, Box, Entry]], verify: bool) -> set[int]:
+    def _broadcast_fill(self, targets: list[tuple[torch.Tensor, Box, Entry]], verify: bool,
+                        staging: int) -> set[int]:
         """Deliver the chunks that every rank needs whole: one rank reads each (balanced by bytes,
         verified) and broadcasts it into preallocated buffers, the target itself where layouts
-        match. Returns the ids of the chunks delivered."""
+        match; other buffers hold at most ``staging`` bytes at a time. Returns the ids of the
+        chunks delivered."""
+        if self.group.device.type != "cpu":
+            raise CheckpointError("broadcast=True moves host buffers and needs a process group that can (gloo); "
+                                  "open the checkpoint with process_group=dist.new_group(backend='gloo')")
         index = {id(e): i for i, e in enumerate(self.manifest.entries)}
         wanted: dict[tuple[int, int], tuple[torch.Tensor, Box, Entry, Chunk]] = {}
         for target, box, entry in targets:
@@ -407,36 +412,45 @@ class Checkpoint:
         for key in sorted(common, key=lambda k: (-wanted[k][3].nbytes, k)):
             readers[key] = min(range(self.group.size), key=lambda r: (load[r], r))
             load[readers[key]] += wanted[key][3].nbytes
-        buffers, staged = {}, []
-        for key in common:
-            target, box, entry, chunk = wanted[key]
-            if box == (chunk.offsets, chunk.sizes) and _direct(target, entry):
-                buffers[key] = target.data.reshape(-1).view(torch.uint8)
-            else:
-                buffers[key] = torch.empty(chunk.nbytes, dtype=torch.uint8)
-                staged.append(key)
-        failure = None
+        direct = {key for key in common if wanted[key][1] == (wanted[key][3].offsets, wanted[key][3].sizes)
+                  and _direct(wanted[key][0], wanted[key][2])}
+        failure: CheckpointError | None = None
         with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read") as pool:
-            reads = {key: pool.submit(self._read_chunk, wanted[key][2], wanted[key][3], buffers[key], verify)
-                     for key in common if readers[key] == self.group.rank}
-            for key in common:
-                if key in reads:
-                    try:
-                        reads[key].result()
-                    except CheckpointError as exc:
-                        failure = failure or exc
-                self.group.broadcast_tensor(buffers[key], src=readers[key])
-        failed = [r for r, (flag,) in enumerate(self.group.all_gather_ints([failure is not None])) if flag]
+            for batch in _batches(common, lambda k: 0 if k in direct else wanted[k][3].nbytes, staging):
+                failure = self._broadcast_batch(pool, batch, wanted, readers, direct, verify) or failure
+        failed = self.group.all_reduce_ints([failure is not None])[0]
         if failure is not None:
             raise failure
         if failed:
-            raise CheckpointError(f"broadcast load from {self.path} failed: ranks {failed} could not read their share")
+            raise CheckpointError(f"broadcast load from {self.path} failed: {failed} rank(s) could not read their "
+                                  "share (their errors name the file)")
+        return {id(wanted[key][3]) for key in common}
+
+    def _broadcast_batch(self, pool: ThreadPoolExecutor, batch: list[tuple[int, int]],
+                         wanted: dict[tuple[int, int], tuple[torch.Tensor, Box, Entry, Chunk]],
+                         readers: dict[tuple[int, int], int], direct: set[tuple[int, int]],
+                         verify: bool) -> CheckpointError | None:
+        """Read this rank's chunks of ``batch``, broadcast every chunk of it from its reader (every
+        rank runs the same broadcasts, even after a failed read) and copy staged bytes into their
+        targets. Returns this rank's first read failure."""
+        buffers = {key: wanted[key][0].data.reshape(-1).view(torch.uint8) if key in direct
+                   else torch.empty(wanted[key][3].nbytes, dtype=torch.uint8) for key in batch}
+        reads = {key: pool.submit(self._read_chunk, wanted[key][2], wanted[key][3], buffers[key], verify)
+                 for key in batch if readers[key] == self.group.rank}
+        failure = None
+        for key in batch:
+            if key in reads:
+                try:
+                    reads[key].result()
+                except CheckpointError as exc:
+                    failure = failure or exc
+            self.group.broadcast_tensor(buffers[key], src=readers[key])
         with torch.no_grad():
-            for key in staged:
+            for key in (k for k in batch if k not in direct):
                 target, box, entry, chunk = wanted[key]
                 src = buffers[key].view(entry.torch_dtype).reshape(chunk.sizes)
                 target[_region((chunk.offsets, chunk.sizes), box)].copy_(src)
-        return {id(wanted[key][3]) for key in common}
+        return failure
 
     def _read_chunk(self, entry: Entry, chunk: Chunk, buf: torch.Tensor, verify: bool) -> None:
         for piece in self._pieces(entry, chunk, 0, tensor_bytes(buf)):
