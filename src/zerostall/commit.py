@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from .errors import CheckpointError
-from .format import MANIFEST_NAME, abort_name, parse_record, record_name
+from .format import MANIFEST_NAME, abort_name, dump_json, parse_record, record_name
 from .storage import Storage
 
 _FIRST_POLL = 0.002
@@ -33,7 +33,7 @@ def _put(storage: Storage, name: str, data: bytes) -> None:
 
 
 def write_record(storage: Storage, generation: str, rank: int, kind: str, payload: dict[str, Any]) -> None:
-    _put(storage, record_name(generation, rank, kind), json.dumps(payload, separators=(",", ":")).encode())
+    _put(storage, record_name(generation, rank, kind), dump_json(payload))
 
 
 def write_abort(storage: Storage, generation: str, reason: str) -> None:

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import orjson
 import torch
 import xxhash
 
@@ -38,6 +39,16 @@ _SAFETENSORS_DTYPES = {
     torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
+
+
+def dump_json(obj: Any) -> bytes:
+    """Compact JSON: orjson (~8x faster than the standard library on a manifest of thousands of
+    entries), the standard library for what orjson refuses (integers beyond 64 bits), so no value
+    ever changes. Non-finite floats never get here: the codec tags them."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
 def generation_time(generation: str) -> int:
@@ -103,7 +114,7 @@ def block_checksums(data: memoryview, block_size: int) -> list[str]:
     ] or [xxhash.xxh3_64_hexdigest(b"")]
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     """One stored piece of a tensor: a box of the global tensor and where its bytes live."""
 
@@ -124,7 +135,7 @@ class Chunk:
                    list(d["checksums"]))
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """A leaf of the saved state. ``kind`` is "tensor", "object" (a python value) or "alias"."""
 
@@ -191,13 +202,13 @@ class Manifest:
 
     def to_bytes(self, encode_path) -> bytes:
         """Serialize as ``{"checksum": H, "manifest": BODY}`` where H is the xxh3-64 of BODY."""
-        body = json.dumps({
+        body = dump_json({
             "format": FORMAT_NAME, "version": self.version, "generation": self.generation,
             "created": self.created, "step": self.step, "world_size": self.world_size,
             "block_size": self.block_size, "checksum": "xxh3_64", "files": self.files,
             "metadata": self.metadata, "tree": self.tree,
             "entries": [e.to_json(encode_path) for e in self.entries],
-        }, separators=(",", ":"), allow_nan=False).encode()
+        })
         return b'{"checksum":"%s","manifest":%s}\n' % (xxhash.xxh3_64_hexdigest(body).encode(), body)
 
     @classmethod
@@ -229,7 +240,7 @@ class Manifest:
             raise CorruptCheckpointError(f"manifest {where} is malformed: {exc!r}") from exc
 
 
-@dataclass
+@dataclass(slots=True)
 class FileItem:
     """One tensor (or chunk) placed in a data file: its name there, dtype, shape and size."""
 
@@ -255,7 +266,7 @@ def safetensors_header(items: Iterable[FileItem], generation: str) -> tuple[byte
         header[item.name] = {"dtype": st_dtype or "U8", "shape": shape, "data_offsets": [pos, pos + item.nbytes]}
         relative.append(pos)
         pos += item.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
+    text = dump_json(header)
     data_start = -(-(8 + len(text)) // DATA_ALIGNMENT) * DATA_ALIGNMENT
     text = text + b" " * (data_start - 8 - len(text))
     return struct.pack("<Q", len(text)) + text, [data_start + r for r in relative]

@@ -12,7 +12,7 @@ import xxhash
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
-@dataclass
+@dataclass(slots=True)
 class WriteItem:
     """One chunk to write: the source tensor (CPU, contiguous), its entry and its box offsets."""
 
@@ -88,7 +88,7 @@ def element_span(chunk: Box, inner: Box) -> tuple[int, int]:
 ChunkKey = tuple[str, tuple[int, ...]]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Row:
     """One global leaf as one rank holds it: a tensor box, an alias or a python value."""
 

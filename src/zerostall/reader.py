@@ -27,9 +27,10 @@ from .engine import CACHE_PIECE, decode_path, default_threads, local_box, view_k
 from .memory import tensor_bytes
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompleteCheckpointError, StateMismatchError, UnsupportedValueError)
+from .gcpause import gc_paused
 from .format import MANIFEST_NAME, Chunk, Entry, Manifest, file_generation
 from .plan import Box, contiguous_strides, element_span, intersect
-from .state import Path, flatten, fqn, init_optimizer_state, rebuild
+from .state import Flat, Path, flatten, fqn, init_optimizer_state, rebuild
 from .storage import Storage, storage_for
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,8 @@ def read_manifest_bytes(storage: Storage) -> bytes:
 
 
 def parse_manifest(storage: Storage, raw: bytes) -> Manifest:
-    return Manifest.from_bytes(raw, decode_path, os.path.join(storage.location, MANIFEST_NAME))
+    with gc_paused():
+        return Manifest.from_bytes(raw, decode_path, os.path.join(storage.location, MANIFEST_NAME))
 
 
 def read_manifest(storage: Storage) -> Manifest:
@@ -252,6 +254,23 @@ class Checkpoint:
         (pinned when the target is on a GPU), so host memory stays bounded.
         """
         verify = self.verify_reads if verify is None else verify
+        with gc_paused():
+            flat, plan = self._plan(state, strict, prefix, keys, strip, strict_dtype, materialize)
+        received = (self._broadcast_fill(plan.tensors, verify, max_staging_bytes)
+                    if broadcast and self.group.size > 1 else set())
+        self._fill(plan.tensors, verify, skip=received, staging=max_staging_bytes)
+        for path, entry, like in plan.new_tensors:
+            plan.replacements[path] = self._materialize(entry, like, verify)
+        result = rebuild(state, flat, plan.replacements, assign=materialize)
+        if strict:
+            return result
+        if plan.mismatch:
+            log.warning("partial load from %s: %s", self.path, plan.mismatch.describe())
+        return result, plan.mismatch
+
+    def _plan(self, state: Any, strict: bool, prefix: str | Path, keys: KeyFilter, strip: Sequence[str],
+              strict_dtype: bool, materialize: bool) -> tuple[Flat, _LoadPlan]:
+        """Match every target leaf with its entry; raise on a strict mismatch before any byte moves."""
         prefix_path = (prefix,) if isinstance(prefix, str) else tuple(prefix)
         select = _key_filter(keys)
         source = self._source_index(prefix_path, strip, select)
@@ -281,16 +300,7 @@ class Checkpoint:
                 "pass materialize=True to allocate them from the checkpoint")
         if strict and plan.mismatch:
             raise StateMismatchError(f"checkpoint {self.path} does not match the target state: {plan.mismatch.describe()}")
-        received = self._broadcast_fill(plan.tensors, verify, max_staging_bytes) if broadcast and self.group.size > 1 else set()
-        self._fill(plan.tensors, verify, skip=received, staging=max_staging_bytes)
-        for path, entry, like in plan.new_tensors:
-            plan.replacements[path] = self._materialize(entry, like, verify)
-        result = rebuild(state, flat, plan.replacements, assign=materialize)
-        if strict:
-            return result
-        if plan.mismatch:
-            log.warning("partial load from %s: %s", self.path, plan.mismatch.describe())
-        return result, plan.mismatch
+        return flat, plan
 
     def _source_index(self, prefix: Path, strip: Sequence[str], select: Callable[[str], bool]) -> dict[Path, Entry]:
         source: dict[Path, Entry] = {}
