@@ -88,6 +88,9 @@ class LocalStorage(Storage):
         return written
 
     def _fd(self, name: str) -> int:
+        fd = self._fds.get(name)  # the common case takes no lock: reader threads ask once per piece
+        if fd is not None:
+            return fd
         with self._lock:
             fd = self._fds.get(name)
             if fd is None:
@@ -97,8 +100,8 @@ class LocalStorage(Storage):
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         fd = self._fd(name)
-        done = 0
         total = len(out)
+        done = os.preadv(fd, [out], offset)
         while done < total:
             n = os.preadv(fd, [out[done:]], offset + done)
             if n == 0:
