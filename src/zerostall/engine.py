@@ -10,6 +10,7 @@ leaves either the old or the new checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -123,9 +124,17 @@ def local_box(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple
     if isinstance(value, DTensor):
         if any(p.is_partial() for p in value.placements):
             raise UnsupportedValueError("DTensors with Partial placements must be reduced before saving")
-        sizes, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        return value.to_local(), tuple(offsets), tuple(sizes)
+        offsets, sizes = _dtensor_box(value.shape, value.device_mesh, value.placements)
+        return value.to_local(), offsets, sizes
     return value, (0,) * value.dim(), tuple(value.shape)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _dtensor_box(shape: torch.Size, mesh: Any, placements: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's box of a DTensor layout, cached: DTensor computes it in ~36 us, and a sharded
+    model + optimizer state has thousands of DTensors with a few distinct layouts."""
+    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(offsets), tuple(sizes)
 
 
 def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:

@@ -104,7 +104,8 @@ class Row:
 
 def structure_digest(rows: Sequence[Row]) -> int:
     """A 64-bit digest of a rank's structure: equal digests mean a cached plan still fits it."""
-    return xxhash.xxh3_64_intdigest(repr(list(rows)).encode())
+    fields = [(r.key, r.kind, r.dtype, r.shape, r.offsets, r.sizes, r.nbytes, r.alias_of) for r in rows]
+    return xxhash.xxh3_64_intdigest(repr(fields).encode())  # tuples: repr in C, not per dataclass
 
 
 @dataclass
