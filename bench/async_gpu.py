@@ -92,7 +92,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from async_save import Timing, median, remove, rnd, show, stamp, zerostall_read  # shared with the CPU bench
+# shared with the CPU bench
+from async_save import (DCPArm, NoCheckpoint, Timing, ZerostallArm, median, remove, rnd, show, stamp,
+                        zerostall_read)
 
 import zerostall as zs
 
@@ -851,62 +853,6 @@ class Trainer:
                        for t in s.values() if isinstance(t, torch.Tensor))
 
 
-class NoCheckpoint:
-    name = "none"
-
-    def save(self, state: Any, path: str) -> None:
-        pass
-
-    def before_step(self) -> None:
-        pass
-
-    def drain(self) -> None:
-        pass
-
-
-class ZerostallArm(NoCheckpoint):
-    name = "zerostall"
-
-    def __init__(self, saver: zs.AsyncSaver, deadline: Deadline) -> None:
-        self.saver, self.deadline = saver, deadline
-        self.handle: zs.SaveHandle | None = None
-
-    def save(self, state: Any, path: str) -> None:
-        self.handle = self.saver.save(state, path)  # if_busy="wait": waits for the last commit
-
-    def before_step(self) -> None:
-        if self.handle is not None:
-            self.deadline.result(self.handle.staged)
-
-    def drain(self) -> None:
-        if self.handle is not None:
-            handle, self.handle = self.handle, None
-            self.deadline.result(handle.committed)
-
-
-class DCPArm(NoCheckpoint):
-    name = "dcp"
-
-    def __init__(self, start: Callable[[Any, str], Futures], deadline: Deadline) -> None:
-        self.start, self.deadline = start, deadline
-        self.staged: Future | None = None
-        self.committed: Future | None = None
-
-    def save(self, state: Any, path: str) -> None:
-        self.drain()  # one DCP save in flight at a time: wait for the last upload
-        self.staged, self.committed = self.start(state, path)
-
-    def before_step(self) -> None:
-        if self.staged is not None:
-            staged, self.staged = self.staged, None
-            self.deadline.result(staged)
-
-    def drain(self) -> None:
-        committed, self.staged, self.committed = self.committed, None, None
-        if committed is not None:
-            self.deadline.result(committed)
-
-
 def train(trainer: Trainer, arm: NoCheckpoint, steps: int, every: int, root: str) -> float:
     """Seconds for ``steps`` steps saving every ``every`` steps (two alternating paths), the final
     drain included."""
@@ -969,7 +915,8 @@ def run_train_part(args: argparse.Namespace, device: torch.device, root: str, de
         out.dcp_mode, dcp_start = "zero_overhead", zoc.start
     else:
         out.dcp_mode, dcp_start = "thread (default)", dcp_default_start
-    arms: list[NoCheckpoint] = [NoCheckpoint(), ZerostallArm(saver, deadline), DCPArm(dcp_start, deadline)]
+    arms: list[NoCheckpoint] = [NoCheckpoint(), ZerostallArm(saver, deadline.result),
+                               DCPArm(dcp_start, deadline.result)]
 
     def run_arm(arm: NoCheckpoint, steps: int, label: str, t: Trainer = trainer) -> float:
         return train_or_fall_back(t, arm, steps, args.save_every, root, zoc, deadline, errors, label)

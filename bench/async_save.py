@@ -317,10 +317,12 @@ class NoCheckpoint:
 
 
 class ZerostallArm(NoCheckpoint):
+    """``wait`` blocks on a future (the GPU bench passes one with a deadline)."""
+
     name = "zerostall"
 
-    def __init__(self, saver: zs.AsyncSaver) -> None:
-        self.saver = saver
+    def __init__(self, saver: zs.AsyncSaver, wait: Callable[[Future], Any] = Future.result) -> None:
+        self.saver, self.wait = saver, wait
         self.handle: zs.SaveHandle | None = None
 
     def save(self, state: Any, path: str) -> None:
@@ -328,19 +330,20 @@ class ZerostallArm(NoCheckpoint):
 
     def before_step(self) -> None:
         if self.handle is not None:
-            self.handle.wait_staged()
+            self.wait(self.handle.staged)
 
     def drain(self) -> None:
         if self.handle is not None:
-            self.handle.result()
-            self.handle = None
+            handle, self.handle = self.handle, None
+            self.wait(handle.committed)
 
 
 class DCPArm(NoCheckpoint):
     name = "dcp"
 
-    def __init__(self, start: Callable[[Any, str], tuple[Future | None, Future]]) -> None:
-        self.start = start
+    def __init__(self, start: Callable[[Any, str], tuple[Future | None, Future]],
+                 wait: Callable[[Future], Any] = Future.result) -> None:
+        self.start, self.wait = start, wait
         self.staged: Future | None = None
         self.committed: Future | None = None
 
@@ -350,12 +353,13 @@ class DCPArm(NoCheckpoint):
 
     def before_step(self) -> None:
         if self.staged is not None:
-            self.staged.result()
+            staged, self.staged = self.staged, None
+            self.wait(staged)
 
     def drain(self) -> None:
-        if self.committed is not None:
-            self.committed.result()
-        self.staged = self.committed = None
+        committed, self.staged, self.committed = self.committed, None, None
+        if committed is not None:
+            self.wait(committed)
 
 
 def train(trainer: Trainer, arm: NoCheckpoint, steps: int, every: int, root: str, tag: str) -> float:

@@ -51,6 +51,21 @@ def assert_state_equal(got: dict, want: dict) -> None:
     assert got["step"] == want["step"]
 
 
+def assert_load_verify_and_read_fail(path, *names: str) -> None:
+    """Loading, verifying and reading WEIGHT each raise CorruptCheckpointError naming every one of ``names``."""
+    with pytest.raises(zs.CorruptCheckpointError) as exc:
+        zs.load(empty_like_state(), path)
+    assert all(name in str(exc.value) for name in names)
+
+    with pytest.raises(zs.CorruptCheckpointError) as exc:
+        zs.verify(path)
+    assert all(name in str(exc.value) for name in names)
+
+    with zs.open(path) as ck, pytest.raises(zs.CorruptCheckpointError) as exc:
+        ck.read(WEIGHT)
+    assert all(name in str(exc.value) for name in names)
+
+
 def chunk_of(path, fqn: str) -> zs.Chunk:
     with zs.open(path) as ck:
         entry = ck.entries[fqn]
@@ -82,17 +97,7 @@ def test_flipped_byte_is_caught_by_load_verify_and_read(saved):
     data_file = os.path.join(path, chunk.file)
     flip_byte(data_file, chunk.offset + chunk.nbytes // 2 + 1)
 
-    with pytest.raises(zs.CorruptCheckpointError) as exc:
-        zs.load(empty_like_state(), path)
-    assert WEIGHT in str(exc.value) and chunk.file in str(exc.value)
-
-    with pytest.raises(zs.CorruptCheckpointError) as exc:
-        zs.verify(path)
-    assert WEIGHT in str(exc.value) and chunk.file in str(exc.value)
-
-    with zs.open(path) as ck, pytest.raises(zs.CorruptCheckpointError) as exc:
-        ck.read(WEIGHT)
-    assert WEIGHT in str(exc.value) and chunk.file in str(exc.value)
+    assert_load_verify_and_read_fail(path, WEIGHT, chunk.file)
 
     # the undamaged entries still read fine one by one
     with zs.open(path) as ck:
@@ -147,17 +152,7 @@ def test_truncated_data_file(saved, keep):
     size = {"half": chunk.offset + chunk.nbytes // 2, "header_only": chunk.offset, "one_byte_short": end - 1}[keep]
     os.truncate(data_file, size)
 
-    with pytest.raises(zs.CorruptCheckpointError) as exc:
-        zs.load(empty_like_state(), path)
-    assert chunk.file in str(exc.value)
-
-    with pytest.raises(zs.CorruptCheckpointError) as exc:
-        zs.verify(path)
-    assert chunk.file in str(exc.value)
-
-    with zs.open(path) as ck, pytest.raises(zs.CorruptCheckpointError) as exc:
-        ck.read(WEIGHT)
-    assert chunk.file in str(exc.value)
+    assert_load_verify_and_read_fail(path, chunk.file)
 
 
 def test_data_file_with_extra_bytes_fails_verify(saved):
@@ -259,17 +254,7 @@ def test_missing_data_file(saved):
     chunk = chunk_of(path, WEIGHT)
     os.remove(os.path.join(path, chunk.file))
 
-    with pytest.raises(zs.CorruptCheckpointError) as exc:
-        zs.load(empty_like_state(), path)
-    assert chunk.file in str(exc.value)
-
-    with pytest.raises(zs.CorruptCheckpointError) as exc:
-        zs.verify(path)
-    assert chunk.file in str(exc.value)
-
-    with zs.open(path) as ck, pytest.raises(zs.CorruptCheckpointError) as exc:
-        ck.read(WEIGHT)
-    assert chunk.file in str(exc.value)
+    assert_load_verify_and_read_fail(path, chunk.file)
 
 
 # -- (f) the damaged block is named ------------------------------------------------------------------
