@@ -17,7 +17,8 @@ saved and loaded back by every contender into the same directory (default a fres
 
 Every load goes into an already-allocated, already-touched target state of the same structure.
 Method: every contender is warmed once (and its load checked for equality) before timing; the
-repetitions are interleaved (rep 1: every contender, rep 2: every contender, ...); each save goes
+repetitions are interleaved (rep 1: every contender, rep 2: every contender, ..., each rep's order
+rotated by one so that no contender always runs first or after the same neighbour); each save goes
 to a fresh path and the previous output is deleted outside the timed region; the figure is the
 median of the reps. GB/s = state bytes / seconds / 1e9. Progress goes to stderr; a table to stdout;
 with --json the last line of stdout is one JSON object.
@@ -261,10 +262,12 @@ def warm_up(contender: Contender, state: dict, target: dict, root: str) -> None:
 def run_reps(
     cs: list[Contender], state: dict, target: dict, root: str, reps: int
 ) -> dict[str, list[float]]:
-    """Interleaved reps; each save to a fresh path, deleted after its load, outside the timing."""
+    """Interleaved reps, the order rotated by one each rep (no contender always runs first or after
+    the same neighbour); each save to a fresh path, deleted after its load, outside the timing."""
     seconds: dict[str, list[float]] = {key: [] for c in cs for key in (c.save_key, c.load_key)}
     for rep in range(1, reps + 1):
-        for c in cs:
+        shift = (rep - 1) % len(cs)
+        for c in cs[shift:] + cs[:shift]:
             path = os.path.join(root, f"{c.save_key}-{rep}")
             save_s = timed(c.save, state, path)
             load_s = timed(c.load, target, path)
@@ -315,7 +318,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=1024, help="state size in MiB (1024)")
     parser.add_argument("--dir", default="/dev/shm", help="where to save (a fresh dir under it)")
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (5)")
+    parser.add_argument(
+        "--reps", type=int, default=7, help="timed repetitions (7: each contender once in each place)"
+    )
     parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     return parser.parse_args()
 
