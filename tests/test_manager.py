@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 import zerostall as zs
+from zerostall.format import MANIFEST_NAME
 from zerostall.manager import LEASE_NAME, step_tag
+from zerostall.storage import LocalStorage
 
 
 def part(step: int) -> dict:
@@ -141,6 +143,72 @@ def test_crash_leaves_a_resumable_root(tmp_path, stage):
     else:  # the half-written step 2 never existed and is cleaned up at start
         assert step == 1 and steps_on_disk(tmp_path) == [1]
     assert torch.equal(target["w"], torch.full((4,), float(step)))
+
+
+def uncommitted_step(root, step: int) -> tuple[str, bytes]:
+    """A whole checkpoint of ``step`` whose manifest is held back: a writer just before its commit."""
+    path = os.path.join(root, step_tag(step))
+    zs.save(part(step), path, step=step, fsync=False)
+    manifest = os.path.join(path, MANIFEST_NAME)
+    with open(manifest, "rb") as f:
+        data = f.read()
+    os.unlink(manifest)
+    return path, data
+
+
+def on_first_rename(monkeypatch, before=None, after=None) -> None:
+    """Run ``before``/``after`` around the first ``os.rename`` (the manager's cleanup moving a directory)."""
+    real = os.rename
+    calls = []
+
+    def rename(src, dst, *args, **kwargs):
+        calls.append(src)
+        if len(calls) == 1 and before:
+            before()
+        real(src, dst, *args, **kwargs)
+        if len(calls) == 1 and after:
+            after()
+
+    monkeypatch.setattr(os, "rename", rename)
+
+
+def test_a_commit_racing_the_start_up_cleanup_is_kept_whole(tmp_path, monkeypatch):
+    path, manifest = uncommitted_step(tmp_path, 1)
+
+    def writer_commits() -> None:
+        with open(os.path.join(path, MANIFEST_NAME), "wb") as f:
+            f.write(manifest)
+
+    on_first_rename(monkeypatch, before=writer_commits)
+    with zs.CheckpointManager(tmp_path) as mgr:
+        assert mgr.latest() == step_tag(1)
+    monkeypatch.undo()
+    assert zs.verify(path) and torch.equal(zs.load(part(0), path)["w"], part(1)["w"])
+    assert os.listdir(tmp_path) == [step_tag(1)]  # no trace of the cleanup; the lease went with close()
+
+
+def test_a_commit_after_the_start_up_cleanup_moved_the_attempt_fails(tmp_path, monkeypatch):
+    path, manifest = uncommitted_step(tmp_path, 1)
+    failed = []
+
+    def writer_commits() -> None:
+        with pytest.raises(OSError):
+            LocalStorage(path, fsync=False).publish(MANIFEST_NAME, "manifest.tmp", manifest)
+        failed.append(True)
+
+    on_first_rename(monkeypatch, after=writer_commits)
+    with zs.CheckpointManager(tmp_path) as mgr:
+        assert failed and mgr.latest() is None
+    assert os.listdir(tmp_path) == []
+
+
+def test_start_up_removes_attempts_and_interrupted_cleanups(tmp_path):
+    uncommitted_step(tmp_path, 1)
+    zs.save(part(2), os.path.join(tmp_path, step_tag(2)), step=2)
+    os.makedirs(tmp_path / ".deleting-step_000000003.1234abcd" / "deep")
+    with zs.CheckpointManager(tmp_path) as mgr:
+        assert mgr.latest() == step_tag(2)
+    assert os.listdir(tmp_path) == [step_tag(2)]
 
 
 def open_repeatedly(root: str, rounds: int) -> list[str | None]:

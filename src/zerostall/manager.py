@@ -3,6 +3,7 @@
 Layout under ``root``: one checkpoint directory per step (``step_000000100``) or tag, a
 ``latest`` pointer (JSON, replaced atomically, written only after a commit) and a writer lease
 (``.writer-lease``) naming the host, boot and process that writes here, renewed while it lives.
+A new writer removes what a dead one left uncommitted, renamed aside (``.deleting-*``) first.
 Retention (see :mod:`zerostall.retention`) runs on the coordinator after each commit, in the
 background; a checkpoint is deleted manifest first, so a half-deleted one is never seen as valid.
 """
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 LATEST_NAME = "latest"
 LEASE_NAME = ".writer-lease"
+_TRASH_PREFIX = ".deleting-"
 _RNG_KEY = "__rng__"
 
 
@@ -296,12 +298,27 @@ class CheckpointManager:
                 delete_checkpoint(os.path.join(self.root, tag))
 
     def _clean_stale_attempts(self) -> None:
-        """Remove step directories that never committed: we hold the lease, so their writer is dead."""
+        """Remove step directories that never committed: we hold the lease, so their writer is dead.
+
+        Each is first renamed out of the way in one atomic step, so that a writer that outlived
+        its lease can never commit a manifest into a directory whose data files are being deleted:
+        its commit then fails, or came first and the directory is put back whole."""
         for name in os.listdir(self.root):
             path = os.path.join(self.root, name)
-            if name.startswith("step_") and os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST_NAME)):
+            if name.startswith(_TRASH_PREFIX):
+                shutil.rmtree(path, ignore_errors=True)  # a cleanup that a crash interrupted
+            elif name.startswith("step_") and os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST_NAME)):
+                trash = os.path.join(self.root, f"{_TRASH_PREFIX}{name}.{secrets.token_hex(4)}")
+                try:
+                    os.rename(path, trash)
+                except FileNotFoundError:
+                    continue
+                if os.path.exists(os.path.join(trash, MANIFEST_NAME)):
+                    log.warning("%s committed while it was being cleaned up: a writer outlived its lease", path)
+                    os.rename(trash, path)
+                    continue
                 log.info("removing the uncommitted checkpoint %s left by a dead writer", path)
-                shutil.rmtree(path, ignore_errors=True)
+                shutil.rmtree(trash, ignore_errors=True)
 
     def wait(self) -> None:
         """Finish the save in flight and the retention it triggered."""
