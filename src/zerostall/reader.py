@@ -351,8 +351,9 @@ class Checkpoint:
                 plan.meta.append(name)
         else:
             piece, offsets, sizes = local_box(value)
-            if view_key(piece) not in seen:
-                seen.add(view_key(piece))
+            identity = view_key(piece)
+            if identity not in seen:
+                seen.add(identity)
                 plan.tensors.append((piece, (offsets, sizes), entry))
 
     def _subtree(self, source: dict[Path, Entry], root: Path, consumed: set[Path]) -> Any:
