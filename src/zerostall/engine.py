@@ -121,7 +121,7 @@ def local_box(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple
     For a DTensor the box comes from DTensor itself, which also handles the strided shards that
     FSDP2 + TP produce; a plain tensor is its own whole box.
     """
-    if isinstance(value, DTensor):
+    if type(value) is not torch.Tensor and isinstance(value, DTensor):
         if any(p.is_partial() for p in value.placements):
             raise UnsupportedValueError("DTensors with Partial placements must be reduced before saving")
         offsets, sizes = _dtensor_box(value.shape, value.device_mesh, value.placements)
@@ -161,15 +161,15 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
             out.rows.append(Row(key, "alias", alias_of=seen[identity]))
             continue
         source = piece.detach().resolve_conj().resolve_neg().contiguous()
-        dtype = dtype_name(value.dtype)
-        entry = Entry(name, path, "tensor", dtype=dtype, shape=tuple(value.shape), rank=rank if local else None)
+        dtype, shape = dtype_name(value.dtype), tuple(value.shape)
+        entry = Entry(name, path, "tensor", dtype=dtype, shape=shape, rank=rank if local else None)
         if local:
             out.rank_local.append(entry)
         else:
             seen[identity] = key
             out.entries[key] = entry
-            out.rows.append(Row(key, "tensor", dtype, tuple(value.shape), offsets, sizes, source.nbytes))
-        file_name = name if sizes == tuple(value.shape) else f"{name}@{','.join(map(str, offsets))}"
+            out.rows.append(Row(key, "tensor", dtype, shape, offsets, sizes, source.nbytes))
+        file_name = name if sizes == shape else f"{name}@{','.join(map(str, offsets))}"
         while file_name in names:
             file_name += "#"
         names.add(file_name)

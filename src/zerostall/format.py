@@ -8,6 +8,7 @@ checksum per fixed-size block. See docs/format.md for the full description.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
@@ -95,6 +96,7 @@ def file_generation(name: str) -> str | None:
     return match.group("gen") if match else None
 
 
+@functools.cache
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
