@@ -42,8 +42,7 @@ mode needs one; zerostall runs under it too, as under torchrun). Four parts, in 
    zero-overhead mode, stager mode as found in part 1). ``*_stale_pending`` counts the trials in
    which the queued write was still pending when the save call returned (a trial where it was not
    proves nothing). On the CPU every op is synchronous and the check passes trivially.
-3. Host memory. RSS (less shared pages) of this process and its descendants (psutil to find them
-   if installed, else /proc) plus /dev/shm usage (statvfs: machine-wide), before and after 50
+3. Host memory. RSS (less shared pages) of this process and its descendants (from /proc) plus /dev/shm usage (statvfs: machine-wide), before and after 50
    zerostall saves of a smaller state (256 MiB; 16 MiB on the CPU) into one path, after a reserve
    and one warm save: ``host_mem_growth_mb`` (parts ``host_mem_rss_growth_mb``,
    ``host_mem_shm_growth_mb``).
@@ -93,8 +92,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 # shared with the CPU bench
-from async_save import (DCPArm, NoCheckpoint, Timing, ZerostallArm, median, remove, rnd, show, stamp,
-                        zerostall_read)
+from async_save import (DCPArm, NoCheckpoint, Timing, ZerostallArm, descendants, median, remove, rnd, show,
+                        stamp, status_kib, zerostall_read)
 
 import zerostall as zs
 
@@ -710,45 +709,6 @@ def run_stale_part(device: torch.device, root: str, deadline: Deadline, stager_m
 # --- part 3: host memory --------------------------------------------------------------------
 
 
-def _status_kib(pid: int, field_name: str) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1])
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        pass
-    return 0
-
-
-def _proc_children(pid: int) -> list[int]:
-    found: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
-        return found
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                kids = [int(k) for k in f.read().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        for kid in kids:
-            found += [kid, *_proc_children(kid)]
-    return found
-
-
-def process_tree() -> list[int]:
-    """This process and its descendants (DCP's writer process among them)."""
-    me = os.getpid()
-    try:
-        import psutil
-
-        return [me, *(p.pid for p in psutil.Process(me).children(recursive=True))]
-    except ImportError:
-        return [me, *_proc_children(me)]
-
-
 def shm_used_bytes() -> int:
     try:
         st = os.statvfs("/dev/shm")
@@ -760,7 +720,8 @@ def shm_used_bytes() -> int:
 def host_footprint_mib() -> tuple[float, float]:
     """(RSS less shared pages of the process tree, /dev/shm usage), MiB; shared pages are counted
     once, in /dev/shm."""
-    rss = sum(_status_kib(p, "VmRSS") - _status_kib(p, "RssShmem") for p in process_tree()) / 1024
+    tree = [os.getpid(), *descendants(os.getpid())]
+    rss = sum(status_kib(p, "VmRSS") - status_kib(p, "RssShmem") for p in tree) / 1024
     return rss, shm_used_bytes() / 2**20
 
 

@@ -396,12 +396,13 @@ def run_training(arms: list[NoCheckpoint], trainer: Trainer, steps: int, every: 
 # --- host memory ----------------------------------------------------------------------------
 
 
-def rss_mib(pid: int) -> float:
+def status_kib(pid: int, field_name: str) -> int:
+    """A ``kB`` field of /proc/PID/status (0 once the process is gone)."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
-    except (FileNotFoundError, ProcessLookupError, StopIteration):
-        return 0.0
+            return next(int(line.split()[1]) for line in f if line.startswith(field_name + ":"))
+    except (FileNotFoundError, ProcessLookupError, PermissionError, StopIteration):
+        return 0
 
 
 def descendants(pid: int) -> list[int]:
@@ -414,7 +415,7 @@ def descendants(pid: int) -> list[int]:
         try:
             with open(f"/proc/{pid}/task/{tid}/children") as f:
                 kids = [int(k) for k in f.read().split()]
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):
             continue
         for kid in kids:
             found += [kid, *descendants(kid)]
@@ -423,7 +424,7 @@ def descendants(pid: int) -> list[int]:
 
 def tree_rss_mib() -> float:
     me = os.getpid()
-    return sum(rss_mib(p) for p in [me, *descendants(me)])
+    return sum(status_kib(p, "VmRSS") for p in [me, *descendants(me)]) / 1024
 
 
 def memory_growth(start: Callable[[Any, str], tuple[Future | None, Future]], state: dict, path: str) -> float:
