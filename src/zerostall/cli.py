@@ -27,7 +27,7 @@ from rich.table import Column, Table
 import zerostall as zs
 from zerostall.format import MANIFEST_NAME, Entry, file_generation
 from zerostall.manager import LATEST_NAME, LEASE_NAME, WriterLease, delete_checkpoint
-from zerostall.retention import CheckpointRecord, RetentionPolicy, kept
+from zerostall.retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
 from zerostall.storage import storage_for
 
 FAILED = 1
@@ -138,11 +138,6 @@ def latest_tag(root: Path) -> str | None:
         return None
     tag = pointer.get("tag") if isinstance(pointer, dict) else None
     return tag if isinstance(tag, str) else None
-
-
-def numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """The metrics retention can rank by (numbers), as CheckpointManager reads them."""
-    return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
 
 
 def format_metrics(metrics: dict[str, Any]) -> str:

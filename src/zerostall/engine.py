@@ -340,13 +340,12 @@ def prepare(state: Any, path: str | os.PathLike[str], *, process_group: Any = No
 
 def for_writer_process(prepared: Prepared) -> Prepared:
     """A picklable copy of ``prepared`` for a writer process: no process group, no live tensors
-    other than the (captured, shared-memory) items this rank writes, storage by path."""
+    other than the (captured, shared-memory) items this rank writes, storage by path (a
+    :class:`LocalStorage` pickles as its path and fsync setting)."""
+    if not isinstance(prepared.storage, LocalStorage):
+        raise CheckpointError(f"a writer process needs a local path, not {prepared.storage.location}")
     collected = dataclasses.replace(prepared.collected, items=[])
-    storage = prepared.storage
-    if not isinstance(storage, LocalStorage):
-        raise CheckpointError(f"a writer process needs a local path, not {storage.location}")
-    return dataclasses.replace(prepared, group=prepared.group.detached(), collected=collected,
-                               storage=LocalStorage(storage.location, fsync=storage.fsync))
+    return dataclasses.replace(prepared, group=prepared.group.detached(), collected=collected)
 
 
 def persist(prepared: Prepared) -> SaveInfo:

@@ -30,7 +30,7 @@ from .engine import SaveInfo, save
 from .errors import CheckpointError, CheckpointNotFoundError
 from .format import MANIFEST_NAME
 from .reader import Checkpoint, read_manifest
-from .retention import CheckpointRecord, RetentionPolicy, kept
+from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
 from .state import RankLocal, rank_local
 from .storage import LocalStorage
 
@@ -237,7 +237,7 @@ class CheckpointManager:
             except CheckpointError:
                 continue
             metadata = manifest.metadata if isinstance(manifest.metadata, dict) else {}
-            metrics = {k: v for k, v in (metadata.get("metrics") or {}).items() if isinstance(v, (int, float))}
+            metrics = numeric_metrics(metadata.get("metrics") or {})
             step = manifest.step if manifest.step is not None else -1
             found.append((name, CheckpointRecord(step, manifest.created, metrics)))
         return sorted(found, key=lambda item: (item[1].step, item[0]))

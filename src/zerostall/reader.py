@@ -646,11 +646,11 @@ def _agreed_manifest(storage: Storage, group: Group) -> Manifest:
     (even if a save commits meanwhile); an error on rank 0 is raised on every rank."""
     if group.size == 1:
         return read_manifest(storage)
-    payload = None
+    payload = manifest = None
     if group.is_coordinator:
         try:
             raw = read_manifest_bytes(storage)
-            parse_manifest(storage, raw)
+            manifest = parse_manifest(storage, raw)  # checked before it is sent
             payload = b"M" + raw
         except CheckpointError as exc:
             payload = b"E" + json.dumps([type(exc).__name__, str(exc)]).encode()
@@ -658,7 +658,7 @@ def _agreed_manifest(storage: Storage, group: Group) -> Manifest:
     if data[:1] == b"E":
         kind, message = json.loads(data[1:])
         raise getattr(errors, kind, CheckpointError)(message)
-    return parse_manifest(storage, data[1:])
+    return manifest if manifest is not None else parse_manifest(storage, data[1:])
 
 
 def _decode_safely(entry: Entry) -> None:

@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 
+def numeric_metrics(metrics: dict) -> dict[str, float]:
+    """The metrics retention can rank by: the numeric ones."""
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+
+
 @dataclass(frozen=True)
 class CheckpointRecord:
     """What retention knows of a committed checkpoint."""
