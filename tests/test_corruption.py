@@ -297,6 +297,58 @@ def test_flip_names_the_right_block(tmp_path, block):
         assert torch.equal(other, torch.ones(10))
 
 
+# -- (h) many small tensors are read back to back in scatter reads, and still checked one by one ----
+
+N_SMALL = 1200  # over 512 per file with 2 threads: several scatter reads per file
+
+
+def small_state() -> dict:
+    """Tensors of 0..6 floats (empty ones included), stored back to back in the data files."""
+    return {f"t{i}": torch.full((i % 7,), float(i)) for i in range(N_SMALL)}
+
+
+def zeros_like(state: dict) -> dict:
+    return {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+def test_many_small_tensors_round_trip(tmp_path):
+    state = small_state()
+    zs.save(state, tmp_path / "ck", threads=2)
+    for verify in (True, False):
+        target = zs.load(zeros_like(state), tmp_path / "ck", verify=verify)
+        assert all(torch.equal(target[k], state[k]) for k in state)
+
+
+def test_flip_among_many_small_tensors_names_the_entry(tmp_path):
+    state = small_state()
+    path = tmp_path / "ck"
+    zs.save(state, path, threads=2)
+    chunk = chunk_of(path, "t600")
+    flip_byte(os.path.join(path, chunk.file), chunk.offset + 3)
+    with pytest.raises(zs.CorruptCheckpointError, match=r"entry t600, block 0") as exc:
+        zs.load(zeros_like(state), path)
+    assert chunk.file in str(exc.value)
+
+    loaded = zs.load(zeros_like(state), path, verify=False)  # the opt-out reads the damaged bytes as they are
+    assert not torch.equal(loaded["t600"], state["t600"])
+    assert all(torch.equal(loaded[k], state[k]) for k in state if k != "t600")
+
+
+def test_truncation_among_many_small_tensors_names_an_entry_past_the_end(tmp_path):
+    state = small_state()
+    path = tmp_path / "ck"
+    zs.save(state, path, threads=2)
+    chunk = chunk_of(path, "t601")
+    cut = chunk.offset + 5
+    os.truncate(os.path.join(path, chunk.file), cut)
+    with pytest.raises(zs.CorruptCheckpointError) as exc:
+        zs.load(zeros_like(state), path)
+    found = re.search(r"data file (\S+) of .* is truncated: entry (\S+) lies past its end", str(exc.value))
+    assert found and found.group(1) == chunk.file, str(exc.value)
+    named = chunk_of(path, found.group(2))
+    assert named.file == chunk.file and named.offset + named.nbytes > cut
+
+
 # -- (g) pickle is an opt-in on save and on load ------------------------------------------------------
 
 def test_unknown_object_is_refused_without_pickle(tmp_path):
@@ -310,6 +362,14 @@ def test_unknown_object_is_refused_without_pickle(tmp_path):
     assert not (path / "manifest.json").exists()
     with pytest.raises((zs.CheckpointNotFoundError, zs.IncompleteCheckpointError)):
         zs.open(path)
+
+
+def test_refused_value_deep_inside_metadata_is_located(tmp_path):
+    path = tmp_path / "ckpt"
+    metadata = {"run": {"tags": ["a", {"owner": ("me", Thing(1))}]}}
+    with pytest.raises(zs.UnsupportedValueError, match=r"Thing at metadata\.run\.tags\[1\]\.owner\[1\]"):
+        zs.save({"w": torch.ones(3)}, path, metadata=metadata)
+    assert not (path / "manifest.json").exists()
 
 
 def test_pickle_opt_in_on_save_and_on_load(tmp_path):

@@ -33,32 +33,58 @@ def _unb64(text: str) -> bytes:
 
 def encode(value: Any, *, where: str = "", allow_pickle: bool = False) -> Any:
     """Encode ``value`` into JSON-compatible data; ``where`` names the key in errors."""
+    try:
+        return _encode(value, allow_pickle)
+    except _Refused as exc:
+        at = where + "".join(reversed(exc.location))
+        raise UnsupportedValueError(
+            f"cannot save {type(exc.value).__module__}.{type(exc.value).__qualname__} at {at or '<root>'}: "
+            "not a tensor or a plain python value; pass allow_pickle=True to store it with pickle"
+        ) from None
+
+
+class _Refused(Exception):
+    """A value the codec cannot encode; containers add their key to ``location`` as it unwinds, so
+    the success path builds no location strings."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self.location: list[str] = []
+
+
+def _encode(value: Any, allow_pickle: bool) -> Any:
     kind = type(value)
     if value is None or kind in (bool, str, int):
         return value
     if kind is float:
         return value if math.isfinite(value) else {"$float": repr(value)}
-    if kind is list:
-        return [encode(v, where=f"{where}[{i}]", allow_pickle=allow_pickle) for i, v in enumerate(value)]
-    if kind is tuple:
-        items = [encode(v, where=f"{where}[{i}]", allow_pickle=allow_pickle) for i, v in enumerate(value)]
-        return {"$tuple": items}
+    if kind is list or kind is tuple:
+        items = []
+        for i, v in enumerate(value):
+            try:
+                items.append(_encode(v, allow_pickle))
+            except _Refused as exc:
+                exc.location.append(f"[{i}]")
+                raise
+        return items if kind is list else {"$tuple": items}
     if isinstance(value, dict) and kind.__module__ in ("builtins", "collections"):
-        items = [
-            [encode(k, where=f"{where}<key>", allow_pickle=allow_pickle),
-             encode(v, where=f"{where}.{k}", allow_pickle=allow_pickle)]
-            for k, v in value.items()
-        ]
-        if all(isinstance(k, str) and not k.startswith("$") for k in value):
-            return {k: v for k, v in items}
-        return {"$dict": items}
+        pairs = []
+        for k, v in value.items():
+            try:
+                pairs.append((_encode(k, allow_pickle), _encode(v, allow_pickle)))
+            except _Refused as exc:
+                exc.location.append(f".{k}")
+                raise
+        if all(type(k) is str and not k.startswith("$") for k in value):
+            return dict(pairs)
+        return {"$dict": [list(p) for p in pairs]}
     if isinstance(value, (bytes, bytearray)):
         return {"$bytes": _b64(bytes(value))}
     if kind is complex:
-        return {"$complex": [encode(value.real), encode(value.imag)]}
+        return {"$complex": [_encode(value.real, False), _encode(value.imag, False)]}
     if isinstance(value, (set, frozenset)):
         tag = "$set" if isinstance(value, set) else "$frozenset"
-        return {tag: [encode(v, where=where, allow_pickle=allow_pickle) for v in value]}
+        return {tag: [_encode(v, allow_pickle) for v in value]}
     if kind is Ref:
         return {"$ref": value.index}
     if isinstance(value, torch.dtype):
@@ -74,10 +100,7 @@ def encode(value: Any, *, where: str = "", allow_pickle: bool = False) -> Any:
         return {"$npscalar": [value.dtype.str, _b64(value.tobytes())]}
     if allow_pickle:
         return {"$pickle": _b64(pickle.dumps(value))}
-    raise UnsupportedValueError(
-        f"cannot save {type(value).__module__}.{type(value).__qualname__} at {where or '<root>'}: "
-        "not a tensor or a plain python value; pass allow_pickle=True to store it with pickle"
-    )
+    raise _Refused(value)
 
 
 def decode(data: Any, *, where: str = "", allow_pickle: bool = False) -> Any:

@@ -193,17 +193,15 @@ def _file_parts(header: bytes, items: list[WriteItem], chunks: list[Chunk], bloc
     yield memoryview(header)
     for item, chunk in zip(items, chunks):
         data = tensor_bytes(item.tensor)
-        for start in range(0, max(len(data), 1), block_size):
+        n = len(data)
+        for start in range(0, max(n, 1), block_size):
+            end = min(start + block_size, n)
             hasher = xxhash.xxh3_64()
-            for piece in _cache_pieces(data[start:start + block_size]):
+            for lo in range(start, end, CACHE_PIECE):
+                piece = data[lo:min(lo + CACHE_PIECE, end)]
                 hasher.update(piece)
                 yield piece
             chunk.checksums.append(hasher.hexdigest())
-
-
-def _cache_pieces(block: memoryview) -> Iterator[memoryview]:
-    for start in range(0, len(block), CACHE_PIECE):
-        yield block[start:start + CACHE_PIECE]
 
 
 def _write_file(storage: Storage, name: str, items: list[WriteItem], generation: str,
@@ -393,6 +391,7 @@ def persist(prepared: Prepared) -> SaveInfo:
                     p.plan_s, t_write - t0, end - t_write, p.collect_s + p.plan_s + end - t0)
 
 
+@gc_paused()  # the caller waits: no cyclic collections over the per-leaf objects
 def save(state: Any, path: str | os.PathLike[str], *, process_group: Any = None, step: int | None = None,
          metadata: Mapping[str, Any] | None = None, threads: int | None = None, fsync: bool = True,
          allow_pickle: bool = False, block_size: int = DEFAULT_BLOCK_SIZE,
@@ -488,7 +487,8 @@ def _create(storage: Storage) -> None:
 def _write_data(storage: Storage, items: list[WriteItem], generation: str, rank: int, threads: int,
                 block_size: int) -> dict[str, int]:
     """Write this rank's items into balanced files in parallel; each item's chunk is appended to its entry."""
-    groups = assign_files(items, threads) if items else []
+    with gc_paused():
+        groups = assign_files(items, threads) if items else []
     names = [data_file_name(generation, rank, n) for n in range(len(groups))]
     files: dict[str, int] = {}
     with ThreadPoolExecutor(max_workers=max(1, len(groups)), thread_name_prefix="zerostall-write") as pool:

@@ -35,17 +35,14 @@ def assign_files(items: Sequence[WriteItem], n_files: int) -> list[list[WriteIte
     gaps keeps every tensor at its natural alignment (a safetensors requirement).
     """
     n_files = max(1, min(n_files, len(items)))
+    sizes = [item.nbytes for item in items]
     heap = [(0, i) for i in range(n_files)]
-    files: list[list[tuple[int, WriteItem]]] = [[] for _ in range(n_files)]
-    order = sorted(range(len(items)), key=lambda i: -items[i].nbytes)
-    for i in order:
-        load, f = heapq.heappop(heap)
-        files[f].append((i, items[i]))
-        heapq.heappush(heap, (load + items[i].nbytes, f))
-    return [
-        [item for _, item in sorted(f, key=lambda p: (-p[1].tensor.element_size(), p[0]))]
-        for f in files if f
-    ]
+    files: list[list[int]] = [[] for _ in range(n_files)]
+    for i in sorted(range(len(items)), key=sizes.__getitem__, reverse=True):
+        load, f = heap[0]
+        files[f].append(i)
+        heapq.heapreplace(heap, (load + sizes[i], f))
+    return [[items[i] for i in sorted(f, key=lambda i: (-items[i].tensor.element_size(), i))] for f in files if f]
 
 
 def intersect(a: Box, b: Box) -> Box | None:

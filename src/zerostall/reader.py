@@ -36,6 +36,8 @@ from .storage import Storage, storage_for
 log = logging.getLogger(__name__)
 
 _PIECE_BYTES = 32 << 20
+_RUN_PIECES = 512  # buffers per scatter read (the kernel takes at most 1024)
+Piece = tuple[Entry, Chunk, int, memoryview]  # bytes [lo, lo + len(out)) of a chunk, to be read into out
 DEFAULT_STAGING_BYTES = 256 << 20
 KeyFilter = Callable[[str], bool] | Iterable[str] | None
 
@@ -102,6 +104,8 @@ class Checkpoint:
         self.verify_reads = verify
         self.allow_pickle = allow_pickle
         self.threads = threads or default_threads()
+        block = self.manifest.block_size
+        self._piece_step = max(block, _PIECE_BYTES // block * block)  # the largest read, whole blocks
         self._by_path = {(e.path, e.rank): e for e in self.manifest.entries}
         self._by_fqn: dict[str, Entry] = {}
         for e in self.manifest.entries:
@@ -233,6 +237,7 @@ class Checkpoint:
              verify: bool | None = ..., broadcast: bool = ...,
              max_staging_bytes: int = ...) -> tuple[Any, Mismatch]: ...
 
+    @gc_paused()  # the caller waits: no cyclic collections over the per-leaf objects
     def load(self, state: Any, *, strict: bool = True, prefix: str | Path = (), keys: KeyFilter = None,
              strip: Sequence[str] = (), strict_dtype: bool = False, materialize: bool = False,
              verify: bool | None = None, broadcast: bool = False,
@@ -254,8 +259,7 @@ class Checkpoint:
         (pinned when the target is on a GPU), so host memory stays bounded.
         """
         verify = self.verify_reads if verify is None else verify
-        with gc_paused():
-            flat, plan = self._plan(state, strict, prefix, keys, strip, strict_dtype, materialize)
+        flat, plan = self._plan(state, strict, prefix, keys, strip, strict_dtype, materialize)
         received = (self._broadcast_fill(plan.tensors, verify, max_staging_bytes)
                     if broadcast and self.group.size > 1 else set())
         self._fill(plan.tensors, verify, skip=received, staging=max_staging_bytes)
@@ -378,28 +382,36 @@ class Checkpoint:
         that intersects it, reading in parallel: straight into the target when a chunk is exactly
         the target's box and layouts match, through staging buffers otherwise. Chunks whose
         ``id`` is in ``skip`` were already delivered (by broadcast)."""
-        direct: list[tuple[Entry, Chunk, int, memoryview]] = []
+        direct, staged = self._route(targets, skip)
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read") as pool:
+            _run(pool, self.threads, self._read_run, direct, verify)
+            for batch in _batches(staged, lambda s: s[3].nbytes, staging):
+                self._fill_staged(pool, batch, verify)
+
+    def _route(self, targets: list[tuple[torch.Tensor, Box, Entry]], skip: set[int]) -> tuple[
+            list[Piece], list[tuple[torch.Tensor, Box, Entry, Chunk, Box]]]:
+        """Split the reads for ``targets``: pieces that go straight into a target, and chunk parts
+        that go through staging; raise if some part of a target has no stored bytes."""
+        direct: list[Piece] = []
         staged: list[tuple[torch.Tensor, Box, Entry, Chunk, Box]] = []
         for target, box, entry in targets:
             covered = 0
             for chunk in entry.chunks:
-                inter = intersect(box, (chunk.offsets, chunk.sizes))
+                whole = box == (chunk.offsets, chunk.sizes)
+                inter = box if whole else intersect(box, (chunk.offsets, chunk.sizes))
                 if inter is None:
                     continue
                 covered += math.prod(inter[1])
                 if id(chunk) in skip:
                     continue
-                if inter == box == (chunk.offsets, chunk.sizes) and _direct(target, entry):
-                    direct.extend(self._pieces(entry, chunk, 0, tensor_bytes(target.data)))
+                if whole and _direct(target, entry):
+                    direct.extend(self._pieces(entry, chunk, 0, tensor_bytes(target)))
                 else:
                     staged.append((target, box, entry, chunk, inter))
             if covered < math.prod(box[1]):
                 raise CorruptCheckpointError(f"entry {entry.fqn} of {self.path} has no data for part of the box "
                                              f"{[list(b) for b in box]}: its chunks do not cover the tensor")
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read") as pool:
-            _run(pool, self.threads, self._read_piece, direct, verify)
-            for batch in _batches(staged, lambda s: s[3].nbytes, staging):
-                self._fill_staged(pool, batch, verify)
+        return direct, staged
 
     def _broadcast_fill(self, targets: list[tuple[torch.Tensor, Box, Entry]], verify: bool,
                         staging: int) -> set[int]:
@@ -481,7 +493,7 @@ class Checkpoint:
             buf = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=target.device.type == "cuda")
             pieces.extend(self._pieces(entry, chunk, lo, tensor_bytes(buf)))
             copies.append((target, box, entry, chunk, inter, buf, first * itemsize - lo))
-        _run(pool, self.threads, self._read_piece, pieces, verify)
+        _run(pool, self.threads, self._read_run, pieces, verify)
         with torch.no_grad():
             for target, box, entry, chunk, inter, buf, skip in copies:
                 if math.prod(inter[1]) == 0:
@@ -491,17 +503,31 @@ class Checkpoint:
         if any(target.is_cuda for target, *_ in batch):
             torch.cuda.current_stream().synchronize()  # the staging buffers are reused next batch
 
-    def _pieces(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview) -> Iterator[tuple[Entry, Chunk, int, memoryview]]:
+    def _pieces(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview) -> Iterator[Piece]:
         """Split a read of ``chunk`` bytes ``[lo, lo+len(out))`` into block-aligned pieces."""
-        step = self._piece_step()
+        step = self._piece_step
         if len(out) == 0:
             yield entry, chunk, lo, out
         for start in range(0, len(out), step):
             yield entry, chunk, lo + start, out[start:start + step]
 
-    def _piece_step(self) -> int:
-        block = self.manifest.block_size
-        return max(block, _PIECE_BYTES // block * block)
+    def _read_run(self, run: list[Piece], verify: bool) -> None:
+        """Read pieces that lie back to back in one file: one piece with the cache-sized hashing
+        of :meth:`_read_piece`, several with one scatter read and then their checks. If that read
+        fails they are read one by one, so the error names the entry at fault."""
+        if len(run) == 1:
+            self._read_piece(*run[0], verify)
+            return
+        _, chunk, lo, _ = run[0]
+        try:
+            self.storage.read_into_many(chunk.file, chunk.offset + lo, [piece[3] for piece in run])
+        except (OSError, EOFError):
+            for piece in run:
+                self._read_piece(*piece, verify)
+            return
+        if verify:
+            for piece in run:
+                self._check_blocks(*piece)
 
     def _read_piece(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview, verify: bool) -> None:
         """Read chunk bytes ``[lo, lo+len(out))``; when verifying, hash each cache-sized piece right
@@ -580,7 +606,7 @@ class Checkpoint:
 
         def check(entry: Entry, chunk: Chunk) -> None:
             try:
-                step = self._piece_step()
+                step = self._piece_step
                 for piece in range(0, max(chunk.nbytes, 1), step):
                     out = self._scratch_view(min(step, chunk.nbytes - piece))
                     self._read_piece(entry, chunk, piece, out, True)
@@ -669,23 +695,45 @@ def _decode_safely(entry: Entry) -> None:
             raise CorruptCheckpointError(f"entry {entry.fqn}: {exc}") from exc
 
 
-def _run(pool: ThreadPoolExecutor, threads: int, fn: Callable[..., None], jobs: list[tuple[Any, ...]],
+def _run(pool: ThreadPoolExecutor, threads: int, read: Callable[[list[Piece], bool], None], pieces: list[Piece],
          verify: bool) -> None:
-    """Run read jobs as one task per thread with balanced bytes (largest first onto the
+    """Read pieces as one task per thread with balanced bytes (largest run first onto the
     least-loaded thread); the first failure is raised after the others finish."""
-    lanes: list[list[tuple[Any, ...]]] = [[] for _ in range(threads)]
+    lanes: list[list[list[Piece]]] = [[] for _ in range(threads)]
     heap = [(0, i) for i in range(len(lanes))]
-    for job in sorted(jobs, key=lambda j: -len(j[-1])):
-        load, lane = heapq.heappop(heap)
-        lanes[lane].append(job)
-        heapq.heappush(heap, (load + len(job[-1]), lane))
+    for run, nbytes in sorted(_runs(pieces), key=lambda r: -r[1]):
+        load, lane = heap[0]
+        lanes[lane].append(run)
+        heapq.heapreplace(heap, (load + nbytes, lane))
 
-    def drain(lane: list[tuple[Any, ...]]) -> None:
-        for job in lane:
-            fn(*job, verify)
+    def drain(lane: list[list[Piece]]) -> None:
+        for run in lane:
+            read(run, verify)
 
     for fut in [pool.submit(drain, lane) for lane in lanes if lane]:
         fut.result()
+
+
+def _runs(pieces: list[Piece]) -> list[tuple[list[Piece], int]]:
+    """Group pieces that lie back to back in one file into runs of at most a cache piece (with
+    their byte counts), so many small tensors are read by one scatter read; larger pieces stay alone."""
+    runs: list[tuple[list[Piece], int]] = []
+    run: list[Piece] = []
+    size = end = 0
+    for piece in sorted(pieces, key=lambda p: (p[1].file, p[1].offset + p[2])):
+        start, n = piece[1].offset + piece[2], len(piece[3])
+        if run and start == end and piece[1].file == run[0][1].file and size + n <= CACHE_PIECE \
+                and len(run) < _RUN_PIECES:
+            run.append(piece)
+            size += n
+        else:
+            if run:
+                runs.append((run, size))
+            run, size = [piece], n
+        end = start + n
+    if run:
+        runs.append((run, size))
+    return runs
 
 
 def _batches(items: list[Any], size: Callable[[Any], int], limit: int) -> Iterator[list[Any]]:

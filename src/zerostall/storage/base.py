@@ -39,6 +39,13 @@ class Storage(ABC):
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``name`` starting at ``offset``; short files raise EOFError."""
 
+    def read_into_many(self, name: str, offset: int, outs: list[memoryview]) -> None:
+        """Fill ``outs`` in order with consecutive bytes of ``name`` from ``offset`` (a scatter
+        read: many small tensors stored back to back cost one request)."""
+        for out in outs:
+            self.read_into(name, offset, out)
+            offset += len(out)
+
     @abstractmethod
     def read_bytes(self, name: str) -> bytes:
         """The whole content of a small file (the manifest)."""

@@ -108,6 +108,16 @@ class LocalStorage(Storage):
                 raise EOFError(f"{self._path(name)} ends at byte {offset + done}, expected {offset + total}")
             done += n
 
+    def read_into_many(self, name: str, offset: int, outs: list[memoryview]) -> None:
+        done = os.preadv(self._fd(name), outs, offset)
+        for out in outs:  # a short read (rare) is finished buffer by buffer
+            if done >= len(out):
+                done -= len(out)
+            else:
+                self.read_into(name, offset + done, out[done:])
+                done = 0
+            offset += len(out)
+
     def read_bytes(self, name: str) -> bytes:
         with open(self._path(name), "rb") as f:
             return f.read()
