@@ -1,10 +1,11 @@
 """Save/load throughput of zerostall against its anchors, in one run, on the same data and target.
 
-    python bench/save_load.py [--size-mb N] [--dir D] [--reps R] [--json]
+    python bench/save_load.py [--size-mb N] [--tensors T] [--dir D] [--reps R] [--json]
 
-One deterministic state (default 1 GiB of fp32/bf16 CPU tensors of mixed sizes, 256 tensors) is
-saved and loaded back by every contender into the same directory (default a fresh one under
-/dev/shm, so software overhead is what shows; pass --dir for a disk):
+One deterministic state (default 1 GiB of fp32/bf16 CPU tensors of mixed sizes, 256 tensors;
+--tensors for more, to show per-tensor costs) is saved and loaded back by every contender into the
+same directory (default a fresh one under /dev/shm, so software overhead is what shows; pass --dir
+for a disk):
 
 - zerostall: ``zs.save`` / ``zs.load`` (in place, checksums verified, fsync on: its defaults);
 - DCP at its defaults, and tuned (``FileSystemWriter`` with ``zs.default_threads()`` threads and
@@ -63,10 +64,10 @@ class Contender:
 # --- the state ------------------------------------------------------------------------------
 
 
-def build_state(total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A deterministic state of ~total_bytes: log-uniform sizes (1:4096), every third one bf16."""
+def build_state(total_bytes: int, seed: int = 0, n: int = N_TENSORS) -> dict[str, torch.Tensor]:
+    """A deterministic state of ~total_bytes in ``n`` tensors: log-uniform sizes (1:4096), every third one bf16."""
     rng = random.Random(seed)
-    weights = [math.exp(rng.uniform(0.0, math.log(4096))) for _ in range(N_TENSORS)]
+    weights = [math.exp(rng.uniform(0.0, math.log(4096))) for _ in range(n)]
     scale = total_bytes / sum(weights)
     gen = torch.Generator().manual_seed(seed)
     state = {}
@@ -321,6 +322,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--reps", type=int, default=7, help="timed repetitions (7: each contender once in each place)"
     )
+    parser.add_argument("--tensors", type=int, default=N_TENSORS,
+                        help=f"number of tensors ({N_TENSORS}); thousands show per-tensor costs")
     parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     return parser.parse_args()
 
@@ -329,8 +332,8 @@ def main() -> None:
     args = parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     threads = zs.default_threads()
-    progress(f"building a {args.size_mb} MiB state of {N_TENSORS} tensors")
-    state = build_state(args.size_mb << 20)
+    progress(f"building a {args.size_mb} MiB state of {args.tensors} tensors")
+    state = build_state(args.size_mb << 20, n=args.tensors)
     target = touched_like(state)
     nbytes = state_bytes(state)
     cs = contenders(threads)
