@@ -36,7 +36,6 @@ from .storage import Storage, storage_for
 log = logging.getLogger(__name__)
 
 _PIECE_BYTES = 32 << 20
-_RUN_PIECES = 512  # buffers per scatter read (the kernel takes at most 1024)
 Piece = tuple[Entry, Chunk, int, memoryview]  # bytes [lo, lo + len(out)) of a chunk, to be read into out
 DEFAULT_STAGING_BYTES = 256 << 20
 KeyFilter = Callable[[str], bool] | Iterable[str] | None
@@ -397,14 +396,13 @@ class Checkpoint:
         for target, box, entry in targets:
             covered = 0
             for chunk in entry.chunks:
-                whole = box == (chunk.offsets, chunk.sizes)
-                inter = box if whole else intersect(box, (chunk.offsets, chunk.sizes))
+                inter = box if box == (chunk.offsets, chunk.sizes) else intersect(box, (chunk.offsets, chunk.sizes))
                 if inter is None:
                     continue
                 covered += math.prod(inter[1])
                 if id(chunk) in skip:
                     continue
-                if whole and _direct(target, entry):
+                if _direct(target, box, entry, chunk):
                     direct.extend(self._pieces(entry, chunk, 0, tensor_bytes(target)))
                 else:
                     staged.append((target, box, entry, chunk, inter))
@@ -435,8 +433,7 @@ class Checkpoint:
         for key in sorted(common, key=lambda k: (-wanted[k][3].nbytes, k)):
             readers[key] = min(range(self.group.size), key=lambda r: (load[r], r))
             load[readers[key]] += wanted[key][3].nbytes
-        direct = {key for key in common if wanted[key][1] == (wanted[key][3].offsets, wanted[key][3].sizes)
-                  and _direct(wanted[key][0], wanted[key][2])}
+        direct = {key for key in common if _direct(*wanted[key])}
         failure: CheckpointError | None = None
         with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read") as pool:
             for batch in _batches(common, lambda k: 0 if k in direct else wanted[k][3].nbytes, staging):
@@ -661,9 +658,11 @@ def _whole(t: torch.Tensor) -> Box:
     return (0,) * t.dim(), tuple(t.shape)
 
 
-def _direct(target: torch.Tensor, entry: Entry) -> bool:
-    """Whether stored bytes can be read straight into ``target``'s memory."""
-    return (target.device.type == "cpu" and target.dtype == entry.torch_dtype and target.is_contiguous()
+def _direct(target: torch.Tensor, box: Box, entry: Entry, chunk: Chunk) -> bool:
+    """Whether ``chunk`` is exactly the target's ``box`` and its stored bytes can be read straight
+    into the target's memory."""
+    return (box == (chunk.offsets, chunk.sizes) and target.device.type == "cpu"
+            and target.dtype == entry.torch_dtype and target.is_contiguous()
             and not target.is_conj() and not target.is_neg())
 
 
@@ -722,8 +721,7 @@ def _runs(pieces: list[Piece]) -> list[tuple[list[Piece], int]]:
     size = end = 0
     for piece in sorted(pieces, key=lambda p: (p[1].file, p[1].offset + p[2])):
         start, n = piece[1].offset + piece[2], len(piece[3])
-        if run and start == end and piece[1].file == run[0][1].file and size + n <= CACHE_PIECE \
-                and len(run) < _RUN_PIECES:
+        if run and start == end and piece[1].file == run[0][1].file and size + n <= CACHE_PIECE:
             run.append(piece)
             size += n
         else:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .base import Storage
 
 _WRITEV_BYTES = 1 << 20  # small, so bytes hashed just before are still in cache when written
-_WRITEV_PARTS = 512
+_IOV_PARTS = 512  # buffers per writev/preadv call (the kernel takes at most 1024)
 
 
 def _fsync_dir(path: str) -> None:
@@ -70,7 +70,7 @@ class LocalStorage(Storage):
                     continue
                 batch.append(part)
                 batch_bytes += len(part)
-                if batch_bytes >= _WRITEV_BYTES or len(batch) >= _WRITEV_PARTS:
+                if batch_bytes >= _WRITEV_BYTES or len(batch) >= _IOV_PARTS:
                     written += _writev_all(fd, batch)
                     batch, batch_bytes = [], 0
             if batch:
@@ -99,24 +99,14 @@ class LocalStorage(Storage):
             return fd
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        fd = self._fd(name)
-        total = len(out)
-        done = os.preadv(fd, [out], offset)
-        while done < total:
-            n = os.preadv(fd, [out[done:]], offset + done)
-            if n == 0:
-                raise EOFError(f"{self._path(name)} ends at byte {offset + done}, expected {offset + total}")
-            done += n
+        self.read_into_many(name, offset, [out])
 
     def read_into_many(self, name: str, offset: int, outs: list[memoryview]) -> None:
-        done = os.preadv(self._fd(name), outs, offset)
-        for out in outs:  # a short read (rare) is finished buffer by buffer
-            if done >= len(out):
-                done -= len(out)
-            else:
-                self.read_into(name, offset + done, out[done:])
-                done = 0
-            offset += len(out)
+        fd = self._fd(name)
+        total = sum(len(out) for out in outs)
+        done = _move_all(outs, lambda bufs, done: os.preadv(fd, bufs, offset + done))
+        if done < total:
+            raise EOFError(f"{self._path(name)} ends at byte {offset + done}, expected {offset + total}")
 
     def read_bytes(self, name: str) -> bytes:
         with open(self._path(name), "rb") as f:
@@ -165,15 +155,24 @@ class LocalStorage(Storage):
 
 
 def _writev_all(fd: int, parts: list[memoryview]) -> int:
-    """``writev`` until every byte of ``parts`` is written (short writes do happen)."""
-    total = sum(len(p) for p in parts)
+    """``writev`` until every byte of ``parts`` is written; returns the bytes written."""
+    return _move_all(parts, lambda bufs, done: os.writev(fd, bufs))
+
+
+def _move_all(parts: list[memoryview], move: Callable[[list[memoryview], int], int]) -> int:
+    """Call ``move(buffers, done)`` (a ``writev`` or ``preadv`` of the buffers still pending, ``done``
+    bytes moved so far) until every byte of ``parts`` has moved or a call moves none (end of file);
+    calls may stop short, and do. Returns the bytes moved."""
     pending = list(parts)
-    first = 0
+    first = done = 0
     while first < len(pending):
-        n = os.writev(fd, pending[first:first + _WRITEV_PARTS])
+        n = move(pending[first:first + _IOV_PARTS], done)
+        if n == 0:
+            break
+        done += n
         while first < len(pending) and n >= len(pending[first]):
             n -= len(pending[first])
             first += 1
         if n:
             pending[first] = pending[first][n:]
-    return total
+    return done
