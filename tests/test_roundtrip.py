@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 
@@ -297,3 +298,37 @@ def test_colliding_dotted_names_stay_distinct(tmp_path):
     with zs.open(tmp_path / "ck") as ck:
         assert torch.equal(ck.read(("c",)), inner) and torch.equal(ck.read(("a", "b")), inner)
         assert torch.equal(ck.read(("a.b",)), torch.zeros(3))
+
+
+def cyclic_garbage(action) -> list[str]:
+    """What ``action`` leaves behind that only the cyclic collector could free (type names)."""
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        action()
+        gc.collect()
+        return sorted({type(o).__name__ for o in gc.garbage})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
+def test_save_load_and_read_leave_no_reference_cycles(tmp_path):
+    # Per-leaf objects caught in a cycle live on until a cyclic collection walks them all (~200 ms
+    # for 20,000 leaves), and an open checkpoint caught in one keeps its files mapped.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    state = {"model": model, "t": (torch.ones(2), [torch.zeros(3), 5]), "tied": {"a": model[0].weight}, "step": 4}
+    path = tmp_path / "ck"
+    assert cyclic_garbage(lambda: zs.save(state, path, step=1)) == []
+    assert cyclic_garbage(lambda: zs.async_save(state, path, step=2).result()) == []
+    assert cyclic_garbage(lambda: zs.load(state, path)) == []
+
+    def read_all() -> None:
+        with zs.open(path) as ck:
+            ck.state()
+            ck.read("t.0")
+
+    assert cyclic_garbage(read_all) == []
+    assert cyclic_garbage(lambda: zs.verify(path)) == []

@@ -465,16 +465,18 @@ def assemble(collected: Collected, plan: SavePlan, records: dict[int, dict[str, 
     for entry in entries:
         entry.chunks.sort(key=lambda c: c.offsets)
 
-    def refs(node: Any) -> Any:
-        if isinstance(node, _Leaf):
-            key = collected.keys[node.path]
-            return codec.Ref(index.get((key, None), index.get((key, 0), -1)))
-        if isinstance(node, dict):
-            return {k: refs(v) for k, v in node.items()}
-        return type(node)(refs(v) for v in node)
-
-    return Manifest(generation=generation, entries=entries, files=files, tree=codec.encode(refs(collected.skeleton)),
+    return Manifest(generation=generation, entries=entries, files=files, tree=codec.encode(_refs(collected.skeleton, collected.keys, index)),
                     world_size=world_size, block_size=block_size, step=step, metadata=metadata)
+
+
+def _refs(node: Any, keys: dict[Path, str], index: dict[tuple[str, int | None], int]) -> Any:
+    """The skeleton with each leaf replaced by a reference to its manifest entry."""
+    if isinstance(node, _Leaf):
+        key = keys[node.path]
+        return codec.Ref(index.get((key, None), index.get((key, 0), -1)))
+    if isinstance(node, dict):
+        return {k: _refs(v, keys, index) for k, v in node.items()}
+    return type(node)(_refs(v, keys, index) for v in node)
 
 
 def _create(storage: Storage) -> None:

@@ -201,16 +201,7 @@ class Checkpoint:
                 cache[target] = self.read(entries[target].path)
             return cache[target]
 
-        def build(node: Any) -> Any:
-            if isinstance(node, codec.Ref):
-                return value(node.index)
-            if isinstance(node, dict):
-                return {k: build(v) for k, v in node.items()}
-            if isinstance(node, (list, tuple)):
-                return type(node)(build(v) for v in node)
-            return node
-
-        result = build(tree)
+        result = _build(tree, value)
         for i, entry in enumerate(entries):
             if i not in referenced and entry.rank is None and isinstance(result, dict) and entry.path:
                 _insert(result, entry.path, value(i))
@@ -639,6 +630,17 @@ class _LoadPlan:
     mismatch: Mismatch = field(default_factory=Mismatch)
 
 
+def _build(node: Any, value: Callable[[int], Any]) -> Any:
+    """The manifest's tree with each entry reference replaced by ``value(index)``."""
+    if isinstance(node, codec.Ref):
+        return value(node.index)
+    if isinstance(node, dict):
+        return {k: _build(v, value) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(_build(v, value) for v in node)
+    return node
+
+
 def _insert(tree: dict[Any, Any], path: Path, value: Any) -> None:
     """Put ``value`` at ``path`` in nested dicts, creating them; a path that runs into a non-dict
     node is skipped."""
@@ -779,6 +781,7 @@ def open(path: str | os.PathLike[str], process_group: Any = None, *, verify: boo
     return Checkpoint(path, process_group=process_group, verify=verify, allow_pickle=allow_pickle, threads=threads)
 
 
+@gc_paused()  # opening included: the manifest's objects then die by reference counting, never walked
 def load(state: Any, path: str | os.PathLike[str], *, strict: bool = True, process_group: Any = None,
          verify: bool = True, allow_pickle: bool = False, threads: int | None = None, **options: Any) -> Any:
     """Load the checkpoint at ``path`` into ``state`` in place and return it (see :meth:`Checkpoint.load`)."""

@@ -77,17 +77,31 @@ class Flat:
 def flatten(state: Any, *, prepare: Callable[[Path, Any], None] | None = None) -> Flat:
     """Walk ``state`` once. ``prepare(path, obj)`` runs on each stateful object before its
     ``state_dict()`` is taken (the loader uses it to create a fresh optimizer's state)."""
-    flat = Flat()
-    order: list[Path] = []  # flat.leaves' keys in insertion order, so a subtree's leaves can be dropped
+    walker = _Flattener(prepare)
+    _, walker.flat.skeleton = walker.walk(state, ())
+    return walker.flat
 
-    def walk(node: Any, path: Path, local: bool = False) -> tuple[bool, Any]:
+
+class _Flattener:
+    """One walk over a state (a class, not a recursive closure: a closure that calls itself is a
+    reference cycle, which would keep every per-leaf object alive until a cyclic collection)."""
+
+    __slots__ = ("flat", "order", "prepare")
+
+    def __init__(self, prepare: Callable[[Path, Any], None] | None) -> None:
+        self.flat = Flat()
+        self.order: list[Path] = []  # flat.leaves' keys in insertion order, so a subtree's leaves can be dropped
+        self.prepare = prepare
+
+    def walk(self, node: Any, path: Path, local: bool = False) -> tuple[bool, Any]:
+        flat, order = self.flat, self.order
         if isinstance(node, RankLocal):
-            return walk(node.value, path, True)
+            return self.walk(node.value, path, True)
         if local:
             flat.rank_local.add(path)
         if is_stateful(node):
-            if prepare is not None:
-                prepare(path, node)
+            if self.prepare is not None:
+                self.prepare(path, node)
             sd = node.state_dict()
             flat.statefuls[path] = (node, sd)
             node = sd
@@ -98,7 +112,7 @@ def flatten(state: Any, *, prepare: Callable[[Path, Any], None] | None = None) -
         if is_container(node) and len(node) > 0:
             start = len(order)
             items = node.items() if isinstance(node, dict) else enumerate(node)
-            walked = [(k, *walk(v, path + (k,), local)) for k, v in items]
+            walked = [(k, *self.walk(v, path + (k,), local)) for k, v in items]
             if any(has_tensor for _, has_tensor, _ in walked):
                 return True, _same_container(node, [(k, plain) for k, _, plain in walked])
             for p in order[start:]:
@@ -109,9 +123,6 @@ def flatten(state: Any, *, prepare: Callable[[Path, Any], None] | None = None) -
         flat.leaves[path] = node
         order.append(path)
         return False, node
-
-    _, flat.skeleton = walk(state, ())
-    return flat
 
 
 def _same_container(node: Any, items: list[tuple[Any, Any]]) -> Any:
@@ -129,56 +140,65 @@ def rebuild(state: Any, flat: Flat, replacements: dict[Path, Any], *, assign: bo
     dict, whose tensors the loader already filled in place. ``assign`` makes modules take the
     loaded tensors as their parameters (needed when they were on the meta device).
     """
+    return _Rebuilder(flat, replacements, assign).visit(state, ())
 
-    def hand_over(obj: Any, sd: Any) -> None:
-        if assign and isinstance(obj, torch.nn.Module):
+
+class _Rebuilder:
+    """One walk of :func:`rebuild` (a class for the same reason as :class:`_Flattener`)."""
+
+    __slots__ = ("flat", "replacements", "assign")
+
+    def __init__(self, flat: Flat, replacements: dict[Path, Any], assign: bool) -> None:
+        self.flat, self.replacements, self.assign = flat, replacements, assign
+
+    def hand_over(self, obj: Any, sd: Any) -> None:
+        if self.assign and isinstance(obj, torch.nn.Module):
             obj.load_state_dict(sd, assign=True)
         else:
             obj.load_state_dict(sd)
 
-    def visit(node: Any, path: Path) -> Any:
+    def visit(self, node: Any, path: Path) -> Any:
         if isinstance(node, RankLocal):
-            node.value = visit(node.value, path)
+            node.value = self.visit(node.value, path)
             return node
-        if path in flat.statefuls:
-            obj, sd = flat.statefuls[path]
-            hand_over(obj, visit_plain(sd, path))
+        if path in self.flat.statefuls:
+            obj, sd = self.flat.statefuls[path]
+            self.hand_over(obj, self.visit_plain(sd, path))
             return obj
-        return visit_plain(node, path)
+        return self.visit_plain(node, path)
 
-    def visit_plain(node: Any, path: Path) -> Any:
-        if path in replacements:
-            return merge(node, path, replacements[path])
+    def visit_plain(self, node: Any, path: Path) -> Any:
+        if path in self.replacements:
+            return self.merge(node, path, self.replacements[path])
         if isinstance(node, dict):
             for k in list(node):
-                new = visit(node[k], path + (k,))
+                new = self.visit(node[k], path + (k,))
                 if new is not node[k]:
                     node[k] = new
             return node
         if is_container(node):
-            return _refill(node, [visit(v, path + (i,)) for i, v in enumerate(node)])
+            return _refill(node, [self.visit(v, path + (i,)) for i, v in enumerate(node)])
         return node
 
-    def merge(node: Any, path: Path, new: Any) -> Any:
+    def merge(self, node: Any, path: Path, new: Any) -> Any:
         """Replace ``node`` by the loaded value ``new``, keeping container and object identity."""
         if isinstance(node, RankLocal):
-            node.value = merge(node.value, path, new)
+            node.value = self.merge(node.value, path, new)
             return node
-        if path in flat.statefuls and node is not flat.statefuls[path][1]:
-            obj, sd = flat.statefuls[path]
-            hand_over(obj, merge(sd, path, new))
+        statefuls = self.flat.statefuls
+        if path in statefuls and node is not statefuls[path][1]:
+            obj, sd = statefuls[path]
+            self.hand_over(obj, self.merge(sd, path, new))
             return obj
         if isinstance(node, dict) and isinstance(new, dict):
-            merged = {k: merge(node.get(k), path + (k,), v) for k, v in new.items()}
+            merged = {k: self.merge(node.get(k), path + (k,), v) for k, v in new.items()}
             node.clear()
             node.update(merged)
             return node
         if isinstance(node, list) and isinstance(new, list):
-            return _refill(node, [merge(node[i] if i < len(node) else None, path + (i,), v)
+            return _refill(node, [self.merge(node[i] if i < len(node) else None, path + (i,), v)
                                   for i, v in enumerate(new)])
         return new
-
-    return visit(state, ())
 
 
 def _refill(node: list | tuple, values: list[Any]) -> list | tuple:
