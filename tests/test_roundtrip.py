@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import zerostall as zs
+from zerostall.format import load_json
 
 QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 ALL_DTYPES = sorted(
@@ -119,7 +121,8 @@ def test_python_values_keep_their_types(tmp_path):
         "bytes": b"\x00\xff", "int_keys": {1: "a", (2, 3): "b", None: 0, 1.5: True}, "dollar": {"$tuple": 1},
         "set": {1, 2}, "complex": 1 + 2j, "dtype": torch.bfloat16, "size": torch.Size([2, 3]),
         "device": torch.device("cpu"), "np": np.arange(6, dtype=np.int32).reshape(2, 3), "np_scalar": np.float64(0.5),
-        "big": 2**100, "none": None, "empty": {},
+        "big": 2**100, "none": None, "empty": {}, "u64": 2**64 - 1, "past_u64": 2**64, "i64": -2**63,
+        "past_i64": -2**63 - 1, "surrogate\ud800": "\udfff",
     }
     zs.save({"v": values}, tmp_path / "ck")
     with zs.open(tmp_path / "ck") as ck:
@@ -298,6 +301,16 @@ def test_colliding_dotted_names_stay_distinct(tmp_path):
     with zs.open(tmp_path / "ck") as ck:
         assert torch.equal(ck.read(("c",)), inner) and torch.equal(ck.read(("a", "b")), inner)
         assert torch.equal(ck.read(("a.b",)), torch.zeros(3))
+
+
+@pytest.mark.parametrize("text", [
+    "[18446744073709551615]", "[18446744073709551616]", "[-9223372036854775808]", "[-9223372036854775809]",
+    '{"k\\ud800": "\\udfff", "n": 123456789012345678901234567890}', '[0.1, 1e-300, 1.7976931348623157e308, -0.0]',
+    '{"a": 1, "a": 2}'])
+def test_manifest_json_parses_exactly_like_the_standard_library(text):
+    data = text.encode()
+    parsed = load_json(data)
+    assert parsed == json.loads(data) and repr(parsed) == repr(json.loads(data))
 
 
 def cyclic_garbage(action) -> list[str]:

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from .errors import CheckpointError
-from .format import MANIFEST_NAME, abort_name, dump_json, parse_record, record_name
+from .format import MANIFEST_NAME, abort_name, dump_json, load_json, parse_record, record_name
 from .storage import Storage
 
 _FIRST_POLL = 0.002
@@ -67,7 +67,7 @@ def await_records(storage: Storage, generation: str, ranks: list[int], timeout: 
         if failed:
             raise CommitError("save failed on " + "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items())))
         if done == wanted:
-            return {r: json.loads(storage.read_bytes(record_name(generation, r, "done"))) for r in sorted(wanted)}
+            return {r: load_json(storage.read_bytes(record_name(generation, r, "done"))) for r in sorted(wanted)}
         if time.monotonic() > deadline:
             raise CommitError(f"ranks {sorted(wanted - done)} did not finish writing within {timeout:.0f} s "
                               f"(dead or stuck); the save of generation {generation} is abandoned")

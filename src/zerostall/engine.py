@@ -54,7 +54,7 @@ def encode_path(path: Path) -> list[Any]:
 
 
 def decode_path(data: list[Any]) -> Path:
-    return tuple(k if type(k) is str else codec.decode(k) for k in data)
+    return tuple([k if type(k) is str else codec.decode(k) for k in data])
 
 
 def check_tensor(t: torch.Tensor, where: str) -> None:
@@ -70,8 +70,7 @@ def check_tensor(t: torch.Tensor, where: str) -> None:
 
 def view_key(t: torch.Tensor) -> tuple[Any, ...]:
     """Identity of a tensor view: two leaves with the same key hold the very same bytes."""
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
-            t.is_conj(), t.is_neg())
+    return t.device, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg()
 
 
 _KEY_ENCODER = json.JSONEncoder(separators=(",", ":"))
@@ -93,15 +92,6 @@ def path_key(path: Path) -> str:
     return "[" + ",".join(parts) + "]"
 
 
-class _Leaf:
-    """A placeholder for a leaf in the skeleton tree until entry indices are known."""
-
-    __slots__ = ("path",)
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-
 @dataclass
 class Collected:
     """What this rank holds, ready to plan and write: no collective has run yet."""
@@ -112,6 +102,7 @@ class Collected:
     items: list[WriteItem] = field(default_factory=list)
     objects: dict[str, Any] = field(default_factory=dict)
     skeleton: Any = None
+    refs: dict[Path, codec.Ref] = field(default_factory=dict)
     keys: dict[Path, str] = field(default_factory=dict)
 
 
@@ -139,8 +130,8 @@ def _dtensor_box(shape: torch.Size, mesh: Any, placements: tuple[Any, ...]) -> t
 
 def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
     """Flatten ``state`` into entries, structure rows for planning, and the tensors to write."""
-    flat = flatten(state)
-    out = Collected()
+    flat = flatten(state, skeleton=True)
+    out = Collected(skeleton=flat.skeleton, refs=flat.refs)
     seen: dict[tuple[Any, ...], str] = {}
     names: set[str] = set()
     for path, value in flat.leaves.items():
@@ -174,27 +165,22 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
             file_name += "#"
         names.add(file_name)
         out.items.append(WriteItem(entry, file_name, source, offsets, (key, offsets), local))
-    out.skeleton = _skeleton(flat.skeleton, (), set(flat.leaves))
     return out
-
-
-def _skeleton(node: Any, path: Path, leaves: set[Path]) -> Any:
-    if path in leaves:
-        return _Leaf(path)
-    if isinstance(node, dict):
-        return {k: _skeleton(v, path + (k,), leaves) for k, v in node.items()}
-    values = [_skeleton(v, path + (i,), leaves) for i, v in enumerate(node)]
-    return tuple(values) if isinstance(node, tuple) else values
 
 
 def _file_parts(header: bytes, items: list[WriteItem], chunks: list[Chunk], block_size: int) -> Iterator[memoryview]:
     """Yield the file's bytes in cache-sized pieces, each hashed into its block's checksum just
     before it is written, so the bytes are read from memory once for both."""
     yield memoryview(header)
+    whole = min(block_size, CACHE_PIECE)  # an item this small is one block, hashed in one call
     for item, chunk in zip(items, chunks):
         data = tensor_bytes(item.tensor)
         n = len(data)
-        for start in range(0, max(n, 1), block_size):
+        if n <= whole:
+            chunk.checksums.append(xxhash.xxh3_64_hexdigest(data))
+            yield data
+            continue
+        for start in range(0, n, block_size):
             end = min(start + block_size, n)
             hasher = xxhash.xxh3_64()
             for lo in range(start, end, CACHE_PIECE):
@@ -356,9 +342,9 @@ def persist(prepared: Prepared) -> SaveInfo:
     try:
         _create(storage)
         files = _write_data(storage, p.items, generation, group.rank, p.threads, p.block_size)
-        with gc_paused():
-            record = _record(p.collected, p.plan, group.rank, files, p.items)
         if not group.is_coordinator:
+            with gc_paused():
+                record = _record(p.collected, p.plan, group.rank, files, p.items)
             write_record(storage, generation, group.rank, "done", record)
     except BaseException as exc:
         _delete_generation(storage, generation, group.rank)
@@ -371,8 +357,8 @@ def persist(prepared: Prepared) -> SaveInfo:
         if group.is_coordinator:
             others = await_records(storage, generation, list(range(1, group.size)), p.commit_timeout)
             with gc_paused():
-                commit(storage, assemble(p.collected, p.plan, {0: record, **others}, generation, group.size,
-                                         p.step, p.metadata, p.block_size))
+                commit(storage, assemble(p.collected, p.plan, files, others, generation, group.size, p.step,
+                                         p.metadata, p.block_size))
         else:
             await_commit(storage, generation, p.commit_timeout)
     except BaseException as exc:
@@ -438,20 +424,30 @@ def _record(collected: Collected, plan: SavePlan, rank: int, files: dict[str, in
     }
 
 
-def assemble(collected: Collected, plan: SavePlan, records: dict[int, dict[str, Any]], generation: str,
-             world_size: int, step: int | None, metadata: Any, block_size: int) -> Manifest:
-    """The coordinator builds the manifest from the plan and every rank's record."""
+def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], records: dict[int, dict[str, Any]],
+             generation: str, world_size: int, step: int | None, metadata: Any, block_size: int) -> Manifest:
+    """The coordinator builds the manifest from the plan, its own entries (which already hold the
+    chunks it wrote) and the other ranks' records."""
     entries: list[Entry] = []
     index: dict[tuple[str, int | None], int] = {}
     paths = {key: path for path, key in collected.keys.items()}
     for row in plan.entries:
-        path = paths.get(row.key) or decode_path(json.loads(row.key))
+        entry = collected.entries.get(row.key)
+        if entry is None:
+            path = paths.get(row.key) or decode_path(json.loads(row.key))
+            entry = Entry(fqn(path), path, row.kind, dtype=row.dtype, shape=row.shape)
         index[(row.key, None)] = len(entries)
-        entries.append(Entry(fqn(path), path, row.kind, dtype=row.dtype, shape=row.shape))
+        entries.append(entry)
     for row, entry in zip(plan.entries, entries):
         if row.kind == "alias":
             entry.alias_of = index[(row.alias_of or "", None)]
-    files: dict[str, int] = {}
+    for key, value in collected.objects.items():
+        if plan.writes(0, (key, ())):
+            entries[index[(key, None)]].value = value
+    for entry in collected.rank_local:
+        index[(collected.keys[entry.path], 0)] = len(entries)
+        entries.append(entry)
+    files = dict(files)
     for rank, record in sorted(records.items()):
         files.update(record["files"])
         for key, chunk in record["chunks"]:
@@ -463,20 +459,17 @@ def assemble(collected: Collected, plan: SavePlan, records: dict[int, dict[str, 
             index[(path_key(entry.path), rank)] = len(entries)
             entries.append(entry)
     for entry in entries:
-        entry.chunks.sort(key=lambda c: c.offsets)
-
-    return Manifest(generation=generation, entries=entries, files=files, tree=codec.encode(_refs(collected.skeleton, collected.keys, index)),
+        if len(entry.chunks) > 1:
+            entry.chunks.sort(key=_box_start)
+    for path, ref in collected.refs.items():
+        key = collected.keys[path]
+        ref.index = index.get((key, None), index.get((key, 0), -1))
+    return Manifest(generation=generation, entries=entries, files=files, tree=codec.encode(collected.skeleton),
                     world_size=world_size, block_size=block_size, step=step, metadata=metadata)
 
 
-def _refs(node: Any, keys: dict[Path, str], index: dict[tuple[str, int | None], int]) -> Any:
-    """The skeleton with each leaf replaced by a reference to its manifest entry."""
-    if isinstance(node, _Leaf):
-        key = keys[node.path]
-        return codec.Ref(index.get((key, None), index.get((key, 0), -1)))
-    if isinstance(node, dict):
-        return {k: _refs(v, keys, index) for k, v in node.items()}
-    return type(node)(_refs(v, keys, index) for v in node)
+def _box_start(chunk: Chunk) -> tuple[int, ...]:
+    return chunk.offsets
 
 
 def _create(storage: Storage) -> None:

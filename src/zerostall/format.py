@@ -52,6 +52,22 @@ def dump_json(obj: Any) -> bytes:
         return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
+_DIGIT_RUNS = bytes(ord("0") if ord("0") <= i <= ord("9") else ord(" ") for i in range(256))
+
+
+def load_json(data: bytes) -> Any:
+    """Parse JSON exactly like the standard library, ~2x faster on a big manifest: orjson, unless
+    ``data`` holds a run of 19 or more digits (possibly an integer beyond 64 bits, which orjson would
+    silently turn into a float) or orjson refuses it (lone surrogates, which the standard library
+    writes as escapes). Raises ``ValueError`` on malformed input."""
+    if b"0" * 19 not in data.translate(_DIGIT_RUNS):
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(data)
+
+
 def generation_time(generation: str) -> int:
     """The creation time (ns) encoded in a generation id; ids compare by it."""
     return int(generation.split("-", 1)[0], 16)
@@ -176,12 +192,12 @@ class Entry:
 
     @classmethod
     def from_json(cls, d: dict[str, Any], decode_path) -> "Entry":
-        return cls(
-            fqn=d["fqn"], path=decode_path(d["path"]), kind=d["kind"], dtype=d.get("dtype"),
-            shape=tuple(d["shape"]) if "shape" in d else None,
-            chunks=[Chunk.from_json(c) for c in d.get("chunks", ())],
-            value=d.get("value"), alias_of=d.get("alias_of"), rank=d.get("rank"),
-        )
+        get = d.get
+        if d["kind"] == "tensor":  # positional: thousands of entries, keyword matching shows
+            return cls(d["fqn"], decode_path(d["path"]), "tensor", d["dtype"], tuple(d["shape"]),
+                       [Chunk.from_json(c) for c in d["chunks"]], None, None, get("rank"))
+        return cls(d["fqn"], decode_path(d["path"]), d["kind"], value=get("value"), alias_of=get("alias_of"),
+                   rank=get("rank"))
 
 
 @dataclass
@@ -224,7 +240,7 @@ class Manifest:
                 or xxhash.xxh3_64_hexdigest(body).encode() != digest):
             raise CorruptCheckpointError(f"manifest {where} fails its checksum (damaged or not a zerostall manifest)")
         try:
-            d = json.loads(body)
+            d = load_json(body)
         except ValueError as exc:
             raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:

@@ -280,7 +280,7 @@ class Checkpoint:
         world_changed = self.manifest.world_size != self.group.size
         for path, value in flat.leaves.items():
             rel = _normalize(path, strip)
-            if not select(fqn(rel)):
+            if select is not None and not select(fqn(rel)):
                 continue
             if world_changed and path in flat.rank_local and rel not in source:
                 plan.mismatch.mismatched.append(f"{fqn(path)} (rank-local, saved by {self.manifest.world_size} "
@@ -296,7 +296,8 @@ class Checkpoint:
             raise StateMismatchError(f"checkpoint {self.path} does not match the target state: {plan.mismatch.describe()}")
         return flat, plan
 
-    def _source_index(self, prefix: Path, strip: Sequence[str], select: Callable[[str], bool]) -> dict[Path, Entry]:
+    def _source_index(self, prefix: Path, strip: Sequence[str],
+                      select: Callable[[str], bool] | None) -> dict[Path, Entry]:
         source: dict[Path, Entry] = {}
         same_world = self.manifest.world_size == self.group.size
         for e in self.manifest.entries:
@@ -305,7 +306,7 @@ class Checkpoint:
             if e.path[:len(prefix)] != prefix:
                 continue
             rel = _normalize(e.path[len(prefix):], strip)
-            if not select(fqn(rel)):
+            if select is not None and not select(fqn(rel)):
                 continue
             if rel in source:
                 raise StateMismatchError(f"entries {source[rel].fqn} and {e.fqn} collide once {list(strip)} are stripped")
@@ -314,13 +315,12 @@ class Checkpoint:
 
     def _match(self, plan: "_LoadPlan", path: Path, rel: Path, value: Any, source: dict[Path, Entry],
                under: set[Path], strict_dtype: bool, materialize: bool, seen: set[tuple[Any, ...]]) -> None:
-        name = fqn(path)
         entry = source.get(rel)
         if entry is None:
             if isinstance(value, (dict, list, tuple)) and not value and rel in under:
                 plan.replacements[path] = self._subtree(source, rel, plan.consumed)
             else:
-                plan.mismatch.missing.append(name)
+                plan.mismatch.missing.append(fqn(path))
             return
         plan.consumed.add(rel)
         entry = self._resolve(entry)
@@ -331,18 +331,18 @@ class Checkpoint:
                 plan.replacements[path] = codec.decode(entry.value, where=entry.fqn, allow_pickle=self.allow_pickle)
             return
         if entry.kind != "tensor":
-            plan.mismatch.mismatched.append(f"{name} (the checkpoint holds a python value, the target a tensor)")
-        elif tuple(value.shape) != entry.shape:
-            plan.mismatch.mismatched.append(f"{name} (shape {list(entry.shape or ())} in the checkpoint, "
+            plan.mismatch.mismatched.append(f"{fqn(path)} (the checkpoint holds a python value, the target a tensor)")
+        elif value.shape != entry.shape:
+            plan.mismatch.mismatched.append(f"{fqn(path)} (shape {list(entry.shape or ())} in the checkpoint, "
                                             f"{list(value.shape)} in the target)")
         elif strict_dtype and value.dtype != entry.torch_dtype:
-            plan.mismatch.mismatched.append(f"{name} (dtype {entry.dtype} in the checkpoint, "
+            plan.mismatch.mismatched.append(f"{fqn(path)} (dtype {entry.dtype} in the checkpoint, "
                                             f"{str(value.dtype).removeprefix('torch.')} in the target)")
         elif value.is_meta:
             if materialize:
                 plan.new_tensors.append((path, entry, value))
             else:
-                plan.meta.append(name)
+                plan.meta.append(fqn(path))
         else:
             piece, offsets, sizes = local_box(value)
             identity = view_key(piece)
@@ -491,13 +491,12 @@ class Checkpoint:
         if any(target.is_cuda for target, *_ in batch):
             torch.cuda.current_stream().synchronize()  # the staging buffers are reused next batch
 
-    def _pieces(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview) -> Iterator[Piece]:
+    def _pieces(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview) -> list[Piece]:
         """Split a read of ``chunk`` bytes ``[lo, lo+len(out))`` into block-aligned pieces."""
         step = self._piece_step
-        if len(out) == 0:
-            yield entry, chunk, lo, out
-        for start in range(0, len(out), step):
-            yield entry, chunk, lo + start, out[start:start + step]
+        if len(out) <= step:
+            return [(entry, chunk, lo, out)]
+        return [(entry, chunk, lo + start, out[start:start + step]) for start in range(0, len(out), step)]
 
     def _read_run(self, run: list[Piece], verify: bool) -> None:
         """Read pieces that lie back to back in one file: one piece with the cache-sized hashing
@@ -663,7 +662,7 @@ def _whole(t: torch.Tensor) -> Box:
 def _direct(target: torch.Tensor, box: Box, entry: Entry, chunk: Chunk) -> bool:
     """Whether ``chunk`` is exactly the target's ``box`` and its stored bytes can be read straight
     into the target's memory."""
-    return (box == (chunk.offsets, chunk.sizes) and target.device.type == "cpu"
+    return (box == (chunk.offsets, chunk.sizes) and target.is_cpu
             and target.dtype == entry.torch_dtype and target.is_contiguous()
             and not target.is_conj() and not target.is_neg())
 
@@ -765,9 +764,10 @@ def _normalize(path: Path, strip: Sequence[str]) -> Path:
     return tuple(out)
 
 
-def _key_filter(keys: KeyFilter) -> Callable[[str], bool]:
+def _key_filter(keys: KeyFilter) -> Callable[[str], bool] | None:
+    """A predicate on entry names, or None when every key is wanted (no name is then built)."""
     if keys is None:
-        return lambda name: True
+        return None
     if callable(keys):
         return keys
     patterns = [keys] if isinstance(keys, str) else list(keys)

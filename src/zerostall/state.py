@@ -13,6 +13,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
+from .codec import Ref
+
 Path = tuple[Any, ...]
 
 
@@ -63,22 +65,28 @@ def fqn(path: Path) -> str:
 
 @dataclass
 class Flat:
-    """A flattened state: tensor and python-value leaves, plus the stateful objects met."""
+    """A flattened state: tensor and python-value leaves, plus the stateful objects met.
+
+    With ``skeleton``, also the state's shape for the manifest: its containers (state dicts in
+    place of stateful objects) with a :class:`~zerostall.codec.Ref` in place of each leaf, and
+    those refs by leaf path, for the caller to number once entries are known.
+    """
 
     leaves: dict[Path, Any] = field(default_factory=dict)
     rank_local: set[Path] = field(default_factory=set)
     statefuls: dict[Path, tuple[Any, Any]] = field(default_factory=dict)
     skeleton: Any = None
+    refs: dict[Path, Ref] = field(default_factory=dict)
 
     def tensors(self) -> dict[Path, torch.Tensor]:
         return {p: v for p, v in self.leaves.items() if isinstance(v, torch.Tensor)}
 
 
-def flatten(state: Any, *, prepare: Callable[[Path, Any], None] | None = None) -> Flat:
+def flatten(state: Any, *, prepare: Callable[[Path, Any], None] | None = None, skeleton: bool = False) -> Flat:
     """Walk ``state`` once. ``prepare(path, obj)`` runs on each stateful object before its
     ``state_dict()`` is taken (the loader uses it to create a fresh optimizer's state)."""
-    walker = _Flattener(prepare)
-    _, walker.flat.skeleton = walker.walk(state, ())
+    walker = _Flattener(prepare, skeleton)
+    walker.flat.skeleton = walker.walk(state, ())[2]
     return walker.flat
 
 
@@ -86,14 +94,16 @@ class _Flattener:
     """One walk over a state (a class, not a recursive closure: a closure that calls itself is a
     reference cycle, which would keep every per-leaf object alive until a cyclic collection)."""
 
-    __slots__ = ("flat", "order", "prepare")
+    __slots__ = ("flat", "order", "prepare", "skeleton")
 
-    def __init__(self, prepare: Callable[[Path, Any], None] | None) -> None:
+    def __init__(self, prepare: Callable[[Path, Any], None] | None, skeleton: bool) -> None:
         self.flat = Flat()
         self.order: list[Path] = []  # flat.leaves' keys in insertion order, so a subtree's leaves can be dropped
         self.prepare = prepare
+        self.skeleton = skeleton
 
-    def walk(self, node: Any, path: Path, local: bool = False) -> tuple[bool, Any]:
+    def walk(self, node: Any, path: Path, local: bool = False) -> tuple[bool, Any, Any]:
+        """Whether a tensor lies below ``node``, its plain value (what a leaf stores) and its skeleton."""
         flat, order = self.flat, self.order
         if isinstance(node, RankLocal):
             return self.walk(node.value, path, True)
@@ -106,23 +116,29 @@ class _Flattener:
             flat.statefuls[path] = (node, sd)
             node = sd
         if isinstance(node, torch.Tensor):
-            flat.leaves[path] = node
-            order.append(path)
-            return True, node
+            return True, node, self.leaf(path, node)
         if is_container(node) and len(node) > 0:
             start = len(order)
             items = node.items() if isinstance(node, dict) else enumerate(node)
             walked = [(k, *self.walk(v, path + (k,), local)) for k, v in items]
-            if any(has_tensor for _, has_tensor, _ in walked):
-                return True, _same_container(node, [(k, plain) for k, _, plain in walked])
+            if any(has_tensor for _, has_tensor, _, _ in walked):
+                shape = _same_container(node, [(k, skel) for k, _, _, skel in walked]) if self.skeleton else None
+                return True, None, shape
             for p in order[start:]:
                 del flat.leaves[p]
                 flat.rank_local.discard(p)
+                flat.refs.pop(p, None)
             del order[start:]
-            node = _same_container(node, [(k, plain) for k, _, plain in walked])
-        flat.leaves[path] = node
-        order.append(path)
-        return False, node
+            node = _same_container(node, [(k, plain) for k, _, plain, _ in walked])
+        return False, node, self.leaf(path, node)
+
+    def leaf(self, path: Path, value: Any) -> Ref | None:
+        self.flat.leaves[path] = value
+        self.order.append(path)
+        if not self.skeleton:
+            return None
+        ref = self.flat.refs[path] = Ref(-1)
+        return ref
 
 
 def _same_container(node: Any, items: list[tuple[Any, Any]]) -> Any:
