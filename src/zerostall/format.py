@@ -113,6 +113,7 @@ def file_generation(name: str) -> str | None:
 
 
 @functools.cache
+@functools.cache
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -145,8 +146,8 @@ class Chunk:
     checksums: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"offsets": list(self.offsets), "sizes": list(self.sizes), "file": self.file,
-                "offset": self.offset, "nbytes": self.nbytes, "checksums": self.checksums}
+        return {"offsets": self.offsets, "sizes": self.sizes, "file": self.file, "offset": self.offset,
+                "nbytes": self.nbytes, "checksums": self.checksums}  # tuples serialize as arrays
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Chunk":
@@ -182,8 +183,9 @@ class Entry:
         if self.rank is not None:
             d["rank"] = self.rank
         if self.kind == "tensor":
-            d.update(dtype=self.dtype, shape=list(self.shape or ()),
-                     chunks=[c.to_json() for c in self.chunks])
+            d["dtype"] = self.dtype
+            d["shape"] = self.shape or ()
+            d["chunks"] = [c.to_json() for c in self.chunks]
         elif self.kind == "object":
             d["value"] = self.value
         else:
