@@ -42,10 +42,10 @@ mode needs one; zerostall runs under it too, as under torchrun). Four parts, in 
    zero-overhead mode, stager mode as found in part 1). ``*_stale_pending`` counts the trials in
    which the queued write was still pending when the save call returned (a trial where it was not
    proves nothing). On the CPU every op is synchronous and the check passes trivially.
-3. Host memory. RSS (less shared pages) of this process and its descendants (from /proc) plus /dev/shm usage (statvfs: machine-wide), before and after 50
-   zerostall saves of a smaller state (256 MiB; 16 MiB on the CPU) into one path, after a reserve
-   and one warm save: ``host_mem_growth_mb`` (parts ``host_mem_rss_growth_mb``,
-   ``host_mem_shm_growth_mb``).
+3. Host memory. RSS (less shared pages) of this process and its descendants (from /proc) plus
+   /dev/shm usage (statvfs: machine-wide), before and after 50 zerostall saves of a smaller state
+   (256 MiB; 16 MiB on the CPU) into one path, after a reserve and one warm save:
+   ``host_mem_growth_mb`` (parts ``host_mem_rss_growth_mb``, ``host_mem_shm_growth_mb``).
 4. Training overhead. A transformer LM (GPU: 20 layers x 1024 wide, 8k vocabulary, ~268 M
    parameters, bf16 autocast, fused AdamW: ~3.2 GB of fp32 state; CPU: a tiny one) trains
    --train-steps steps (300) on one fixed batch, saving ``{"model": model, "optim": optimizer}``

@@ -304,3 +304,13 @@ def test_failed_cleanup_does_not_fail_the_save(tmp_path, monkeypatch):
     zs.save(make_state(3), path)
     assert_is_state(load_fresh(path), 3)
     assert_only_current_generation(path)
+
+
+def test_a_write_that_makes_no_progress_fails_the_save(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt"
+    zs.save(make_state(1), path)
+    monkeypatch.setattr(local.os, "writev", lambda fd, buffers: 0)
+    with pytest.raises(zs.CheckpointError, match="stalled"):
+        zs.save(make_state(2), path)
+    monkeypatch.undo()
+    assert_is_state(load_fresh(path), 1)

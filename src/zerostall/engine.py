@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import logging
+import operator
 import os
 import secrets
 import time
@@ -460,16 +461,12 @@ def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], record
             entries.append(entry)
     for entry in entries:
         if len(entry.chunks) > 1:
-            entry.chunks.sort(key=_box_start)
+            entry.chunks.sort(key=operator.attrgetter("offsets"))
     for path, ref in collected.refs.items():
         key = collected.keys[path]
         ref.index = index.get((key, None), index.get((key, 0), -1))
     return Manifest(generation=generation, entries=entries, files=files, tree=codec.encode(collected.skeleton),
                     world_size=world_size, block_size=block_size, step=step, metadata=metadata)
-
-
-def _box_start(chunk: Chunk) -> tuple[int, ...]:
-    return chunk.offsets
 
 
 def _create(storage: Storage) -> None:

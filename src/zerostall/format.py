@@ -113,7 +113,6 @@ def file_generation(name: str) -> str | None:
 
 
 @functools.cache
-@functools.cache
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

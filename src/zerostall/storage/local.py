@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -155,8 +156,13 @@ class LocalStorage(Storage):
 
 
 def _writev_all(fd: int, parts: list[memoryview]) -> int:
-    """``writev`` until every byte of ``parts`` is written; returns the bytes written."""
-    return _move_all(parts, lambda bufs, done: os.writev(fd, bufs))
+    """``writev`` until every byte of ``parts`` is written; returns the bytes written. A write that
+    makes no progress raises, so no caller can mistake a short file for a whole one."""
+    total = sum(len(p) for p in parts)
+    done = _move_all(parts, lambda bufs, done: os.writev(fd, bufs))
+    if done < total:
+        raise OSError(errno.EIO, f"write stalled after {done} of {total} bytes")
+    return done
 
 
 def _move_all(parts: list[memoryview], move: Callable[[list[memoryview], int], int]) -> int:
