@@ -14,7 +14,10 @@ for a disk):
 - safetensors ``save_file`` / ``load_file`` + ``copy_`` into the target;
 - raw: plain ``os.write`` of the tensor bytes (fsync'd per file, as zerostall fsyncs) and
   ``os.preadv`` back into the target, with 1 thread and with ``zs.default_threads()`` threads
-  (one file per thread, bytes balanced): the floor no library can beat.
+  (one file per thread, bytes balanced): the floor no library can beat;
+- raw hashed: the same raw writes and reads with zs.default_threads() threads, each 512 KiB piece
+  also hashed with xxh3-64 right before it is written or right after it is read: the floor for any
+  library that checksums every byte it saves and verifies every byte it loads, as zerostall does.
 
 Every load goes into an already-allocated, already-touched target state of the same structure.
 Method: every contender is warmed once (and its load checked for equality) before timing; the
@@ -44,10 +47,12 @@ from dataclasses import dataclass
 import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
 
 import zerostall as zs
 
 N_TENSORS = 256
+HASH_PIECE = 512 << 10  # the raw_hashed anchor hashes what it moves in pieces of this size, as zerostall does
 FSYNC = inspect.signature(zs.save).parameters["fsync"].default  # tuned DCP and raw writes match it
 
 
@@ -123,10 +128,17 @@ def balanced_shards(views: list[memoryview], n: int) -> list[list[memoryview]]:
     return shards
 
 
-def write_file(path: str, views: list[memoryview], fsync: bool) -> None:
+def hashed_pieces(views: list[memoryview]) -> list[memoryview]:
+    """The views cut into cache-sized pieces, each hashed (xxh3-64) when it is written or read."""
+    return [view[lo : lo + HASH_PIECE] for view in views for lo in range(0, view.nbytes, HASH_PIECE)]
+
+
+def write_file(path: str, views: list[memoryview], fsync: bool, hashed: bool = False) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        for view in views:
+        for view in hashed_pieces(views) if hashed else views:
+            if hashed:
+                xxhash.xxh3_64_intdigest(view)
             while view.nbytes:
                 view = view[os.write(fd, view) :]
         if fsync:
@@ -135,38 +147,41 @@ def write_file(path: str, views: list[memoryview], fsync: bool) -> None:
         os.close(fd)
 
 
-def read_file(path: str, views: list[memoryview]) -> None:
+def read_file(path: str, views: list[memoryview], hashed: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         offset = 0
-        for view in views:
+        for piece in hashed_pieces(views) if hashed else views:
+            view = piece
             while view.nbytes:
                 got = os.preadv(fd, [view], offset)
                 if got == 0:
                     raise EOFError(f"{path} is short at offset {offset}")
                 offset += got
                 view = view[got:]
+            if hashed:
+                xxhash.xxh3_64_intdigest(piece)
     finally:
         os.close(fd)
 
 
-def raw_write(state: dict, path: str, threads: int) -> None:
+def raw_write(state: dict, path: str, threads: int, hashed: bool = False) -> None:
     os.mkdir(path)
     shards = balanced_shards(byte_views(state), threads)
     with ThreadPoolExecutor(threads) as pool:
         jobs = [
-            pool.submit(write_file, os.path.join(path, f"shard{k}.bin"), views, FSYNC)
+            pool.submit(write_file, os.path.join(path, f"shard{k}.bin"), views, FSYNC, hashed)
             for k, views in enumerate(shards)
         ]
         for job in jobs:
             job.result()
 
 
-def raw_read(target: dict, path: str, threads: int) -> None:
+def raw_read(target: dict, path: str, threads: int, hashed: bool = False) -> None:
     shards = balanced_shards(byte_views(target), threads)
     with ThreadPoolExecutor(threads) as pool:
         jobs = [
-            pool.submit(read_file, os.path.join(path, f"shard{k}.bin"), views)
+            pool.submit(read_file, os.path.join(path, f"shard{k}.bin"), views, hashed)
             for k, views in enumerate(shards)
         ]
         for job in jobs:
@@ -217,6 +232,12 @@ def contenders(threads: int) -> list[Contender]:
             "raw_read",
             lambda s, p: raw_write(s, p, threads),
             lambda t, p: raw_read(t, p, threads),
+        ),
+        Contender(
+            "raw_hashed_write",
+            "raw_hashed_read",
+            lambda s, p: raw_write(s, p, threads, hashed=True),
+            lambda t, p: raw_read(t, p, threads, hashed=True),
         ),
         Contender(
             "raw_write_1t",
@@ -295,6 +316,8 @@ def summarize(seconds: dict[str, list[float]], nbytes: int) -> dict[str, float]:
         "load_vs_dcp": ("zerostall_load", "dcp_load"),
         "load_vs_dcp_tuned": ("zerostall_load", "dcp_tuned_load"),
         "load_vs_raw": ("zerostall_load", "raw_read"),
+        "save_vs_raw_hashed": ("zerostall_save", "raw_hashed_write"),
+        "load_vs_raw_hashed": ("zerostall_load", "raw_hashed_read"),
     }
     ratios = {
         name: gbps[f"{ours}_gbps"] / gbps[f"{theirs}_gbps"]
