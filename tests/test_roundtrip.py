@@ -345,3 +345,18 @@ def test_save_load_and_read_leave_no_reference_cycles(tmp_path):
 
     assert cyclic_garbage(read_all) == []
     assert cyclic_garbage(lambda: zs.verify(path)) == []
+
+
+def test_a_closed_async_checkpoint_manager_leaves_no_reference_cycles(tmp_path):
+    # The commit callback on each save's future held the manager, and the manager's saver holds
+    # the last handle: manager, saver, buffer pool and threads lived until a cyclic collection.
+    state = {"w": torch.ones(4), "step": 1}
+
+    def run() -> None:
+        manager = zs.CheckpointManager(tmp_path / "run", async_save=True, keep_last=2)
+        for step in (1, 2, 3):
+            manager.save(step, state)
+        manager.close()
+        assert [record.step for _, record in manager.checkpoints()] == [2, 3]
+
+    assert cyclic_garbage(run) == []

@@ -10,6 +10,7 @@ background; a checkpoint is deleted manifest first, so a half-deleted one is nev
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -199,7 +200,8 @@ class CheckpointManager:
         handle = self.saver.save(wrapped, path, **options)
         assert handle is not None
         self._committing = committing = Future()
-        handle.committed.add_done_callback(lambda fut: self._committed_async(fut, tag, step, committing))
+        handle.committed.add_done_callback(
+            _OneShot(functools.partial(self._committed_async, tag=tag, step=step, committing=committing)))
         return handle
 
     def _committed_async(self, fut: Future, tag: str, step: int, committing: Future) -> None:
@@ -347,6 +349,21 @@ class CheckpointManager:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _OneShot:
+    """A done-callback that lets go of what it calls once it has run: a finished future keeps its
+    callbacks, so one holding the manager would tie manager, saver and handle into a cycle."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, call: Callable[[Future], None]) -> None:
+        self._call: Callable[[Future], None] | None = call
+
+    def __call__(self, fut: Future) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call(fut)
 
 
 def delete_checkpoint(path: str) -> None:
