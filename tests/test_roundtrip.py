@@ -99,17 +99,27 @@ class Tied(torch.nn.Module):
 def test_shared_storage_is_stored_once_and_ties_survive(tmp_path):
     model = Tied()
     halves = torch.randn(10)
-    state = {"model": model, "lo": halves[:5], "hi": halves[5:], "again": halves[:5]}
+    waves = torch.randn(4, dtype=torch.complex64)
+    # Views that start at one address but differ in shape, stride or conjugation are not aliases.
+    state = {"model": model, "lo": halves[:5], "hi": halves[5:], "again": halves[:5], "head": halves[:3],
+             "grid": halves.view(2, 5), "every2": halves[::2], "waves": waves, "conj": waves.conj()}
     zs.save(state, tmp_path / "ck")
     with zs.open(tmp_path / "ck") as ck:
         kinds = {k: e.kind for k, e in ck.entries.items()}
         assert kinds["model.head.weight"] == "alias" and kinds["model.emb.weight"] == "tensor"
         assert kinds["again"] == "alias" and kinds["lo"] == kinds["hi"] == "tensor"
+        assert kinds["head"] == kinds["grid"] == kinds["every2"] == kinds["waves"] == kinds["conj"] == "tensor"
+        for key in ("head", "grid", "every2", "waves", "conj"):
+            assert torch.equal(ck.read(key), state[key].resolve_conj()), key
         whole = ck.state()
         assert whole["model"]["head.weight"] is whole["model"]["emb.weight"]
     fresh = Tied()
-    target = {"model": fresh, "lo": torch.empty(5), "hi": torch.empty(5), "again": torch.empty(5)}
+    target = {"model": fresh, "lo": torch.empty(5), "hi": torch.empty(5), "again": torch.empty(5),
+              "head": torch.empty(3), "grid": torch.empty(2, 5), "every2": torch.empty(5),
+              "waves": torch.empty(4, dtype=torch.complex64), "conj": torch.empty(4, dtype=torch.complex64)}
     zs.load(target, tmp_path / "ck")
+    for key in ("head", "grid", "every2", "waves", "conj"):
+        assert torch.equal(target[key], state[key].resolve_conj()), key
     assert fresh.head.weight is fresh.emb.weight
     assert torch.equal(fresh.emb.weight, model.emb.weight)
     assert torch.equal(target["again"], halves[:5]) and torch.equal(target["hi"], halves[5:])

@@ -74,6 +74,48 @@ def view_key(t: torch.Tensor) -> tuple[Any, ...]:
     return t.device, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg()
 
 
+class ViewIndex:
+    """Tensor views seen so far, each with a value, found by :func:`view_key` identity. Views are
+    filed by data pointer and compared by whole key only when pointers meet (tied weights), so
+    each of thousands of distinct leaves costs one pointer read, not seven attribute reads."""
+
+    __slots__ = ("_by_pointer",)
+
+    def __init__(self) -> None:
+        self._by_pointer: dict[int, Any] = {}  # a (view, value) pair, or a list of them once pointers meet
+
+    def get(self, t: torch.Tensor) -> Any:
+        """The value filed for ``t``'s view, or None."""
+        filed = self._by_pointer.get(t.data_ptr())
+        if filed is None:
+            return None
+        key = view_key(t)
+        for view, value in filed if type(filed) is list else (filed,):
+            if view_key(view) == key:
+                return value
+        return None
+
+    def add(self, t: torch.Tensor, value: Any) -> None:
+        pointer = t.data_ptr()
+        filed = self._by_pointer.get(pointer)
+        if filed is None:
+            self._by_pointer[pointer] = (t, value)
+        elif type(filed) is list:
+            filed.append((t, value))
+        else:
+            self._by_pointer[pointer] = [filed, (t, value)]
+
+
+def plain_source(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as plain contiguous bytes with no autograd history: the tensor itself when it already
+    is (an optimizer state), else a detached, resolved, contiguous view or copy."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t.contiguous()
+
+
 _KEY_ENCODER = json.JSONEncoder(separators=(",", ":"))
 
 
@@ -133,7 +175,7 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
     """Flatten ``state`` into entries, structure rows for planning, and the tensors to write."""
     flat = flatten(state, skeleton=True)
     out = Collected(skeleton=flat.skeleton, refs=flat.refs)
-    seen: dict[tuple[Any, ...], str] = {}
+    seen = ViewIndex()  # view -> the key of the leaf that first held it
     names: set[str] = set()
     for path, value in flat.leaves.items():
         name, key, local = fqn(path), path_key(path), path in flat.rank_local
@@ -148,17 +190,17 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
             continue
         piece, offsets, sizes = local_box(value)
         check_tensor(piece, name)
-        identity = view_key(piece)
-        if identity in seen and not local:
-            out.rows.append(Row(key, "alias", alias_of=seen[identity]))
+        first = None if local else seen.get(piece)
+        if first is not None:
+            out.rows.append(Row(key, "alias", alias_of=first))
             continue
-        source = piece.detach().resolve_conj().resolve_neg().contiguous()
+        source = plain_source(piece)
         dtype, shape = dtype_name(value.dtype), tuple(value.shape)
         entry = Entry(name, path, "tensor", dtype=dtype, shape=shape, rank=rank if local else None)
         if local:
             out.rank_local.append(entry)
         else:
-            seen[identity] = key
+            seen.add(piece, key)
             out.entries[key] = entry
             out.rows.append(Row(key, "tensor", dtype, shape, offsets, sizes, source.nbytes))
         file_name = name if sizes == shape else f"{name}@{','.join(map(str, offsets))}"

@@ -23,7 +23,7 @@ import xxhash
 
 from . import codec, errors
 from .collectives import Group
-from .engine import CACHE_PIECE, decode_path, default_threads, local_box, view_key
+from .engine import CACHE_PIECE, ViewIndex, decode_path, default_threads, local_box
 from .memory import tensor_bytes
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompleteCheckpointError, StateMismatchError, UnsupportedValueError)
@@ -276,7 +276,7 @@ class Checkpoint:
 
         flat = flatten(state, prepare=prepare)
         plan = _LoadPlan()
-        seen_targets: set[tuple[Any, ...]] = set()
+        seen_targets = ViewIndex()
         world_changed = self.manifest.world_size != self.group.size
         for path, value in flat.leaves.items():
             rel = _normalize(path, strip)
@@ -314,7 +314,7 @@ class Checkpoint:
         return source
 
     def _match(self, plan: "_LoadPlan", path: Path, rel: Path, value: Any, source: dict[Path, Entry],
-               under: set[Path], strict_dtype: bool, materialize: bool, seen: set[tuple[Any, ...]]) -> None:
+               under: set[Path], strict_dtype: bool, materialize: bool, seen: ViewIndex) -> None:
         entry = source.get(rel)
         if entry is None:
             if isinstance(value, (dict, list, tuple)) and not value and rel in under:
@@ -345,9 +345,8 @@ class Checkpoint:
                 plan.meta.append(fqn(path))
         else:
             piece, offsets, sizes = local_box(value)
-            identity = view_key(piece)
-            if identity not in seen:
-                seen.add(identity)
+            if seen.get(piece) is None:
+                seen.add(piece, True)
                 plan.tensors.append((piece, (offsets, sizes), entry))
 
     def _subtree(self, source: dict[Path, Entry], root: Path, consumed: set[Path]) -> Any:
