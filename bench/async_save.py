@@ -1,9 +1,9 @@
 """Asynchronous saving: zerostall's AsyncSaver against DCP ``async_save``, in one run, same data and target.
 
-    python bench/async_save.py [--size-mb N] [--reps R] [--dir D] [--train-steps N] [--json]
+    python bench/async_save.py [--size-mb N] [--tensors T] [--reps R] [--dir D] [--train-steps N] [--json]
 
 One deterministic state (default 1 GiB of fp32/bf16 CPU tensors of mixed sizes, 256 tensors, the
-state of bench/save_load.py) is saved asynchronously by every contender into the same directory
+state of bench/save_load.py; --tensors for more) is saved asynchronously by every contender into the same directory
 (default a fresh one under /dev/shm, so software overhead is what shows):
 
 - zerostall: one ``zs.AsyncSaver(writer=...)`` (``--writer thread`` by default, or ``process``; if_busy="wait", fsync on); its buffer
@@ -81,7 +81,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
 import zerostall as zs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from save_load import build_state, state_bytes
+from save_load import N_TENSORS, build_state, state_bytes
 
 MEM_STATE_MB = 64
 MEM_SAVES = 50
@@ -527,6 +527,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=1024, help="state size in MiB (1024)")
     parser.add_argument("--reps", type=int, default=5, help="timed saves per contender (5)")
+    parser.add_argument("--tensors", type=int, default=N_TENSORS,
+                        help=f"number of tensors of the timed state ({N_TENSORS}); thousands show per-tensor costs")
     parser.add_argument("--dir", default="/dev/shm", help="where to save (a fresh dir under it)")
     parser.add_argument("--train-steps", type=int, default=60, help="training steps per run (60)")
     parser.add_argument("--save-every", type=int, default=10, help="save every N steps (10)")
@@ -555,8 +557,8 @@ def main() -> None:
                           "mode needs one; every contender ran under it")
 
         # -- save timings on the big state --
-        progress(f"building a {args.size_mb} MiB state")
-        state = build_state(args.size_mb << 20)
+        progress(f"building a {args.size_mb} MiB state of {args.tensors} tensors")
+        state = build_state(args.size_mb << 20, n=args.tensors)
         nbytes = state_bytes(state)
         saver = zs.AsyncSaver(writer=args.writer)
         pool_alloc_s = saver.reserve(state)
@@ -626,6 +628,7 @@ def main() -> None:
         result = {
             "state_gb": round(nbytes / 1e9, 4),
             "state_bytes": nbytes,
+            "n_tensors": args.tensors,
             "zerostall_pool_alloc_s": round(pool_alloc_s, 4),
             **save_summary(res, names),
             "dcp_default_staged_is_stall": True,
