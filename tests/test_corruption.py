@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 
 import pytest
 import torch
@@ -410,3 +411,41 @@ def test_verify_clean_returns_bytes_checked(saved):
     target = empty_like_state()
     zs.load(target, path)
     assert_state_equal(target, state)
+
+
+def test_a_bad_block_stops_the_other_reader_threads(tmp_path, monkeypatch):
+    # Without the stop, the load of a large checkpoint with a bad first block reads all the rest
+    # before raising. The damage is a real flipped byte; wrappers around the reader's thread pool
+    # and run method only order the threads (the other one goes on once the failing thread's task
+    # has ended) and count what they read.
+    from zerostall import reader
+
+    block = 64 << 10
+    monkeypatch.setattr(reader, "_PIECE_BYTES", block)  # one block per piece: many runs per thread
+    state = {"a": torch.randn(1 << 20), "b": torch.randn(1 << 20)}  # 4 MiB each: 8 runs per thread
+    path = tmp_path / "ck"
+    zs.save(state, path, block_size=block)
+    with zs.open(path) as ck:
+        first = min((c for e in ck.entries.values() for c in e.chunks), key=lambda c: (c.file, c.offset))
+    flip_byte(os.path.join(path, first.file), first.offset + 3)  # the first run: the first thread's first
+
+    tasks: list[Future] = []
+
+    class RecordingPool(reader.ThreadPoolExecutor):
+        def submit(self, *args, **kwargs):
+            tasks.append(super().submit(*args, **kwargs))
+            return tasks[-1]
+
+    read_run, runs_after = reader.Checkpoint._read_run, []
+
+    def ordered(self, run, verify):
+        if (run[0][1].file, run[0][1].offset + run[0][2]) != (first.file, first.offset):
+            assert wait(list(tasks), timeout=10, return_when=FIRST_EXCEPTION).done  # the failing task has ended
+            runs_after.append(run)
+        read_run(self, run, verify)
+
+    monkeypatch.setattr(reader, "ThreadPoolExecutor", RecordingPool)
+    monkeypatch.setattr(reader.Checkpoint, "_read_run", ordered)
+    with pytest.raises(zs.CorruptCheckpointError, match="block 0"):
+        zs.load({"a": torch.empty(1 << 20), "b": torch.empty(1 << 20)}, path, threads=2)
+    assert len(tasks) == 2 and len(runs_after) <= 1  # of its 8 runs: the one it had begun, if any

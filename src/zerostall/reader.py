@@ -697,17 +697,26 @@ def _decode_safely(entry: Entry) -> None:
 def _run(pool: ThreadPoolExecutor, threads: int, read: Callable[[list[Piece], bool], None], pieces: list[Piece],
          verify: bool) -> None:
     """Read pieces as one task per thread with balanced bytes (largest run first onto the
-    least-loaded thread); the first failure is raised after the others finish."""
+    least-loaded thread). Once one thread fails the others stop at their next run, so a bad
+    block is reported without reading the rest of a large checkpoint; the failure is raised
+    when they have stopped."""
     lanes: list[list[list[Piece]]] = [[] for _ in range(threads)]
     heap = [(0, i) for i in range(len(lanes))]
     for run, nbytes in sorted(_runs(pieces), key=lambda r: -r[1]):
         load, lane = heap[0]
         lanes[lane].append(run)
         heapq.heapreplace(heap, (load + nbytes, lane))
+    failed = threading.Event()
 
     def drain(lane: list[list[Piece]]) -> None:
-        for run in lane:
-            read(run, verify)
+        try:
+            for run in lane:
+                if failed.is_set():
+                    return
+                read(run, verify)
+        except BaseException:
+            failed.set()
+            raise
 
     for fut in [pool.submit(drain, lane) for lane in lanes if lane]:
         fut.result()
