@@ -16,8 +16,9 @@ import logging
 import operator
 import os
 import secrets
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 from typing import Any, Iterator, Mapping
@@ -211,12 +212,20 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
     return out
 
 
-def _file_parts(header: bytes, items: list[WriteItem], chunks: list[Chunk], block_size: int) -> Iterator[memoryview]:
+class _Stopped(CheckpointError):
+    """A writer thread gave up because another writer of the same save failed."""
+
+
+def _file_parts(header: bytes, items: list[WriteItem], chunks: list[Chunk], block_size: int,
+                stop: threading.Event) -> Iterator[memoryview]:
     """Yield the file's bytes in cache-sized pieces, each hashed into its block's checksum just
-    before it is written, so the bytes are read from memory once for both."""
+    before it is written, so the bytes are read from memory once for both; raise :class:`_Stopped`
+    once ``stop`` is set."""
     yield memoryview(header)
     whole = min(block_size, CACHE_PIECE)  # an item this small is one block, hashed in one call
     for item, chunk in zip(items, chunks):
+        if stop.is_set():
+            raise _Stopped("another writer of this save failed")
         data = tensor_bytes(item.tensor)
         n = len(data)
         if n <= whole:
@@ -227,19 +236,26 @@ def _file_parts(header: bytes, items: list[WriteItem], chunks: list[Chunk], bloc
             end = min(start + block_size, n)
             hasher = xxhash.xxh3_64()
             for lo in range(start, end, CACHE_PIECE):
+                if stop.is_set():
+                    raise _Stopped("another writer of this save failed")
                 piece = data[lo:min(lo + CACHE_PIECE, end)]
                 hasher.update(piece)
                 yield piece
             chunk.checksums.append(hasher.hexdigest())
 
 
-def _write_file(storage: Storage, name: str, items: list[WriteItem], generation: str,
-                block_size: int) -> tuple[str, int, list[Chunk]]:
+def _write_file(storage: Storage, name: str, items: list[WriteItem], generation: str, block_size: int,
+                stop: threading.Event) -> tuple[str, int, list[Chunk]]:
+    """Write one data file; a failure sets ``stop``, so the save's other writers give up too."""
     with gc_paused():
         header, offsets = safetensors_header(
             (FileItem(i.name, i.tensor.dtype, tuple(i.tensor.shape), i.nbytes) for i in items), generation)
         chunks = [Chunk(i.offsets, tuple(i.tensor.shape), name, off, i.nbytes) for i, off in zip(items, offsets)]
-    size = storage.write(name, _file_parts(header, items, chunks, block_size))
+    try:
+        size = storage.write(name, _file_parts(header, items, chunks, block_size, stop))
+    except BaseException:
+        stop.set()
+        raise
     expected = len(header) + sum(i.nbytes for i in items)
     if size != expected:
         raise CheckpointError(f"wrote {size} bytes to {name}, expected {expected}")
@@ -524,17 +540,22 @@ def _write_data(storage: Storage, items: list[WriteItem], generation: str, rank:
     with gc_paused():
         groups = assign_files(items, threads) if items else []
     names = [data_file_name(generation, rank, n) for n in range(len(groups))]
-    files: dict[str, int] = {}
+    stop = threading.Event()
     with ThreadPoolExecutor(max_workers=max(1, len(groups)), thread_name_prefix="zerostall-write") as pool:
-        futures = [pool.submit(_write_file, storage, n, g, generation, block_size) for n, g in zip(names, groups)]
-        for fut, group in zip(futures, groups):
-            try:
-                name, size, chunks = fut.result()
-            except OSError as exc:
-                raise CheckpointError(f"writing {exc.filename or storage.location} failed: {exc}") from exc
-            files[name] = size
-            for item, chunk in zip(group, chunks):
-                item.entry.chunks.append(chunk)
+        futures = [pool.submit(_write_file, storage, n, g, generation, block_size, stop)
+                   for n, g in zip(names, groups)]
+    failures = [exc for exc in map(Future.exception, futures) if exc is not None]
+    cause = next((exc for exc in failures if not isinstance(exc, _Stopped)), None)
+    if isinstance(cause, OSError):
+        raise CheckpointError(f"writing {cause.filename or storage.location} failed: {cause}") from cause
+    if cause is not None:
+        raise cause
+    files: dict[str, int] = {}
+    for fut, group in zip(futures, groups):
+        name, size, chunks = fut.result()
+        files[name] = size
+        for item, chunk in zip(group, chunks):
+            item.entry.chunks.append(chunk)
     return files
 
 
