@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
 
 import pytest
 import torch
@@ -413,7 +412,7 @@ def test_verify_clean_returns_bytes_checked(saved):
     assert_state_equal(target, state)
 
 
-def test_a_bad_block_stops_the_other_reader_threads(tmp_path, monkeypatch):
+def test_a_bad_block_stops_the_other_reader_threads(tmp_path, monkeypatch, task_log):
     # Without the stop, the load of a large checkpoint with a bad first block reads all the rest
     # before raising. The damage is a real flipped byte; wrappers around the reader's thread pool
     # and run method only order the threads (the other one goes on once the failing thread's task
@@ -429,23 +428,15 @@ def test_a_bad_block_stops_the_other_reader_threads(tmp_path, monkeypatch):
         first = min((c for e in ck.entries.values() for c in e.chunks), key=lambda c: (c.file, c.offset))
     flip_byte(os.path.join(path, first.file), first.offset + 3)  # the first run: the first thread's first
 
-    tasks: list[Future] = []
-
-    class RecordingPool(reader.ThreadPoolExecutor):
-        def submit(self, *args, **kwargs):
-            tasks.append(super().submit(*args, **kwargs))
-            return tasks[-1]
-
-    read_run, runs_after = reader.Checkpoint._read_run, []
+    log, read_run, runs_after = task_log(reader), reader.Checkpoint._read_run, []
 
     def ordered(self, run, verify):
         if (run[0][1].file, run[0][1].offset + run[0][2]) != (first.file, first.offset):
-            assert wait(list(tasks), timeout=10, return_when=FIRST_EXCEPTION).done  # the failing task has ended
+            log.wait_for_a_failure()
             runs_after.append(run)
         read_run(self, run, verify)
 
-    monkeypatch.setattr(reader, "ThreadPoolExecutor", RecordingPool)
     monkeypatch.setattr(reader.Checkpoint, "_read_run", ordered)
     with pytest.raises(zs.CorruptCheckpointError, match="block 0"):
         zs.load({"a": torch.empty(1 << 20), "b": torch.empty(1 << 20)}, path, threads=2)
-    assert len(tasks) == 2 and len(runs_after) <= 1  # of its 8 runs: the one it had begun, if any
+    assert len(log.tasks) == 2 and len(runs_after) <= 1  # of its 8 runs: the one it had begun, if any

@@ -16,7 +16,6 @@ import re
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import FIRST_EXCEPTION, Future, wait
 
 import pytest
 import torch
@@ -285,30 +284,22 @@ def test_failure_after_the_rename_does_not_destroy_the_committed_checkpoint(tmp_
     assert zs.verify(path) > 0
 
 
-def test_a_failed_writer_stops_the_other_writers(tmp_path, monkeypatch):
+def test_a_failed_writer_stops_the_other_writers(tmp_path, monkeypatch, task_log):
     # Without the stop, a save whose first data file fails writes every other file whole before
     # raising. Wrappers around the thread pool and the write call only order the threads (the other
     # writer goes on once the failing task has ended) and count what it wrote afterwards.
     from zerostall import engine
 
-    tasks: list[Future] = []
-
-    class RecordingPool(engine.ThreadPoolExecutor):
-        def submit(self, *args, **kwargs):
-            tasks.append(super().submit(*args, **kwargs))
-            return tasks[-1]
-
-    original, written_after = local._writev_all, []
+    log, original, written_after = task_log(engine), local._writev_all, []
 
     def _writev_all(fd, parts):
         name = os.readlink(f"/proc/self/fd/{fd}")
         if name.endswith("-000.safetensors"):
             raise OSError(errno.EIO, "write failed (injected)", name)
-        assert wait(list(tasks), timeout=10, return_when=FIRST_EXCEPTION).done  # the failing task has ended
+        log.wait_for_a_failure()
         written_after.append(name)
         return original(fd, parts)
 
-    monkeypatch.setattr(engine, "ThreadPoolExecutor", RecordingPool)
     monkeypatch.setattr(local, "_writev_all", _writev_all)
     path = tmp_path / "ck"
     with pytest.raises(zs.CheckpointError, match=r"write failed \(injected\)") as exc:
