@@ -85,26 +85,22 @@ class ViewIndex:
     def __init__(self) -> None:
         self._by_pointer: dict[int, Any] = {}  # a (view, value) pair, or a list of them once pointers meet
 
-    def get(self, t: torch.Tensor) -> Any:
-        """The value filed for ``t``'s view, or None."""
-        filed = self._by_pointer.get(t.data_ptr())
-        if filed is None:
-            return None
-        key = view_key(t)
-        for view, value in filed if type(filed) is list else (filed,):
-            if view_key(view) == key:
-                return value
-        return None
-
-    def add(self, t: torch.Tensor, value: Any) -> None:
+    def first(self, t: torch.Tensor, value: Any) -> Any:
+        """The value filed for ``t``'s view by an earlier call, or None after filing ``value`` for it."""
         pointer = t.data_ptr()
         filed = self._by_pointer.get(pointer)
         if filed is None:
             self._by_pointer[pointer] = (t, value)
-        elif type(filed) is list:
+            return None
+        key = view_key(t)
+        for view, earlier in filed if type(filed) is list else (filed,):
+            if view_key(view) == key:
+                return earlier
+        if type(filed) is list:
             filed.append((t, value))
         else:
             self._by_pointer[pointer] = [filed, (t, value)]
+        return None
 
 
 def plain_source(t: torch.Tensor) -> torch.Tensor:
@@ -191,7 +187,7 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
             continue
         piece, offsets, sizes = local_box(value)
         check_tensor(piece, name)
-        first = None if local else seen.get(piece)
+        first = None if local else seen.first(piece, key)
         if first is not None:
             out.rows.append(Row(key, "alias", alias_of=first))
             continue
@@ -201,7 +197,6 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
         if local:
             out.rank_local.append(entry)
         else:
-            seen.add(piece, key)
             out.entries[key] = entry
             out.rows.append(Row(key, "tensor", dtype, shape, offsets, sizes, source.nbytes))
         file_name = name if sizes == shape else f"{name}@{','.join(map(str, offsets))}"
@@ -544,8 +539,8 @@ def _write_data(storage: Storage, items: list[WriteItem], generation: str, rank:
     with ThreadPoolExecutor(max_workers=max(1, len(groups)), thread_name_prefix="zerostall-write") as pool:
         futures = [pool.submit(_write_file, storage, n, g, generation, block_size, stop)
                    for n, g in zip(names, groups)]
-    failures = [exc for exc in map(Future.exception, futures) if exc is not None]
-    cause = next((exc for exc in failures if not isinstance(exc, _Stopped)), None)
+    cause = next((exc for exc in map(Future.exception, futures) if exc is not None and not isinstance(exc, _Stopped)),
+                 None)
     if isinstance(cause, OSError):
         raise CheckpointError(f"writing {cause.filename or storage.location} failed: {cause}") from cause
     if cause is not None:

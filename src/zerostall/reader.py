@@ -345,8 +345,7 @@ class Checkpoint:
                 plan.meta.append(fqn(path))
         else:
             piece, offsets, sizes = local_box(value)
-            if seen.get(piece) is None:
-                seen.add(piece, True)
+            if seen.first(piece, True) is None:
                 plan.tensors.append((piece, (offsets, sizes), entry))
 
     def _subtree(self, source: dict[Path, Entry], root: Path, consumed: set[Path]) -> Any:

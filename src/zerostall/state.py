@@ -137,7 +137,7 @@ class _Flattener:
         self.order.append(path)
         if not self.skeleton:
             return None
-        ref = self.flat.refs[path] = Ref(-1)
+        self.flat.refs[path] = ref = Ref(-1)
         return ref
 
 
