@@ -542,7 +542,7 @@ def _write_data(storage: Storage, items: list[WriteItem], generation: str, rank:
     cause = next((exc for exc in map(Future.exception, futures) if exc is not None and not isinstance(exc, _Stopped)),
                  None)
     if isinstance(cause, OSError):
-        raise CheckpointError(f"writing {cause.filename or storage.location} failed: {cause}") from cause
+        raise CheckpointError(f"writing a data file of {storage.location} failed: {cause}") from cause
     if cause is not None:
         raise cause
     files: dict[str, int] = {}

@@ -197,6 +197,7 @@ class CheckpointManager:
                 self._pinned.discard(step)
             self.commit(tag, step)
             return info
+        self._settle_commit()
         handle = self.saver.save(wrapped, path, **options)
         assert handle is not None
         self._committing = committing = Future()
@@ -210,7 +211,9 @@ class CheckpointManager:
             self._pinned.discard(step)
             if fut.exception() is None:
                 self.commit(tag, step)
-        finally:
+        except BaseException as exc:
+            committing.set_exception(exc)  # raised once, by the next wait(), save() or close()
+        else:
             committing.set_result(None)
 
     def create(self, tag: str) -> str:
@@ -220,10 +223,15 @@ class CheckpointManager:
         return os.path.join(self.root, tag)
 
     def commit(self, tag: str, step: int | None) -> None:
-        """After the checkpoint committed: point ``latest`` at it, then apply retention in the background."""
+        """After the checkpoint committed: point ``latest`` at it, then apply retention in the
+        background. If ``latest`` cannot be written (a full disk), raise and delete nothing."""
         if not self.group.is_coordinator:
             return
-        publish(self.root, LATEST_NAME, json.dumps({"tag": tag, "step": step}).encode(), self.fsync)
+        try:
+            publish(self.root, LATEST_NAME, json.dumps({"tag": tag, "step": step}).encode(), self.fsync)
+        except OSError as exc:  # `latest` still names the previous checkpoint, which must stay
+            raise CheckpointError(f"{tag} is committed, but {os.path.join(self.root, LATEST_NAME)} could not be "
+                                  f"pointed at it: {exc}") from exc
         self._pending_delete = self._deleter.submit(self._apply_retention)
 
     # -- reading -------------------------------------------------------------------------------
@@ -326,10 +334,16 @@ class CheckpointManager:
         """Finish the save in flight and the retention it triggered."""
         if self.saver is not None:
             self.saver.wait()
-        if self._committing is not None:
-            self._committing.result()
+        self._settle_commit()
         if self._pending_delete is not None:
             self._pending_delete.result()
+
+    def _settle_commit(self) -> None:
+        """Wait for the commit step (``latest``, retention) of the last asynchronous save; its
+        failure is raised here, once."""
+        committing, self._committing = self._committing, None
+        if committing is not None:
+            committing.result()
 
     def close(self) -> None:
         """Finish pending work, stop background threads and give up the writer lease."""

@@ -78,12 +78,11 @@ class LocalStorage(Storage):
                 written += _writev_all(fd, batch)
             if self.fsync:
                 os.fsync(fd)
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            _remove(path)
+            if isinstance(exc, OSError) and exc.filename is None:
+                exc.filename = path  # writev does not say which file filled the disk
             raise
         os.close(fd)
         return written
@@ -123,14 +122,18 @@ class LocalStorage(Storage):
         tmp = self._path(tmp_name)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
-            _writev_all(fd, [memoryview(data)])
+            try:
+                _writev_all(fd, [memoryview(data)])
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             if self.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        if self.fsync:
-            _fsync_dir(self.location)  # the data files' directory entries are durable before the commit
-        os.replace(tmp, self._path(name))
+                _fsync_dir(self.location)  # the data files' directory entries are durable before the commit
+            os.replace(tmp, self._path(name))
+        except BaseException:
+            _remove(tmp)  # e.g. the disk filled up: leave no half-written temp file behind
+            raise
         if self.fsync:
             _fsync_dir(self.location)
 
@@ -155,6 +158,13 @@ class LocalStorage(Storage):
             fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _writev_all(fd: int, parts: list[memoryview]) -> int:
