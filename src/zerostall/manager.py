@@ -166,10 +166,13 @@ class CheckpointManager:
         self._committing: Future[None] | None = None
         self.lease: WriterLease | None = None
         if self.group.is_coordinator:
-            os.makedirs(self.root, exist_ok=True)
-            self.lease = WriterLease(self.root, lease_ttl, fsync)
-            self.lease.acquire()
-            self._clean_stale_attempts()
+            try:
+                os.makedirs(self.root, exist_ok=True)
+                self.lease = WriterLease(self.root, lease_ttl, fsync)
+                self.lease.acquire()
+                self._clean_stale_attempts()
+            except OSError as exc:
+                raise CheckpointError(f"cannot write checkpoints under {self.root}: {exc}") from exc
 
     # -- deciding and saving -------------------------------------------------------------------
     def should_save(self, step: int) -> bool:

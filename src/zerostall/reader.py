@@ -568,9 +568,12 @@ class Checkpoint:
         """Check every file size and every block checksum; returns bytes checked.
 
         ``progress(nbytes)`` is called from the reader threads as blocks are checked. Raises
-        :class:`CorruptCheckpointError` listing every fault found (``.faults``).
+        :class:`CorruptCheckpointError` listing every fault found (``.faults``), or a plain
+        :class:`CheckpointError` when some bytes could not be read at all (permission denied,
+        I/O errors): such a checkpoint is unverified, not known to be damaged.
         """
         faults: list[str] = []
+        unreadable = False
         for name, size in self.manifest.files.items():
             try:
                 actual = self.storage.size(name)
@@ -590,6 +593,7 @@ class Checkpoint:
         lock = threading.Lock()
 
         def check(entry: Entry, chunk: Chunk) -> None:
+            nonlocal unreadable
             try:
                 step = self._piece_step
                 for piece in range(0, max(chunk.nbytes, 1), step):
@@ -600,12 +604,15 @@ class Checkpoint:
             except CheckpointError as exc:
                 with lock:
                     faults.append(str(exc))
+                    unreadable = unreadable or not isinstance(exc, CorruptCheckpointError)
 
         with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-verify") as pool:
             list(pool.map(lambda job: check(*job), jobs))
         if faults:
-            error = CorruptCheckpointError(f"{self.path} failed verification: " + "; ".join(faults[:10])
-                                           + (f"; … ({len(faults) - 10} more)" if len(faults) > 10 else ""))
+            kind, outcome = (CheckpointError, "could not be verified") if unreadable else \
+                (CorruptCheckpointError, "failed verification")
+            error = kind(f"{self.path} {outcome}: " + "; ".join(faults[:10])
+                         + (f"; … ({len(faults) - 10} more)" if len(faults) > 10 else ""))
             error.faults = faults  # type: ignore[attr-defined]
             raise error
         return sum(c.nbytes for _, c in jobs)
@@ -798,6 +805,7 @@ def load(state: Any, path: str | os.PathLike[str], *, strict: bool = True, proce
 
 def verify(path: str | os.PathLike[str], *, threads: int | None = None,
            progress: Callable[[int], None] | None = None) -> int:
-    """Check every checksum of the checkpoint at ``path``; raises :class:`CorruptCheckpointError`."""
+    """Check every checksum of the checkpoint at ``path``; raises :class:`CorruptCheckpointError`
+    on damage, :class:`CheckpointError` when bytes cannot be read (see :meth:`Checkpoint.verify`)."""
     with open(path, threads=threads) as ck:
         return ck.verify(progress=progress)
