@@ -290,6 +290,24 @@ def test_many_blocks_and_threads(tmp_path):
     zs.verify(tmp_path / "ck")
 
 
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("target_kind", ["float64", "transposed"])
+def test_staged_loads_copy_each_read_as_it_arrives(tmp_path, verify, target_kind):
+    """Loads that cannot read straight into the target (dtype conversion, non-contiguous targets)
+    copy every staged read of 4 KiB (blocks of 4 KiB, a staging bound of 8 KiB on 2 threads) as
+    it arrives: reads start and end in the middle of rows at every level of these shapes."""
+    state = {"a": torch.randn(37, 53, 3), "b": torch.randn(1000), "c": torch.randn(5, 7), "d": torch.tensor(2.5)}
+    zs.save(state, tmp_path / "ck", block_size=4096)
+    if target_kind == "float64":
+        target = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in state.items()}
+    else:
+        target = {k: torch.zeros(tuple(reversed(v.shape))).permute(tuple(reversed(range(v.dim()))))
+                  for k, v in state.items()}
+        assert not target["a"].is_contiguous()
+    zs.load(target, tmp_path / "ck", verify=verify, threads=2, max_staging_bytes=8192)
+    assert all(torch.equal(target[k], state[k].to(target[k].dtype)) for k in state)
+
+
 def test_read_is_memory_mapped_and_state_round_trips(tmp_path):
     state = {"w": torch.randn(64, 64), "n": {"k": [1, 2]}}
     zs.save(state, tmp_path / "ck")

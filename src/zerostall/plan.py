@@ -76,6 +76,32 @@ def element_span(chunk: Box, inner: Box) -> tuple[int, int]:
     return first, last + 1
 
 
+def flat_boxes(sizes: Sequence[int], first: int, end: int) -> list[Box]:
+    """Boxes (offsets, sizes) that tile the elements ``[first, end)`` of a row-major tensor of
+    ``sizes``, in order: a partial row, whole rows, a partial row, each level alike (at most
+    ``2 * ndim - 1`` boxes), so a byte range of stored data can be copied as strided regions."""
+    if first >= end:
+        return []
+    if not sizes:
+        return [((), ())]
+    inner = 1
+    for s in sizes[1:]:
+        inner *= s
+    row, col = divmod(first, inner)
+    last_row, last_col = divmod(end, inner)
+    if row == last_row:
+        return [((row, *o), (1, *s)) for o, s in flat_boxes(sizes[1:], col, last_col)]
+    boxes: list[Box] = []
+    if col:
+        boxes += [((row, *o), (1, *s)) for o, s in flat_boxes(sizes[1:], col, inner)]
+        row += 1
+    if last_row > row:
+        boxes.append(((row, *[0] * (len(sizes) - 1)), (last_row - row, *sizes[1:])))
+    if last_col:
+        boxes += [((last_row, *o), (1, *s)) for o, s in flat_boxes(sizes[1:], 0, last_col)]
+    return boxes
+
+
 # -- the global save plan ------------------------------------------------------------------------
 #
 # Every rank describes what it holds (a "structure": one row per global leaf, no data); the rows

@@ -7,7 +7,9 @@ and through a bounded staging buffer otherwise (dtype conversion, slices, other 
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import functools
 import json
 import heapq
 import logging
@@ -29,14 +31,17 @@ from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpoint
                      IncompleteCheckpointError, StateMismatchError, UnsupportedValueError)
 from .gcpause import gc_paused
 from .format import MANIFEST_NAME, Chunk, Entry, Manifest, file_generation
-from .plan import Box, contiguous_strides, element_span, intersect
+from .plan import Box, contiguous_strides, element_span, flat_boxes, intersect
 from .state import Flat, Path, flatten, fqn, init_optimizer_state, rebuild
 from .storage import Storage, storage_for
 
 log = logging.getLogger(__name__)
 
 _PIECE_BYTES = 32 << 20
+_STAGE_BYTES = 4 << 20  # a staged read: copied into its target while still in the CPU cache
 Piece = tuple[Entry, Chunk, int, memoryview]  # bytes [lo, lo + len(out)) of a chunk, to be read into out
+Staged = tuple[torch.Tensor, Box, Entry, Chunk, Box]  # a target, its box, an entry, a chunk, their overlap
+StageJob = tuple[torch.Tensor, Box, Entry, Chunk, Box, int, int]  # a Staged and chunk bytes [lo, hi) of it
 DEFAULT_STAGING_BYTES = 256 << 20
 KeyFilter = Callable[[str], bool] | Iterable[str] | None
 
@@ -245,8 +250,9 @@ class Checkpoint:
         Collective when distributed: each rank reads only the bytes its targets need (DTensor
         shards reshard from any saved layout). ``broadcast=True`` has one rank read each chunk
         that every rank needs whole and broadcast it to the others. Bytes that cannot go straight
-        into a target pass through staging buffers of at most ``max_staging_bytes`` at a time
-        (pinned when the target is on a GPU), so host memory stays bounded.
+        into a target pass through one staging buffer per reader thread, together at most
+        ``max_staging_bytes`` (and at least a block each; pinned when the target is on a GPU),
+        and are copied into the target by the thread that read them.
         """
         verify = self.verify_reads if verify is None else verify
         flat, plan = self._plan(state, strict, prefix, keys, strip, strict_dtype, materialize)
@@ -372,16 +378,19 @@ class Checkpoint:
         ``id`` is in ``skip`` were already delivered (by broadcast)."""
         direct, staged = self._route(targets, skip)
         with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read") as pool:
-            _run(pool, self.threads, self._read_run, direct, verify)
-            for batch in _batches(staged, lambda s: s[3].nbytes, staging):
-                self._fill_staged(pool, batch, verify)
+            _run(pool, self.threads, self._read_run, _runs(direct, _piece_span), verify)
+            block = self.manifest.block_size
+            step = max(block, min(_STAGE_BYTES, staging // self.threads) // block * block)
+            jobs = [job for item in staged for job in self._stage_jobs(item, step, verify)]
+            stream = torch.cuda.current_stream() if any(job[0].is_cuda for job in jobs) else None
+            stage = functools.partial(self._stage_run, stream=stream)
+            _run(pool, self.threads, stage, _runs(jobs, _job_span), verify)
 
-    def _route(self, targets: list[tuple[torch.Tensor, Box, Entry]], skip: set[int]) -> tuple[
-            list[Piece], list[tuple[torch.Tensor, Box, Entry, Chunk, Box]]]:
+    def _route(self, targets: list[tuple[torch.Tensor, Box, Entry]], skip: set[int]) -> tuple[list[Piece], list[Staged]]:
         """Split the reads for ``targets``: pieces that go straight into a target, and chunk parts
         that go through staging; raise if some part of a target has no stored bytes."""
         direct: list[Piece] = []
-        staged: list[tuple[torch.Tensor, Box, Entry, Chunk, Box]] = []
+        staged: list[Staged] = []
         for target, box, entry in targets:
             covered = 0
             for chunk in entry.chunks:
@@ -465,29 +474,46 @@ class Checkpoint:
         for piece in self._pieces(entry, chunk, 0, tensor_bytes(buf)):
             self._read_piece(*piece, verify)
 
-    def _fill_staged(self, pool: ThreadPoolExecutor, batch: list[tuple[torch.Tensor, Box, Entry, Chunk, Box]],
-                     verify: bool) -> None:
-        copies = []
-        pieces = []
-        block = self.manifest.block_size
-        for target, box, entry, chunk, inter in batch:
-            itemsize = entry.torch_dtype.itemsize
-            first, last = element_span((chunk.offsets, chunk.sizes), inter)
-            lo, hi = first * itemsize, last * itemsize
-            if verify:
-                lo, hi = lo // block * block, min(-(-hi // block) * block, chunk.nbytes)
-            buf = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=target.device.type == "cuda")
-            pieces.extend(self._pieces(entry, chunk, lo, tensor_bytes(buf)))
-            copies.append((target, box, entry, chunk, inter, buf, first * itemsize - lo))
-        _run(pool, self.threads, self._read_run, pieces, verify)
-        with torch.no_grad():
-            for target, box, entry, chunk, inter, buf, skip in copies:
-                if math.prod(inter[1]) == 0:
-                    continue
-                src = buf[skip:].view(entry.torch_dtype).as_strided(inter[1], contiguous_strides(chunk.sizes))
-                target[_region(inter, box)].copy_(src, non_blocking=target.device.type == "cuda")
-        if any(target.is_cuda for target, *_ in batch):
-            torch.cuda.current_stream().synchronize()  # the staging buffers are reused next batch
+    def _stage_jobs(self, item: Staged, step: int, verify: bool) -> list[StageJob]:
+        """Split the stored bytes of ``item``'s intersection into reads of at most ``step`` bytes,
+        whole blocks when verifying, each to be read, checked and copied by one thread."""
+        target, box, entry, chunk, inter = item
+        if math.prod(inter[1]) == 0:
+            return []
+        if inter == (chunk.offsets, chunk.sizes):  # the whole chunk (dtype conversion, other layouts)
+            return [(target, box, entry, chunk, inter, a, min(a + step, chunk.nbytes)) for a in range(0, chunk.nbytes, step)]
+        itemsize = entry.torch_dtype.itemsize
+        first, last = element_span((chunk.offsets, chunk.sizes), inter)
+        lo, hi = first * itemsize, last * itemsize
+        if verify:
+            block = self.manifest.block_size
+            lo, hi = lo // block * block, min(-(-hi // block) * block, chunk.nbytes)
+        return [(target, box, entry, chunk, inter, a, min(a + step, hi)) for a in range(lo, hi, step)]
+
+    def _stage_run(self, run: list[StageJob], verify: bool, stream: Any = None) -> None:
+        """Read jobs that lie back to back in one file into this thread's staging buffer (one read
+        for several small ones) and copy the part of each intersection they hold into its target
+        at once: the bytes are still in the CPU cache, and the copies run in parallel whatever
+        torch's own thread setting. Copies to GPU targets run on the caller's ``stream``, after
+        the work queued there, and are complete when they return (the buffer is reused)."""
+        buf = self._staging(sum(hi - lo for *_, lo, hi in run), pinned=any(job[0].is_cuda for job in run))
+        view, pieces, at = tensor_bytes(buf), [], 0
+        for _, _, entry, chunk, _, lo, hi in run:
+            pieces.append((entry, chunk, lo, view[at:at + hi - lo]))
+            at += hi - lo
+        self._read_run(pieces, verify)
+        at = 0
+        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for target, box, entry, chunk, inter, lo, hi in run:
+                _copy_part(target, box, entry, chunk, inter, lo, buf[at:at + hi - lo].view(entry.torch_dtype))
+                at += hi - lo
+
+    def _staging(self, n: int, pinned: bool) -> torch.Tensor:
+        """This thread's reusable staging buffer of at least ``n`` bytes (pinned for GPU targets)."""
+        buf = getattr(self._scratch, "staging", None)
+        if buf is None or buf.numel() < n or buf.is_pinned() != pinned:
+            buf = self._scratch.staging = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
+        return buf
 
     def _pieces(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview) -> list[Piece]:
         """Split a read of ``chunk`` bytes ``[lo, lo+len(out))`` into block-aligned pieces."""
@@ -672,6 +698,24 @@ def _direct(target: torch.Tensor, box: Box, entry: Entry, chunk: Chunk) -> bool:
             and not target.is_conj() and not target.is_neg())
 
 
+def _copy_part(target: torch.Tensor, box: Box, entry: Entry, chunk: Chunk, inter: Box, lo: int,
+               data: torch.Tensor) -> None:
+    """Copy into ``target`` (holding ``box``) the elements of ``inter`` that lie in ``data``: the
+    chunk's elements from byte ``lo`` on, as strided regions of the row-major chunk."""
+    first = lo // data.itemsize
+    if first == 0 and data.numel() == math.prod(chunk.sizes) and inter == (chunk.offsets, chunk.sizes):
+        (target if inter == box else target[_region(inter, box)]).copy_(data.view(chunk.sizes))
+        return
+    strides = contiguous_strides(chunk.sizes)
+    local = (tuple(o - c for o, c in zip(inter[0], chunk.offsets)), inter[1])
+    base = data.storage_offset() - first  # as_strided counts from the start of the storage
+    for part in flat_boxes(chunk.sizes, first, first + data.numel()):
+        sub = intersect(part, local)
+        if sub is not None:
+            src = data.as_strided(sub[1], strides, base + sum(o * s for o, s in zip(sub[0], strides)))
+            target[_region((tuple(o + c for o, c in zip(sub[0], chunk.offsets)), sub[1]), box)].copy_(src)
+
+
 def _agreed_manifest(storage: Storage, group: Group) -> Manifest:
     """Rank 0 reads the manifest and broadcasts its bytes, so every rank opens the same one
     (even if a save commits meanwhile); an error on rank 0 is raised on every rank."""
@@ -700,21 +744,21 @@ def _decode_safely(entry: Entry) -> None:
             raise CorruptCheckpointError(f"entry {entry.fqn}: {exc}") from exc
 
 
-def _run(pool: ThreadPoolExecutor, threads: int, read: Callable[[list[Piece], bool], None], pieces: list[Piece],
-         verify: bool) -> None:
-    """Read pieces as one task per thread with balanced bytes (largest run first onto the
-    least-loaded thread). Once one thread fails the others stop at their next run, so a bad
-    block is reported without reading the rest of a large checkpoint; the failure is raised
-    when they have stopped."""
-    lanes: list[list[list[Piece]]] = [[] for _ in range(threads)]
+def _run(pool: ThreadPoolExecutor, threads: int, read: Callable[[list[Any], bool], None],
+         runs: list[tuple[list[Any], int]], verify: bool) -> None:
+    """Call ``read`` on runs of work (with their byte counts) as one task per thread with balanced
+    bytes (largest run first onto the least-loaded thread). Once one thread fails the others
+    stop at their next run, so a bad block is reported without reading the rest of a large
+    checkpoint; the failure is raised when they have stopped."""
+    lanes: list[list[list[Any]]] = [[] for _ in range(threads)]
     heap = [(0, i) for i in range(len(lanes))]
-    for run, nbytes in sorted(_runs(pieces), key=lambda r: -r[1]):
+    for run, nbytes in sorted(runs, key=lambda r: -r[1]):
         load, lane = heap[0]
         lanes[lane].append(run)
         heapq.heapreplace(heap, (load + nbytes, lane))
     failed = threading.Event()
 
-    def drain(lane: list[list[Piece]]) -> None:
+    def drain(lane: list[list[Any]]) -> None:
         try:
             for run in lane:
                 if failed.is_set():
@@ -728,25 +772,34 @@ def _run(pool: ThreadPoolExecutor, threads: int, read: Callable[[list[Piece], bo
         fut.result()
 
 
-def _runs(pieces: list[Piece]) -> list[tuple[list[Piece], int]]:
-    """Group pieces that lie back to back in one file into runs of at most a cache piece (with
-    their byte counts), so many small tensors are read by one scatter read; larger pieces stay alone."""
-    runs: list[tuple[list[Piece], int]] = []
-    run: list[Piece] = []
+def _runs(items: list[Any], span: Callable[[Any], tuple[str, int, int]]) -> list[tuple[list[Any], int]]:
+    """Group items whose bytes (``span``: file, offset, length) lie back to back in one file into
+    runs of at most a cache piece (with their byte counts), so many small tensors are read by one
+    scatter read; larger items stay alone."""
+    runs: list[tuple[list[Any], int]] = []
+    run: list[Any] = []
     size = end = 0
-    for piece in sorted(pieces, key=lambda p: (p[1].file, p[1].offset + p[2])):
-        start, n = piece[1].offset + piece[2], len(piece[3])
-        if run and start == end and piece[1].file == run[0][1].file and size + n <= CACHE_PIECE:
-            run.append(piece)
+    file = None
+    for (name, start, n), item in sorted(((span(i), i) for i in items), key=lambda s: s[0][:2]):
+        if run and start == end and name == file and size + n <= CACHE_PIECE:
+            run.append(item)
             size += n
         else:
             if run:
                 runs.append((run, size))
-            run, size = [piece], n
+            run, size, file = [item], n, name
         end = start + n
     if run:
         runs.append((run, size))
     return runs
+
+
+def _piece_span(piece: Piece) -> tuple[str, int, int]:
+    return piece[1].file, piece[1].offset + piece[2], len(piece[3])
+
+
+def _job_span(job: StageJob) -> tuple[str, int, int]:
+    return job[3].file, job[3].offset + job[5], job[6] - job[5]
 
 
 def _batches(items: list[Any], size: Callable[[Any], int], limit: int) -> Iterator[list[Any]]:
