@@ -3,7 +3,7 @@
     python bench/distributed.py [--world N] [--size-mb N] [--reps R] [--dir D] [--json]
 
 N ranks are spawned (torch.multiprocessing, gloo, OMP_NUM_THREADS=1). Together they save and load
-two states with each contender at its defaults, collectively on the default process group:
+three states with each contender at its defaults, collectively on the default process group:
 zerostall (``zs.save(state, path)`` / ``zs.load(state, path)``) and DCP
 (``dcp.save(state, checkpoint_id=path)`` / ``dcp.load(state, checkpoint_id=path)``).
 
@@ -16,7 +16,10 @@ zerostall (``zs.save(state, path)`` / ``zs.load(state, path)``) and DCP
   Linear layers (~60 leaves);
 - replicated (DDP-style): every rank holds the same full plain tensors, ~--size-mb in all, 256
   tensors of mixed sizes and dtypes (``build_state`` of bench/save_load.py). Here zerostall also
-  loads with ``broadcast=True`` (one replica reads each byte, the others receive it over gloo).
+  loads with ``broadcast=True`` (one replica reads each byte, the others receive it over gloo);
+- reshard: 16 float32 matrices (~--size-mb in all) saved as DTensors sharded by rows
+  (``Shard(0)``) and loaded into the same matrices sharded by columns (``Shard(1)``): every rank
+  needs a strided part of every saved shard (as when the tensor-parallel layout changes).
 
 Method: every contender is warmed with one untimed save and load of each state; that load goes
 into the zeroed state and must reproduce it. Then repetitions are interleaved (rep 1: every
@@ -68,7 +71,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import zerostall as zs
 
@@ -78,7 +81,8 @@ MIN_LAYERS = 8
 TRANSFORMER_LAYERS = 16
 VOCAB_PER_DIM = 4  # vocabulary = 4 x width
 RESULT_FILE = "result.json"  # rank 0 hands the result to the parent through this file in the root
-CASES = ("fsdp", "replicated")
+CASES = ("fsdp", "replicated", "reshard")
+RESHARD_TENSORS = 16
 
 
 @dataclass
@@ -218,6 +222,19 @@ def fsdp_state(total_bytes: int, world: int, kind: str) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
+def reshard_states(total_bytes: int, world: int) -> tuple[dict[str, DTensor], dict[str, DTensor]]:
+    """The same global matrices (~total_bytes of float32), sharded by rows for the save and by
+    columns for the load: every loaded shard takes a strided part of every saved one."""
+    mesh = init_device_mesh("cpu", (world,))
+    cols = 1024 * world
+    rows = max(world, total_bytes // (RESHARD_TENSORS * cols * 4) // world * world)
+    torch.manual_seed(1)  # the same values on every rank
+    full = [torch.randn(rows + world * i, cols) for i in range(RESHARD_TENSORS)]
+    by_rows = {f"w{i}": distribute_tensor(t, mesh, [Shard(0)]) for i, t in enumerate(full)}
+    by_cols = {f"w{i}": distribute_tensor(t, mesh, [Shard(1)]) for i, t in enumerate(full)}
+    return by_rows, by_cols
+
+
 def tensors(node: Any) -> Iterator[torch.Tensor]:
     """Every tensor leaf of a nested state, DTensors included."""
     if isinstance(node, torch.Tensor):
@@ -322,27 +339,27 @@ def save(c: Contender, state: Any, path: str, log: RankLog) -> float | None:
 
 
 def warm_up(
-    c: Contender, state: Any, expected: list[torch.Tensor], path: str, log: RankLog
+    c: Contender, state: Any, target: Any, expected: list[torch.Tensor], path: str, log: RankLog
 ) -> None:
-    """One untimed save, then each load into the zeroed state, which must come back as it was."""
+    """One untimed save, then each load into the zeroed target, which must come back as it was."""
     if save(c, state, path, log) is not None:
         plan_s = c.plan_s()
         if plan_s is not None:
             log.plan_s.setdefault("first", []).append(plan_s)
         for op, load in c.loads.items():
-            fill(state, None)
-            _, error = call(load, state, path)
-            error = error or first_error(mismatch(state, expected))
-            fill(state, expected)
+            fill(target, None)
+            _, error = call(load, target, path)
+            error = error or first_error(mismatch(target, expected))
+            fill(target, expected)
             if error:
                 log.errors[op] = error
     remove(path)
 
 
 def timed_rep(
-    c: Contender, state: Any, expected: list[torch.Tensor], path: str, log: RankLog
+    c: Contender, state: Any, target: Any, expected: list[torch.Tensor], path: str, log: RankLog
 ) -> None:
-    """One timed save and each timed load of it, in place into the touched state."""
+    """One timed save and each timed load of it, in place into the touched target."""
     if c.save_op in log.errors:
         return
     seconds = save(c, state, path, log)
@@ -355,28 +372,31 @@ def timed_rep(
             if op in log.errors:
                 continue
             before = rchar()
-            seconds, error = call(load, state, path)
+            seconds, error = call(load, target, path)
             read = rchar() - before
             if error:
                 log.errors[op] = error
-                fill(state, expected)
+                fill(target, expected)
                 continue
             log.seconds.setdefault(op, []).append(seconds)
             log.read_bytes.setdefault(op, []).append(read)
     remove(path)
 
 
-def run_case(name: str, state: Any, cs: list[Contender], root: str, reps: int) -> RankLog:
+def run_case(name: str, state: Any, cs: list[Contender], root: str, reps: int, target: Any = None) -> RankLog:
+    """Save ``state`` and load it into ``target`` (the same global values in another layout; by
+    default ``state`` itself) with every contender, warmed once, then ``reps`` interleaved reps."""
     rank = dist.get_rank()
+    target = state if target is None else target
     log = RankLog(state_bytes=logical_bytes(state), tensors=sum(1 for _ in tensors(state)))
-    expected = snapshot(state)
+    expected = snapshot(target)
     for c in cs:
         if rank == 0:
             progress(f"{name}: warming {c.name}")
-        warm_up(c, state, expected, os.path.join(root, f"{name}-{c.name}-warm"), log)
+        warm_up(c, state, target, expected, os.path.join(root, f"{name}-{c.name}-warm"), log)
     for rep in range(1, reps + 1):
         for c in cs:
-            timed_rep(c, state, expected, os.path.join(root, f"{name}-{c.name}-{rep}"), log)
+            timed_rep(c, state, target, expected, os.path.join(root, f"{name}-{c.name}-{rep}"), log)
         if rank == 0:
             done = {op: round(s[-1], 3) for op, s in log.seconds.items() if len(s) == rep}
             progress(f"{name}: rep {rep}/{reps} rank 0 seconds {done}")
@@ -449,6 +469,8 @@ def worker(rank: int, args: argparse.Namespace, port: int, root: str) -> None:
         logs["replicated"] = run_case(
             "replicated", build_state(total_bytes), rep_cs, root, args.reps
         )
+        by_rows, by_cols = reshard_states(total_bytes, args.world)
+        logs["reshard"] = run_case("reshard", by_rows, cs, root, args.reps, target=by_cols)
         gathered: list[dict[str, RankLog]] | None = [{}] * args.world if rank == 0 else None
         dist.gather_object(logs, gathered, dst=0)
         if gathered is not None:
@@ -456,6 +478,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, root: str) -> None:
                 "cases": {
                     "fsdp": summarize_case([g["fsdp"] for g in gathered], cs),
                     "replicated": summarize_case([g["replicated"] for g in gathered], rep_cs),
+                    "reshard": summarize_case([g["reshard"] for g in gathered], cs),
                 },
                 "plan_s": {
                     f"{when}{suffix(case)}": min_over_ranks([g[case].plan_s.get(when, []) for g in gathered])
