@@ -621,7 +621,7 @@ class Checkpoint:
         def check(entry: Entry, chunk: Chunk) -> None:
             nonlocal unreadable
             try:
-                step = self._piece_step
+                step = self.manifest.block_size  # the scratch stays in the CPU cache: nothing keeps these bytes
                 for piece in range(0, max(chunk.nbytes, 1), step):
                     out = self._scratch_view(min(step, chunk.nbytes - piece))
                     self._read_piece(entry, chunk, piece, out, True)
