@@ -39,6 +39,35 @@ def test_save_commit_latest_and_retention(tmp_path):
         assert mgr.latest() == step_tag(12)
 
 
+def test_each_manifest_is_parsed_once_while_it_stays_the_same(tmp_path, monkeypatch):
+    """Retention lists the checkpoints after every save: without a cache, a long run that keeps
+    every N-th step parses every kept manifest again each time."""
+    from zerostall import manager
+
+    parsed = []
+    original = manager.read_manifest
+
+    def read_manifest(storage):
+        parsed.append(os.path.basename(storage.location))
+        return original(storage)
+
+    monkeypatch.setattr(manager, "read_manifest", read_manifest)
+    with zs.CheckpointManager(tmp_path, keep_every=2) as mgr:
+        for step in range(1, 9):
+            mgr.save(step, part(step))
+            mgr.wait()
+        assert steps_on_disk(tmp_path) == [2, 4, 6, 8]
+        assert sorted(set(parsed)) == [step_tag(s) for s in range(1, 9)] and len(parsed) == 8
+        mgr.save(4, part(40))  # the same tag again: a new manifest, parsed anew
+        mgr.wait()
+        assert parsed[-1] == step_tag(4) and len(parsed) == 9
+        assert mgr.latest() == step_tag(8) and len(parsed) == 9
+    target = part(0)
+    with zs.CheckpointManager(tmp_path) as again:
+        again.restore(target, tag=step_tag(4))
+    assert torch.equal(target["w"], part(40)["w"])
+
+
 def test_open_resolves_latest_named_and_missing(tmp_path):
     with zs.CheckpointManager(tmp_path) as mgr:
         assert mgr.open() is None and mgr.restore(part(0)) is None

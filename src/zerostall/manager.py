@@ -164,6 +164,7 @@ class CheckpointManager:
         self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerostall-retention")
         self._pending_delete: Future[None] | None = None
         self._committing: Future[None] | None = None
+        self._records: dict[str, tuple[tuple[int, int, int], CheckpointRecord]] = {}  # see checkpoints()
         self.lease: WriterLease | None = None
         if self.group.is_coordinator:
             try:
@@ -239,20 +240,33 @@ class CheckpointManager:
 
     # -- reading -------------------------------------------------------------------------------
     def checkpoints(self) -> list[tuple[str, CheckpointRecord]]:
-        """Committed checkpoints (tag, record), oldest step first."""
+        """Committed checkpoints (tag, record), oldest step first. A manifest is parsed once per
+        manager while it stays the same file (retention runs after every save, and a sharded
+        checkpoint's manifest can take a second to parse)."""
         found = []
+        seen: dict[str, tuple[tuple[int, int, int], CheckpointRecord]] = {}
         for name in sorted(os.listdir(self.root)) if os.path.isdir(self.root) else ():
-            path = os.path.join(self.root, name)
-            if name.startswith(".") or not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+            if name.startswith("."):
                 continue
             try:
-                manifest = read_manifest(LocalStorage(path))
-            except CheckpointError:
+                st = os.stat(os.path.join(self.root, name, MANIFEST_NAME))
+            except (FileNotFoundError, NotADirectoryError):
                 continue
-            metadata = manifest.metadata if isinstance(manifest.metadata, dict) else {}
-            metrics = numeric_metrics(metadata.get("metrics") or {})
-            step = manifest.step if manifest.step is not None else -1
-            found.append((name, CheckpointRecord(step, manifest.created, metrics)))
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            cached = self._records.get(name)
+            if cached is not None and cached[0] == key:
+                record = cached[1]
+            else:
+                try:
+                    manifest = read_manifest(LocalStorage(os.path.join(self.root, name)))
+                except CheckpointError:
+                    continue
+                metadata = manifest.metadata if isinstance(manifest.metadata, dict) else {}
+                metrics = numeric_metrics(metadata.get("metrics") or {})
+                record = CheckpointRecord(manifest.step if manifest.step is not None else -1, manifest.created, metrics)
+            seen[name] = (key, record)
+            found.append((name, record))
+        self._records = seen
         return sorted(found, key=lambda item: (item[1].step, item[0]))
 
     def latest(self) -> str | None:
