@@ -440,3 +440,25 @@ def test_a_bad_block_stops_the_other_reader_threads(tmp_path, monkeypatch, task_
     with pytest.raises(zs.CorruptCheckpointError, match="block 0"):
         zs.load({"a": torch.empty(1 << 20), "b": torch.empty(1 << 20)}, path, threads=2)
     assert len(log.tasks) == 2 and len(runs_after) <= 1  # of its 8 runs: the one it had begun, if any
+
+
+def test_the_manifest_head_matches_the_whole_manifest_and_is_checked_whole(tmp_path):
+    """Listing reads only a manifest's leading fields, but still checks its checksum over every byte."""
+    from zerostall.format import MANIFEST_NAME, ManifestHead
+    from zerostall.reader import read_manifest, read_manifest_head
+    from zerostall.storage import LocalStorage
+
+    path = tmp_path / "ck"
+    tricky = '"files": {"x": 1}}, "entries": [ \\" {'  # JSON syntax inside a string value
+    zs.save({"w": torch.randn(8), "n": {"k": 1}}, path, step=12, metadata={"metrics": {"loss": 0.5}, "note": tricky})
+    storage = LocalStorage(str(path))
+    head, whole = read_manifest_head(storage), read_manifest(storage)
+    assert isinstance(head, ManifestHead)
+    assert (head.generation, head.files, head.world_size, head.block_size, head.step, head.metadata, head.created,
+            head.version) == (whole.generation, whole.files, whole.world_size, whole.block_size, whole.step,
+                              whole.metadata, whole.created, whole.version)
+    raw = (path / MANIFEST_NAME).read_bytes()
+    at = raw.rindex(b'"entries"') + 20  # a byte the head itself never parses
+    (path / MANIFEST_NAME).write_bytes(raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1:])
+    with pytest.raises(zs.CorruptCheckpointError, match="checksum"):
+        read_manifest_head(storage)

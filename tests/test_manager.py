@@ -45,13 +45,13 @@ def test_each_manifest_is_parsed_once_while_it_stays_the_same(tmp_path, monkeypa
     from zerostall import manager
 
     parsed = []
-    original = manager.read_manifest
+    original = manager.read_manifest_head
 
-    def read_manifest(storage):
+    def read_manifest_head(storage):
         parsed.append(os.path.basename(storage.location))
         return original(storage)
 
-    monkeypatch.setattr(manager, "read_manifest", read_manifest)
+    monkeypatch.setattr(manager, "read_manifest_head", read_manifest_head)
     with zs.CheckpointManager(tmp_path, keep_every=2) as mgr:
         for step in range(1, 9):
             mgr.save(step, part(step))

@@ -27,6 +27,7 @@ from rich.table import Column, Table
 import zerostall as zs
 from zerostall.format import MANIFEST_NAME, Entry, file_generation
 from zerostall.manager import LATEST_NAME, LEASE_NAME, WriterLease, delete_checkpoint
+from zerostall.reader import read_manifest_head
 from zerostall.retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
 from zerostall.storage import storage_for
 
@@ -113,8 +114,7 @@ def describe(path: Path) -> Listing:
     """Read a checkpoint's manifest and classify it as committed, incomplete or corrupt."""
     listing = Listing(name=path.name, path=str(path), status="committed")
     try:
-        with zs.open(path, verify=False) as ck:
-            manifest = ck.manifest
+        manifest = read_manifest_head(storage_for(path))
     except zs.IncompleteCheckpointError:
         listing.status = "incomplete"
     except zs.CheckpointError as exc:

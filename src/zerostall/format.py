@@ -8,6 +8,7 @@ checksum per fixed-size block. See docs/format.md for the full description.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -233,22 +234,11 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, raw: bytes, decode_path, where: str) -> "Manifest":
-        prefix, separator, suffix = b'{"checksum":"', b'","manifest":', b"}\n"
-        head = len(prefix) + 16 + len(separator)
-        body = raw[head:-len(suffix)]
-        digest = raw[len(prefix):len(prefix) + 16]
-        if (raw[:len(prefix)] != prefix or raw[len(prefix) + 16:head] != separator or not raw.endswith(suffix)
-                or xxhash.xxh3_64_hexdigest(body).encode() != digest):
-            raise CorruptCheckpointError(f"manifest {where} fails its checksum (damaged or not a zerostall manifest)")
         try:
-            d = load_json(body)
+            d = load_json(_checked_body(raw, where))
         except ValueError as exc:
             raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
-        if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
-            raise CorruptCheckpointError(f"{where} is not a zerostall manifest")
-        if d["version"] > FORMAT_VERSION:
-            raise CorruptCheckpointError(
-                f"manifest {where} has format version {d['version']}; this zerostall reads <= {FORMAT_VERSION}")
+        _check_format(d, where)
         try:
             return cls(
                 generation=d["generation"], entries=[Entry.from_json(e, decode_path) for e in d["entries"]],
@@ -258,6 +248,87 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptCheckpointError(f"manifest {where} is malformed: {exc!r}") from exc
+
+
+@dataclass
+class ManifestHead:
+    """A manifest without its entries and tree: what listing and ranking checkpoints need, read
+    from the leading fields of the body (whose checksum is still checked whole), so a
+    checkpoint of a hundred thousand entries is listed in milliseconds."""
+
+    generation: str
+    files: dict[str, int]
+    world_size: int
+    block_size: int
+    step: int | None
+    metadata: Any
+    created: float
+    version: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.files.values())
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: str) -> "ManifestHead":
+        wanted = {"format", *(f.name for f in dataclasses.fields(cls))}
+        try:
+            d = _leading_members(_checked_body(raw, where).decode(), wanted)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
+        _check_format(d, where)
+        try:
+            return cls(generation=d["generation"], files=dict(d["files"]), world_size=d["world_size"],
+                       block_size=d["block_size"], step=d["step"], metadata=d["metadata"], created=d["created"],
+                       version=d["version"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptCheckpointError(f"manifest {where} is malformed: {exc!r}") from exc
+
+
+def _checked_body(raw: bytes, where: str) -> bytes:
+    """The manifest body inside ``{"checksum": H, "manifest": BODY}``, once its xxh3-64 matches H."""
+    prefix, separator, suffix = b'{"checksum":"', b'","manifest":', b"}\n"
+    head = len(prefix) + 16 + len(separator)
+    body = raw[head:-len(suffix)]
+    digest = raw[len(prefix):len(prefix) + 16]
+    if (raw[:len(prefix)] != prefix or raw[len(prefix) + 16:head] != separator or not raw.endswith(suffix)
+            or xxhash.xxh3_64_hexdigest(body).encode() != digest):
+        raise CorruptCheckpointError(f"manifest {where} fails its checksum (damaged or not a zerostall manifest)")
+    return body
+
+
+def _check_format(d: Any, where: str) -> None:
+    if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where} is not a zerostall manifest")
+    if not isinstance(d.get("version"), int) or d["version"] > FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"manifest {where} has format version {d.get('version')}; this zerostall reads <= {FORMAT_VERSION}")
+
+
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _leading_members(text: str, wanted: set[str]) -> dict[str, Any]:
+    """The members of the JSON object ``text``, parsed in order until every key of ``wanted`` has
+    been read (the rest is left unparsed). Raises ``ValueError`` on malformed input."""
+    decode = json.JSONDecoder().raw_decode
+    found: dict[str, Any] = {}
+    at = _SPACE.match(text, 0).end()
+    if text[at:at + 1] != "{":
+        raise ValueError("the manifest body is not an object")
+    at = _SPACE.match(text, at + 1).end()
+    while not wanted <= found.keys() and text[at:at + 1] != "}":
+        key, at = decode(text, at)
+        at = _SPACE.match(text, at).end()
+        if not isinstance(key, str) or text[at:at + 1] != ":":
+            raise ValueError(f"expected a member name and ':' at character {at}")
+        found[key], at = decode(text, _SPACE.match(text, at + 1).end())
+        at = _SPACE.match(text, at).end()
+        if text[at:at + 1] == ",":
+            at = _SPACE.match(text, at + 1).end()
+        elif text[at:at + 1] != "}":
+            raise ValueError(f"expected ',' or '}}' at character {at}")
+    return found
 
 
 @dataclass(slots=True)

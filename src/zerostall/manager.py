@@ -30,7 +30,7 @@ from .collectives import Group
 from .engine import SaveInfo, save
 from .errors import CheckpointError, CheckpointNotFoundError
 from .format import MANIFEST_NAME
-from .reader import Checkpoint, read_manifest
+from .reader import Checkpoint, read_manifest_head
 from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
 from .state import RankLocal, rank_local
 from .storage import LocalStorage
@@ -240,9 +240,8 @@ class CheckpointManager:
 
     # -- reading -------------------------------------------------------------------------------
     def checkpoints(self) -> list[tuple[str, CheckpointRecord]]:
-        """Committed checkpoints (tag, record), oldest step first. A manifest is parsed once per
-        manager while it stays the same file (retention runs after every save, and a sharded
-        checkpoint's manifest can take a second to parse)."""
+        """Committed checkpoints (tag, record), oldest step first. Only the head of each manifest
+        is parsed, once per manager while it stays the same file (retention runs after every save)."""
         found = []
         seen: dict[str, tuple[tuple[int, int, int], CheckpointRecord]] = {}
         for name in sorted(os.listdir(self.root)) if os.path.isdir(self.root) else ():
@@ -258,7 +257,7 @@ class CheckpointManager:
                 record = cached[1]
             else:
                 try:
-                    manifest = read_manifest(LocalStorage(os.path.join(self.root, name)))
+                    manifest = read_manifest_head(LocalStorage(os.path.join(self.root, name)))
                 except CheckpointError:
                     continue
                 metadata = manifest.metadata if isinstance(manifest.metadata, dict) else {}

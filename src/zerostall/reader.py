@@ -30,7 +30,7 @@ from .memory import tensor_bytes
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      IncompleteCheckpointError, StateMismatchError, UnsupportedValueError)
 from .gcpause import gc_paused
-from .format import MANIFEST_NAME, Chunk, Entry, Manifest, file_generation
+from .format import MANIFEST_NAME, Chunk, Entry, Manifest, ManifestHead, file_generation
 from .plan import Box, contiguous_strides, element_span, flat_boxes, intersect
 from .state import Flat, Path, flatten, fqn, init_optimizer_state, rebuild
 from .storage import Storage, storage_for
@@ -93,6 +93,11 @@ def parse_manifest(storage: Storage, raw: bytes) -> Manifest:
 def read_manifest(storage: Storage) -> Manifest:
     """The committed manifest at ``storage``."""
     return parse_manifest(storage, read_manifest_bytes(storage))
+
+
+def read_manifest_head(storage: Storage) -> ManifestHead:
+    """The committed manifest at ``storage`` without its entries (checksum still checked)."""
+    return ManifestHead.from_bytes(read_manifest_bytes(storage), os.path.join(storage.location, MANIFEST_NAME))
 
 
 class Checkpoint:
