@@ -391,7 +391,8 @@ class Checkpoint:
             stage = functools.partial(self._stage_run, stream=stream)
             _run(pool, self.threads, stage, _runs(jobs, _job_span), verify)
 
-    def _route(self, targets: list[tuple[torch.Tensor, Box, Entry]], skip: set[int]) -> tuple[list[Piece], list[Staged]]:
+    def _route(self, targets: list[tuple[torch.Tensor, Box, Entry]],
+               skip: set[int]) -> tuple[list[Piece], list[Staged]]:
         """Split the reads for ``targets``: pieces that go straight into a target, and chunk parts
         that go through staging; raise if some part of a target has no stored bytes."""
         direct: list[Piece] = []
@@ -486,13 +487,14 @@ class Checkpoint:
         if math.prod(inter[1]) == 0:
             return []
         if inter == (chunk.offsets, chunk.sizes):  # the whole chunk (dtype conversion, other layouts)
-            return [(target, box, entry, chunk, inter, a, min(a + step, chunk.nbytes)) for a in range(0, chunk.nbytes, step)]
-        itemsize = entry.torch_dtype.itemsize
-        first, last = element_span((chunk.offsets, chunk.sizes), inter)
-        lo, hi = first * itemsize, last * itemsize
-        if verify:
-            block = self.manifest.block_size
-            lo, hi = lo // block * block, min(-(-hi // block) * block, chunk.nbytes)
+            lo, hi = 0, chunk.nbytes
+        else:
+            itemsize = entry.torch_dtype.itemsize
+            first, last = element_span((chunk.offsets, chunk.sizes), inter)
+            lo, hi = first * itemsize, last * itemsize
+            if verify:
+                block = self.manifest.block_size
+                lo, hi = lo // block * block, min(-(-hi // block) * block, chunk.nbytes)
         return [(target, box, entry, chunk, inter, a, min(a + step, hi)) for a in range(lo, hi, step)]
 
     def _stage_run(self, run: list[StageJob], verify: bool, stream: Any = None) -> None:
