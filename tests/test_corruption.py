@@ -237,6 +237,28 @@ def test_every_single_byte_flip_in_manifest_is_caught(saved):
     assert not undetected, f"byte flips in manifest.json ({len(raw)} bytes) not detected at {undetected}"
 
 
+def test_a_forged_manifest_nested_too_deep_is_refused_with_a_typed_error(tmp_path):
+    """A manifest whose checksum matches (forged, not damaged) but whose metadata nests deeper than
+    any JSON parser goes: a CorruptCheckpointError, not a RecursionError, from open and from listing."""
+    import xxhash
+
+    from zerostall.reader import read_manifest_head
+    from zerostall.storage import LocalStorage
+
+    path = tmp_path / "ck"
+    zs.save({"w": torch.ones(2)}, path)
+    raw = (path / "manifest.json").read_bytes()
+    body = raw[len(b'{"checksum":"') + 16 + len(b'","manifest":'):-2]
+    assert b'"metadata":{}' in body
+    body = body.replace(b'"metadata":{}', b'"metadata":' + b"[" * 100_000 + b"]" * 100_000)
+    digest = xxhash.xxh3_64_hexdigest(body).encode()
+    (path / "manifest.json").write_bytes(b'{"checksum":"%s","manifest":%s}\n' % (digest, body))
+    with pytest.raises(zs.CorruptCheckpointError, match="not valid JSON"):
+        zs.open(path)
+    with pytest.raises(zs.CorruptCheckpointError, match="not valid JSON"):
+        read_manifest_head(LocalStorage(str(path)))
+
+
 def test_truncated_manifest(saved):
     path, _ = saved
     manifest = os.path.join(path, "manifest.json")

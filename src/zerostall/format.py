@@ -236,7 +236,7 @@ class Manifest:
     def from_bytes(cls, raw: bytes, decode_path, where: str) -> "Manifest":
         try:
             d = load_json(_checked_body(raw, where))
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # nesting deeper than any parser goes
             raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
         _check_format(d, where)
         try:
@@ -274,7 +274,7 @@ class ManifestHead:
         wanted = {"format", *(f.name for f in dataclasses.fields(cls))}
         try:
             d = _leading_members(_checked_body(raw, where).decode(), wanted)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
         _check_format(d, where)
         try:
