@@ -235,9 +235,13 @@ def test_start_up_removes_attempts_and_interrupted_cleanups(tmp_path):
     uncommitted_step(tmp_path, 1)
     zs.save(part(2), os.path.join(tmp_path, step_tag(2)), step=2)
     os.makedirs(tmp_path / ".deleting-step_000000003.1234abcd" / "deep")
+    for name in ("latest.1234abcd.tmp", ".writer-lease.5678ef01.tmp", "latest.9abc0123.tmp"):
+        (tmp_path / name).write_text("{")  # publishes a crash interrupted...
+        os.utime(tmp_path / name, (time.time() - 3600,) * 2)
+    (tmp_path / "latest.fresh000.tmp").write_text("{")  # ...and one that may be another writer's, in flight
     with zs.CheckpointManager(tmp_path) as mgr:
         assert mgr.latest() == step_tag(2)
-    assert os.listdir(tmp_path) == [step_tag(2)]
+    assert sorted(os.listdir(tmp_path)) == ["latest.fresh000.tmp", step_tag(2)]
 
 
 def open_repeatedly(root: str, rounds: int) -> list[str | None]:

@@ -133,6 +133,16 @@ class WriterLease:
                 pass
 
 
+def _remove_if_older(path: str, seconds: float) -> None:
+    """Remove ``path`` if it was last modified more than ``seconds`` ago (a file that young may
+    belong to a writer that is still running)."""
+    try:
+        if time.time() - os.stat(path).st_mtime > seconds:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 class CheckpointManager:
     """Steps and tags under one root: ``save`` (create → save → commit), ``open``, ``restore``,
     ``latest``, retention. Collective when distributed: every rank makes the same calls.
@@ -324,15 +334,18 @@ class CheckpointManager:
                 delete_checkpoint(os.path.join(self.root, tag))
 
     def _clean_stale_attempts(self) -> None:
-        """Remove step directories that never committed: we hold the lease, so their writer is dead.
+        """Remove step directories that never committed: we hold the lease, so their writer is dead
+        (and temp files of ``latest``/lease updates that a crash interrupted).
 
-        Each is first renamed out of the way in one atomic step, so that a writer that outlived
+        Each directory is first renamed out of the way in one atomic step, so that a writer that outlived
         its lease can never commit a manifest into a directory whose data files are being deleted:
         its commit then fails, or came first and the directory is put back whole."""
         for name in os.listdir(self.root):
             path = os.path.join(self.root, name)
             if name.startswith(_TRASH_PREFIX):
                 shutil.rmtree(path, ignore_errors=True)  # a cleanup that a crash interrupted
+            elif name.startswith((f"{LATEST_NAME}.", f"{LEASE_NAME}.")) and name.endswith(".tmp"):
+                _remove_if_older(path, self.lease.ttl)  # a publish that a crash interrupted
             elif name.startswith("step_") and os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST_NAME)):
                 trash = os.path.join(self.root, f"{_TRASH_PREFIX}{name}.{secrets.token_hex(4)}")
                 try:
