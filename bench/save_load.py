@@ -11,7 +11,9 @@ for a disk):
 - DCP at its defaults, and tuned (``FileSystemWriter`` with ``zs.default_threads()`` threads and
   ``sync_files`` matching zerostall's fsync), in one process without a process group;
 - ``torch.save`` / ``torch.load`` + ``copy_`` into the target;
-- safetensors ``save_file`` / ``load_file`` + ``copy_`` into the target;
+- safetensors ``save_file`` / ``load_file`` + ``copy_`` into the target (``load_file`` memory-maps);
+  neither of these two fsyncs (their defaults): on a disk their saves return before the data is
+  durable, so they are not comparable with the fsync'd saves above (JSON ``unsynced_saves``);
 - raw: plain ``os.write`` of the tensor bytes (fsync'd per file, as zerostall fsyncs) and
   ``os.preadv`` back into the target, with 1 thread and with ``zs.default_threads()`` threads
   (one file per thread, bytes balanced): the floor no library can beat;
@@ -380,6 +382,7 @@ def main() -> None:
             "dir": args.dir,
             "fsync": FSYNC,
             "raw_fsync": FSYNC,
+            "unsynced_saves": ["torch", "safetensors"],
             "torch_version": torch.__version__,
             "seconds": {key: [round(s, 4) for s in v] for key, v in seconds.items()},
         }
