@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import torch
 
@@ -89,12 +90,12 @@ def manager_scenario(root: str, async_save: bool) -> dict:
     except Exception as exc:
         report = {"error": type(exc).__name__, "message": str(exc)}
     report["files"] = sorted(os.listdir(path))
-    report["latest"] = open(os.path.join(path, "latest")).read()
+    report["latest"] = Path(path, "latest").read_text()
     os.remove(os.path.join(root, "filler"))
     mgr.save(3, state(3))  # with space again: `latest` moves on and retention catches up
     mgr.close()
     report["files_after_next_save"] = sorted(os.listdir(path))
-    report["latest_after_next_save"] = open(os.path.join(path, "latest")).read()
+    report["latest_after_next_save"] = Path(path, "latest").read_text()
     target = {"w": torch.zeros(N), "step": None}
     with zs.CheckpointManager(path) as again:
         report["restored"] = again.restore(target)
