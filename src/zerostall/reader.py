@@ -382,14 +382,17 @@ class Checkpoint:
         the target's box and layouts match, through staging buffers otherwise. Chunks whose
         ``id`` is in ``skip`` were already delivered (by broadcast)."""
         direct, staged = self._route(targets, skip)
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read") as pool:
-            _run(pool, self.threads, self._read_run, _runs(direct, _piece_span), verify)
-            block = self.manifest.block_size
-            step = max(block, min(_STAGE_BYTES, staging // self.threads) // block * block)
-            jobs = [job for item in staged for job in self._stage_jobs(item, step, verify)]
-            stream = torch.cuda.current_stream() if any(job[0].is_cuda for job in jobs) else None
-            stage = functools.partial(self._stage_run, stream=stream)
-            _run(pool, self.threads, stage, _runs(jobs, _job_span), verify)
+        try:
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read") as pool:
+                _run(pool, self.threads, self._read_run, _runs(direct, _piece_span), verify)
+                block = self.manifest.block_size
+                step = max(block, min(_STAGE_BYTES, staging // self.threads) // block * block)
+                jobs = [job for item in staged for job in self._stage_jobs(item, step, verify)]
+                stream = torch.cuda.current_stream() if any(job[0].is_cuda for job in jobs) else None
+                stage = functools.partial(self._stage_run, stream=stream)
+                _run(pool, self.threads, stage, _runs(jobs, _job_span), verify)
+        finally:
+            self.storage.close()  # the files these threads held open: the next fill has new threads
 
     def _route(self, targets: list[tuple[torch.Tensor, Box, Entry]],
                skip: set[int]) -> tuple[list[Piece], list[Staged]]:
@@ -639,8 +642,11 @@ class Checkpoint:
                     faults.append(str(exc))
                     unreadable = unreadable or not isinstance(exc, CorruptCheckpointError)
 
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-verify") as pool:
-            list(pool.map(lambda job: check(*job), jobs))
+        try:
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-verify") as pool:
+                list(pool.map(lambda job: check(*job), jobs))
+        finally:
+            self.storage.close()
         if faults:
             kind, outcome = (CheckpointError, "could not be verified") if unreadable else \
                 (CorruptCheckpointError, "failed verification")

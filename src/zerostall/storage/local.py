@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import resource
 import threading
 from typing import Callable, Iterable
 
@@ -28,7 +29,11 @@ class LocalStorage(Storage):
     def __init__(self, root: str, *, fsync: bool = True) -> None:
         self.location = os.path.abspath(root)
         self.fsync = fsync
-        self._fds: dict[str, int] = {}
+        self._local = threading.local()  # .fds: this thread's open files, in the order it opened them
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self._fds_per_thread = max(2, min(64, limit // 64))  # 16 at the usual limit of 1024
+        self._maps_left = max(1, limit // 4)  # see memory_map
+        self._caches: list[dict[str, int]] = []  # every thread's, so close() can close them all
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, object]:
@@ -88,15 +93,21 @@ class LocalStorage(Storage):
         return written
 
     def _fd(self, name: str) -> int:
-        fd = self._fds.get(name)  # the common case takes no lock: reader threads ask once per piece
-        if fd is not None:
-            return fd
-        with self._lock:
-            fd = self._fds.get(name)
-            if fd is None:
-                fd = os.open(self._path(name), os.O_RDONLY | os.O_CLOEXEC)
-                self._fds[name] = fd
-            return fd
+        """A read descriptor of ``name``, from this thread's cache of at most ``_fds_per_thread``:
+        a checkpoint written by a thousand ranks has thousands of files, more than a process may
+        hold open. No lock on the common path (reader threads ask once per piece); per thread, so
+        no descriptor is closed while another thread reads through it."""
+        cache = getattr(self._local, "fds", None)
+        if cache is None:
+            cache = self._local.fds = {}
+            with self._lock:
+                self._caches.append(cache)
+        fd = cache.get(name)
+        if fd is None:
+            if len(cache) >= self._fds_per_thread:
+                os.close(cache.pop(next(iter(cache))))  # the one opened first: reads go file by file
+            fd = cache[name] = os.open(self._path(name), os.O_RDONLY | os.O_CLOEXEC)
+        return fd
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         done = os.preadv(self._fd(name), [out], offset)  # one call in the common case: a piece costs one syscall
@@ -139,8 +150,8 @@ class LocalStorage(Storage):
 
     def delete(self, name: str) -> None:
         with self._lock:
-            fd = self._fds.pop(name, None)
-        if fd is not None:
+            fds = [fd for cache in self._caches if (fd := cache.pop(name, None)) is not None]
+        for fd in fds:
             os.close(fd)
         try:
             os.unlink(self._path(name))
@@ -148,6 +159,12 @@ class LocalStorage(Storage):
             pass
 
     def memory_map(self, name: str) -> memoryview | None:
+        """A copy-on-write map of ``name``; None (read by copying instead) for an empty file and
+        beyond ``_maps_left`` maps, since each map holds a file descriptor as long as it lives."""
+        with self._lock:
+            if self._maps_left <= 0:
+                return None
+            self._maps_left -= 1
         with open(self._path(name), "rb") as f:
             if os.fstat(f.fileno()).st_size == 0:
                 return None
@@ -155,9 +172,11 @@ class LocalStorage(Storage):
 
     def close(self) -> None:
         with self._lock:
-            fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
+            caches, self._caches, self._local = self._caches, [], threading.local()
+        for cache in caches:
+            for fd in cache.values():
+                os.close(fd)
+            cache.clear()
 
 
 def _remove(path: str) -> None:
