@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -107,12 +108,12 @@ CHILD = textwrap.dedent('''
 
         local._writev_all = _writev_all
     elif stage == "before_manifest":
-        def commit(storage, manifest):
+        def commit(storage, manifest, previous):
             die("commit entry")
 
         engine.commit = commit
     elif stage == "before_rename":
-        def publish(self, name, tmp_name, data):
+        def publish(self, name, tmp_name, data, before_replace=None):
             # what LocalStorage.publish does up to the rename: the temp file, written and fsync'd
             fd = os.open(self._path(tmp_name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             local._writev_all(fd, [memoryview(data)])
@@ -124,8 +125,8 @@ CHILD = textwrap.dedent('''
     elif stage == "after_rename":
         original_publish = local.LocalStorage.publish
 
-        def publish(self, name, tmp_name, data):
-            original_publish(self, name, tmp_name, data)
+        def publish(self, name, tmp_name, data, before_replace=None):
+            original_publish(self, name, tmp_name, data, before_replace)
             die("just after the manifest rename")
 
         local.LocalStorage.publish = publish
@@ -339,3 +340,55 @@ def test_a_write_that_makes_no_progress_fails_the_save(tmp_path, monkeypatch):
         zs.save(make_state(2), path)
     monkeypatch.undo()
     assert_is_state(load_fresh(path), 1)
+
+
+@pytest.mark.parametrize("when", ["before_its_writes", "after_its_writes"])
+def test_an_older_save_does_not_commit_over_a_newer_one(tmp_path, monkeypatch, when):
+    """Two writers on one path (no manager to refuse the second): save B starts later than save A
+    and commits while A is in flight, removing older generations' files on its way out (A's, when A
+    had written them). A must then be refused, not commit a manifest over B's whose data files may
+    be gone; B's checkpoint stays whole and A's files are removed."""
+    from zerostall import engine
+
+    path = tmp_path / "ck"
+    zs.save(make_state(1), path)
+    prepared = engine.prepare(make_state(2), path)  # A: its generation is taken now
+    if when == "before_its_writes":
+        original_create = engine._create
+
+        def _create(storage):  # A begins writing: B runs and commits now
+            monkeypatch.setattr(engine, "_create", original_create)
+            zs.save(make_state(3), path)
+            original_create(storage)
+
+        monkeypatch.setattr(engine, "_create", _create)
+    else:
+        original = engine.commit
+
+        def commit(storage, manifest, previous):  # A has written its data files: B runs and commits now
+            monkeypatch.setattr(engine, "commit", original)
+            zs.save(make_state(3), path)
+            original(storage, manifest, previous)
+
+        monkeypatch.setattr(engine, "commit", commit)
+    with pytest.raises(zs.CheckpointError, match="another save .* committed there while it was in flight"):
+        engine.persist(prepared)
+    assert_is_state(load_fresh(path), 3)
+    assert zs.verify(path) > 0
+    assert not [n for n in os.listdir(path) if n.startswith(prepared.generation)]
+
+
+def test_a_save_over_a_checkpoint_from_a_clock_ahead_commits(tmp_path, monkeypatch):
+    """Generations carry the writer's clock; a checkpoint written by a machine whose clock ran an
+    hour ahead (copied here, or before an NTP step back) must not make later saves into its path
+    look older than it and be refused."""
+    from zerostall import engine
+
+    path = tmp_path / "ck"
+    ahead = time.time_ns() + 3600 * 10**9
+    monkeypatch.setattr(engine.time, "time_ns", lambda: ahead)
+    zs.save(make_state(1), path)
+    monkeypatch.undo()
+    zs.save(make_state(2), path)
+    assert_is_state(load_fresh(path), 2)
+    assert zs.verify(path) > 0

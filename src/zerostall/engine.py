@@ -393,6 +393,7 @@ def persist(prepared: Prepared) -> SaveInfo:
     for item in p.items:
         if item.tensor.device.type != "cpu":
             item.tensor = item.tensor.cpu()
+    previous = manifest_generation(storage) if group.is_coordinator else None  # see commit()
     try:
         _create(storage)
         files = _write_data(storage, p.items, generation, group.rank, p.threads, p.block_size)
@@ -412,7 +413,7 @@ def persist(prepared: Prepared) -> SaveInfo:
             others = await_records(storage, generation, list(range(1, group.size)), p.commit_timeout)
             with gc_paused():
                 commit(storage, assemble(p.collected, p.plan, files, others, generation, group.size, p.step,
-                                         p.metadata, p.block_size))
+                                         p.metadata, p.block_size), previous)
         else:
             await_commit(storage, generation, p.commit_timeout)
     except BaseException as exc:
@@ -554,10 +555,21 @@ def _write_data(storage: Storage, items: list[WriteItem], generation: str, rank:
     return files
 
 
-def commit(storage: Storage, manifest: Manifest) -> None:
-    """Publish the manifest: the single atomic step that makes the checkpoint exist."""
+def commit(storage: Storage, manifest: Manifest, previous: str | None) -> None:
+    """Publish the manifest: the single atomic step that makes the checkpoint exist. Refused at the
+    last moment if the manifest in place is no longer ``previous`` (the generation this save
+    found when it began writing): another save committed into the path meanwhile (two writers on
+    one path), its clean-up may have removed this save's data files, and its checkpoint stays."""
+    def unchanged() -> None:
+        current = manifest_generation(storage)
+        if current != previous:
+            raise CheckpointError(f"the save {manifest.generation} into {storage.location} was not committed: "
+                                  f"another save ({current}) committed there while it was in flight (two writers "
+                                  "on one path?); that checkpoint is kept")
+
     try:
-        storage.publish(MANIFEST_NAME, manifest_tmp_name(manifest.generation), manifest.to_bytes(encode_path))
+        storage.publish(MANIFEST_NAME, manifest_tmp_name(manifest.generation), manifest.to_bytes(encode_path),
+                        before_replace=unchanged)
     except OSError as exc:
         raise CheckpointError(f"committing the manifest in {storage.location} failed: {exc}") from exc
 

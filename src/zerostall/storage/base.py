@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterable
+from typing import Callable, Iterable
 
 
 class Storage(ABC):
@@ -55,8 +55,10 @@ class Storage(ABC):
         return self.read_bytes(name)[:n]
 
     @abstractmethod
-    def publish(self, name: str, tmp_name: str, data: bytes) -> None:
-        """Atomically make ``name`` hold ``data``: readers see the old content or the new, whole."""
+    def publish(self, name: str, tmp_name: str, data: bytes,
+                before_replace: Callable[[], None] | None = None) -> None:
+        """Atomically make ``name`` hold ``data``: readers see the old content or the new, whole.
+        ``before_replace`` runs at the last moment before the switch; if it raises, nothing changes."""
 
     @abstractmethod
     def delete(self, name: str) -> None:

@@ -129,7 +129,8 @@ class LocalStorage(Storage):
         with open(self._path(name), "rb") as f:
             return f.read(n)
 
-    def publish(self, name: str, tmp_name: str, data: bytes) -> None:
+    def publish(self, name: str, tmp_name: str, data: bytes,
+                before_replace: Callable[[], None] | None = None) -> None:
         tmp = self._path(tmp_name)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
@@ -141,6 +142,8 @@ class LocalStorage(Storage):
                 os.close(fd)
             if self.fsync:
                 _fsync_dir(self.location)  # the data files' directory entries are durable before the commit
+            if before_replace is not None:
+                before_replace()
             os.replace(tmp, self._path(name))
         except BaseException:
             _remove(tmp)  # e.g. the disk filled up: leave no half-written temp file behind
