@@ -389,6 +389,9 @@ def test_a_save_over_a_checkpoint_from_a_clock_ahead_commits(tmp_path, monkeypat
     monkeypatch.setattr(engine.time, "time_ns", lambda: ahead)
     zs.save(make_state(1), path)
     monkeypatch.undo()
+    ahead_files = set(os.listdir(path)) - {"manifest.json"}
     zs.save(make_state(2), path)
     assert_is_state(load_fresh(path), 2)
     assert zs.verify(path) > 0
+    assert not ahead_files & set(os.listdir(path)), "the replaced checkpoint's files must not outlive it"
+

@@ -425,7 +425,7 @@ def persist(prepared: Prepared) -> SaveInfo:
         storage.close()
         raise
     if group.is_coordinator:
-        clean_up_after_commit(storage, generation)
+        clean_up_after_commit(storage, generation, previous)
     storage.close()
     end = time.perf_counter()
     return SaveInfo(storage.location, generation, p.step, sum(files.values()), p.replanned, p.collect_s,
@@ -585,13 +585,14 @@ def _delete_generation(storage: Storage, generation: str, rank: int) -> None:
                 log.warning("could not remove %s of the failed save in %s", name, storage.location)
 
 
-def clean_up_after_commit(storage: Storage, keep: str) -> None:
+def clean_up_after_commit(storage: Storage, keep: str, replaced: str | None) -> None:
     """After a commit, remove the files of older generations (no manifest references them any
-    more) and the commit records of this one. Newer generations may belong to a save still in
-    flight, so they stay."""
+    more), of the generation the commit ``replaced`` (whatever its date: a writer's clock may
+    have run ahead) and the commit records of this one. Other newer generations may belong to
+    a save still in flight, so they stay."""
     for name in storage.list():
         gen = file_generation(name)
-        older = gen is not None and gen != keep and generation_time(gen) <= generation_time(keep)
+        older = gen is not None and gen != keep and (gen == replaced or generation_time(gen) <= generation_time(keep))
         if older or (gen == keep and parse_record(name) is not None):
             try:
                 storage.delete(name)
