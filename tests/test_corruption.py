@@ -7,13 +7,16 @@ operations, never by mocking the library.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
 import pytest
 import torch
+import xxhash
 
 import zerostall as zs
+from zerostall.format import load_json
 
 WEIGHT = "layer.weight"  # fqn of the tensor the byte-level tests damage
 
@@ -164,6 +167,31 @@ def test_data_file_with_extra_bytes_fails_verify(saved):
     with pytest.raises(zs.CorruptCheckpointError) as exc:
         zs.verify(path)
     assert chunk.file in str(exc.value)
+
+
+def test_damaged_data_file_header_fails_verify_and_loads_stay_exact(saved):
+    """Loads never read a data file's safetensors header (the manifest has the offsets), but the
+    file is no longer a valid safetensors file for other tools: verify names it."""
+    path, state = saved
+    chunk = chunk_of(path, WEIGHT)
+    flip_byte(os.path.join(path, chunk.file), 20)
+    with pytest.raises(zs.CorruptCheckpointError, match=f"header of data file {chunk.file} is damaged"):
+        zs.verify(path)
+    out = zs.load(empty_like_state(), path)
+    assert torch.equal(out["layer"]["weight"], state["layer"]["weight"])
+
+
+def test_manifest_without_header_checksums_still_verifies(saved):
+    """Manifests written before data-file headers were checksummed have no ``headers``: verify
+    checks everything else."""
+    path, _ = saved
+    manifest_path = os.path.join(path, "manifest.json")
+    body = load_json(open(manifest_path, "rb").read())["manifest"]
+    del body["headers"]
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    with open(manifest_path, "wb") as f:
+        f.write(b'{"checksum":"%s","manifest":%s}\n' % (xxhash.xxh3_64_hexdigest(raw).encode(), raw))
+    assert zs.verify(path) > 0
 
 
 # -- (c) no manifest, no checkpoint ----------------------------------------------------------------

@@ -95,3 +95,6 @@ def test_random_layouts_reshard_exactly(ranks, tmp_path):
     for i, (value, _) in enumerate(cases(seed)):
         out = zs.load({"t": torch.zeros_like(value), "i": -1}, f"{root}/c{i}")
         assert out["i"] == i and same_bytes(out["t"], value), layouts[i]
+        with zs.open(f"{root}/c{i}") as ck:  # every rank's files and their header checksums reached the manifest
+            assert ck.manifest.headers.keys() == ck.manifest.files.keys()
+        zs.verify(f"{root}/c{i}")

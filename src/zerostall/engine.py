@@ -240,8 +240,9 @@ def _file_parts(header: bytes, items: list[WriteItem], chunks: list[Chunk], bloc
 
 
 def _write_file(storage: Storage, name: str, items: list[WriteItem], generation: str, block_size: int,
-                stop: threading.Event) -> tuple[str, int, list[Chunk]]:
-    """Write one data file; a failure sets ``stop``, so the save's other writers give up too."""
+                stop: threading.Event) -> tuple[str, int, list[Chunk], str]:
+    """Write one data file; returns its name, size, chunks and header checksum. A failure sets
+    ``stop``, so the save's other writers give up too."""
     with gc_paused():
         header, offsets = safetensors_header(
             (FileItem(i.name, i.tensor.dtype, tuple(i.tensor.shape), i.nbytes) for i in items), generation)
@@ -254,7 +255,7 @@ def _write_file(storage: Storage, name: str, items: list[WriteItem], generation:
     expected = len(header) + sum(i.nbytes for i in items)
     if size != expected:
         raise CheckpointError(f"wrote {size} bytes to {name}, expected {expected}")
-    return name, size, chunks
+    return name, size, chunks, xxhash.xxh3_64_hexdigest(header)
 
 
 @dataclass
@@ -396,10 +397,10 @@ def persist(prepared: Prepared) -> SaveInfo:
     previous = manifest_generation(storage) if group.is_coordinator else None  # see commit()
     try:
         _create(storage)
-        files = _write_data(storage, p.items, generation, group.rank, p.threads, p.block_size)
+        files, headers = _write_data(storage, p.items, generation, group.rank, p.threads, p.block_size)
         if not group.is_coordinator:
             with gc_paused():
-                record = _record(p.collected, p.plan, group.rank, files, p.items)
+                record = _record(p.collected, p.plan, group.rank, files, headers, p.items)
             write_record(storage, generation, group.rank, "done", record)
     except BaseException as exc:
         _delete_generation(storage, generation, group.rank)
@@ -412,8 +413,8 @@ def persist(prepared: Prepared) -> SaveInfo:
         if group.is_coordinator:
             others = await_records(storage, generation, list(range(1, group.size)), p.commit_timeout)
             with gc_paused():
-                commit(storage, assemble(p.collected, p.plan, files, others, generation, group.size, p.step,
-                                         p.metadata, p.block_size), previous)
+                commit(storage, assemble(p.collected, p.plan, files, headers, others, generation, group.size,
+                                         p.step, p.metadata, p.block_size), previous)
         else:
             await_commit(storage, generation, p.commit_timeout)
     except BaseException as exc:
@@ -467,20 +468,23 @@ def _report_failure(storage: Storage, generation: str, group: Group, exc: BaseEx
         log.warning("could not record the failure of rank %d in %s", group.rank, storage.location)
 
 
-def _record(collected: Collected, plan: SavePlan, rank: int, files: dict[str, int],
+def _record(collected: Collected, plan: SavePlan, rank: int, files: dict[str, int], headers: dict[str, str],
             written: list[WriteItem]) -> dict[str, Any]:
-    """This rank's ``done`` record: its files, the chunks it wrote and the values it owns."""
+    """This rank's ``done`` record: its files (sizes, header checksums), the chunks it wrote and
+    the values it owns."""
     return {
         "rank": rank,
         "files": files,
+        "headers": headers,
         "chunks": [[i.key[0], i.entry.chunks[-1].to_json()] for i in written if not i.rank_local],
         "objects": [[k, v] for k, v in collected.objects.items() if plan.writes(rank, (k, ()))],
         "rank_local": [e.to_json(encode_path) for e in collected.rank_local],
     }
 
 
-def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], records: dict[int, dict[str, Any]],
-             generation: str, world_size: int, step: int | None, metadata: Any, block_size: int) -> Manifest:
+def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], headers: dict[str, str],
+             records: dict[int, dict[str, Any]], generation: str, world_size: int, step: int | None, metadata: Any,
+             block_size: int) -> Manifest:
     """The coordinator builds the manifest from the plan, its own entries (which already hold the
     chunks it wrote) and the other ranks' records."""
     entries: list[Entry] = []
@@ -502,9 +506,10 @@ def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], record
     for entry in collected.rank_local:
         index[(collected.keys[entry.path], 0)] = len(entries)
         entries.append(entry)
-    files = dict(files)
+    files, headers = dict(files), dict(headers)
     for rank, record in sorted(records.items()):
         files.update(record["files"])
+        headers.update(record["headers"])
         for key, chunk in record["chunks"]:
             entries[index[(key, None)]].chunks.append(Chunk.from_json(chunk))
         for key, value in record["objects"]:
@@ -520,7 +525,7 @@ def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], record
         key = collected.keys[path]
         ref.index = index.get((key, None), index.get((key, 0), -1))
     return Manifest(generation=generation, entries=entries, files=files, tree=codec.encode(collected.skeleton),
-                    world_size=world_size, block_size=block_size, step=step, metadata=metadata)
+                    world_size=world_size, block_size=block_size, step=step, metadata=metadata, headers=headers)
 
 
 def _create(storage: Storage) -> None:
@@ -531,8 +536,9 @@ def _create(storage: Storage) -> None:
 
 
 def _write_data(storage: Storage, items: list[WriteItem], generation: str, rank: int, threads: int,
-                block_size: int) -> dict[str, int]:
-    """Write this rank's items into balanced files in parallel; each item's chunk is appended to its entry."""
+                block_size: int) -> tuple[dict[str, int], dict[str, str]]:
+    """Write this rank's items into balanced files in parallel; each item's chunk is appended to its
+    entry. Returns each file's size and the checksum of its header."""
     with gc_paused():
         groups = assign_files(items, threads) if items else []
     names = [data_file_name(generation, rank, n) for n in range(len(groups))]
@@ -547,12 +553,13 @@ def _write_data(storage: Storage, items: list[WriteItem], generation: str, rank:
     if cause is not None:
         raise cause
     files: dict[str, int] = {}
+    headers: dict[str, str] = {}
     for fut, group in zip(futures, groups):
-        name, size, chunks = fut.result()
+        name, size, chunks, headers[name] = fut.result()
         files[name] = size
         for item, chunk in zip(group, chunks):
             item.entry.chunks.append(chunk)
-    return files
+    return files, headers
 
 
 def commit(storage: Storage, manifest: Manifest, previous: str | None) -> None:

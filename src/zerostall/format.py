@@ -216,6 +216,7 @@ class Manifest:
     metadata: Any = None
     created: float = field(default_factory=time.time)
     version: int = FORMAT_VERSION
+    headers: dict[str, str] = field(default_factory=dict)  # file -> xxh3-64 of its safetensors header
 
     @property
     def total_bytes(self) -> int:
@@ -227,7 +228,7 @@ class Manifest:
             "format": FORMAT_NAME, "version": self.version, "generation": self.generation,
             "created": self.created, "step": self.step, "world_size": self.world_size,
             "block_size": self.block_size, "checksum": "xxh3_64", "files": self.files,
-            "metadata": self.metadata, "tree": self.tree,
+            "headers": self.headers, "metadata": self.metadata, "tree": self.tree,
             "entries": [e.to_json(encode_path) for e in self.entries],
         })
         return b'{"checksum":"%s","manifest":%s}\n' % (xxhash.xxh3_64_hexdigest(body).encode(), body)
@@ -244,7 +245,7 @@ class Manifest:
                 generation=d["generation"], entries=[Entry.from_json(e, decode_path) for e in d["entries"]],
                 files=dict(d["files"]), tree=d["tree"], world_size=d["world_size"],
                 block_size=d["block_size"], step=d["step"], metadata=d["metadata"],
-                created=d["created"], version=d["version"],
+                created=d["created"], version=d["version"], headers=dict(d.get("headers", {})),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptCheckpointError(f"manifest {where} is malformed: {exc!r}") from exc

@@ -613,11 +613,18 @@ class Checkpoint:
         for name, size in self.manifest.files.items():
             try:
                 actual = self.storage.size(name)
+                header_fault = self._header_fault(name, size)
             except FileNotFoundError:
                 faults.append(f"data file {name} is missing")
                 continue
+            except OSError as exc:
+                faults.append(f"reading the header of data file {name} failed: {exc}")
+                unreadable = True
+                continue
             if actual != size:
                 faults.append(f"data file {name} has {actual} bytes, the manifest says {size}")
+            if header_fault:
+                faults.append(header_fault)
         for entry in self.manifest.entries:
             try:
                 self._resolve(entry)
@@ -655,6 +662,18 @@ class Checkpoint:
             error.faults = faults  # type: ignore[attr-defined]
             raise error
         return sum(c.nbytes for _, c in jobs)
+
+    def _header_fault(self, name: str, size: int) -> str | None:
+        """What is wrong with the safetensors header of data file ``name`` (its length prefix and
+        JSON, checked against the checksum in the manifest; manifests before it had none), or None."""
+        digest = self.manifest.headers.get(name)
+        if digest is None:
+            return None
+        head = self.storage.read_head(name, 8)
+        length = 8 + int.from_bytes(head, "little") if len(head) == 8 else size + 1
+        if length > size or xxhash.xxh3_64_hexdigest(self.storage.read_head(name, length)) != digest:
+            return f"the safetensors header of data file {name} is damaged (fails its checksum)"
+        return None
 
     def _scratch_view(self, n: int) -> memoryview:
         buf = getattr(self._scratch, "buf", None)
