@@ -215,3 +215,4 @@ def test_process_writer_commits_even_if_the_trainer_dies(tmp_path, die):
     target = {"w": torch.zeros(16 << 20), "step": 0}
     zs.load(target, path)
     assert target["step"] == 1 and torch.equal(target["w"][:4], torch.ones(4))
+    assert zs.verify(path) == 64 << 20  # the writer process's files, their blocks and headers
