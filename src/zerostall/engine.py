@@ -555,8 +555,8 @@ def _write_data(storage: Storage, items: list[WriteItem], generation: str, rank:
     files: dict[str, int] = {}
     headers: dict[str, str] = {}
     for fut, group in zip(futures, groups):
-        name, size, chunks, headers[name] = fut.result()
-        files[name] = size
+        name, size, chunks, header = fut.result()
+        files[name], headers[name] = size, header
         for item, chunk in zip(group, chunks):
             item.entry.chunks.append(chunk)
     return files, headers
