@@ -422,6 +422,22 @@ def test_refused_value_deep_inside_metadata_is_located(tmp_path):
     assert not (path / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("where,named", [("state", "x.0.0.0"), ("metadata", "metadata")])
+def test_values_nested_too_deeply_are_refused_with_a_typed_error(tmp_path, where, named):
+    """Not a RecursionError from deep inside the walk: a typed error naming where, and the
+    checkpoint already at the path untouched."""
+    zs.save({"t": torch.ones(2)}, tmp_path / "ck")
+    deep = 1
+    for _ in range(5000):
+        deep = [deep]
+    state, metadata = {"t": torch.zeros(2)}, {}
+    (state if where == "state" else metadata)["x"] = deep
+    with pytest.raises(zs.UnsupportedValueError, match="deep") as exc:
+        zs.save(state, tmp_path / "ck", metadata=metadata)
+    assert named in str(exc.value)
+    assert torch.equal(zs.load({"t": torch.zeros(2)}, tmp_path / "ck")["t"], torch.ones(2))
+
+
 def test_pickle_opt_in_on_save_and_on_load(tmp_path):
     path = tmp_path / "ckpt"
     state = {"w": torch.ones(3), "opts": {"thing": Thing(5)}}

@@ -41,6 +41,8 @@ def encode(value: Any, *, where: str = "", allow_pickle: bool = False) -> Any:
             f"cannot save {type(exc.value).__module__}.{type(exc.value).__qualname__} at {at or '<root>'}: "
             "not a tensor or a plain python value; pass allow_pickle=True to store it with pickle"
         ) from None
+    except RecursionError:
+        raise UnsupportedValueError(f"cannot save the value at {where or '<root>'}: it nests too deeply") from None
 
 
 class _Refused(Exception):

@@ -14,6 +14,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import torch
 
 from .codec import Ref
+from .errors import UnsupportedValueError
 
 Path = tuple[Any, ...]
 
@@ -45,6 +46,7 @@ def rank_local(value: Any) -> RankLocal:
     return value if isinstance(value, RankLocal) else RankLocal(value)
 
 
+MAX_DEPTH = 256  # containers nested in a state: deeper ones are refused with a typed error, not a RecursionError
 _PLAIN = frozenset((dict, list, tuple, str, int, float, bool, type(None), torch.Tensor, torch.nn.Parameter))
 
 
@@ -105,6 +107,9 @@ class _Flattener:
     def walk(self, node: Any, path: Path, local: bool = False) -> tuple[bool, Any, Any]:
         """Whether a tensor lies below ``node``, its plain value (what a leaf stores) and its skeleton."""
         flat, order = self.flat, self.order
+        if len(path) > MAX_DEPTH:
+            raise UnsupportedValueError(f"{fqn(path[:4])}…: the state nests more than {MAX_DEPTH} containers deep "
+                                        "(the most zerostall walks, well inside Python's recursion limit)")
         if isinstance(node, RankLocal):
             return self.walk(node.value, path, True)
         if local:
