@@ -115,14 +115,22 @@ class Checkpoint:
         self.threads = threads or default_threads()
         block = self.manifest.block_size
         self._piece_step = max(block, _PIECE_BYTES // block * block)  # the largest read, whole blocks
-        self._by_path = {(e.path, e.rank): e for e in self.manifest.entries}
-        self._by_fqn: dict[str, Entry] = {}
-        for e in self.manifest.entries:
-            self._by_fqn.setdefault(e.fqn if e.rank is None else f"{e.fqn}@rank{e.rank}", e)
         self._maps: dict[str, memoryview | None] = {}
         self._scratch = threading.local()
 
     # -- what is in it -------------------------------------------------------------------------
+    @functools.cached_property
+    def _by_path(self) -> dict[tuple[Path, int | None], Entry]:
+        """Entries by (path, rank): built on first use, since a load matches by path without it."""
+        return {(e.path, e.rank): e for e in self.manifest.entries}
+
+    @functools.cached_property
+    def _by_fqn(self) -> dict[str, Entry]:
+        by_fqn: dict[str, Entry] = {}
+        for e in self.manifest.entries:
+            by_fqn.setdefault(e.fqn if e.rank is None else f"{e.fqn}@rank{e.rank}", e)
+        return by_fqn
+
     @property
     def entries(self) -> dict[str, Entry]:
         """Entries by fully-qualified name, in save order."""
