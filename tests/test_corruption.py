@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -305,6 +306,27 @@ def test_missing_data_file(saved):
     os.remove(os.path.join(path, chunk.file))
 
     assert_load_verify_and_read_fail(path, chunk.file)
+
+
+@pytest.mark.parametrize("change", ["resaved", "deleted"])
+def test_a_checkpoint_changed_under_an_open_session_is_not_called_corrupt(saved, change):
+    """A read session holds the manifest it opened; a save into the same path (or retention)
+    removes that manifest's data files. What the session then fails to read is gone, not damaged:
+    a plain CheckpointError that says so, never CorruptCheckpointError (a script deleting corrupt
+    checkpoints would delete the new, healthy one)."""
+    path, state = saved
+    ck = zs.open(path)
+    if change == "resaved":
+        zs.save({"other": torch.ones(3)}, path)
+    else:
+        shutil.rmtree(path)
+    for read in (lambda: ck.load(empty_like_state()), lambda: ck.read(WEIGHT), ck.verify):
+        with pytest.raises(zs.CheckpointError, match="changed while this read session was open") as exc:
+            read()
+        assert not isinstance(exc.value, zs.CorruptCheckpointError)
+    ck.close()
+    if change == "resaved":
+        assert zs.verify(path) > 0
 
 
 # -- (f) the damaged block is named ------------------------------------------------------------------

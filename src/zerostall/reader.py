@@ -25,6 +25,7 @@ import xxhash
 
 from . import codec, errors
 from .collectives import Group
+from .commit import manifest_generation
 from .engine import CACHE_PIECE, ViewIndex, decode_path, default_threads, local_box
 from .memory import tensor_bytes
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
@@ -230,7 +231,7 @@ class Checkpoint:
             try:
                 self._maps[name] = self.storage.memory_map(name)
             except FileNotFoundError:
-                raise CorruptCheckpointError(f"data file {name} of {self.path} is missing") from None
+                raise self._missing(name) from None
         return self._maps[name]
 
     # -- loading into a target state -----------------------------------------------------------
@@ -578,12 +579,24 @@ class Checkpoint:
         try:
             self.storage.read_into(chunk.file, chunk.offset + lo, out)
         except FileNotFoundError:
-            raise CorruptCheckpointError(f"data file {chunk.file} of {self.path} is missing (entry {entry.fqn})") from None
+            raise self._missing(chunk.file, entry) from None
         except EOFError:
             raise CorruptCheckpointError(
                 f"data file {chunk.file} of {self.path} is truncated: entry {entry.fqn} lies past its end") from None
         except OSError as exc:
             raise CheckpointError(f"reading {chunk.file} of {self.path} (entry {entry.fqn}) failed: {exc}") from exc
+
+    def _missing(self, name: str, entry: Entry | None = None) -> CheckpointError:
+        """The error for a data file that is gone: damage, unless the checkpoint changed under this
+        session (a save into the same path replaced it, or it was deleted) - then it is not corrupt,
+        and a script that deletes corrupt checkpoints must not delete the new one."""
+        of = f" (entry {entry.fqn})" if entry is not None else ""
+        current = manifest_generation(self.storage)
+        if current != self.manifest.generation:
+            now = f"another save ({current}) replaced it" if current else "it was deleted"
+            return CheckpointError(f"{self.path} changed while this read session was open ({now}): data file "
+                                   f"{name}{of} is gone; open the checkpoint again")
+        return CorruptCheckpointError(f"data file {name} of {self.path} is missing{of}")
 
     def _check_count(self, entry: Entry, chunk: Chunk) -> None:
         expected = max(1, -(-chunk.nbytes // self.manifest.block_size))
@@ -623,6 +636,9 @@ class Checkpoint:
                 actual = self.storage.size(name)
                 header_fault = self._header_fault(name, size)
             except FileNotFoundError:
+                missing = self._missing(name)
+                if not isinstance(missing, CorruptCheckpointError):
+                    raise missing from None
                 faults.append(f"data file {name} is missing")
                 continue
             except OSError as exc:
