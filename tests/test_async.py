@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -216,3 +219,20 @@ def test_process_writer_commits_even_if_the_trainer_dies(tmp_path, die):
     zs.load(target, path)
     assert target["step"] == 1 and torch.equal(target["w"][:4], torch.ones(4))
     assert zs.verify(path) == 64 << 20  # the writer process's files, their blocks and headers
+
+
+def test_a_dead_writer_process_is_replaced(tmp_path):
+    """A writer process killed between saves (the OOM killer, say) costs nothing: the next save
+    starts a new one and commits; it used to fail that save and every later one (broken pipe)."""
+    state = {"w": torch.arange(1000.0)}
+    saver = zs.AsyncSaver(writer="process")
+    try:
+        saver.save(state, tmp_path / "a").result()
+        writers = [p for p in multiprocessing.active_children() if p.name == "zerostall-writer"]
+        assert len(writers) == 1
+        os.kill(writers[0].pid, signal.SIGKILL)
+        writers[0].join(30)
+        assert saver.save(state, tmp_path / "b", step=2).result().step == 2
+    finally:
+        saver.close()
+    assert torch.equal(zs.load({"w": torch.zeros(1000)}, tmp_path / "b")["w"], state["w"])

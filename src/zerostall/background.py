@@ -129,6 +129,7 @@ class AsyncSaver:
             return
         try:
             if self._process is not None:
+                self._replace_dead_writer()
                 self._process.submit(for_writer_process(prepared))  # before `staged`: a crash now loses nothing
                 handle.staged.set_result(None)
                 handle.committed.set_result(self._process.result())
@@ -137,6 +138,15 @@ class AsyncSaver:
                 handle.committed.set_result(persist(prepared))
         except BaseException as exc:
             self._fail(handle, exc, staged=not handle.staged.done())
+
+    def _replace_dead_writer(self) -> None:
+        """Start a new writer process if the last one died (killed by the OOM killer, say): one
+        lost save is reported, not every later one."""
+        assert self._process is not None
+        if not self._process.alive:
+            log.warning("the writer process died (exit code %s); starting a new one", self._process.exitcode)
+            self._process.close()
+            self._process = _WriterProcess()
 
     def _fail(self, handle: SaveHandle, exc: BaseException, *, staged: bool) -> None:
         log.error("asynchronous save to %s failed: %s", handle.path, exc)
@@ -212,18 +222,32 @@ class _WriterProcess:
         self._proc.start()
         child.close()
 
+    @property
+    def alive(self) -> bool:
+        return self._proc.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._proc.exitcode
+
     def submit(self, job: Prepared) -> None:
         """Hand a save over; returns once the writer holds the shared buffers (they travel as file
         descriptors served by this process, so it must be alive until then)."""
-        self._conn.send(job)
+        try:
+            self._conn.send(job)
+        except OSError:
+            raise self._died() from None
         self._expect_ack()
+
+    def _died(self) -> CheckpointError:
+        self._proc.join(timeout=5)
+        return CheckpointError(f"the writer process died (exit code {self._proc.exitcode})")
 
     def _expect_ack(self) -> None:
         try:
             ack = self._conn.recv()
         except (EOFError, OSError):
-            self._proc.join(timeout=5)
-            raise CheckpointError(f"the writer process died (exit code {self._proc.exitcode})") from None
+            raise self._died() from None
         if ack != "received":
             raise CheckpointError(f"unexpected answer from the writer process: {ack!r}")
 
@@ -231,8 +255,7 @@ class _WriterProcess:
         try:
             ok, value = self._conn.recv()
         except (EOFError, OSError):
-            self._proc.join(timeout=5)
-            raise CheckpointError(f"the writer process died (exit code {self._proc.exitcode})") from None
+            raise self._died() from None
         if not ok:
             raise value
         return value
