@@ -33,6 +33,7 @@ from zerostall.storage import storage_for
 
 FAILED = 1
 USAGE = 2
+UNVERIFIED = 3  # verify could not read some bytes (I/O error, permissions, changed meanwhile): not known damaged
 _REPR_WIDTH = 60
 
 
@@ -416,7 +417,8 @@ def inspect(ckpt: str, as_json: bool) -> None:
 @click.argument("ckpt")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def verify(ckpt: str, as_json: bool) -> None:
-    """Check every file size and block checksum of the checkpoint CKPT (exit 1 on any fault)."""
+    """Check every file size and checksum of the checkpoint CKPT: exit 1 if it is damaged or
+    incomplete, 3 if some of it could not be read (not known to be damaged), 2 if there is none."""
     start = time.perf_counter()
     with reported_errors():
         checked, faults, code = run_verify(ckpt, quiet=as_json)
@@ -427,7 +429,7 @@ def verify(ckpt: str, as_json: bool) -> None:
                     "seconds": round(seconds, 6), "gb_per_s": round(rate, 3), "faults": faults})
     elif faults:
         err = console(stderr=True)
-        err.print(f"FAILED {ckpt}: {len(faults)} fault(s)")
+        err.print(f"{'COULD NOT VERIFY' if code == UNVERIFIED else 'FAILED'} {ckpt}: {len(faults)} fault(s)")
         for fault in faults:
             err.print(f"  - {fault}")
     else:
@@ -445,7 +447,10 @@ def run_verify(ckpt: str, *, quiet: bool) -> tuple[int, list[str], int]:
                 return ck.verify(progress=advance), [], 0
     except zs.CheckpointError as exc:
         faults = list(getattr(exc, "faults", None) or [str(exc)])
-        return 0, faults, USAGE if isinstance(exc, zs.CheckpointNotFoundError) else FAILED
+        if isinstance(exc, zs.CheckpointNotFoundError):
+            return 0, faults, USAGE
+        damaged = isinstance(exc, (zs.CorruptCheckpointError, zs.IncompleteCheckpointError))
+        return 0, faults, FAILED if damaged else UNVERIFIED
 
 
 @contextmanager
