@@ -631,10 +631,14 @@ class Checkpoint:
         """
         faults: list[str] = []
         unreadable = False
+        jobs = [(e, c) for e in self.manifest.entries if e.kind == "tensor" for c in e.chunks]
+        data_start: dict[str, int] = {}  # where each file's data section begins: its header ends there
+        for _, chunk in jobs:
+            data_start[chunk.file] = min(chunk.offset, data_start.get(chunk.file, chunk.offset))
         for name, size in self.manifest.files.items():
             try:
                 actual = self.storage.size(name)
-                header_fault = self._header_fault(name, size)
+                header_fault = self._header_fault(name, data_start.get(name))
             except FileNotFoundError:
                 missing = self._missing(name)
                 if not isinstance(missing, CorruptCheckpointError):
@@ -656,7 +660,6 @@ class Checkpoint:
                     _decode_safely(entry)
             except CheckpointError as exc:
                 faults.append(str(exc))
-        jobs = [(e, c) for e in self.manifest.entries if e.kind == "tensor" for c in e.chunks]
         lock = threading.Lock()
 
         def check(entry: Entry, chunk: Chunk) -> None:
@@ -687,15 +690,14 @@ class Checkpoint:
             raise error
         return sum(c.nbytes for _, c in jobs)
 
-    def _header_fault(self, name: str, size: int) -> str | None:
-        """What is wrong with the safetensors header of data file ``name`` (its length prefix and
-        JSON, checked against the checksum in the manifest; manifests before it had none), or None."""
+    def _header_fault(self, name: str, length: int | None) -> str | None:
+        """What is wrong with the safetensors header of data file ``name`` (its first ``length``
+        bytes: length prefix, JSON, padding), checked against the checksum in the manifest
+        (manifests before it had none), or None."""
         digest = self.manifest.headers.get(name)
-        if digest is None:
+        if digest is None or length is None:
             return None
-        head = self.storage.read_head(name, 8)
-        length = 8 + int.from_bytes(head, "little") if len(head) == 8 else size + 1
-        if length > size or xxhash.xxh3_64_hexdigest(self.storage.read_head(name, length)) != digest:
+        if xxhash.xxh3_64_hexdigest(self.storage.read_head(name, length)) != digest:
             return f"the safetensors header of data file {name} is damaged (fails its checksum)"
         return None
 
