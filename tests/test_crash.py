@@ -271,10 +271,10 @@ def test_failure_after_the_rename_does_not_destroy_the_committed_checkpoint(tmp_
     path = tmp_path / "ckpt"
     zs.save(make_state(1), path)
 
-    def _fsync_dir(p):
+    def fsync_dir(p):
         raise OSError(errno.EIO, "directory fsync failed (injected)")
 
-    monkeypatch.setattr(local, "_fsync_dir", _fsync_dir)
+    monkeypatch.setattr(local, "fsync_dir", fsync_dir)
     with pytest.raises(zs.CheckpointError):
         zs.save(make_state(2), path)
     monkeypatch.undo()

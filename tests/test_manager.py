@@ -25,6 +25,11 @@ def part(step: int) -> dict:
     return {"w": torch.full((4,), float(step))}
 
 
+def saved_w(path) -> torch.Tensor:
+    with zs.open(path) as ck:
+        return ck.read("w")
+
+
 def steps_on_disk(root) -> list[int]:
     return sorted(int(n.split("_")[1]) for n in os.listdir(root) if n.startswith("step_"))
 
@@ -58,14 +63,14 @@ def test_each_manifest_is_parsed_once_while_it_stays_the_same(tmp_path, monkeypa
             mgr.wait()
         assert steps_on_disk(tmp_path) == [2, 4, 6, 8]
         assert sorted(set(parsed)) == [step_tag(s) for s in range(1, 9)] and len(parsed) == 8
-        mgr.save(4, part(40))  # the same tag again: a new manifest, parsed anew
+        mgr.save(8, part(80))  # the same tag again: a new manifest, parsed anew
         mgr.wait()
-        assert parsed[-1] == step_tag(4) and len(parsed) == 9
+        assert parsed[-1] == step_tag(8) and len(parsed) == 9
         assert mgr.latest() == step_tag(8) and len(parsed) == 9
     target = part(0)
     with zs.CheckpointManager(tmp_path) as again:
-        again.restore(target, tag=step_tag(4))
-    assert torch.equal(target["w"], part(40)["w"])
+        again.restore(target)
+    assert torch.equal(target["w"], part(80)["w"])
 
 
 def test_open_resolves_latest_named_and_missing(tmp_path):
@@ -108,6 +113,50 @@ def test_best_never_evicts_the_newest_and_nan_is_never_best(tmp_path):
             mgr.save(step, part(step), metrics={"loss": loss})
             mgr.wait()
         assert steps_on_disk(tmp_path) == [2, 4]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_saving_after_a_rollback_sets_the_later_steps_aside(tmp_path, async_save, caplog):
+    """Roll back to step 25 while 30 exists, then train on: retention and restore pick by step, so
+    30 would evict each new checkpoint (keep_last=2) and a restart would resume the abandoned run.
+    30 goes to .superseded/ at the first save after the rollback, whole and loadable."""
+    with zs.CheckpointManager(tmp_path, keep_last=2) as mgr:
+        for step in (20, 25, 30):
+            mgr.save(step, part(step))
+        mgr.wait()
+    with zs.CheckpointManager(tmp_path, keep_last=2, async_save=async_save) as mgr:
+        state = part(0)
+        assert mgr.restore(state, step_tag(25)) == 25 and steps_on_disk(tmp_path) == [25, 30]
+        for step in (26, 27, 28):
+            state["w"].fill_(float(step))
+            mgr.save(step, state)
+            mgr.wait()
+        assert steps_on_disk(tmp_path) == [25, 27, 28]  # 25: resumed from; 27, 28: the last two
+        assert mgr.latest() == step_tag(28)
+    assert "step_000000030 moved to" in caplog.text
+    aside = tmp_path / ".superseded" / step_tag(30)
+    assert torch.equal(saved_w(aside), part(30)["w"])
+    zs.verify(aside)
+    with zs.CheckpointManager(tmp_path) as mgr:
+        assert mgr.restore(part(0)) == 28
+
+
+def test_a_rollback_keeps_its_own_tag_in_place_and_never_overwrites_what_was_set_aside(tmp_path):
+    """A re-save of an existing tag replaces it as any save into a path does; a second rollback past
+    a step already set aside keeps both copies."""
+    with zs.CheckpointManager(tmp_path) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, part(step))
+        mgr.save(2, part(20))  # step 3 goes aside; step 2 is replaced in place
+        assert steps_on_disk(tmp_path) == [1, 2]
+        mgr.save(3, part(30))
+        mgr.save(1, part(10))  # steps 2 and 3 go aside; the earlier step 3 is still there
+        assert steps_on_disk(tmp_path) == [1]
+    aside = sorted(os.listdir(tmp_path / ".superseded"))
+    assert len(aside) == 3 and aside[:2] == [step_tag(2), step_tag(3)] and aside[2].startswith(step_tag(3) + ".")
+    loaded = {name: saved_w(tmp_path / ".superseded" / name)[0].item() for name in aside}
+    assert sorted(loaded.values()) == [3.0, 20.0, 30.0] and loaded[step_tag(2)] == 20.0
+    assert saved_w(tmp_path / step_tag(1))[0].item() == 10.0
 
 
 def test_async_manager_commits_then_updates_latest_and_prunes(tmp_path):

@@ -4,6 +4,7 @@ Layout under ``root``: one checkpoint directory per step (``step_000000100``) or
 ``latest`` pointer (JSON, replaced atomically, written only after a commit) and a writer lease
 (``.writer-lease``) naming the host, boot and process that writes here, renewed while it lives.
 A new writer removes what a dead one left uncommitted, renamed aside (``.deleting-*``) first.
+Saving a step below committed ones (a rollback) moves those into ``.superseded/`` first.
 Retention (see :mod:`zerostall.retention`) runs on the coordinator after each commit, in the
 background; a checkpoint is deleted manifest first, so a half-deleted one is never seen as valid.
 """
@@ -33,13 +34,14 @@ from .format import MANIFEST_NAME
 from .reader import Checkpoint, read_manifest_head
 from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
 from .state import RankLocal, rank_local
-from .storage import LocalStorage
+from .storage.local import LocalStorage, fsync_dir
 
 log = logging.getLogger(__name__)
 
 LATEST_NAME = "latest"
 LEASE_NAME = ".writer-lease"
 _TRASH_PREFIX = ".deleting-"
+SUPERSEDED_NAME = ".superseded"
 _RNG_KEY = "__rng__"
 
 
@@ -198,6 +200,8 @@ class CheckpointManager:
         and apply retention once it has committed."""
         tag = tag or step_tag(step)
         path = self.create(tag)
+        self._settle_commit()
+        self._set_aside_later_than(step, tag)
         wrapped = self._wrap(state)
         metadata = {"metrics": dict(metrics or {}), "tag": tag}
         self._last_save_time = time.monotonic()
@@ -211,13 +215,41 @@ class CheckpointManager:
                 self._pinned.discard(step)
             self.commit(tag, step)
             return info
-        self._settle_commit()
         handle = self.saver.save(wrapped, path, **options)
         assert handle is not None
         self._committing = committing = Future()
         handle.committed.add_done_callback(
             _OneShot(functools.partial(self._committed_async, tag=tag, step=step, committing=committing)))
         return handle
+
+    def _set_aside_later_than(self, step: int, tag: str) -> None:
+        """Saving ``step`` while checkpoints of later steps exist forks the run (a rollback to an
+        earlier checkpoint, or a new run in the same root): move those into ``.superseded/``, so
+        that restore, ``latest`` and retention follow the run being written (they pick by step, and
+        would resume the abandoned run or delete the new one's checkpoints) and nothing is lost.
+        ``tag`` itself stays: this save replaces it, safely, as any save into a path does."""
+        if not self.group.is_coordinator:
+            return
+        later = [name for name, record in self.checkpoints() if record.step > step and name != tag]
+        if later:
+            self._deleter.submit(self._move_aside, later, step).result()  # not while retention deletes
+
+    def _move_aside(self, tags: list[str], step: int) -> None:
+        aside = os.path.join(self.root, SUPERSEDED_NAME)
+        os.makedirs(aside, exist_ok=True)
+        for tag in tags:
+            target = os.path.join(aside, tag)
+            while os.path.exists(target):
+                target = os.path.join(aside, f"{tag}.{secrets.token_hex(4)}")
+            try:
+                os.rename(os.path.join(self.root, tag), target)
+            except FileNotFoundError:
+                continue
+            log.warning("step %d is being saved under %s, which holds later steps: %s moved to %s (move it back "
+                        "to resume from it)", step, self.root, tag, target)
+        if self.fsync:
+            fsync_dir(aside)
+            fsync_dir(self.root)
 
     def _committed_async(self, fut: Future, tag: str, step: int, committing: Future) -> None:
         """Runs when an asynchronous save is done: commit it (latest, retention) if it succeeded."""

@@ -15,7 +15,8 @@ _WRITEV_BYTES = 1 << 20  # small, so bytes hashed just before are still in cache
 _IOV_PARTS = 512  # buffers per writev/preadv call (the kernel takes at most 1024)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` (files created, renamed or removed in it) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -50,7 +51,7 @@ class LocalStorage(Storage):
             return
         os.makedirs(self.location, exist_ok=True)
         if self.fsync:
-            _fsync_dir(os.path.dirname(self.location))
+            fsync_dir(os.path.dirname(self.location))
 
     def exists(self) -> bool:
         return os.path.isdir(self.location)
@@ -141,7 +142,7 @@ class LocalStorage(Storage):
             finally:
                 os.close(fd)
             if self.fsync:
-                _fsync_dir(self.location)  # the data files' directory entries are durable before the commit
+                fsync_dir(self.location)  # the data files' directory entries are durable before the commit
             if before_replace is not None:
                 before_replace()
             os.replace(tmp, self._path(name))
@@ -149,7 +150,7 @@ class LocalStorage(Storage):
             _remove(tmp)  # e.g. the disk filled up: leave no half-written temp file behind
             raise
         if self.fsync:
-            _fsync_dir(self.location)
+            fsync_dir(self.location)
 
     def delete(self, name: str) -> None:
         with self._lock:
