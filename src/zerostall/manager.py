@@ -33,6 +33,7 @@ from .errors import CheckpointError, CheckpointNotFoundError
 from .format import MANIFEST_NAME
 from .reader import Checkpoint, read_manifest_head
 from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
+from .schedule import SaveSchedule
 from .state import RankLocal, rank_local
 from .storage.local import LocalStorage, fsync_dir
 
@@ -163,16 +164,14 @@ class CheckpointManager:
                  fsync: bool = True, lease_ttl: float = 60.0, **save_options: Any) -> None:
         self.root = os.path.abspath(os.fspath(root))
         self.policy = RetentionPolicy(keep_last, keep_every, keep_best, metric, mode, keep_time_interval, protect)
-        self.save_every = save_every
-        self.save_interval_s = save_interval_s
         self.rank_local_keys = rank_local_keys
         self.process_group = process_group
         self.group = Group(process_group)
+        self.schedule = SaveSchedule(self.group, save_every, save_interval_s)
         self.fsync = fsync
         self.save_options = save_options
         self.saver = AsyncSaver() if async_save else None
         self._pinned: set[int] = set()
-        self._last_save_time = time.monotonic()
         self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerostall-retention")
         self._pending_delete: Future[None] | None = None
         self._committing: Future[None] | None = None
@@ -189,10 +188,9 @@ class CheckpointManager:
 
     # -- deciding and saving -------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
-        """Whether ``step`` is due: every ``save_every`` steps and/or ``save_interval_s`` seconds."""
-        by_step = self.save_every is not None and step % self.save_every == 0
-        by_time = self.save_interval_s is not None and time.monotonic() - self._last_save_time >= self.save_interval_s
-        return by_step or by_time
+        """Whether ``step`` is due: every ``save_every`` steps and/or ``save_interval_s`` seconds,
+        the same answer on every rank (see :class:`SaveSchedule`); call it on every rank, every step."""
+        return self.schedule.due(step)
 
     def save(self, step: int, state: Any, *, metrics: dict[str, float] | None = None,
              tag: str | None = None) -> SaveInfo | SaveHandle:
@@ -204,7 +202,7 @@ class CheckpointManager:
         self._set_aside_later_than(step, tag)
         wrapped = self._wrap(state)
         metadata = {"metrics": dict(metrics or {}), "tag": tag}
-        self._last_save_time = time.monotonic()
+        self.schedule.saved()
         self._pinned.add(step)
         options = {"process_group": self.process_group, "step": step, "metadata": metadata, "fsync": self.fsync,
                    **self.save_options}
