@@ -165,6 +165,41 @@ def test_async_save_across_ranks(ranks, tmp_path):
     assert results == [{"step": 5, "w": 2.0, "own": [0.0, 0.0]}, {"step": 5, "w": 2.0, "own": [1.0, 1.0]}]
 
 
+def skip_on_ranks(path: str) -> list[bool]:
+    rank = dist.get_rank()
+    original = engine.await_commit
+
+    def late(*args, **kwargs):  # rank 1 sees each commit 1.5 s after rank 0 made it
+        original(*args, **kwargs)
+        time.sleep(1.5)
+
+    if rank == 1:
+        engine.await_commit = late
+    try:
+        state = {"w": torch.full((64,), 1.0)}
+        with zs.AsyncSaver(if_busy="skip") as saver:
+            first = saver.save(state, f"{path}/a", step=1)
+            if rank == 0:
+                first.result()  # done here, in flight on rank 1
+            second = saver.save(state, f"{path}/b", step=2)
+            first.result()
+            dist.barrier()
+            state["w"].fill_(3.0)
+            third = saver.save(state, f"{path}/b", step=3)
+            third.result()
+        return [second is None, third is not None]
+    finally:
+        engine.await_commit = original
+
+
+def test_ranks_skip_together_while_a_save_is_in_flight_on_any_of_them(ranks, tmp_path):
+    """A save is collective: if one rank skipped while another saved, the other would wait in the
+    save's collectives for good. Rank 0 is done with the first save and rank 1 is not: both skip."""
+    assert ranks(2).run(skip_on_ranks, str(tmp_path)) == [[True, True], [True, True]]
+    with zs.open(tmp_path / "b") as ck:
+        assert ck.step == 3 and ck.read("w")[0].item() == 3.0
+
+
 def test_sigterm_lets_the_save_in_flight_commit(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, time, torch, zerostall as zs

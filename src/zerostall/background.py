@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
 from .capture import BufferPool, capture, record_caller_stream
+from .collectives import Group
 from .engine import Prepared, SaveInfo, for_writer_process, persist, prepare
 from .errors import CheckpointError
 
@@ -55,7 +56,7 @@ class AsyncSaver:
     """Owns the capture buffers and the background writer of asynchronous saves.
 
     ``if_busy="wait"`` makes a new save wait for the previous one to commit; ``"skip"`` returns
-    ``None`` instead while one is in flight. ``pin_memory``/``shared_memory`` configure the
+    ``None`` instead while one is in flight (on any rank: the ranks skip together). ``pin_memory``/``shared_memory`` configure the
     buffer pool (see :class:`zerostall.capture.BufferPool`). ``drain_on_signals`` (e.g.
     ``[signal.SIGTERM]``, from the main thread) lets the save in flight commit before the signal
     takes its previous course, so a job stopped by its scheduler keeps its last checkpoint.
@@ -98,10 +99,10 @@ class AsyncSaver:
         if self._closed:
             raise CheckpointError("this AsyncSaver is closed")
         self._raise_failure()
+        if self.if_busy == "skip" and self._busy_on_any_rank(options.get("process_group")):
+            log.info("skipping the save to %s: a save is still in flight", path)
+            return None
         if self._current is not None and not self._current.done():
-            if self.if_busy == "skip":
-                log.info("skipping the save to %s: the save to %s is still in flight", path, self._current.path)
-                return None
             self.wait()
         prepared = prepare(state, path, **options)
         ready = record_caller_stream(prepared.items)
@@ -110,6 +111,13 @@ class AsyncSaver:
         self._current = handle
         self._worker.submit(self._run, prepared, buffers, ready, handle)
         return handle
+
+    def _busy_on_any_rank(self, process_group: Any) -> bool:
+        """Whether a save is in flight on this rank or another (one small all-reduce): a save is
+        collective, so the ranks skip together or save together; each finishes a save at its own
+        moment (rank 0 commits, the others see the commit), so their own answers can differ."""
+        busy = self._current is not None and not self._current.done()
+        return Group(process_group).all_reduce_ints([int(busy)])[0] > 0
 
     def reserve(self, state: Any, **options: Any) -> float:
         """Allocate the buffer pool for ``state``'s structure now (collective when distributed), so
