@@ -89,6 +89,18 @@ def load_replicated_staged(path: str, cap: int) -> dict:
     return {"ok": ok, "batches": batches}
 
 
+def broadcast_load_with_an_extra_key_on_rank_1(path: str) -> str:
+    target = {k: torch.zeros_like(v) for k, v in replicated_state(0).items()}
+    if dist.get_rank() == 1:
+        target["extra"] = torch.zeros(2)
+    try:
+        zs.load(target, path, broadcast=True)
+    except zs.CheckpointError as exc:
+        untouched = all(not t.any() for t in target.values())
+        return f"{type(exc).__name__} (target untouched: {untouched}): {exc}"
+    return "loaded"
+
+
 def _rchar() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
@@ -246,6 +258,15 @@ def test_replicated_state_is_written_once_and_balanced(ranks, tmp_path):
         assert all(r["ok"] for r in loads)
         ratio = sum(r["read"] for r in loads) / total
         assert (ratio < 1.2) if broadcast else (ratio > 3.5), ratio
+
+
+def test_a_broadcast_load_refused_on_one_rank_is_refused_on_all(ranks, tmp_path):
+    """The other ranks would wait in the broadcast for a rank that raised while planning."""
+    path = str(tmp_path / "ck")
+    zs.save(replicated_state(0), path)
+    first, second = ranks(2).run(broadcast_load_with_an_extra_key_on_rank_1, path, timeout=60)
+    assert second.startswith("StateMismatchError (target untouched: True)") and "extra" in second
+    assert first.startswith("CheckpointError (target untouched: True)") and "1 other rank" in first
 
 
 def test_broadcast_load_staging_is_bounded(ranks, tmp_path):

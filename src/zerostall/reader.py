@@ -263,15 +263,24 @@ class Checkpoint:
 
         Collective when distributed: each rank reads only the bytes its targets need (DTensor
         shards reshard from any saved layout). ``broadcast=True`` has one rank read each chunk
-        that every rank needs whole and broadcast it to the others. Bytes that cannot go straight
+        that every rank needs whole and broadcast it to the others; if one rank's state does not
+        match, every rank raises before anything is read. Bytes that cannot go straight
         into a target pass through one staging buffer per reader thread, together at most
         ``max_staging_bytes`` (and at least a block each; pinned when the target is on a GPU),
         and are copied into the target by the thread that read them.
         """
         verify = self.verify_reads if verify is None else verify
-        flat, plan = self._plan(state, strict, prefix, keys, strip, strict_dtype, materialize)
-        received = (self._broadcast_fill(plan.tensors, verify, max_staging_bytes)
-                    if broadcast and self.group.size > 1 else set())
+        together = broadcast and self.group.size > 1  # then every rank takes part in every broadcast
+        try:
+            flat, plan = self._plan(state, strict, prefix, keys, strip, strict_dtype, materialize)
+        except Exception:
+            if together:
+                self.group.all_reduce_ints([1])
+            raise
+        if together and (refused := self.group.all_reduce_ints([0])[0]):
+            raise CheckpointError(f"broadcast load from {self.path} refused: {refused} other rank(s) could not "
+                                  "match their state with it (their errors name the keys); nothing was loaded")
+        received = self._broadcast_fill(plan.tensors, verify, max_staging_bytes) if together else set()
         self._fill(plan.tensors, verify, skip=received, staging=max_staging_bytes)
         for path, entry, like in plan.new_tensors:
             plan.replacements[path] = self._materialize(entry, like, verify)
