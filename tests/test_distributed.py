@@ -101,6 +101,21 @@ def broadcast_load_with_an_extra_key_on_rank_1(path: str) -> str:
     return "loaded"
 
 
+def save_with_an_unsupported_value_on_rank_1(path: str) -> list[str]:
+    outcomes = []
+    for step, bad in ((1, False), (2, True), (3, False)):
+        state = {"w": torch.full((8,), float(step)), "own": zs.rank_local({"n": step})}
+        if bad and dist.get_rank() == 1:
+            state["own"] = zs.rank_local({"n": object()})
+        try:
+            zs.save(state, path, step=step)
+            outcomes.append("saved")
+        except zs.CheckpointError as exc:
+            with zs.open(path) as ck:
+                outcomes.append(f"{type(exc).__name__} (step {ck.step} stays): {exc}")
+    return outcomes
+
+
 def _rchar() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
@@ -267,6 +282,18 @@ def test_a_broadcast_load_refused_on_one_rank_is_refused_on_all(ranks, tmp_path)
     first, second = ranks(2).run(broadcast_load_with_an_extra_key_on_rank_1, path, timeout=60)
     assert second.startswith("StateMismatchError (target untouched: True)") and "extra" in second
     assert first.startswith("CheckpointError (target untouched: True)") and "1 other rank" in first
+
+
+def test_a_save_one_rank_cannot_collect_fails_on_every_rank_and_keeps_the_checkpoint(ranks, tmp_path):
+    """Rank 1 holds a value the encoding refuses: rank 0 used to wait for it in the planning
+    collective for good. Both raise, the checkpoint at the path stays, the next save works."""
+    path = str(tmp_path / "ck")
+    first, second = ranks(2).run(save_with_an_unsupported_value_on_rank_1, path, timeout=60)
+    assert first[0] == second[0] == first[2] == second[2] == "saved"
+    assert first[1].startswith("CheckpointError (step 1 stays): 1 other rank(s) could not collect")
+    assert second[1].startswith("UnsupportedValueError (step 1 stays)") and "own" in second[1]
+    with zs.open(path) as ck:
+        assert ck.step == 3
 
 
 def test_broadcast_load_staging_is_bounded(ranks, tmp_path):

@@ -289,13 +289,22 @@ class SavePlanner:
         self._caches: dict[Any, list[SavePlan]] = {}
         self._cache_size = cache_size
 
+    @staticmethod
+    def refuse(group: Group) -> None:
+        """Take part in the first planning collective as a rank that cannot save: every rank then
+        raises, where the others would wait for this one in the collective for good."""
+        group.all_reduce_ints([0, 0, 1])
+
     def plan(self, group: Group, collected: Collected) -> tuple[SavePlan, str, bool]:
         """The plan, the generation id every rank uses, and whether planning ran (not cached)."""
         cache = self._caches.setdefault(group.pg, [])
         digest = structure_digest(collected.rows)
         slot = next((n for n, p in enumerate(cache, 1) if p.digests[group.rank] == digest), 0)
         clock = time.time_ns() if group.is_coordinator else 0
-        proposals, clock = group.all_reduce_ints([slot + (slot * slot << 32), clock])
+        proposals, clock, refused = group.all_reduce_ints([slot + (slot * slot << 32), clock, 0])
+        if refused:
+            raise CheckpointError(f"{refused} other rank(s) could not collect their state for this save (their "
+                                  "errors name the key); nothing was written")
         s1, s2 = proposals & 0xFFFFFFFF, proposals >> 32
         if s1 and s1 * s1 == group.size * s2:
             plan = cache.pop(s1 // group.size - 1)
@@ -367,7 +376,11 @@ def prepare(state: Any, path: str | os.PathLike[str], *, process_group: Any = No
     t0 = time.perf_counter()
     group = Group(process_group)
     with gc_paused():
-        collected = collect(state, group.rank, allow_pickle=allow_pickle)
+        try:
+            collected = collect(state, group.rank, allow_pickle=allow_pickle)
+        except Exception:
+            _PLANNER.refuse(group)
+            raise
         t_collect = time.perf_counter()
         plan, generation, replanned = _PLANNER.plan(group, collected)
         items = [i for i in collected.items if i.rank_local or plan.writes(group.rank, i.key)]
