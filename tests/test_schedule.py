@@ -12,13 +12,13 @@ from zerostall.schedule import SaveSchedule
 
 
 class Clock:
-    """A clock the test moves: ``now`` seconds, plus a fixed ``offset``."""
+    """A clock the test moves: ``now`` seconds."""
 
-    def __init__(self, offset: float = 0.0) -> None:
-        self.now, self.offset = 0.0, offset
+    def __init__(self) -> None:
+        self.now = 0.0
 
     def __call__(self) -> float:
-        return self.now + self.offset
+        return self.now
 
 
 def run(schedule: SaveSchedule, clock: Clock, durations: list[float]) -> list[int]:

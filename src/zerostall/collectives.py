@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
+from .errors import CheckpointError
 from .memory import tensor_bytes
 
 
@@ -46,6 +48,21 @@ class Group:
         total = torch.tensor(values, dtype=torch.int64, device=self.device)
         dist.all_reduce(total, group=self.pg)
         return total.tolist()
+
+    @contextlib.contextmanager
+    def failing_together(self, message: str) -> Iterator[None]:
+        """Run the block on every rank; if it raised on any, raise on all (one all-reduce): the
+        rank's own error where it raised, ``CheckpointError(message)`` elsewhere, ``{failed}`` in
+        ``message`` the number of ranks that raised. Ranks that went on alone would wait for the
+        others in the next collective for good."""
+        try:
+            yield
+        except Exception:
+            self.all_reduce_ints([1])
+            raise
+        failed = self.all_reduce_ints([0])[0]
+        if failed:
+            raise CheckpointError(message.format(failed=failed))
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's python object (planning metadata only, never tensor data)."""

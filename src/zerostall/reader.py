@@ -271,15 +271,10 @@ class Checkpoint:
         """
         verify = self.verify_reads if verify is None else verify
         together = broadcast and self.group.size > 1  # then every rank takes part in every broadcast
-        try:
+        with (self.group.failing_together(f"broadcast load from {self.path} refused: {{failed}} other rank(s) could "
+                                          "not match their state with it (their errors name the keys); nothing was "
+                                          "loaded") if together else contextlib.nullcontext()):
             flat, plan = self._plan(state, strict, prefix, keys, strip, strict_dtype, materialize)
-        except Exception:
-            if together:
-                self.group.all_reduce_ints([1])
-            raise
-        if together and (refused := self.group.all_reduce_ints([0])[0]):
-            raise CheckpointError(f"broadcast load from {self.path} refused: {refused} other rank(s) could not "
-                                  "match their state with it (their errors name the keys); nothing was loaded")
         received = self._broadcast_fill(plan.tensors, verify, max_staging_bytes) if together else set()
         self._fill(plan.tensors, verify, skip=received, staging=max_staging_bytes)
         for path, entry, like in plan.new_tensors:
@@ -463,12 +458,10 @@ class Checkpoint:
         with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read") as pool:
             for batch in _batches(common, lambda k: 0 if k in direct else wanted[k][3].nbytes, staging):
                 failure = self._broadcast_batch(pool, batch, wanted, readers, direct, verify) or failure
-        failed = self.group.all_reduce_ints([failure is not None])[0]
-        if failure is not None:
-            raise failure
-        if failed:
-            raise CheckpointError(f"broadcast load from {self.path} failed: {failed} rank(s) could not read their "
-                                  "share (their errors name the file)")
+        with self.group.failing_together(f"broadcast load from {self.path} failed: {{failed}} rank(s) could not "
+                                         "read their share (their errors name the file)"):
+            if failure is not None:
+                raise failure
         return {id(wanted[key][3]) for key in common}
 
     def _broadcast_batch(self, pool: ThreadPoolExecutor, batch: list[tuple[int, int]],
