@@ -8,8 +8,11 @@ from .base import Storage
 from .local import LocalStorage
 
 
-def storage_for(path: str | os.PathLike[str], *, fsync: bool = True) -> Storage:
-    """The backend for ``path``: local (or shared POSIX) paths today; URLs get their own backends."""
+def storage_for(path: str | os.PathLike[str] | Storage, *, fsync: bool = True) -> Storage:
+    """The backend for ``path``: local (or shared POSIX) paths today; URLs get their own backends.
+    A :class:`Storage` is used as it is (a wrapper that injects faults in tests, say)."""
+    if isinstance(path, Storage):
+        return path
     text = os.fspath(path)
     if "://" in text and not text.startswith("file://"):
         scheme = text.split("://", 1)[0]
