@@ -17,7 +17,7 @@ import torch
 import xxhash
 
 import zerostall as zs
-from zerostall.format import load_json
+from zerostall.format import Chunk, load_json
 
 WEIGHT = "layer.weight"  # fqn of the tensor the byte-level tests damage
 
@@ -70,7 +70,7 @@ def assert_load_verify_and_read_fail(path, *names: str) -> None:
     assert all(name in str(exc.value) for name in names)
 
 
-def chunk_of(path, fqn: str) -> zs.Chunk:
+def chunk_of(path, fqn: str) -> Chunk:
     with zs.open(path) as ck:
         entry = ck.entries[fqn]
         assert entry.kind == "tensor" and len(entry.chunks) == 1
@@ -271,7 +271,7 @@ def test_a_forged_manifest_nested_too_deep_is_refused_with_a_typed_error(tmp_pat
     any JSON parser goes: a CorruptCheckpointError, not a RecursionError, from open and from listing."""
     import xxhash
 
-    from zerostall.reader import read_manifest_head
+    from zerostall.opening import read_manifest_head
     from zerostall.storage import LocalStorage
 
     path = tmp_path / "ck"
@@ -533,7 +533,7 @@ def test_a_bad_block_stops_the_other_reader_threads(tmp_path, monkeypatch, task_
 def test_the_manifest_head_matches_the_whole_manifest_and_is_checked_whole(tmp_path):
     """Listing reads only a manifest's leading fields, but still checks its checksum over every byte."""
     from zerostall.format import MANIFEST_NAME, ManifestHead
-    from zerostall.reader import read_manifest, read_manifest_head
+    from zerostall.opening import read_manifest, read_manifest_head
     from zerostall.storage import LocalStorage
 
     path = tmp_path / "ck"

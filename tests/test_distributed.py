@@ -70,21 +70,21 @@ def load_replicated(path: str, broadcast: bool) -> dict:
 def load_replicated_staged(path: str, cap: int) -> dict:
     """Broadcast load into bf16 targets (so every chunk goes through a staging buffer); records the
     staging bytes of each broadcast batch."""
-    from zerostall.reader import Checkpoint
+    from zerostall import broadcast
 
     batches: list[int] = []
-    original = Checkpoint._broadcast_batch
+    original = broadcast._broadcast_batch
 
-    def spy(self, pool, batch, wanted, readers, direct, verify):
+    def spy(fetcher, group, pool, batch, wanted, readers, direct, verify):
         batches.append(sum(wanted[key][3].nbytes for key in batch if key not in direct))
-        return original(self, pool, batch, wanted, readers, direct, verify)
+        return original(fetcher, group, pool, batch, wanted, readers, direct, verify)
 
-    Checkpoint._broadcast_batch = spy
+    broadcast._broadcast_batch = spy
     try:
         target = {k: torch.zeros(v.shape, dtype=torch.bfloat16) for k, v in replicated_state(0).items()}
         zs.load(target, path, broadcast=True, max_staging_bytes=cap)
     finally:
-        Checkpoint._broadcast_batch = original
+        broadcast._broadcast_batch = original
     ok = all(torch.equal(target[k], v.to(torch.bfloat16)) for k, v in replicated_state(0).items())
     return {"ok": ok, "batches": batches}
 

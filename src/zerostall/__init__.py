@@ -1,20 +1,24 @@
 """zerostall: fast, sharded, asynchronous, verified checkpointing for PyTorch training."""
 
-from .background import AsyncSaver, SaveHandle, async_save
-from .engine import SaveInfo, default_threads, save
-from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
-                     StateMismatchError, UnsupportedValueError)
-from .format import FORMAT_VERSION, Chunk, Entry
+from .api import async_save, load, open, save, verify
+from .asynchronous import AsyncSaver, SaveHandle
+from .checkpoint import Checkpoint
+from .errors import (CheckpointError, CheckpointNotFoundError, CommitError, CorruptCheckpointError,
+                     IncompleteCheckpointError, StateMismatchError, UnsupportedValueError)
+from .format import FORMAT_VERSION
+from .load_plan import Mismatch
 from .manager import CheckpointManager
+from .options import LoadOptions, SaveOptions
 from .retention import RetentionPolicy
-from .reader import Checkpoint, Mismatch, load, open, verify
-from .state import RankLocal, Stateful, rank_local
+from .saving import SaveInfo
+from .state import Stateful, rank_local
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointManager", "RetentionPolicy", "save", "async_save", "AsyncSaver", "SaveHandle", "load", "open", "verify", "default_threads", "rank_local", "RankLocal", "SaveInfo", "Checkpoint",
-    "Mismatch", "Entry", "Chunk", "Stateful",
-    "FORMAT_VERSION", "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
-    "IncompleteCheckpointError", "StateMismatchError", "UnsupportedValueError",
+    "save", "async_save", "load", "open", "verify", "SaveOptions", "LoadOptions",
+    "AsyncSaver", "SaveHandle", "SaveInfo", "Checkpoint", "Mismatch", "CheckpointManager", "RetentionPolicy",
+    "rank_local", "Stateful", "FORMAT_VERSION",
+    "CheckpointError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError", "IncompleteCheckpointError",
+    "StateMismatchError", "UnsupportedValueError",
 ]

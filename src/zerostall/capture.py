@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from .plan import WriteItem
+from .collect import WriteItem
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from rich.table import Column, Table
 import zerostall as zs
 from zerostall.format import MANIFEST_NAME, Entry, file_generation
 from zerostall.manager import LATEST_NAME, LEASE_NAME, WriterLease, delete_checkpoint
-from zerostall.reader import read_manifest_head
+from zerostall.opening import read_manifest_head
 from zerostall.retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
 from zerostall.storage import storage_for
 

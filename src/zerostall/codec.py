@@ -173,3 +173,13 @@ class Ref:
 
     def __repr__(self) -> str:
         return f"Ref({self.index})"
+
+
+def encode_path(path: tuple[Any, ...]) -> list[Any]:
+    """A key path as JSON: string keys as they are, other keys (ints, tuples...) in the tagged encoding."""
+    return [k if type(k) is str else encode(k) for k in path]
+
+
+def decode_path(data: list[Any]) -> tuple[Any, ...]:
+    """The key path that :func:`encode_path` encoded."""
+    return tuple([k if type(k) is str else decode(k) for k in data])

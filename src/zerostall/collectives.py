@@ -49,20 +49,25 @@ class Group:
         dist.all_reduce(total, group=self.pg)
         return total.tolist()
 
+    def all_reduce_or_fail(self, values: list[int], message: str, *, failed: bool = False) -> list[int]:
+        """The sums of ``values`` over ranks, in the same all-reduce as a count of the ranks that
+        failed (this one when ``failed``). If any did, the others raise ``CheckpointError(message)``
+        (``{failed}`` in it: their number); a failed rank gets the sums and raises its own error.
+        Ranks that went on alone would wait for the failed ones in the next collective for good."""
+        *sums, count = self.all_reduce_ints([*values, int(failed)])
+        if count and not failed:
+            raise CheckpointError(message.format(failed=count))
+        return sums
+
     @contextlib.contextmanager
     def failing_together(self, message: str) -> Iterator[None]:
-        """Run the block on every rank; if it raised on any, raise on all (one all-reduce): the
-        rank's own error where it raised, ``CheckpointError(message)`` elsewhere, ``{failed}`` in
-        ``message`` the number of ranks that raised. Ranks that went on alone would wait for the
-        others in the next collective for good."""
+        """Run the block on every rank; if it raised on any, raise on all (see :meth:`all_reduce_or_fail`)."""
         try:
             yield
         except Exception:
-            self.all_reduce_ints([1])
+            self.all_reduce_or_fail([], message, failed=True)
             raise
-        failed = self.all_reduce_ints([0])[0]
-        if failed:
-            raise CheckpointError(message.format(failed=failed))
+        self.all_reduce_or_fail([], message)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's python object (planning metadata only, never tensor data)."""

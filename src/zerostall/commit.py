@@ -1,7 +1,10 @@
-"""The commit across ranks, through storage only: no collective, so no hang on a dead rank.
+"""Commit: the records of every rank, the manifest assembled and published, old files cleaned up.
 
-Each rank writes its data files, then a small ``done`` record (its files, chunks and checksums).
-The coordinator waits for every record, writes the manifest (the commit point) and cleans up;
+The commit runs through storage only, no collective, so it never hangs on a dead rank and runs
+from background writers that are not members of the training process group. Each rank writes its
+data files, then a small ``done`` record (its files, chunks and checksums). The coordinator waits
+for every record, assembles the manifest and publishes it (the commit point), then deletes the
+files no manifest references any more;
 the other ranks wait for a manifest of their generation to appear. A rank that fails writes a
 ``failed`` record; the coordinator then writes an ``abort`` record, and every waiter gives up at
 once. A rank that dies writes nothing: everyone gives up when the timeout expires.
@@ -10,21 +13,26 @@ once. A rank that dies writes nothing: everyone gives up when the timeout expire
 from __future__ import annotations
 
 import json
-import re
+import logging
+import operator
 import time
 from typing import Any
 
-from .errors import CheckpointError
-from .format import MANIFEST_NAME, abort_name, dump_json, load_json, parse_record, record_name
+from . import codec
+from .collect import Collected, WriteItem, path_key
+from .collectives import Group
+from .errors import CheckpointError, CommitError
+from .format import (MANIFEST_NAME, Chunk, Entry, Manifest, abort_name, dump_json, file_generation, generation_time,
+                     load_json, manifest_tmp_name, parse_record, record_name)
+from .opening import manifest_generation
+from .plan import SavePlan
+from .state import fqn
 from .storage import Storage
+
+log = logging.getLogger(__name__)
 
 _FIRST_POLL = 0.002
 _MAX_POLL = 0.1
-_GENERATION_RE = re.compile(rb'"generation":"([0-9a-f]+-[0-9a-f]+)"')
-
-
-class CommitError(CheckpointError):
-    """The save did not commit: a rank failed, died or timed out."""
 
 
 def _put(storage: Storage, name: str, data: bytes) -> None:
@@ -99,11 +107,118 @@ def await_commit(storage: Storage, generation: str, timeout: float) -> None:
         delay = _sleep(delay)
 
 
-def manifest_generation(storage: Storage) -> str | None:
-    """The generation named by the manifest in place, read from its first bytes only."""
+def report_failure(storage: Storage, generation: str, group: Group, exc: BaseException) -> None:
+    """Make the other ranks give up now instead of at the timeout (best effort)."""
+    reason = f"{type(exc).__name__}: {exc}"
     try:
-        head = storage.read_head(MANIFEST_NAME, 256)
+        if group.is_coordinator:
+            write_abort(storage, generation, reason)
+        else:
+            write_record(storage, generation, group.rank, "failed", {"error": reason})
     except OSError:
-        return None
-    match = _GENERATION_RE.search(head)
-    return match.group(1).decode() if match else None
+        log.warning("could not record the failure of rank %d in %s", group.rank, storage.location)
+
+
+def record(collected: Collected, plan: SavePlan, rank: int, files: dict[str, int], headers: dict[str, str],
+           written: list[WriteItem]) -> dict[str, Any]:
+    """This rank's ``done`` record: its files (sizes, header checksums), the chunks it wrote and
+    the values it owns."""
+    return {
+        "rank": rank,
+        "files": files,
+        "headers": headers,
+        "chunks": [[i.key[0], i.entry.chunks[-1].to_json()] for i in written if not i.rank_local],
+        "objects": [[k, v] for k, v in collected.objects.items() if plan.writes(rank, (k, ()))],
+        "rank_local": [e.to_json() for e in collected.rank_local],
+    }
+
+
+def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], headers: dict[str, str],
+             records: dict[int, dict[str, Any]], generation: str, world_size: int, step: int | None, metadata: Any,
+             block_size: int) -> Manifest:
+    """The coordinator builds the manifest from the plan, its own entries (which already hold the
+    chunks it wrote) and the other ranks' records."""
+    entries: list[Entry] = []
+    index: dict[tuple[str, int | None], int] = {}
+    paths = {key: path for path, key in collected.keys.items()}
+    for row in plan.entries:
+        entry = collected.entries.get(row.key)
+        if entry is None:
+            path = paths.get(row.key) or codec.decode_path(json.loads(row.key))
+            entry = Entry(fqn(path), path, row.kind, dtype=row.dtype, shape=row.shape)
+        index[(row.key, None)] = len(entries)
+        entries.append(entry)
+    for row, entry in zip(plan.entries, entries):
+        if row.kind == "alias":
+            entry.alias_of = index[(row.alias_of or "", None)]
+    for key, value in collected.objects.items():
+        if plan.writes(0, (key, ())):
+            entries[index[(key, None)]].value = value
+    for entry in collected.rank_local:
+        index[(collected.keys[entry.path], 0)] = len(entries)
+        entries.append(entry)
+    files, headers = dict(files), dict(headers)
+    for rank, record in sorted(records.items()):
+        files.update(record["files"])
+        headers.update(record["headers"])
+        for key, chunk in record["chunks"]:
+            entries[index[(key, None)]].chunks.append(Chunk.from_json(chunk))
+        for key, value in record["objects"]:
+            entries[index[(key, None)]].value = value
+        for data in record["rank_local"]:
+            entry = Entry.from_json(data)
+            index[(path_key(entry.path), rank)] = len(entries)
+            entries.append(entry)
+    for entry in entries:
+        if len(entry.chunks) > 1:
+            entry.chunks.sort(key=operator.attrgetter("offsets"))
+    for path, ref in collected.refs.items():
+        key = collected.keys[path]
+        ref.index = index.get((key, None), index.get((key, 0), -1))
+    return Manifest(generation=generation, entries=entries, files=files, tree=codec.encode(collected.skeleton),
+                    world_size=world_size, block_size=block_size, step=step, metadata=metadata, headers=headers)
+
+
+def publish(storage: Storage, manifest: Manifest, previous: str | None) -> None:
+    """Publish the manifest: the single atomic step that makes the checkpoint exist. Refused at the
+    last moment if the manifest in place is no longer ``previous`` (the generation this save
+    found when it began writing): another save committed into the path meanwhile (two writers on
+    one path), its clean-up may have removed this save's data files, and its checkpoint stays."""
+    def unchanged() -> None:
+        current = manifest_generation(storage)
+        if current != previous:
+            raise CheckpointError(f"the save {manifest.generation} into {storage.location} was not committed: "
+                                  f"another save ({current}) committed there while it was in flight (two writers "
+                                  "on one path?); that checkpoint is kept")
+
+    try:
+        storage.publish(MANIFEST_NAME, manifest_tmp_name(manifest.generation), manifest.to_bytes(),
+                        before_replace=unchanged)
+    except OSError as exc:
+        raise CheckpointError(f"committing the manifest in {storage.location} failed: {exc}") from exc
+
+
+def delete_generation(storage: Storage, generation: str, rank: int) -> None:
+    """Remove this rank's files of a save that did not commit."""
+    own = f"{generation}-r{rank:05d}"
+    for name in storage.list():
+        if name.startswith(own):
+            try:
+                storage.delete(name)
+            except OSError:
+                log.warning("could not remove %s of the failed save in %s", name, storage.location)
+
+
+def clean_up_after_commit(storage: Storage, keep: str, replaced: str | None) -> None:
+    """After a commit, remove the files of older generations (no manifest references them any
+    more), of the generation the commit ``replaced`` (whatever its date: a writer's clock may
+    have run ahead) and the commit records of this one. Other newer generations may belong to
+    a save still in flight, so they stay."""
+    for name in storage.list():
+        gen = file_generation(name)
+        older = gen is not None and gen != keep and (gen == replaced or generation_time(gen) <= generation_time(keep))
+        if older or (gen == keep and parse_record(name) is not None):
+            try:
+                storage.delete(name)
+            except OSError as exc:
+                log.warning("could not remove stale %s in %s: %s", name, storage.location, exc)

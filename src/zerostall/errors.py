@@ -25,3 +25,7 @@ class StateMismatchError(CheckpointError):
 
 class UnsupportedValueError(CheckpointError, TypeError):
     """A value cannot be saved or restored safely (e.g. an object that would need pickle)."""
+
+
+class CommitError(CheckpointError):
+    """A save did not commit: a rank failed, died or timed out; the previous checkpoint is intact."""

@@ -21,6 +21,8 @@ import orjson
 import torch
 import xxhash
 
+from .checksums import checksum
+from .codec import decode_path, encode_path
 from .errors import CorruptCheckpointError
 
 FORMAT_NAME = "zerostall"
@@ -126,14 +128,6 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def block_checksums(data: memoryview, block_size: int) -> list[str]:
-    """xxh3-64 of each ``block_size`` block of ``data`` (the last block may be short)."""
-    return [
-        xxhash.xxh3_64_hexdigest(data[start:start + block_size])
-        for start in range(0, len(data), block_size)
-    ] or [xxhash.xxh3_64_hexdigest(b"")]
-
-
 @dataclass(slots=True)
 class Chunk:
     """One stored piece of a tensor: a box of the global tensor and where its bytes live."""
@@ -178,7 +172,7 @@ class Entry:
         assert self.dtype is not None
         return dtype_from_name(self.dtype)
 
-    def to_json(self, encode_path) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"fqn": self.fqn, "path": encode_path(self.path), "kind": self.kind}
         if self.rank is not None:
             d["rank"] = self.rank
@@ -193,7 +187,7 @@ class Entry:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any], decode_path) -> "Entry":
+    def from_json(cls, d: dict[str, Any]) -> "Entry":
         get = d.get
         if d["kind"] == "tensor":  # positional: thousands of entries, keyword matching shows
             return cls(d["fqn"], decode_path(d["path"]), "tensor", d["dtype"], tuple(d["shape"]),
@@ -222,19 +216,19 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(self.files.values())
 
-    def to_bytes(self, encode_path) -> bytes:
+    def to_bytes(self) -> bytes:
         """Serialize as ``{"checksum": H, "manifest": BODY}`` where H is the xxh3-64 of BODY."""
         body = dump_json({
             "format": FORMAT_NAME, "version": self.version, "generation": self.generation,
             "created": self.created, "step": self.step, "world_size": self.world_size,
             "block_size": self.block_size, "checksum": "xxh3_64", "files": self.files,
             "headers": self.headers, "metadata": self.metadata, "tree": self.tree,
-            "entries": [e.to_json(encode_path) for e in self.entries],
+            "entries": [e.to_json() for e in self.entries],
         })
-        return b'{"checksum":"%s","manifest":%s}\n' % (xxhash.xxh3_64_hexdigest(body).encode(), body)
+        return b'{"checksum":"%s","manifest":%s}\n' % (checksum(body).encode(), body)
 
     @classmethod
-    def from_bytes(cls, raw: bytes, decode_path, where: str) -> "Manifest":
+    def from_bytes(cls, raw: bytes, where: str) -> "Manifest":
         try:
             d = load_json(_checked_body(raw, where))
         except (ValueError, RecursionError) as exc:  # nesting deeper than any parser goes
@@ -242,7 +236,7 @@ class Manifest:
         _check_format(d, where)
         try:
             return cls(
-                generation=d["generation"], entries=[Entry.from_json(e, decode_path) for e in d["entries"]],
+                generation=d["generation"], entries=[Entry.from_json(e) for e in d["entries"]],
                 files=dict(d["files"]), tree=d["tree"], world_size=d["world_size"],
                 block_size=d["block_size"], step=d["step"], metadata=d["metadata"],
                 created=d["created"], version=d["version"], headers=dict(d.get("headers", {})),
@@ -293,7 +287,7 @@ def _checked_body(raw: bytes, where: str) -> bytes:
     body = raw[head:-len(suffix)]
     digest = raw[len(prefix):len(prefix) + 16]
     if (raw[:len(prefix)] != prefix or raw[len(prefix) + 16:head] != separator or not raw.endswith(suffix)
-            or xxhash.xxh3_64_hexdigest(body).encode() != digest):
+            or checksum(body).encode() != digest):
         raise CorruptCheckpointError(f"manifest {where} fails its checksum (damaged or not a zerostall manifest)")
     return body
 

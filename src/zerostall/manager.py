@@ -26,13 +26,15 @@ from typing import Any, Callable
 
 import torch
 
-from .background import AsyncSaver, SaveHandle
+from .api import open as open_checkpoint, save
+from .asynchronous import AsyncSaver, SaveHandle
+from .checkpoint import Checkpoint
 from .collectives import Group
-from .engine import SaveInfo, save
 from .errors import CheckpointError, CheckpointNotFoundError
 from .format import MANIFEST_NAME
-from .reader import Checkpoint, read_manifest_head
+from .opening import read_manifest_head
 from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
+from .saving import SaveInfo
 from .schedule import SaveSchedule
 from .state import RankLocal, rank_local
 from .storage.local import LocalStorage, fsync_dir
@@ -327,7 +329,7 @@ class CheckpointManager:
             return None
         path = os.path.join(self.root, resolved)
         try:
-            ck = Checkpoint(path, process_group=self.process_group, **options)
+            ck = open_checkpoint(path, process_group=self.process_group, **options)
         except CheckpointNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint {resolved!r} under {self.root}") from None
         ck.tag = resolved

@@ -1,136 +1,36 @@
-"""Plans: which data file each chunk goes to (save), and which stored bytes each target needs (load)."""
+"""Plan: who writes which chunk of the global state, cached per structure; replicas checked.
+
+Every rank describes what it holds (a structure: one row per global leaf, no data); the rows of
+all ranks are gathered once and every rank computes the same plan from them, so the plan needs no
+further messages. Replicated chunks are written once, by the least-loaded rank that holds them.
+A plan is cached under the digests of all ranks' structures: the next save of an unchanged
+structure only checks, with one small collective, that every rank still proposes the same plan.
+"""
 
 from __future__ import annotations
 
-import heapq
+import json
+import secrets
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import torch
 import xxhash
 
-from .format import dump_json
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-@dataclass(slots=True)
-class WriteItem:
-    """One chunk to write: the source tensor (CPU, contiguous), its entry and its box offsets."""
-
-    entry: Any
-    name: str
-    tensor: torch.Tensor
-    offsets: tuple[int, ...]
-    key: tuple[str, tuple[int, ...]] = ("", ())
-    rank_local: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.nbytes
-
-
-def assign_files(items: Sequence[WriteItem], n_files: int) -> list[list[WriteItem]]:
-    """Spread items over at most ``n_files`` files with balanced bytes (largest first, least loaded).
-
-    Within a file, items are ordered by descending element size so that packing them with no
-    gaps keeps every tensor at its natural alignment (a safetensors requirement).
-    """
-    n_files = max(1, min(n_files, len(items)))
-    sizes = [item.nbytes for item in items]
-    heap = [(0, i) for i in range(n_files)]
-    files: list[list[int]] = [[] for _ in range(n_files)]
-    for i in sorted(range(len(items)), key=sizes.__getitem__, reverse=True):
-        load, f = heap[0]
-        files[f].append(i)
-        heapq.heapreplace(heap, (load + sizes[i], f))
-    return [[items[i] for i in sorted(f, key=lambda i: (-items[i].tensor.element_size(), i))] for f in files if f]
-
-
-def intersect(a: Box, b: Box) -> Box | None:
-    """The overlap of two boxes (offsets, sizes), or None when they do not overlap."""
-    offsets, sizes = [], []
-    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1]):
-        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
-        if hi <= lo:
-            return None
-        offsets.append(lo)
-        sizes.append(hi - lo)
-    return tuple(offsets), tuple(sizes)
-
-
-def contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
-    strides = []
-    acc = 1
-    for s in reversed(sizes):
-        strides.append(acc)
-        acc *= s
-    return tuple(reversed(strides))
-
-
-def element_span(chunk: Box, inner: Box) -> tuple[int, int]:
-    """First and one-past-last element index, within the row-major chunk, that ``inner`` touches."""
-    strides = contiguous_strides(chunk[1])
-    first = sum((io - co) * st for io, co, st in zip(inner[0], chunk[0], strides))
-    last = sum((io + isz - 1 - co) * st for io, isz, co, st in zip(inner[0], inner[1], chunk[0], strides))
-    return first, last + 1
-
-
-def flat_boxes(sizes: Sequence[int], first: int, end: int) -> list[Box]:
-    """Boxes (offsets, sizes) that tile the elements ``[first, end)`` of a row-major tensor of
-    ``sizes``, in order: a partial row, whole rows, a partial row, each level alike (at most
-    ``2 * ndim - 1`` boxes), so a byte range of stored data can be copied as strided regions."""
-    if first >= end:
-        return []
-    if not sizes:
-        return [((), ())]
-    inner = 1
-    for s in sizes[1:]:
-        inner *= s
-    row, col = divmod(first, inner)
-    last_row, last_col = divmod(end, inner)
-    if row == last_row:
-        return [((row, *o), (1, *s)) for o, s in flat_boxes(sizes[1:], col, last_col)]
-    boxes: list[Box] = []
-    if col:
-        boxes += [((row, *o), (1, *s)) for o, s in flat_boxes(sizes[1:], col, inner)]
-        row += 1
-    if last_row > row:
-        boxes.append(((row, *[0] * (len(sizes) - 1)), (last_row - row, *sizes[1:])))
-    if last_col:
-        boxes += [((last_row, *o), (1, *s)) for o, s in flat_boxes(sizes[1:], 0, last_col)]
-    return boxes
-
-
-# -- the global save plan ------------------------------------------------------------------------
-#
-# Every rank describes what it holds (a "structure": one row per global leaf, no data); the rows
-# of all ranks are gathered once and every rank computes the same plan from them, so the plan
-# needs no further messages. A plan is cached under the digests of all ranks' structures: the
-# next save of an unchanged structure only checks, with one small collective, that the digests
-# still agree.
-
-ChunkKey = tuple[str, tuple[int, ...]]
-
-
-@dataclass(slots=True)
-class Row:
-    """One global leaf as one rank holds it: a tensor box, an alias or a python value."""
-
-    key: str
-    kind: str
-    dtype: str | None = None
-    shape: tuple[int, ...] | None = None
-    offsets: tuple[int, ...] = ()
-    sizes: tuple[int, ...] = ()
-    nbytes: int = 0
-    alias_of: str | None = None
+from . import codec
+from .balance import balance
+from .collect import ChunkKey, Collected, Row
+from .collectives import Group
+from .errors import StateMismatchError
+from .format import dump_json, generation_id
+from .memory import tensor_bytes
+from .state import fqn
 
 
 def structure_digest(rows: Sequence[Row]) -> int:
     """A 64-bit digest of a rank's structure: equal digests mean a cached plan still fits it."""
     fields = [(r.key, r.kind, r.dtype, r.shape, r.offsets, r.sizes, r.nbytes, r.alias_of) for r in rows]
-    return xxhash.xxh3_64_intdigest(dump_json(fields))  # tuples, not dataclasses: serialized in C, ~15x repr
+    return xxhash.xxh3_64_intdigest(dump_json(fields))  # tuples, not dataclasses: serialized in C
 
 
 @dataclass
@@ -145,6 +45,7 @@ class SavePlan:
     seed: int = 0  # the coordinator's random bits, drawn when the plan was made: part of generation ids
 
     def writes(self, rank: int, key: ChunkKey) -> bool:
+        """Whether ``rank`` writes the chunk ``key``."""
         return self.writers.get(key) == rank
 
 
@@ -169,16 +70,80 @@ def build_plan(structures: Sequence[Sequence[Row]], digests: Sequence[int], seed
                 key = (row.key, row.offsets)
                 holders.setdefault(key, []).append(rank)
                 sizes[key] = row.nbytes
-    load = [0] * len(structures)
-    writers: dict[ChunkKey, int] = {}
-    for key in sorted(holders, key=lambda k: (len(holders[k]), -sizes[k], k)):
-        writer = min(holders[key], key=lambda r: (load[r], r))
-        writers[key] = writer
-        load[writer] += sizes[key]
-    return SavePlan(tuple(digests), list(entries.values()), writers, holders, load, seed)
+    keys = list(holders)
+    order = sorted(range(len(keys)), key=lambda i: (len(holders[keys[i]]), -sizes[keys[i]], keys[i]))
+    where, load = balance([sizes[k] for k in keys], len(structures), order=order, allowed=lambda i: holders[keys[i]])
+    return SavePlan(tuple(digests), list(entries.values()), dict(zip(keys, where)), holders, load, seed)
 
 
 def _describe(row: Row) -> str:
     if row.kind == "tensor":
         return f"a {row.dtype} tensor of shape {list(row.shape or ())}"
     return "an alias" if row.kind == "alias" else "a python value"
+
+
+class SavePlanner:
+    """Computes save plans and caches them per process group and structure (see :mod:`zerostall.plan`).
+
+    A save of a cached structure costs one all-reduce of three int64s, whatever the world size: each
+    rank proposes the most recently used cached plan that fits its own structure (slot ``p``, 1-based;
+    0 for none) and contributes ``p + p**2 << 32``; the sums ``S1 = sum(p)`` and ``S2 = sum(p**2)``
+    satisfy ``S1**2 == world * S2`` exactly when every rank proposed the same slot, so agreement is
+    exact, not probabilistic. The second lane carries the coordinator's clock for the generation id,
+    the third the number of ranks that could not collect their state (see :meth:`refuse`).
+    Every rank's cache changes only on agreed outcomes, so slot numbers mean the same plan everywhere.
+    """
+
+    def __init__(self, cache_size: int = 8) -> None:
+        self._caches: dict[Any, list[SavePlan]] = {}
+        self._cache_size = cache_size
+
+    @staticmethod
+    def refuse(group: Group) -> None:
+        """Take part in the first planning collective as a rank that cannot save: every rank then
+        raises, where the others would wait for this one in the collective for good."""
+        group.all_reduce_or_fail([0, 0], "", failed=True)
+
+    def plan(self, group: Group, collected: Collected) -> tuple[SavePlan, str, bool]:
+        """The plan, the generation id every rank uses, and whether planning ran (not cached)."""
+        cache = self._caches.setdefault(group.pg, [])
+        digest = structure_digest(collected.rows)
+        slot = next((n for n, p in enumerate(cache, 1) if p.digests[group.rank] == digest), 0)
+        clock = time.time_ns() if group.is_coordinator else 0
+        proposals, clock = group.all_reduce_or_fail(
+            [slot + (slot * slot << 32), clock], "{failed} other rank(s) could not collect their state for this "
+            "save (their errors name the key); nothing was written")
+        s1, s2 = proposals & 0xFFFFFFFF, proposals >> 32
+        if s1 and s1 * s1 == group.size * s2:
+            plan = cache.pop(s1 // group.size - 1)
+            cache.insert(0, plan)
+            return plan, generation_id(clock, plan.seed), False
+        gathered = group.all_gather_object((collected.rows, secrets.randbits(32)))
+        structures = [rows for rows, _ in gathered]
+        try:
+            plan = build_plan(structures, [structure_digest(rows) for rows in structures], seed=gathered[0][1])
+        except ValueError as exc:
+            raise StateMismatchError(str(exc)) from None
+        check_replicas(group, plan, collected)
+        cache.insert(0, plan)
+        del cache[self._cache_size:]
+        return plan, generation_id(clock, plan.seed), True
+
+
+def check_replicas(group: Group, plan: SavePlan, collected: Collected) -> None:
+    """On a structure's first save, check by checksum that every replica holds the same value."""
+    if group.size == 1:
+        return
+    mine: dict[ChunkKey, int] = {}
+    for item in collected.items:
+        if not item.rank_local and len(plan.holders[item.key]) > 1:
+            mine[item.key] = xxhash.xxh3_64_intdigest(tensor_bytes(item.tensor.cpu()))
+    for key, encoded in collected.objects.items():
+        if len(plan.holders[(key, ())]) > 1:
+            mine[(key, ())] = xxhash.xxh3_64_intdigest(json.dumps(encoded, sort_keys=True).encode())
+    everyone = group.all_gather_object(mine)
+    bad = sorted({key for d in everyone for key, h in d.items() if any(o.get(key, h) != h for o in everyone)})
+    if bad:
+        names = ", ".join(fqn(codec.decode_path(json.loads(k))) + (f" (box at {list(o)})" if o else "") for k, o in bad)
+        raise StateMismatchError(f"replicas disagree on {names}: ranks hold different values for a leaf that is "
+                                 "not sharded; make them equal or mark it with zerostall.rank_local()")

@@ -4,9 +4,9 @@ An :class:`AsyncSaver` owns a reused buffer pool and one background worker, so o
 flight at a time. The worker captures in a thread; it persists in that thread (``writer="thread"``:
 writes and hashing release the GIL) or hands the captured shared-memory buffers to a persistent
 spawned process (``writer="process"``) that finishes the commit even if the training process dies.
-Threads are the default, by measurement (bench/async_save.py, 1 GiB on 2 CPU cores): the same
-training overhead within noise, commits ~10% sooner (0.49 vs 0.55 s), a pool 3x cheaper to
-allocate (no shared memory) and no process to spawn; choose the process for crash survival. ``save`` runs the collective part (planning) in the caller's thread, records
+Threads are the default (bench/async_save.py compares the two): no shared memory to allocate and
+no process to spawn; choose the process for crash survival. ``save`` runs the collective part
+(planning) in the caller's thread, records
 where the caller's CUDA stream is, and returns a :class:`SaveHandle` whose ``staged`` future is
 done when the state has been copied (the caller may mutate it from then on) and whose
 ``committed`` future is done when the checkpoint is durable and visible. A background failure is
@@ -21,12 +21,14 @@ import signal
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from .capture import BufferPool, capture, record_caller_stream
 from .collectives import Group
-from .engine import Prepared, SaveInfo, for_writer_process, persist, prepare
 from .errors import CheckpointError
+from .options import SaveOptions
+from .saving import Prepared, SaveInfo, for_writer_process, persist, prepare
+from .storage import Storage
 
 log = logging.getLogger(__name__)
 
@@ -94,17 +96,21 @@ class AsyncSaver:
         elif previous == signal.SIG_DFL:
             os.kill(os.getpid(), signum)
 
-    def save(self, state: Any, path: str | os.PathLike[str], **options: Any) -> SaveHandle | None:
-        """Start saving ``state`` (collective when distributed); options are those of ``zerostall.save``."""
+    def save(self, state: Any, path: str | os.PathLike[str] | Storage, options: SaveOptions | None = None, *,
+             process_group: Any = None, step: int | None = None, metadata: Mapping[str, Any] | None = None,
+             **overrides: Any) -> SaveHandle | None:
+        """Start saving ``state`` (collective when distributed); the arguments are those of
+        :func:`zerostall.save`. Returns None when skipped (``if_busy="skip"``)."""
         if self._closed:
             raise CheckpointError("this AsyncSaver is closed")
+        options = SaveOptions.of(options, overrides)
         self._raise_failure()
-        if self.if_busy == "skip" and self._busy_on_any_rank(options.get("process_group")):
+        if self.if_busy == "skip" and self._busy_on_any_rank(process_group):
             log.info("skipping the save to %s: a save is still in flight", path)
             return None
         if self._current is not None and not self._current.done():
             self.wait()
-        prepared = prepare(state, path, **options)
+        prepared = prepare(state, path, options, process_group=process_group, step=step, metadata=metadata)
         ready = record_caller_stream(prepared.items)
         buffers = self.pool.buffers(prepared.items)
         handle = SaveHandle(prepared.storage.location, prepared.step)
@@ -119,17 +125,18 @@ class AsyncSaver:
         busy = self._current is not None and not self._current.done()
         return Group(process_group).all_reduce_ints([int(busy)])[0] > 0
 
-    def reserve(self, state: Any, **options: Any) -> float:
+    def reserve(self, state: Any, options: SaveOptions | None = None, *, process_group: Any = None,
+                **overrides: Any) -> float:
         """Allocate the buffer pool for ``state``'s structure now (collective when distributed), so
         the first save costs no more than the rest; returns the seconds spent (0 when the pool
         already fits). Reserve with the structure you will save: an optimizer's state appears only
         after its first step."""
-        prepared = prepare(state, os.devnull, **options)
+        prepared = prepare(state, os.devnull, SaveOptions.of(options, overrides), process_group=process_group)
         start = time.perf_counter()
         self.pool.buffers(prepared.items)
         return time.perf_counter() - start
 
-    def _run(self, prepared: Any, buffers: list[Any], ready: Any, handle: SaveHandle) -> None:
+    def _run(self, prepared: Prepared, buffers: list[Any], ready: Any, handle: SaveHandle) -> None:
         try:
             capture(prepared.items, buffers, ready)
         except BaseException as exc:
@@ -310,42 +317,3 @@ def _picklable(exc: BaseException) -> bool:
     except Exception:
         return False
     return True
-
-
-_default: AsyncSaver | None = None
-_default_lock = threading.Lock()
-
-
-def default_saver() -> AsyncSaver:
-    """The process-wide saver behind :func:`async_save` (drained at exit)."""
-    global _default
-    with _default_lock:
-        if _default is None or _default._closed:
-            _default = AsyncSaver()
-        return _default
-
-
-def async_save(state: Any, path: str | os.PathLike[str], **options: Any) -> SaveHandle:
-    """Save asynchronously with the default saver; see :class:`AsyncSaver` and ``zerostall.save``."""
-    handle = default_saver().save(state, path, **options)
-    assert handle is not None
-    return handle
-
-
-def wait_for_default() -> None:
-    """Finish the default saver's save in flight, so a synchronous save never overlaps it."""
-    if _default is not None and not _default._closed:
-        _default.wait()
-
-
-def _drain_at_exit() -> None:
-    """Commit the save in flight at a normal exit. Registered with threading's exit hooks, which
-    run before ``concurrent.futures`` refuses new work (plain ``atexit`` would run after)."""
-    if _default is not None:
-        try:
-            _default.close()
-        except BaseException as exc:  # at exit there is no caller left to raise to
-            log.error("asynchronous save failed at exit: %s", exc)
-
-
-threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]

@@ -1,0 +1,5 @@
+"""``python -m zerostall``: the command line."""
+
+from .cli import main
+
+main()

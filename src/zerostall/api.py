@@ -1,0 +1,105 @@
+"""The public functions: save, async_save, load, open, verify; and the process-wide saver.
+
+Each takes a path (or a :class:`~zerostall.storage.Storage`), an optional options object and, as
+shorthand, that object's fields as keywords. Every call is collective when ``torch.distributed`` is
+initialized: every rank of the process group calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Callable, Mapping
+
+from .asynchronous import AsyncSaver, SaveHandle
+from .checkpoint import Checkpoint
+from .gcpause import gc_paused
+from .options import LoadOptions, SaveOptions
+from .saving import SaveInfo, persist, prepare
+from .storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+@gc_paused()  # the caller waits: no cyclic collections over the per-leaf objects
+def save(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOptions | None = None, *,
+         process_group: Any = None, step: int | None = None, metadata: Mapping[str, Any] | None = None,
+         **overrides: Any) -> SaveInfo:
+    """Save ``state`` to ``path`` and return once the checkpoint is committed (durable, visible).
+
+    ``state`` is any nesting of dicts/lists/tuples of tensors (DTensors included), python values
+    and objects with ``state_dict()``. Collective when ``torch.distributed`` is initialized: every
+    rank calls it; replicated data is written once, balanced over the ranks that hold it. Saving
+    into an existing checkpoint leaves it intact until the new manifest commits; a rank that fails
+    or dies fails the save everywhere, with no manifest written. ``options`` and keyword overrides
+    are :class:`SaveOptions` fields (threads, fsync, allow_pickle, block_size, commit_timeout).
+    An asynchronous save of the process-wide saver still in flight is waited for first.
+    """
+    options = SaveOptions.of(options, overrides)
+    if _default is not None and not _default._closed:
+        _default.wait()
+    return persist(prepare(state, path, options, process_group=process_group, step=step, metadata=metadata))
+
+
+def open(path: str | os.PathLike[str] | Storage, options: LoadOptions | None = None, *, process_group: Any = None,
+         **overrides: Any) -> Checkpoint:
+    """Open a read session on the checkpoint at ``path`` (collective when distributed: rank 0
+    reads the manifest and every rank gets the same one). ``options`` and keyword overrides
+    (:class:`LoadOptions` fields) are the defaults of the session's loads and reads."""
+    return Checkpoint(path, LoadOptions.of(options, overrides), process_group=process_group)
+
+
+@gc_paused()  # opening included: the manifest's objects then die by reference counting, never walked
+def load(state: Any, path: str | os.PathLike[str] | Storage, options: LoadOptions | None = None, *,
+         process_group: Any = None, **overrides: Any) -> Any:
+    """Load the checkpoint at ``path`` into ``state`` in place and return it (see :meth:`Checkpoint.load`)."""
+    options = LoadOptions.of(options, overrides)
+    with open(path, options, process_group=process_group) as ck:
+        return ck.load(state)
+
+
+def verify(path: str | os.PathLike[str] | Storage, *, threads: int | None = None,
+           progress: Callable[[int], None] | None = None) -> int:
+    """Check every file size and block checksum of the checkpoint at ``path``; returns the bytes
+    checked. Raises :class:`CorruptCheckpointError` listing every fault on damage, a plain
+    :class:`CheckpointError` when some bytes could not be read (not known to be damaged)."""
+    with open(path, threads=threads) as ck:
+        return ck.verify(progress=progress)
+
+
+_default: AsyncSaver | None = None
+_default_lock = threading.Lock()
+
+
+def default_saver() -> AsyncSaver:
+    """The process-wide saver behind :func:`async_save` (drained at exit)."""
+    global _default
+    with _default_lock:
+        if _default is None or _default._closed:
+            _default = AsyncSaver()
+        return _default
+
+
+def async_save(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOptions | None = None, *,
+               process_group: Any = None, step: int | None = None, metadata: Mapping[str, Any] | None = None,
+               **overrides: Any) -> SaveHandle:
+    """Start saving ``state`` with the process-wide saver (drained at exit) and return its
+    :class:`SaveHandle` at once; see :class:`AsyncSaver` and :func:`save`."""
+    handle = default_saver().save(state, path, options, process_group=process_group, step=step, metadata=metadata,
+                                  **overrides)
+    assert handle is not None
+    return handle
+
+
+def _drain_at_exit() -> None:
+    """Commit the save in flight at a normal exit. Registered with threading's exit hooks, which
+    run before ``concurrent.futures`` refuses new work (plain ``atexit`` would run after)."""
+    if _default is not None:
+        try:
+            _default.close()
+        except BaseException as exc:  # at exit there is no caller left to raise to
+            log.error("asynchronous save failed at exit: %s", exc)
+
+
+threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]

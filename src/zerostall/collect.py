@@ -1,0 +1,181 @@
+"""Collect: flatten the state and list what this rank holds, before any collective.
+
+Each leaf becomes an entry (a tensor's dtype, global shape and this rank's box, a python value
+encoded, or an alias of a tensor seen before), a structure row for planning, and for tensors a
+write item pointing at the bytes to store. Nothing is copied: write items reference the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii
+from typing import Any
+
+import torch
+
+from . import codec
+from .boxes import local_box
+from .errors import UnsupportedValueError
+from .format import Entry, dtype_name
+from .state import Path, flatten, fqn
+
+
+ChunkKey = tuple[str, tuple[int, ...]]  # a leaf's path key and a box's offsets: one chunk of the global state
+
+
+@dataclass(slots=True)
+class WriteItem:
+    """One chunk to write: the source tensor (contiguous), its name in the data file, its entry
+    (which receives the chunk once written) and its key."""
+
+    entry: Entry
+    name: str
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+    key: ChunkKey = ("", ())
+    rank_local: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.nbytes
+
+
+@dataclass(slots=True)
+class Row:
+    """One global leaf as one rank holds it: a tensor box, an alias or a python value."""
+
+    key: str
+    kind: str
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    offsets: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
+    nbytes: int = 0
+    alias_of: str | None = None
+
+
+def check_tensor(t: torch.Tensor, where: str) -> None:
+    """Refuse tensors whose bytes are not plain strided data we can store and restore exactly."""
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        raise UnsupportedValueError(f"{where}: tensor subclass {type(t).__qualname__} is not supported")
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        kind = "quantized" if t.is_quantized else "nested" if t.is_nested else str(t.layout)
+        raise UnsupportedValueError(f"{where}: {kind} tensors are not supported; convert to a dense tensor")
+    if t.is_meta:
+        raise UnsupportedValueError(f"{where}: tensor is on the meta device and has no data to save")
+
+
+def view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """Identity of a tensor view: two leaves with the same key hold the very same bytes."""
+    return t.device, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg()
+
+
+class ViewIndex:
+    """Tensor views seen so far, each with a value, found by :func:`view_key` identity. Views are
+    filed by data pointer and compared by whole key only when pointers meet (tied weights), so
+    each of thousands of distinct leaves costs one pointer read, not seven attribute reads."""
+
+    __slots__ = ("_by_pointer",)
+
+    def __init__(self) -> None:
+        self._by_pointer: dict[int, Any] = {}  # a (view, value) pair, or a list of them once pointers meet
+
+    def first(self, t: torch.Tensor, value: Any) -> Any:
+        """The value filed for ``t``'s view by an earlier call, or None after filing ``value`` for it."""
+        pointer = t.data_ptr()
+        filed = self._by_pointer.get(pointer)
+        if filed is None:
+            self._by_pointer[pointer] = (t, value)
+            return None
+        key = view_key(t)
+        for view, earlier in filed if type(filed) is list else (filed,):
+            if view_key(view) == key:
+                return earlier
+        if type(filed) is list:
+            filed.append((t, value))
+        else:
+            self._by_pointer[pointer] = [filed, (t, value)]
+        return None
+
+
+def plain_source(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as plain contiguous bytes with no autograd history: the tensor itself when it already
+    is (an optimizer state), else a detached, resolved, contiguous view or copy."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t.contiguous()
+
+
+_KEY_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
+def path_key(path: Path) -> str:
+    """A canonical string for a key path, identical on every rank (used in plans and records): the
+    compact JSON of its encoding, built directly when every key is a str or an int (the usual case,
+    where the JSON encoder's per-call set-up would dominate over thousands of leaves)."""
+    parts = []
+    for k in path:
+        kind = type(k)
+        if kind is str:
+            parts.append(encode_basestring_ascii(k))
+        elif kind is int:
+            parts.append(int.__repr__(k))
+        else:
+            return _KEY_ENCODER.encode(codec.encode_path(path))
+    return "[" + ",".join(parts) + "]"
+
+
+@dataclass
+class Collected:
+    """What this rank holds, ready to plan and write: no collective has run yet."""
+
+    entries: dict[str, Entry] = field(default_factory=dict)
+    rank_local: list[Entry] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
+    items: list[WriteItem] = field(default_factory=list)
+    objects: dict[str, Any] = field(default_factory=dict)
+    skeleton: Any = None
+    refs: dict[Path, codec.Ref] = field(default_factory=dict)
+    keys: dict[Path, str] = field(default_factory=dict)
+
+
+def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
+    """Flatten ``state`` into entries, structure rows for planning, and the tensors to write."""
+    flat = flatten(state, skeleton=True)
+    out = Collected(skeleton=flat.skeleton, refs=flat.refs)
+    seen = ViewIndex()  # view -> the key of the leaf that first held it
+    names: set[str] = set()
+    for path, value in flat.leaves.items():
+        name, key, local = fqn(path), path_key(path), path in flat.rank_local
+        out.keys[path] = key
+        if not isinstance(value, torch.Tensor):
+            encoded = codec.encode(value, where=name, allow_pickle=allow_pickle)
+            if local:
+                out.rank_local.append(Entry(name, path, "object", value=encoded, rank=rank))
+            else:
+                out.rows.append(Row(key, "object"))
+                out.objects[key] = encoded
+            continue
+        piece, offsets, sizes = local_box(value)
+        check_tensor(piece, name)
+        first = None if local else seen.first(piece, key)
+        if first is not None:
+            out.rows.append(Row(key, "alias", alias_of=first))
+            continue
+        source = plain_source(piece)
+        dtype, shape = dtype_name(value.dtype), tuple(value.shape)
+        entry = Entry(name, path, "tensor", dtype=dtype, shape=shape, rank=rank if local else None)
+        if local:
+            out.rank_local.append(entry)
+        else:
+            out.entries[key] = entry
+            out.rows.append(Row(key, "tensor", dtype, shape, offsets, sizes, source.nbytes))
+        file_name = name if sizes == shape else f"{name}@{','.join(map(str, offsets))}"
+        while file_name in names:
+            file_name += "#"
+        names.add(file_name)
+        out.items.append(WriteItem(entry, file_name, source, offsets, (key, offsets), local))
+    return out

@@ -1,0 +1,324 @@
+"""Fetch: move a checkpoint's bytes into target tensors, in parallel, verifying as they arrive.
+
+A chunk that is exactly a target's box, with the target's dtype and a contiguous CPU layout, is
+read straight into the target's memory; any other overlap (resharding, dtype conversion, GPU
+targets) is read into a bounded per-thread staging buffer and copied from there while still in
+the CPU cache. Reads of small tensors stored back to back are merged into one scatter read; work
+is balanced over reader threads by bytes, and the first failure stops the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+from .balance import balance
+from .boxes import Box, contiguous_strides, element_span, flat_boxes, intersect, region
+from .checksums import CACHE_PIECE, BlockHasher, block_checksums, pieces
+from .errors import CheckpointError, CorruptCheckpointError
+from .format import Chunk, Entry, Manifest
+from .memory import tensor_bytes
+from .opening import manifest_generation
+from .storage import Storage
+
+_PIECE_BYTES = 32 << 20  # the largest single read, in whole blocks
+_STAGE_BYTES = 4 << 20  # a staged read: copied into its target while still in the CPU cache
+Target = tuple[torch.Tensor, Box, Entry]  # a tensor, the box of the global tensor it holds, its entry
+Piece = tuple[Entry, Chunk, int, memoryview]  # bytes [lo, lo + len(out)) of a chunk, to be read into out
+Staged = tuple[torch.Tensor, Box, Entry, Chunk, Box]  # a target, its box, an entry, a chunk, their overlap
+StageJob = tuple[torch.Tensor, Box, Entry, Chunk, Box, int, int]  # a Staged and chunk bytes [lo, hi) of it
+
+
+class Fetcher:
+    """Reads the chunks of one checkpoint (its ``manifest`` on ``storage``) with ``threads`` threads."""
+
+    def __init__(self, storage: Storage, manifest: Manifest, threads: int) -> None:
+        self.storage = storage
+        self.manifest = manifest
+        self.path = storage.location
+        self.threads = threads
+        block = manifest.block_size
+        self._piece_step = max(block, _PIECE_BYTES // block * block)
+        self._maps: dict[str, memoryview | None] = {}
+        self._scratch = threading.local()
+
+    def close(self) -> None:
+        """Release file handles and maps; tensors already returned stay valid."""
+        self.storage.close()
+        self._maps.clear()
+
+    def map(self, name: str) -> memoryview | None:
+        """A memory map of data file ``name`` where the storage offers one (kept for the session), else None."""
+        if name not in self._maps:
+            try:
+                self._maps[name] = self.storage.memory_map(name)
+            except FileNotFoundError:
+                raise self.missing(name) from None
+        return self._maps[name]
+
+    def fill(self, targets: list[Target], verify: bool, staging: int, skip: set[int] = frozenset()) -> None:
+        """Copy into each target (a tensor holding ``box`` of its entry) the bytes of every chunk
+        that intersects it, reading in parallel: straight into the target when a chunk is exactly
+        the target's box and layouts match, through staging buffers otherwise. Chunks whose
+        ``id`` is in ``skip`` were already delivered (by broadcast)."""
+        direct, staged = self._route(targets, skip)
+        try:
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read") as pool:
+                run_balanced(pool, self.threads, self._read_run, _runs(direct, _piece_span), verify)
+                block = self.manifest.block_size
+                step = max(block, min(_STAGE_BYTES, staging // self.threads) // block * block)
+                jobs = [job for item in staged for job in self._stage_jobs(item, step, verify)]
+                stream = torch.cuda.current_stream() if any(job[0].is_cuda for job in jobs) else None
+                stage = functools.partial(self._stage_run, stream=stream)
+                run_balanced(pool, self.threads, stage, _runs(jobs, _job_span), verify)
+        finally:
+            self.storage.close()  # the files these threads held open: the next fill has new threads
+
+    def _route(self, targets: list[Target], skip: set[int]) -> tuple[list[Piece], list[Staged]]:
+        """Split the reads for ``targets``: pieces that go straight into a target, and chunk parts
+        that go through staging; raise if some part of a target has no stored bytes."""
+        direct: list[Piece] = []
+        staged: list[Staged] = []
+        for target, box, entry in targets:
+            covered = 0
+            for chunk in entry.chunks:
+                inter = box if box == (chunk.offsets, chunk.sizes) else intersect(box, (chunk.offsets, chunk.sizes))
+                if inter is None:
+                    continue
+                covered += math.prod(inter[1])
+                if id(chunk) in skip:
+                    continue
+                if direct_read(target, box, entry, chunk):
+                    direct.extend(self._pieces(entry, chunk, 0, tensor_bytes(target)))
+                else:
+                    staged.append((target, box, entry, chunk, inter))
+            if covered < math.prod(box[1]):
+                raise CorruptCheckpointError(f"entry {entry.fqn} of {self.path} has no data for part of the box "
+                                             f"{[list(b) for b in box]}: its chunks do not cover the tensor")
+        return direct, staged
+
+    def read_chunk(self, entry: Entry, chunk: Chunk, buf: torch.Tensor, verify: bool) -> None:
+        """Read a whole chunk into ``buf`` (a byte tensor of its size)."""
+        for piece in self._pieces(entry, chunk, 0, tensor_bytes(buf)):
+            self.read_piece(*piece, verify)
+
+    def _stage_jobs(self, item: Staged, step: int, verify: bool) -> list[StageJob]:
+        """Split the stored bytes of ``item``'s intersection into reads of at most ``step`` bytes,
+        whole blocks when verifying, each to be read, checked and copied by one thread."""
+        target, box, entry, chunk, inter = item
+        if math.prod(inter[1]) == 0:
+            return []
+        if inter == (chunk.offsets, chunk.sizes):  # the whole chunk (dtype conversion, other layouts)
+            lo, hi = 0, chunk.nbytes
+        else:
+            itemsize = entry.torch_dtype.itemsize
+            first, last = element_span((chunk.offsets, chunk.sizes), inter)
+            lo, hi = first * itemsize, last * itemsize
+            if verify:
+                block = self.manifest.block_size
+                lo, hi = lo // block * block, min(-(-hi // block) * block, chunk.nbytes)
+        return [(target, box, entry, chunk, inter, a, min(a + step, hi)) for a in range(lo, hi, step)]
+
+    def _stage_run(self, run: list[StageJob], verify: bool, stream: Any = None) -> None:
+        """Read jobs that lie back to back in one file into this thread's staging buffer (one read
+        for several small ones) and copy the part of each intersection they hold into its target
+        at once: the bytes are still in the CPU cache, and the copies run in parallel whatever
+        torch's own thread setting. Copies to GPU targets run on the caller's ``stream``, after
+        the work queued there, and are complete when they return (the buffer is reused)."""
+        buf = self._staging(sum(hi - lo for *_, lo, hi in run), pinned=any(job[0].is_cuda for job in run))
+        view, pieces, at = tensor_bytes(buf), [], 0
+        for _, _, entry, chunk, _, lo, hi in run:
+            pieces.append((entry, chunk, lo, view[at:at + hi - lo]))
+            at += hi - lo
+        self._read_run(pieces, verify)
+        at = 0
+        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for target, box, entry, chunk, inter, lo, hi in run:
+                _copy_part(target, box, entry, chunk, inter, lo, buf[at:at + hi - lo].view(entry.torch_dtype))
+                at += hi - lo
+
+    def _staging(self, n: int, pinned: bool) -> torch.Tensor:
+        """This thread's reusable staging buffer of at least ``n`` bytes (pinned for GPU targets)."""
+        buf = getattr(self._scratch, "staging", None)
+        if buf is None or buf.numel() < n or buf.is_pinned() != pinned:
+            buf = self._scratch.staging = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
+        return buf
+
+    def _pieces(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview) -> list[Piece]:
+        """Split a read of ``chunk`` bytes ``[lo, lo+len(out))`` into block-aligned pieces."""
+        step = self._piece_step
+        if len(out) <= step:
+            return [(entry, chunk, lo, out)]
+        return [(entry, chunk, lo + start, out[start:start + step]) for start in range(0, len(out), step)]
+
+    def _read_run(self, run: list[Piece], verify: bool) -> None:
+        """Read pieces that lie back to back in one file: one piece with the cache-sized hashing
+        of :meth:`read_piece`, several with one scatter read and then their checks. If that read
+        fails they are read one by one, so the error names the entry at fault."""
+        if len(run) == 1:
+            self.read_piece(*run[0], verify)
+            return
+        _, chunk, lo, _ = run[0]
+        try:
+            self.storage.read_into_many(chunk.file, chunk.offset + lo, [piece[3] for piece in run])
+        except (OSError, EOFError):
+            for piece in run:
+                self.read_piece(*piece, verify)
+            return
+        if verify:
+            for piece in run:
+                self.check_blocks(*piece)
+
+    def read_piece(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview, verify: bool) -> None:
+        """Read chunk bytes ``[lo, lo+len(out))``; when verifying (``lo`` is then block-aligned),
+        hash each cache-sized piece right after reading it and check every block's checksum."""
+        if not verify:
+            self._read_raw(entry, chunk, lo, out)
+            return
+        self._check_count(entry, chunk)
+        hasher = BlockHasher(self.manifest.block_size)
+        for a, b in pieces(len(out), self.manifest.block_size):
+            piece = out[a:b]
+            self._read_raw(entry, chunk, lo + a, piece)
+            hasher.update(piece)
+        self._check_digests(entry, chunk, lo, len(out), hasher.finish())
+
+    def _read_raw(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview) -> None:
+        try:
+            self.storage.read_into(chunk.file, chunk.offset + lo, out)
+        except FileNotFoundError:
+            raise self.missing(chunk.file, entry) from None
+        except EOFError:
+            raise CorruptCheckpointError(
+                f"data file {chunk.file} of {self.path} is truncated: entry {entry.fqn} lies past its end") from None
+        except OSError as exc:
+            raise CheckpointError(f"reading {chunk.file} of {self.path} (entry {entry.fqn}) failed: {exc}") from exc
+
+    def missing(self, name: str, entry: Entry | None = None) -> CheckpointError:
+        """The error for a data file that is gone: damage, unless the checkpoint changed under this
+        session (a save into the same path replaced it, or it was deleted) - then it is not corrupt,
+        and a script that deletes corrupt checkpoints must not delete the new one."""
+        of = f" (entry {entry.fqn})" if entry is not None else ""
+        current = manifest_generation(self.storage)
+        if current != self.manifest.generation:
+            now = f"another save ({current}) replaced it" if current else "it was deleted"
+            return CheckpointError(f"{self.path} changed while this read session was open ({now}): data file "
+                                   f"{name}{of} is gone; open the checkpoint again")
+        return CorruptCheckpointError(f"data file {name} of {self.path} is missing{of}")
+
+    def _check_count(self, entry: Entry, chunk: Chunk) -> None:
+        expected = max(1, -(-chunk.nbytes // self.manifest.block_size))
+        if len(chunk.checksums) != expected:
+            raise CorruptCheckpointError(f"entry {entry.fqn} in {chunk.file}: {len(chunk.checksums)} checksums for "
+                                         f"{expected} blocks")
+
+    def _check_digests(self, entry: Entry, chunk: Chunk, lo: int, length: int, digests: list[str]) -> None:
+        """Compare the checksums of the blocks of chunk bytes ``[lo, lo+length)`` with the manifest's."""
+        block = self.manifest.block_size
+        for n, digest in enumerate(digests):
+            index = lo // block + n
+            if digest != chunk.checksums[index]:
+                first = chunk.offset + index * block
+                raise CorruptCheckpointError(
+                    f"checksum mismatch in {chunk.file} of {self.path}: entry {entry.fqn}, block {index} "
+                    f"(file bytes {first}-{first + min(block, lo + length - index * block)})")
+
+    def check_blocks(self, entry: Entry, chunk: Chunk, lo: int, data: memoryview) -> None:
+        """Check chunk bytes ``[lo, lo+len(data))`` already in memory (a memory map) against their checksums."""
+        self._check_count(entry, chunk)
+        self._check_digests(entry, chunk, lo, len(data), block_checksums(data, self.manifest.block_size))
+
+    def scratch_view(self, n: int) -> memoryview:
+        """This thread's reusable scratch bytes, ``n`` of them (reads that are only checked, not kept)."""
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = self._scratch.buf = bytearray(max(n, 1))
+        return memoryview(buf)[:n]
+
+
+def direct_read(target: torch.Tensor, box: Box, entry: Entry, chunk: Chunk) -> bool:
+    """Whether ``chunk`` is exactly the target's ``box`` and its stored bytes can be read straight
+    into the target's memory."""
+    return (box == (chunk.offsets, chunk.sizes) and target.is_cpu
+            and target.dtype == entry.torch_dtype and target.is_contiguous()
+            and not target.is_conj() and not target.is_neg())
+
+
+def _copy_part(target: torch.Tensor, box: Box, entry: Entry, chunk: Chunk, inter: Box, lo: int,
+               data: torch.Tensor) -> None:
+    """Copy into ``target`` (holding ``box``) the elements of ``inter`` that lie in ``data``: the
+    chunk's elements from byte ``lo`` on, as strided regions of the row-major chunk."""
+    first = lo // data.itemsize
+    if first == 0 and data.numel() == math.prod(chunk.sizes) and inter == (chunk.offsets, chunk.sizes):
+        (target if inter == box else target[region(inter, box)]).copy_(data.view(chunk.sizes))
+        return
+    strides = contiguous_strides(chunk.sizes)
+    local = (tuple(o - c for o, c in zip(inter[0], chunk.offsets)), inter[1])
+    base = data.storage_offset() - first  # as_strided counts from the start of the storage
+    for part in flat_boxes(chunk.sizes, first, first + data.numel()):
+        sub = intersect(part, local)
+        if sub is not None:
+            src = data.as_strided(sub[1], strides, base + sum(o * s for o, s in zip(sub[0], strides)))
+            target[region((tuple(o + c for o, c in zip(sub[0], chunk.offsets)), sub[1]), box)].copy_(src)
+
+
+def run_balanced(pool: ThreadPoolExecutor, threads: int, read: Callable[[list[Any], bool], None],
+                 runs: list[tuple[list[Any], int]], verify: bool) -> None:
+    """Call ``read`` on runs of work (with their byte counts) as one task per thread with balanced
+    bytes (largest run first onto the least-loaded thread). Once one thread fails the others
+    stop at their next run, so a bad block is reported without reading the rest of a large
+    checkpoint; the failure is raised when they have stopped."""
+    lanes: list[list[list[Any]]] = [[] for _ in range(threads)]
+    where, _ = balance([nbytes for _, nbytes in runs], threads)
+    for (run, _), lane in sorted(zip(runs, where), key=lambda r: -r[0][1]):
+        lanes[lane].append(run)
+    failed = threading.Event()
+
+    def drain(lane: list[list[Any]]) -> None:
+        try:
+            for run in lane:
+                if failed.is_set():
+                    return
+                read(run, verify)
+        except BaseException:
+            failed.set()
+            raise
+
+    for fut in [pool.submit(drain, lane) for lane in lanes if lane]:
+        fut.result()
+
+
+def _runs(items: list[Any], span: Callable[[Any], tuple[str, int, int]]) -> list[tuple[list[Any], int]]:
+    """Group items whose bytes (``span``: file, offset, length) lie back to back in one file into
+    runs of at most a cache piece (with their byte counts), so many small tensors are read by one
+    scatter read; larger items stay alone."""
+    runs: list[tuple[list[Any], int]] = []
+    run: list[Any] = []
+    size = end = 0
+    file = None
+    for (name, start, n), item in sorted(((span(i), i) for i in items), key=lambda s: s[0][:2]):
+        if run and start == end and name == file and size + n <= CACHE_PIECE:
+            run.append(item)
+            size += n
+        else:
+            if run:
+                runs.append((run, size))
+            run, size, file = [item], n, name
+        end = start + n
+    if run:
+        runs.append((run, size))
+    return runs
+
+
+def _piece_span(piece: Piece) -> tuple[str, int, int]:
+    return piece[1].file, piece[1].offset + piece[2], len(piece[3])
+
+
+def _job_span(job: StageJob) -> tuple[str, int, int]:
+    return job[3].file, job[3].offset + job[5], job[6] - job[5]

@@ -1,0 +1,208 @@
+"""Load plan: match the target state's leaves with the checkpoint's entries; no I/O.
+
+Keys are matched by path, under a prefix, through a name filter and with wrapper segments
+stripped; rank-local entries match by rank. The plan lists, for each target tensor, the box of the
+global tensor it holds (a DTensor shard reshards from any saved layout) and its entry; what the
+fetch stage then reads follows from the entries' chunks. A strict mismatch is raised here, before
+any byte moves.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import codec
+from .boxes import Box, local_box
+from .collect import ViewIndex
+from .errors import CorruptCheckpointError, StateMismatchError
+from .format import Entry, Manifest
+from .options import KeyFilter, LoadOptions
+from .state import Flat, Path, flatten, fqn, init_optimizer_state
+
+
+@dataclass
+class Mismatch:
+    """What a non-strict load could not match: fully-qualified names, with the reason for shapes."""
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.mismatched)
+
+    def describe(self, limit: int = 20) -> str:
+        parts = []
+        for label, names in (("missing from the checkpoint", self.missing),
+                             ("unexpected in the checkpoint", self.unexpected),
+                             ("mismatched", self.mismatched)):
+            if names:
+                shown = ", ".join(names[:limit]) + (f", … ({len(names) - limit} more)" if len(names) > limit else "")
+                parts.append(f"{label}: {shown}")
+        return "; ".join(parts)
+
+
+@dataclass
+class LoadPlan:
+    """Which bytes go where: targets to fill (a tensor, the box of the global tensor it holds, its
+    entry), tensors to allocate, values to replace, subtrees to read whole, and what did not match."""
+
+    tensors: list[tuple[torch.Tensor, Box, Entry]] = field(default_factory=list)
+    new_tensors: list[tuple[Path, Entry, torch.Tensor | None]] = field(default_factory=list)
+    replacements: dict[Path, Any] = field(default_factory=dict)
+    subtrees: list[tuple[Path, list[tuple[Path, Entry]]]] = field(default_factory=list)
+    consumed: set[Path] = field(default_factory=set)
+    meta: list[str] = field(default_factory=list)
+    mismatch: Mismatch = field(default_factory=Mismatch)
+
+
+def resolve(manifest: Manifest, entry: Entry, where: str) -> Entry:
+    """The entry that ``entry`` stands for: itself, or the tensor entry it aliases."""
+    entries = manifest.entries
+    if entry.kind == "alias":
+        index = entry.alias_of
+        if not isinstance(index, int) or not 0 <= index < len(entries) or entries[index].kind != "tensor":
+            raise CorruptCheckpointError(f"entry {entry.fqn} aliases entry #{index}, which is not a tensor "
+                                         f"entry of {where}")
+        return entries[index]
+    return entry
+
+
+class LoadPlanner:
+    """Plans loads of one checkpoint's ``manifest`` (at ``path``) on rank ``rank`` of ``world``."""
+
+    def __init__(self, manifest: Manifest, path: str, rank: int, world: int, options: LoadOptions) -> None:
+        self.manifest = manifest
+        self.path = path
+        self.rank = rank
+        self.world = world
+        self.options = options
+
+    def plan(self, state: Any) -> tuple[Flat, LoadPlan]:
+        """Match every target leaf with its entry; raise on a strict mismatch before any byte moves."""
+        o = self.options
+        prefix, strip, strict_dtype, materialize = o.prefix, o.strip, o.strict_dtype, o.materialize
+        prefix_path = (prefix,) if isinstance(prefix, str) else tuple(prefix)
+        select = _key_filter(o.keys)
+        source = self._source_index(prefix_path, strip, select)
+        under = {rel[:i] for rel in source for i in range(len(rel))}
+
+        def prepare(path: Path, obj: Any) -> None:
+            if isinstance(obj, torch.optim.Optimizer) and _normalize(path + ("state",), strip) in under:
+                init_optimizer_state(obj)
+
+        flat = flatten(state, prepare=prepare)
+        plan = LoadPlan()
+        seen_targets = ViewIndex()
+        world_changed = self.manifest.world_size != self.world
+        for path, value in flat.leaves.items():
+            rel = _normalize(path, strip)
+            if select is not None and not select(fqn(rel)):
+                continue
+            if world_changed and path in flat.rank_local and rel not in source:
+                plan.mismatch.mismatched.append(f"{fqn(path)} (rank-local, saved by {self.manifest.world_size} "
+                                                f"ranks, loading on {self.world})")
+                continue
+            self._match(plan, path, rel, value, source, under, strict_dtype, materialize, seen_targets)
+        plan.mismatch.unexpected = [e.fqn for rel, e in source.items() if rel not in plan.consumed]
+        if plan.meta:
+            raise StateMismatchError(
+                f"targets on the meta device have no memory to load into: {', '.join(plan.meta[:20])}; "
+                "pass materialize=True to allocate them from the checkpoint")
+        if o.strict and plan.mismatch:
+            raise StateMismatchError(f"checkpoint {self.path} does not match the target state: {plan.mismatch.describe()}")
+        return flat, plan
+
+    def _source_index(self, prefix: Path, strip: Sequence[str],
+                      select: Callable[[str], bool] | None) -> dict[Path, Entry]:
+        source: dict[Path, Entry] = {}
+        same_world = self.manifest.world_size == self.world
+        for e in self.manifest.entries:
+            if e.rank is not None and (not same_world or e.rank != self.rank):
+                continue
+            if e.path[:len(prefix)] != prefix:
+                continue
+            rel = _normalize(e.path[len(prefix):], strip)
+            if select is not None and not select(fqn(rel)):
+                continue
+            if rel in source:
+                raise StateMismatchError(f"entries {source[rel].fqn} and {e.fqn} collide once {list(strip)} are stripped")
+            source[rel] = e
+        return source
+
+    def _match(self, plan: LoadPlan, path: Path, rel: Path, value: Any, source: dict[Path, Entry],
+               under: set[Path], strict_dtype: bool, materialize: bool, seen: ViewIndex) -> None:
+        entry = source.get(rel)
+        if entry is None:
+            if isinstance(value, (dict, list, tuple)) and not value and rel in under:
+                plan.subtrees.append((path, self._subtree(source, rel, plan.consumed)))
+            else:
+                plan.mismatch.missing.append(fqn(path))
+            return
+        plan.consumed.add(rel)
+        entry = resolve(self.manifest, entry, self.path)
+        if not isinstance(value, torch.Tensor):
+            if entry.kind == "tensor":
+                plan.new_tensors.append((path, entry, None))
+            else:
+                plan.replacements[path] = codec.decode(entry.value, where=entry.fqn,
+                                                      allow_pickle=self.options.allow_pickle)
+            return
+        if entry.kind != "tensor":
+            plan.mismatch.mismatched.append(f"{fqn(path)} (the checkpoint holds a python value, the target a tensor)")
+        elif value.shape != entry.shape:
+            plan.mismatch.mismatched.append(f"{fqn(path)} (shape {list(entry.shape or ())} in the checkpoint, "
+                                            f"{list(value.shape)} in the target)")
+        elif strict_dtype and value.dtype != entry.torch_dtype:
+            plan.mismatch.mismatched.append(f"{fqn(path)} (dtype {entry.dtype} in the checkpoint, "
+                                            f"{str(value.dtype).removeprefix('torch.')} in the target)")
+        elif value.is_meta:
+            if materialize:
+                plan.new_tensors.append((path, entry, value))
+            else:
+                plan.meta.append(fqn(path))
+        else:
+            piece, offsets, sizes = local_box(value)
+            if seen.first(piece, True) is None:
+                plan.tensors.append((piece, (offsets, sizes), entry))
+
+    @staticmethod
+    def _subtree(source: dict[Path, Entry], root: Path, consumed: set[Path]) -> list[tuple[Path, Entry]]:
+        """The checkpoint's entries under ``root`` (by path below it), for a target that holds an
+        empty container there: they are read whole and the subtree rebuilt from them."""
+        found = []
+        for rel, entry in source.items():
+            if rel[:len(root)] == root and len(rel) > len(root):
+                consumed.add(rel)
+                found.append((rel[len(root):], entry))
+        return found
+
+
+def _normalize(path: Path, strip: Sequence[str]) -> Path:
+    """Drop wrapper segments (``module``, ``_orig_mod``) from string keys, e.g. DDP/compile prefixes."""
+    if not strip:
+        return path
+    drop = set(strip)
+    out = []
+    for k in path:
+        if isinstance(k, str):
+            kept = [seg for seg in k.split(".") if seg not in drop]
+            if not kept:
+                continue
+            k = ".".join(kept)
+        out.append(k)
+    return tuple(out)
+
+
+def _key_filter(keys: KeyFilter) -> Callable[[str], bool] | None:
+    """A predicate on entry names, or None when every key is wanted (no name is then built)."""
+    if keys is None:
+        return None
+    if callable(keys):
+        return keys
+    patterns = [keys] if isinstance(keys, str) else list(keys)
+    return lambda name: any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns)

@@ -1,0 +1,83 @@
+"""Open: read a checkpoint's committed manifest from storage, checked, the same one on every rank.
+
+A checkpoint exists only once its manifest is published; data files without one are an
+incomplete save. Listing reads only the manifest's head (step, time, metadata), never its entries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from . import errors
+from .collectives import Group
+from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
+from .format import MANIFEST_NAME, Manifest, ManifestHead, file_generation
+from .gcpause import gc_paused
+from .storage import Storage
+
+_GENERATION_RE = re.compile(rb'"generation":"([0-9a-f]+-[0-9a-f]+)"')
+
+
+def read_manifest_bytes(storage: Storage) -> bytes:
+    """The committed manifest's raw bytes at ``storage``, or the precise error for why there is none."""
+    if not storage.exists():
+        raise CheckpointNotFoundError(f"no checkpoint at {storage.location}")
+    try:
+        return storage.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError:
+        data = [n for n in storage.list() if file_generation(n)]
+        if not data:
+            raise CheckpointNotFoundError(f"no checkpoint at {storage.location} (no manifest, no data files)") from None
+        raise IncompleteCheckpointError(
+            f"{storage.location} has no manifest: its save never committed "
+            f"({len(data)} uncommitted data file(s) present)") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the manifest of {storage.location}: {exc}") from exc
+
+
+def parse_manifest(storage: Storage, raw: bytes) -> Manifest:
+    """The manifest ``raw`` read from ``storage``, checked (see :meth:`Manifest.from_bytes`)."""
+    with gc_paused():
+        return Manifest.from_bytes(raw, os.path.join(storage.location, MANIFEST_NAME))
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """The committed manifest at ``storage``."""
+    return parse_manifest(storage, read_manifest_bytes(storage))
+
+
+def read_manifest_head(storage: Storage) -> ManifestHead:
+    """The committed manifest at ``storage`` without its entries (checksum still checked)."""
+    return ManifestHead.from_bytes(read_manifest_bytes(storage), os.path.join(storage.location, MANIFEST_NAME))
+
+
+def agreed_manifest(storage: Storage, group: Group) -> Manifest:
+    """Rank 0 reads the manifest and broadcasts its bytes, so every rank opens the same one
+    (even if a save commits meanwhile); an error on rank 0 is raised on every rank."""
+    if group.size == 1:
+        return read_manifest(storage)
+    payload = manifest = None
+    if group.is_coordinator:
+        try:
+            raw = read_manifest_bytes(storage)
+            manifest = parse_manifest(storage, raw)  # checked before it is sent
+            payload = b"M" + raw
+        except CheckpointError as exc:
+            payload = b"E" + json.dumps([type(exc).__name__, str(exc)]).encode()
+    data = group.broadcast_bytes(payload)
+    if data[:1] == b"E":
+        kind, message = json.loads(data[1:])
+        raise getattr(errors, kind, CheckpointError)(message)
+    return manifest if manifest is not None else parse_manifest(storage, data[1:])
+
+
+def manifest_generation(storage: Storage) -> str | None:
+    """The generation named by the manifest in place, read from its first bytes only."""
+    try:
+        head = storage.read_head(MANIFEST_NAME, 256)
+    except OSError:
+        return None
+    match = _GENERATION_RE.search(head)
+    return match.group(1).decode() if match else None

@@ -1,0 +1,150 @@
+"""Options of saves and loads: dataclasses checked when built, so a bad value fails where it is given.
+
+Every public function that saves or loads takes ``options=`` (one of these) and also each field
+as a keyword, as shorthand: ``zs.save(state, path, fsync=False)`` is
+``zs.save(state, path, options=SaveOptions(fsync=False))``; keywords override the object's fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, TypeVar
+
+from .format import DEFAULT_BLOCK_SIZE
+
+KeyFilter = Callable[[str], bool] | Iterable[str] | None
+T = TypeVar("T", bound="_Options")
+
+
+def default_threads() -> int:
+    """Writer/reader threads per process: one per core, at least 2, at most 8."""
+    return max(2, min(8, os.cpu_count() or 1))
+
+
+class _Options:
+    """What both options classes share: building from an object plus keyword overrides."""
+
+    @classmethod
+    def of(cls: type[T], options: T | None = None, overrides: Mapping[str, Any] | None = None) -> T:
+        """``options`` (default: all defaults) with ``overrides`` applied; an unknown keyword is a
+        ``TypeError`` that names it and the closest field."""
+        base = cls() if options is None else options
+        if not isinstance(base, cls):
+            raise TypeError(f"options must be a zerostall.{cls.__name__}, not {type(base).__name__}")
+        if not overrides:
+            return base
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        for key in overrides:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; the fields are {', '.join(names)}"
+                raise TypeError(f"{key!r} is not a {cls.__name__} field{hint}")
+        return dataclasses.replace(base, **overrides)  # type: ignore[type-var]
+
+    def _check(self, name: str, ok: bool, wanted: str) -> None:
+        if not ok:
+            raise ValueError(f"{type(self).__name__}.{name} must be {wanted}, not {getattr(self, name)!r}")
+
+    def _check_bools(self, *names: str) -> None:
+        for name in names:
+            self._check(name, isinstance(getattr(self, name), bool), "True or False")
+
+    def _check_threads(self) -> None:
+        threads = getattr(self, "threads")
+        self._check("threads", threads is None or (_is_int(threads) and threads >= 1), "None or an int >= 1")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SaveOptions(_Options):
+    """How a save writes (``zs.save``, ``zs.async_save``, ``AsyncSaver.save``, ``CheckpointManager``)."""
+
+    threads: int | None = None
+    """Writer threads per process (and data files per rank); None: one per core, at least 2, at most 8."""
+
+    fsync: bool = True
+    """Make data files, the manifest and directory entries durable before the save returns; False
+    trades durability for speed on scratch storage (a RAM disk, a node-local tier)."""
+
+    allow_pickle: bool = False
+    """Store python values outside the safe encoding with pickle (they then need ``allow_pickle``
+    to load, too); without it such a value fails the save with an error naming its key."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    """Bytes per checksum block: a load verifies whole blocks, so smaller blocks make partial
+    (resharded) reads cheaper and the manifest larger."""
+
+    commit_timeout: float = 600.0
+    """Seconds the coordinator waits for every rank's data (and the other ranks for the commit)
+    before the save fails everywhere; a dead rank fails the save after this long."""
+
+    def __post_init__(self) -> None:
+        self._check_threads()
+        self._check_bools("fsync", "allow_pickle")
+        self._check("block_size", _is_int(self.block_size) and self.block_size >= 1, "an int >= 1")
+        self._check("commit_timeout", isinstance(self.commit_timeout, (int, float))
+                    and not isinstance(self.commit_timeout, bool) and self.commit_timeout > 0, "a number > 0")
+
+
+@dataclass(frozen=True)
+class LoadOptions(_Options):
+    """How a load matches and reads (``zs.load``, ``zs.open``, ``Checkpoint.load``, ``CheckpointManager``)."""
+
+    strict: bool = True
+    """Raise ``StateMismatchError`` on any missing or unexpected key or shape mismatch, before
+    anything is modified; False loads what matches and returns ``(state, Mismatch)``."""
+
+    prefix: str | tuple[Any, ...] = ()
+    """Load the checkpoint's subtree under this key (``"model"`` loads a bare model from a full
+    training checkpoint); a tuple is a key path."""
+
+    keys: KeyFilter = None
+    """Only entries whose dotted names pass: a predicate, or glob patterns (a pattern also selects
+    everything under it)."""
+
+    strip: tuple[str, ...] = ()
+    """Wrapper segments dropped from dotted key names on both sides, e.g. ``("module", "_orig_mod")``
+    for DDP and ``torch.compile`` names; a single string is one segment."""
+
+    strict_dtype: bool = False
+    """Treat a dtype difference as a mismatch; by default values convert as ``load_state_dict`` does."""
+
+    materialize: bool = False
+    """Allocate targets on the meta device from the checkpoint (otherwise they are an error)."""
+
+    verify: bool = True
+    """Check every block read against its checksum."""
+
+    broadcast: bool = False
+    """When distributed: one rank reads each chunk that every rank needs whole and broadcasts it
+    (over a process group that moves host tensors: gloo)."""
+
+    max_staging_bytes: int = 256 << 20
+    """Host memory a load may use beyond the targets themselves, for reads that cannot go straight
+    into a target (dtype conversion, slices, GPU targets, broadcast buffers); at least a block a thread."""
+
+    allow_pickle: bool = False
+    """Unpickle python values that were saved with pickle; never needed for tensors."""
+
+    threads: int | None = None
+    """Reader threads per process; None: one per core, at least 2, at most 8."""
+
+    def __post_init__(self) -> None:
+        self._check_bools("strict", "strict_dtype", "materialize", "verify", "broadcast", "allow_pickle")
+        self._check_threads()
+        self._check("max_staging_bytes", _is_int(self.max_staging_bytes) and self.max_staging_bytes >= 0,
+                    "an int >= 0")
+        if isinstance(self.strip, str):
+            object.__setattr__(self, "strip", (self.strip,))
+        self._check("strip", isinstance(self.strip, (tuple, list)) and all(isinstance(s, str) for s in self.strip),
+                    "a sequence of names")
+        object.__setattr__(self, "strip", tuple(self.strip))
+        self._check("prefix", isinstance(self.prefix, (str, tuple)), "a key (str) or a key path (tuple)")
+        self._check("keys", self.keys is None or callable(self.keys) or isinstance(self.keys, (str, list, tuple, set)),
+                    "None, a predicate or glob patterns")

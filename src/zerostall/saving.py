@@ -1,0 +1,142 @@
+"""A save, stage by stage: collect → plan (the collective part) → write → commit.
+
+:func:`prepare` runs in the caller's thread (planning may run collectives); :func:`persist` needs
+no process group, so it can run in a background thread or a writer process. Only once the
+manifest is published are the files of older generations deleted, so a crash at any instant
+leaves either the old or the new checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from . import codec
+from .collect import Collected, WriteItem, collect
+from .collectives import Group
+from .commit import (assemble, await_commit, await_records, clean_up_after_commit, delete_generation, publish,
+                     record, report_failure, write_abort, write_record)
+from .errors import CheckpointError
+from .format import manifest_tmp_name
+from .gcpause import gc_paused
+from .opening import manifest_generation
+from .options import SaveOptions, default_threads
+from .plan import SavePlan, SavePlanner
+from .storage import LocalStorage, Storage, storage_for
+from .write import create, write_data
+
+_PLANNER = SavePlanner()
+
+
+@dataclass
+class SaveInfo:
+    """What one rank's save did: the checkpoint it committed and where the time went."""
+
+    path: str
+    generation: str
+    step: int | None
+    bytes_written: int
+    replanned: bool
+    collect_s: float
+    plan_s: float
+    write_s: float
+    commit_s: float
+    total_s: float
+
+
+@dataclass
+class Prepared:
+    """A save after its collective part: what this rank writes, under which generation, and how."""
+
+    group: Group
+    collected: Collected
+    plan: SavePlan
+    generation: str
+    replanned: bool
+    items: list[WriteItem]
+    storage: Storage
+    step: int | None
+    metadata: Any
+    options: SaveOptions
+    collect_s: float
+    plan_s: float
+
+
+def prepare(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOptions, *, process_group: Any = None,
+            step: int | None = None, metadata: Mapping[str, Any] | None = None) -> Prepared:
+    """Collect and plan a save (collective when distributed); no byte is written yet."""
+    t0 = time.perf_counter()
+    group = Group(process_group)
+    with gc_paused():
+        try:
+            collected = collect(state, group.rank, allow_pickle=options.allow_pickle)
+        except Exception:
+            _PLANNER.refuse(group)
+            raise
+        t_collect = time.perf_counter()
+        plan, generation, replanned = _PLANNER.plan(group, collected)
+        items = [i for i in collected.items if i.rank_local or plan.writes(group.rank, i.key)]
+    encoded = codec.encode(dict(metadata or {}), where="metadata", allow_pickle=options.allow_pickle)
+    return Prepared(group, collected, plan, generation, replanned, items, storage_for(path, fsync=options.fsync),
+                    step, encoded, options, t_collect - t0, time.perf_counter() - t_collect)
+
+
+def for_writer_process(prepared: Prepared) -> Prepared:
+    """A picklable copy of ``prepared`` for a writer process: no process group, no live tensors
+    other than the (captured, shared-memory) items this rank writes, storage by path (a
+    :class:`LocalStorage` pickles as its path and fsync setting)."""
+    if not isinstance(prepared.storage, LocalStorage):
+        raise CheckpointError(f"a writer process needs a local path, not {prepared.storage.location}")
+    collected = dataclasses.replace(prepared.collected, items=[])
+    return dataclasses.replace(prepared, group=prepared.group.detached(), collected=collected)
+
+
+def persist(prepared: Prepared) -> SaveInfo:
+    """Write this rank's items and take part in the commit (see :mod:`zerostall.commit`)."""
+    p, group, storage, generation = prepared, prepared.group, prepared.storage, prepared.generation
+    threads = p.options.threads or default_threads()
+    t0 = time.perf_counter()
+    for item in p.items:
+        if item.tensor.device.type != "cpu":
+            item.tensor = item.tensor.cpu()
+    previous = manifest_generation(storage) if group.is_coordinator else None  # see commit.publish
+    try:
+        create(storage)
+        files, headers = write_data(storage, p.items, generation, group.rank, threads, p.options.block_size)
+        if not group.is_coordinator:
+            with gc_paused():
+                done = record(p.collected, p.plan, group.rank, files, headers, p.items)
+            write_record(storage, generation, group.rank, "done", done)
+    except BaseException as exc:
+        delete_generation(storage, generation, group.rank)
+        if group.size > 1:
+            report_failure(storage, generation, group, exc)
+        storage.close()
+        raise
+    t_write = time.perf_counter()
+    try:
+        if group.is_coordinator:
+            others = await_records(storage, generation, list(range(1, group.size)), p.options.commit_timeout)
+            with gc_paused():
+                manifest = assemble(p.collected, p.plan, files, headers, others, generation, group.size, p.step,
+                                    p.metadata, p.options.block_size)
+                publish(storage, manifest, previous)
+        else:
+            await_commit(storage, generation, p.options.commit_timeout)
+    except BaseException as exc:
+        if group.is_coordinator and manifest_generation(storage) != generation:
+            if group.size > 1:
+                write_abort(storage, generation, f"{type(exc).__name__}: {exc}")
+            delete_generation(storage, generation, group.rank)
+            storage.delete(manifest_tmp_name(generation))
+        storage.close()
+        raise
+    if group.is_coordinator:
+        clean_up_after_commit(storage, generation, previous)
+    storage.close()
+    end = time.perf_counter()
+    return SaveInfo(storage.location, generation, p.step, sum(files.values()), p.replanned, p.collect_s,
+                    p.plan_s, t_write - t0, end - t_write, p.collect_s + p.plan_s + end - t0)

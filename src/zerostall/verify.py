@@ -1,0 +1,112 @@
+"""Verify: check a whole checkpoint, every data file's size and header and every block's checksum.
+
+Faults are collected, not raised one by one, so a report lists all that is wrong. A checkpoint
+whose bytes could not all be read (permissions, I/O errors) is "could not verify", a plain
+``CheckpointError``, never ``CorruptCheckpointError``: a clean-up script must not delete it.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from . import codec
+from .checksums import checksum
+from .errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
+from .fetch import Fetcher
+from .format import Chunk, Entry
+from .load_plan import resolve
+
+
+def verify_all(fetcher: Fetcher, *, allow_pickle: bool, progress: Callable[[int], None] | None = None) -> int:
+    """Check every file size and every block checksum; returns bytes checked.
+
+    ``progress(nbytes)`` is called from the reader threads as blocks are checked. Raises
+    :class:`CorruptCheckpointError` listing every fault found (``.faults``), or a plain
+    :class:`CheckpointError` when some bytes could not be read at all (permission denied,
+    I/O errors): such a checkpoint is unverified, not known to be damaged.
+    """
+    manifest = fetcher.manifest
+    faults: list[str] = []
+    unreadable = False
+    jobs = [(e, c) for e in manifest.entries if e.kind == "tensor" for c in e.chunks]
+    data_start: dict[str, int] = {}  # where each file's data section begins: its header ends there
+    for _, chunk in jobs:
+        data_start[chunk.file] = min(chunk.offset, data_start.get(chunk.file, chunk.offset))
+    for name, size in manifest.files.items():
+        try:
+            actual = fetcher.storage.size(name)
+            header_fault = _header_fault(fetcher, name, data_start.get(name))
+        except FileNotFoundError:
+            missing = fetcher.missing(name)
+            if not isinstance(missing, CorruptCheckpointError):
+                raise missing from None
+            faults.append(f"data file {name} is missing")
+            continue
+        except OSError as exc:
+            faults.append(f"reading the header of data file {name} failed: {exc}")
+            unreadable = True
+            continue
+        if actual != size:
+            faults.append(f"data file {name} has {actual} bytes, the manifest says {size}")
+        if header_fault:
+            faults.append(header_fault)
+    for entry in manifest.entries:
+        try:
+            resolve(manifest, entry, fetcher.path)
+            if entry.kind == "object" and not allow_pickle:
+                _decode_safely(entry)
+        except CheckpointError as exc:
+            faults.append(str(exc))
+    lock = threading.Lock()
+
+    def check(entry: Entry, chunk: Chunk) -> None:
+        nonlocal unreadable
+        try:
+            step = manifest.block_size  # the scratch stays in the CPU cache: nothing keeps these bytes
+            for piece in range(0, max(chunk.nbytes, 1), step):
+                out = fetcher.scratch_view(min(step, chunk.nbytes - piece))
+                fetcher.read_piece(entry, chunk, piece, out, True)
+                if progress is not None:
+                    progress(len(out))
+        except CheckpointError as exc:
+            with lock:
+                faults.append(str(exc))
+                unreadable = unreadable or not isinstance(exc, CorruptCheckpointError)
+
+    try:
+        with ThreadPoolExecutor(fetcher.threads, thread_name_prefix="zerostall-verify") as pool:
+            list(pool.map(lambda job: check(*job), jobs))
+    finally:
+        fetcher.storage.close()
+    if faults:
+        kind, outcome = (CheckpointError, "could not be verified") if unreadable else \
+            (CorruptCheckpointError, "failed verification")
+        error = kind(f"{fetcher.path} {outcome}: " + "; ".join(faults[:10])
+                     + (f"; … ({len(faults) - 10} more)" if len(faults) > 10 else ""))
+        error.faults = faults  # type: ignore[attr-defined]
+        raise error
+    return sum(c.nbytes for _, c in jobs)
+
+
+def _header_fault(fetcher: Fetcher, name: str, length: int | None) -> str | None:
+    """What is wrong with the safetensors header of data file ``name`` (its first ``length``
+    bytes: length prefix, JSON, padding), checked against the checksum in the manifest
+    (manifests before it had none), or None."""
+    digest = fetcher.manifest.headers.get(name)
+    if digest is None or length is None:
+        return None
+    if checksum(fetcher.storage.read_head(name, length)) != digest:
+        return f"the safetensors header of data file {name} is damaged (fails its checksum)"
+    return None
+
+
+def _decode_safely(entry: Entry) -> None:
+    """Decode a python value as a load would, without pickle: a value that fails for any other
+    reason than needing pickle is damaged."""
+    try:
+        codec.decode(entry.value, where=entry.fqn, allow_pickle=False)
+    except UnsupportedValueError as exc:
+        if "pickle" not in str(exc):
+            raise CorruptCheckpointError(f"entry {entry.fqn}: {exc}") from exc
