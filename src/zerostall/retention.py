@@ -23,21 +23,30 @@ class CheckpointRecord:
 
 @dataclass(frozen=True)
 class RetentionPolicy:
-    """Rules combine: a checkpoint is kept when any rule keeps it. With no rule, all are kept.
-
-    ``keep_last``: the K newest steps. ``keep_every``: steps divisible by N. ``keep_best``: the K
-    best by ``metric`` (``mode`` "min" or "max"; NaN or missing is never best; ties go to the newer
-    step). ``keep_time_interval``: walking by step, one checkpoint each time at least that many
-    seconds passed since the last one kept by this rule. ``protect(step)``: keep when true.
-    """
+    """Which committed checkpoints to keep. Rules combine: a checkpoint is kept when any rule keeps
+    it; with no rule, all are kept. The newest is always kept, and so is the one being resumed from."""
 
     keep_last: int | None = None
+    """Keep the K newest steps."""
+
     keep_every: int | None = None
+    """Keep the steps divisible by N (milestones)."""
+
     keep_best: int | None = None
+    """Keep the K best steps by ``metric`` (NaN or missing is never best; ties go to the newer step)."""
+
     metric: str | None = None
+    """The metric ``keep_best`` ranks by, from the ``metrics`` given to ``CheckpointManager.save``."""
+
     mode: str = "min"
+    """Whether the best ``metric`` is the smallest ("min") or the largest ("max")."""
+
     keep_time_interval: float | None = None
+    """Walking by step, keep one checkpoint each time at least this many seconds passed since the
+    last one kept by this rule."""
+
     protect: Callable[[int], bool] | None = None
+    """Keep every step for which this returns True."""
 
     def __post_init__(self) -> None:
         if self.keep_best is not None and self.metric is None:

@@ -1,0 +1,82 @@
+"""The package's shape: each module imports only modules below it in the pipeline order, none is
+too long to read in one sitting, and the manager and CLI reach a checkpoint root only through
+``zerostall.root`` (so an object-store backend serves them unchanged)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "src" / "zerostall"
+
+# Low to high: a module may import only modules before it. A new module must be placed here.
+ORDER = [
+    "errors", "memory", "gcpause", "codec", "checksums", "balance", "boxes", "format",
+    "storage.base", "storage.local", "storage", "collectives", "state", "options", "opening",
+    # saving: collect → plan → write → commit, run in order by saving
+    "collect", "plan", "write", "commit", "saving",
+    # reading: opening → load plan → fetch (and broadcast) → verify, behind the Checkpoint front
+    "load_plan", "fetch", "broadcast", "verify", "checkpoint",
+    # asynchronous saving, then the public functions
+    "capture", "asynchronous", "api",
+    # checkpoints by step under a root
+    "retention", "schedule", "root", "lease", "manager",
+    "cli", "__main__", "__init__",
+]
+MAX_LINES = 400
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported(name: str, path: Path) -> set[str]:
+    """The package's modules that ``name`` imports anywhere in its file (lazy imports included)."""
+    package = [] if name == "__init__" else name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                target = ".".join(base + (node.module.split(".") if node.module else []))
+            elif node.module and node.module.split(".")[0] == "zerostall":
+                target = node.module.removeprefix("zerostall").lstrip(".")
+            else:
+                continue
+            known = modules()
+            for alias in node.names:  # `from . import codec` imports a module
+                sub = f"{target}.{alias.name}" if target else alias.name
+                found.add(sub if sub in known else target)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "zerostall":
+                    found.add(alias.name.removeprefix("zerostall").lstrip("."))
+    found.discard(name)
+    return {f if f else "__init__" for f in found}
+
+
+def test_every_module_has_a_place_in_the_order():
+    assert sorted(modules()) == sorted(ORDER), "place new modules in ORDER (and remove deleted ones)"
+
+
+def test_modules_import_only_modules_below_them():
+    upward = []
+    for name, path in modules().items():
+        for target in imported(name, path):
+            if name == "cli" and target == "__init__":
+                continue  # the CLI uses the public API, the top of the package
+            if ORDER.index(target) >= ORDER.index(name):
+                upward.append(f"{name} imports {target}")
+    assert not upward, upward
+
+
+def test_no_module_is_too_long_to_read():
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split these modules by job: {long}"
