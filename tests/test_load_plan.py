@@ -1,0 +1,54 @@
+"""The load plan is pure: built from a manifest and a target state with no storage at all."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerostall as zs
+from zerostall.format import Chunk, Entry, Manifest
+from zerostall.load_plan import LoadPlanner
+
+
+def manifest(world: int = 1) -> Manifest:
+    w = Entry("model.w", ("model", "w"), "tensor", "float32", (4, 2),
+              [Chunk((0, 0), (2, 2), "f0", 4096, 16, ["x"]), Chunk((2, 0), (2, 2), "f1", 4096, 16, ["y"])])
+    tied = Entry("model.tied", ("model", "tied"), "alias", alias_of=0)
+    step = Entry("step", ("step",), "object", value=7)
+    rng = [Entry("rng", ("rng",), "object", value=r, rank=r) for r in range(world)]
+    return Manifest("1-1", [w, tied, step, *rng], {"f0": 4128, "f1": 4128}, None, world_size=world)
+
+
+def plan(state, world=1, rank=0, **options):
+    return LoadPlanner(manifest(world), "ck", rank, world, zs.LoadOptions(**options)).plan(state)
+
+
+def test_targets_get_their_entry_and_box_and_values_their_decoded_value():
+    w, tied = torch.zeros(4, 2), torch.zeros(4, 2)
+    _, p = plan({"model": {"w": w, "tied": tied}, "step": 0, "rng": 0})
+    assert [(t is w or t is tied, box, e.fqn) for t, box, e in p.tensors] == [
+        (True, ((0, 0), (4, 2)), "model.w"), (True, ((0, 0), (4, 2)), "model.w")]  # the alias resolves
+    assert p.replacements == {("step",): 7, ("rng",): 0}
+
+
+def test_rank_local_entries_match_by_rank():
+    _, p = plan({"rng": None, "model": {"w": torch.zeros(4, 2)}}, world=3, rank=2, keys=["rng"])
+    assert p.replacements == {("rng",): 2} and not p.tensors
+
+
+def test_a_strict_mismatch_names_every_key_before_any_byte_moves():
+    with pytest.raises(zs.StateMismatchError, match=r"missing from the checkpoint: model\.b; unexpected in the "
+                                                     r"checkpoint: model\.tied, step, rng; mismatched: model\.w"):
+        plan({"model": {"w": torch.zeros(3), "b": torch.zeros(1)}})
+
+
+def test_prefix_filter_and_strip_select_and_rename():
+    w = torch.zeros(4, 2)
+    _, p = plan({"module.w": w}, prefix="model", keys=["w"], strip=("module",))
+    assert [e.fqn for _, _, e in p.tensors] == ["model.w"] and not p.mismatch
+
+
+def test_an_empty_container_is_filled_from_the_subtree_later():
+    _, p = plan({"model": {}, "step": 0, "rng": 0, "x": torch.zeros(1)}, strict=False)
+    assert p.mismatch.missing == ["x"]
+    assert [(path, [rel for rel, _ in found]) for path, found in p.subtrees] == [(("model",), [("w",), ("tied",)])]
