@@ -46,7 +46,7 @@ _SAFETENSORS_DTYPES = {
 
 
 def dump_json(obj: Any) -> bytes:
-    """Compact JSON: orjson (~8x faster than the standard library on a manifest of thousands of
+    """Compact JSON: orjson (much faster than the standard library on a manifest of thousands of
     entries), the standard library for what orjson refuses (integers beyond 64 bits), so no value
     ever changes. Non-finite floats never get here: the codec tags them."""
     try:
@@ -59,7 +59,7 @@ _DIGIT_RUNS = bytes(ord("0") if ord("0") <= i <= ord("9") else ord(" ") for i in
 
 
 def load_json(data: bytes) -> Any:
-    """Parse JSON exactly like the standard library, ~2x faster on a big manifest: orjson, unless
+    """Parse JSON exactly like the standard library, faster on a big manifest: orjson, unless
     ``data`` holds a run of 19 or more digits (possibly an integer beyond 64 bits, which orjson would
     silently turn into a float) or orjson refuses it (lone surrogates, which the standard library
     writes as escapes). Raises ``ValueError`` on malformed input."""

@@ -3,8 +3,8 @@
 A save or load of a state with thousands of leaves creates tens of thousands of small objects that
 live until it ends and then die by reference counting. Each batch of them triggers the cyclic
 collector, and its full collections walk every object of the process (a torch process holds
-hundreds of thousands): measured, 135-275 ms of a 350-500 ms save of 4000 small tensors. Paused,
-the objects come and go without a single collection.
+hundreds of thousands), which can take a large share of a save of many small tensors. Paused, the
+objects come and go without a single collection.
 
 Blocking calls (``save``, ``load``) pause for their whole duration: the caller waits anyway. Work
 that runs beside training (an asynchronous save's writer) pauses only around its bookkeeping, so

@@ -51,7 +51,7 @@ _PLAIN = frozenset((dict, list, tuple, str, int, float, bool, type(None), torch.
 
 
 def is_stateful(obj: Any) -> bool:
-    # the type test first: a runtime Protocol check costs ~10 us, paid only by unusual objects
+    # the type test first: a runtime Protocol check is slow, paid only by unusual objects
     return type(obj) not in _PLAIN and not isinstance(obj, (dict, torch.Tensor, type)) and isinstance(obj, Stateful)
 
 
