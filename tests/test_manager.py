@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import zerostall as zs
 from zerostall.format import MANIFEST_NAME
-from zerostall.manager import LEASE_NAME, step_tag
+from zerostall.root import LEASE_NAME, step_tag
 from zerostall.storage import LocalStorage
 
 
@@ -47,16 +47,16 @@ def test_save_commit_latest_and_retention(tmp_path):
 def test_each_manifest_is_parsed_once_while_it_stays_the_same(tmp_path, monkeypatch):
     """Retention lists the checkpoints after every save: without a cache, a long run that keeps
     every N-th step parses every kept manifest again each time."""
-    from zerostall import manager
+    from zerostall import root
 
     parsed = []
-    original = manager.read_manifest_head
+    original = root.read_manifest_head
 
     def read_manifest_head(storage):
         parsed.append(os.path.basename(storage.location))
         return original(storage)
 
-    monkeypatch.setattr(manager, "read_manifest_head", read_manifest_head)
+    monkeypatch.setattr(root, "read_manifest_head", read_manifest_head)
     with zs.CheckpointManager(tmp_path, keep_every=2) as mgr:
         for step in range(1, 9):
             mgr.save(step, part(step))
@@ -194,15 +194,15 @@ def test_lease_of_a_dead_process_is_taken_over(tmp_path):
 def crash_script(root, stage: str) -> str:
     return textwrap.dedent(f"""
         import os, signal, torch, zerostall as zs
-        from zerostall import engine, manager
+        from zerostall import engine, root
         def die(*a, **k):
             os.kill(os.getpid(), signal.SIGKILL)
         mgr = zs.CheckpointManager({str(root)!r})
         mgr.save(1, {{"w": torch.ones(4)}})
         mgr.wait()
         if {stage!r} == "between_save_and_commit":
-            original = manager.publish
-            manager.publish = lambda root, name, *a: die() if name == "latest" else original(root, name, *a)
+            original = root.publish
+            root.publish = lambda storage, name, *a: die() if name == "latest" else original(storage, name, *a)
         else:
             engine._write_data = die
         mgr.save(2, {{"w": torch.full((4,), 2.0)}})
