@@ -332,3 +332,50 @@ def test_ranks_agree_on_open_while_commits_happen(ranks, tmp_path):
         thread.join()
     assert results[0] == results[1]
     assert len({t for t in results[0] if t}) > 1  # commits really happened while opening
+
+
+def test_retention_is_one_policy_given_whole_or_by_keywords(tmp_path):
+    with zs.CheckpointManager(tmp_path, retention=zs.RetentionPolicy(keep_last=1), fsync=False) as mgr:
+        assert mgr.policy == zs.RetentionPolicy(keep_last=1)
+        for step in (1, 2, 3):
+            mgr.save(step, part(step))
+        mgr.wait()
+        assert steps_on_disk(tmp_path) == [3]
+    with zs.CheckpointManager(tmp_path, keep_best=2, metric="loss", mode="max", fsync=False) as mgr:
+        assert mgr.policy == zs.RetentionPolicy(keep_best=2, metric="loss", mode="max")
+    with pytest.raises(ValueError, match="retention=.*keep_last=.*mode="):
+        zs.CheckpointManager(tmp_path, retention=zs.RetentionPolicy(keep_last=1), keep_last=2, mode="min")
+    with pytest.raises(ValueError, match="keep_last must be >= 1"):
+        zs.CheckpointManager(tmp_path, keep_last=0)
+    zs.CheckpointManager(tmp_path, fsync=False).close()  # the refused ones took no lease
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_wait_staged_returns_once_the_state_is_captured(tmp_path, async_save):
+    with zs.CheckpointManager(tmp_path, async_save=async_save, fsync=False) as mgr:
+        mgr.wait_staged()  # nothing in flight
+        state = part(1)
+        mgr.save(1, state)
+        mgr.wait_staged()
+        state["w"].fill_(99.0)  # after staging: the checkpoint keeps what was captured
+        mgr.wait()
+    assert torch.equal(saved_w(tmp_path / step_tag(1)), part(1)["w"])
+
+
+def test_a_root_given_as_a_storage_is_used_for_every_checkpoint(tmp_path):
+    """A wrapper around the root (to inject faults, say) sees each checkpoint through child(tag)."""
+    children = []
+
+    class Watched(LocalStorage):
+        def child(self, name: str) -> LocalStorage:
+            children.append(name)
+            return super().child(name)
+
+    with zs.CheckpointManager(Watched(str(tmp_path), fsync=False), keep_last=1) as mgr:
+        assert mgr.root == str(tmp_path)
+        mgr.save(1, part(1))
+        mgr.save(2, part(2), tag="two")
+        with mgr.open() as ck:
+            assert ck.tag == "two" and ck.path == str(tmp_path / "two")
+    assert {step_tag(1), "two"} <= set(children)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "two"]
