@@ -39,7 +39,7 @@ class Recording(LocalStorage):
         self.events = events
         self.before_move = before_move
 
-    def child(self, name: str) -> "Recording":
+    def child(self, name: str) -> Recording:
         return Recording(os.path.join(self.location, name), self.events, self.before_move)
 
     def delete(self, name: str) -> None:

@@ -105,7 +105,7 @@ class Listing:
     latest: bool = False
 
     @classmethod
-    def of(cls, info: CheckpointInfo) -> "Listing":
+    def of(cls, info: CheckpointInfo) -> Listing:
         """The row of a checkpoint as the root lists it (not yet ranked by the rules)."""
         return cls(name=info.name, path=info.location, status=info.status, step=info.step, bytes=info.bytes,
                    created=info.created, error=info.error, metrics=info.metrics)

@@ -23,7 +23,7 @@ class Storage(ABC):
     Writers stream a file from a sequence of memoryviews (tensor memory, no copies); the
     manifest is published with one atomic operation, the commit point of a checkpoint.
     A location holds files and sub-locations (:meth:`child`): a checkpoint root holds one
-    sub-location per checkpoint. Nothing here needs a rename except :meth:`move`.
+    sub-location per checkpoint. Only :meth:`move` needs a rename (an object store copies instead).
     """
 
     location: str
@@ -38,10 +38,11 @@ class Storage(ABC):
 
     @abstractmethod
     def list(self) -> list[str]:
-        """Names of the files at the location (not of its sub-locations), sorted."""
+        """Names of the files at the location, sorted (a local directory's subdirectories may be
+        among them: callers pick the names they know)."""
 
     @abstractmethod
-    def child(self, name: str) -> "Storage":
+    def child(self, name: str) -> Storage:
         """The storage at sub-location ``name`` (a subdirectory, a deeper key prefix), with this one's settings."""
 
     @abstractmethod
@@ -96,9 +97,8 @@ class Storage(ABC):
 
     @abstractmethod
     def delete_tree(self, name: str) -> None:
-        """Remove sub-location ``name`` and all it holds, as far as possible (check :meth:`exists` of
-        its :meth:`child` for leftovers); one already gone is not an error. Callers that need an
-        order (a checkpoint's manifest first) delete those files first."""
+        """Remove sub-location ``name`` and all it holds, best effort (what is left shows in its
+        :meth:`child`'s :meth:`exists`); already gone is not an error. No order: delete first what must go first."""
 
     @abstractmethod
     def move(self, src: str, dst: str) -> None:
