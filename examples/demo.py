@@ -117,7 +117,7 @@ def worker(args: argparse.Namespace) -> None:
         restore_s = time.perf_counter() - t0
     losses, saves = {}, []
     for step in range(start + 1, args.steps + 1):
-        losses[step] = trainer.step(mgr.saver.wait_staged if mgr.saver else (lambda: None))
+        losses[step] = trainer.step(mgr.wait_staged)
         if args.every and mgr.should_save(step):
             t0 = time.perf_counter()
             handle = mgr.save(step, state)

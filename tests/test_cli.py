@@ -14,7 +14,7 @@ from click.testing import CliRunner, Result
 
 import zerostall as zs
 from zerostall.cli import cli
-from zerostall.manager import WriterLease
+from zerostall.lease import WriterLease
 
 
 def small_state(step: int) -> dict[str, object]:

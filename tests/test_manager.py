@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import zerostall as zs
 from zerostall.format import MANIFEST_NAME
-from zerostall.manager import LEASE_NAME, step_tag
+from zerostall.root import LEASE_NAME, step_tag
 from zerostall.storage import LocalStorage
 
 
@@ -47,16 +47,16 @@ def test_save_commit_latest_and_retention(tmp_path):
 def test_each_manifest_is_parsed_once_while_it_stays_the_same(tmp_path, monkeypatch):
     """Retention lists the checkpoints after every save: without a cache, a long run that keeps
     every N-th step parses every kept manifest again each time."""
-    from zerostall import manager
+    from zerostall import root
 
     parsed = []
-    original = manager.read_manifest_head
+    original = root.read_manifest_head
 
     def read_manifest_head(storage):
         parsed.append(os.path.basename(storage.location))
         return original(storage)
 
-    monkeypatch.setattr(manager, "read_manifest_head", read_manifest_head)
+    monkeypatch.setattr(root, "read_manifest_head", read_manifest_head)
     with zs.CheckpointManager(tmp_path, keep_every=2) as mgr:
         for step in range(1, 9):
             mgr.save(step, part(step))
@@ -194,15 +194,15 @@ def test_lease_of_a_dead_process_is_taken_over(tmp_path):
 def crash_script(root, stage: str) -> str:
     return textwrap.dedent(f"""
         import os, signal, torch, zerostall as zs
-        from zerostall import engine, manager
+        from zerostall import engine, root
         def die(*a, **k):
             os.kill(os.getpid(), signal.SIGKILL)
         mgr = zs.CheckpointManager({str(root)!r})
         mgr.save(1, {{"w": torch.ones(4)}})
         mgr.wait()
         if {stage!r} == "between_save_and_commit":
-            original = manager.publish
-            manager.publish = lambda root, name, *a: die() if name == "latest" else original(root, name, *a)
+            original = root.publish
+            root.publish = lambda storage, name, *a: die() if name == "latest" else original(storage, name, *a)
         else:
             engine._write_data = die
         mgr.save(2, {{"w": torch.full((4,), 2.0)}})
@@ -332,3 +332,50 @@ def test_ranks_agree_on_open_while_commits_happen(ranks, tmp_path):
         thread.join()
     assert results[0] == results[1]
     assert len({t for t in results[0] if t}) > 1  # commits really happened while opening
+
+
+def test_retention_is_one_policy_given_whole_or_by_keywords(tmp_path):
+    with zs.CheckpointManager(tmp_path, retention=zs.RetentionPolicy(keep_last=1), fsync=False) as mgr:
+        assert mgr.policy == zs.RetentionPolicy(keep_last=1)
+        for step in (1, 2, 3):
+            mgr.save(step, part(step))
+        mgr.wait()
+        assert steps_on_disk(tmp_path) == [3]
+    with zs.CheckpointManager(tmp_path, keep_best=2, metric="loss", mode="max", fsync=False) as mgr:
+        assert mgr.policy == zs.RetentionPolicy(keep_best=2, metric="loss", mode="max")
+    with pytest.raises(ValueError, match="retention=.*keep_last=.*mode="):
+        zs.CheckpointManager(tmp_path, retention=zs.RetentionPolicy(keep_last=1), keep_last=2, mode="min")
+    with pytest.raises(ValueError, match="keep_last must be >= 1"):
+        zs.CheckpointManager(tmp_path, keep_last=0)
+    zs.CheckpointManager(tmp_path, fsync=False).close()  # the refused ones took no lease
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_wait_staged_returns_once_the_state_is_captured(tmp_path, async_save):
+    with zs.CheckpointManager(tmp_path, async_save=async_save, fsync=False) as mgr:
+        mgr.wait_staged()  # nothing in flight
+        state = part(1)
+        mgr.save(1, state)
+        mgr.wait_staged()
+        state["w"].fill_(99.0)  # after staging: the checkpoint keeps what was captured
+        mgr.wait()
+    assert torch.equal(saved_w(tmp_path / step_tag(1)), part(1)["w"])
+
+
+def test_a_root_given_as_a_storage_is_used_for_every_checkpoint(tmp_path):
+    """A wrapper around the root (to inject faults, say) sees each checkpoint through child(tag)."""
+    children = []
+
+    class Watched(LocalStorage):
+        def child(self, name: str) -> LocalStorage:
+            children.append(name)
+            return super().child(name)
+
+    with zs.CheckpointManager(Watched(str(tmp_path), fsync=False), keep_last=1) as mgr:
+        assert mgr.root == str(tmp_path)
+        mgr.save(1, part(1))
+        mgr.save(2, part(2), tag="two")
+        with mgr.open() as ck:
+            assert ck.tag == "two" and ck.path == str(tmp_path / "two")
+    assert {step_tag(1), "two"} <= set(children)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "two"]

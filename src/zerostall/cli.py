@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import click
@@ -25,10 +24,10 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Column, Table
 
 import zerostall as zs
-from zerostall.format import MANIFEST_NAME, Entry, file_generation
-from zerostall.manager import LATEST_NAME, LEASE_NAME, WriterLease, delete_checkpoint
-from zerostall.opening import read_manifest_head
+from zerostall.format import Entry
+from zerostall.lease import live_holder
 from zerostall.retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
+from zerostall.root import COMMITTED, LEASE_NAME, CheckpointInfo, CheckpointRoot, looks_like_checkpoint
 from zerostall.storage import storage_for
 
 FAILED = 1
@@ -105,40 +104,19 @@ class Listing:
     kept_by: list[str] = field(default_factory=list)
     latest: bool = False
 
-
-def looks_like_checkpoint(path: Path) -> bool:
-    """Whether a directory holds a manifest or zerostall data files (committed or not)."""
-    return any(n == MANIFEST_NAME or file_generation(n) for n in storage_for(path).list())
-
-
-def describe(path: Path) -> Listing:
-    """Read a checkpoint's manifest and classify it as committed, incomplete or corrupt."""
-    listing = Listing(name=path.name, path=str(path), status="committed")
-    try:
-        manifest = read_manifest_head(storage_for(path))
-    except zs.IncompleteCheckpointError:
-        listing.status = "incomplete"
-    except zs.CheckpointError as exc:
-        listing.status, listing.error = "corrupt", str(exc)
-    else:
-        listing.step, listing.bytes, listing.created = manifest.step, manifest.total_bytes, manifest.created
-        metadata = manifest.metadata if isinstance(manifest.metadata, dict) else {}
-        metrics = metadata.get("metrics")
-        listing.metrics = dict(metrics) if isinstance(metrics, dict) else {}
-        return listing
-    storage = storage_for(path)
-    listing.bytes = sum(storage.size(n) for n in storage.list() if file_generation(n))
-    return listing
+    @classmethod
+    def of(cls, info: CheckpointInfo) -> Listing:
+        """The row of a checkpoint as the root lists it (not yet ranked by the rules)."""
+        return cls(name=info.name, path=info.location, status=info.status, step=info.step, bytes=info.bytes,
+                   created=info.created, error=info.error, metrics=info.metrics)
 
 
-def latest_tag(root: Path) -> str | None:
-    """The tag named by ``ROOT/latest`` (written by CheckpointManager), or ``None``."""
-    try:
-        pointer = json.loads((root / LATEST_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    tag = pointer.get("tag") if isinstance(pointer, dict) else None
-    return tag if isinstance(tag, str) else None
+def open_root(root: str) -> CheckpointRoot:
+    """The checkpoint root at ``root`` (exit 2 when there is no such directory)."""
+    storage = storage_for(root)
+    if not storage.exists():
+        raise Failure(f"no such directory: {root}", USAGE)
+    return CheckpointRoot(storage)
 
 
 def format_metrics(metrics: dict[str, Any]) -> str:
@@ -185,7 +163,7 @@ def apply_retention(rows: list[Listing], policy: RetentionPolicy, latest: str | 
     The newest step is always kept ("newest"); so is the step ``latest`` names ("pinned"), when
     it is not the newest, since a job may be resuming from it. Rows sharing a step share a fate.
     """
-    ranked = [(r, r.step) for r in rows if r.status == "committed" and r.step is not None]
+    ranked = [(r, r.step) for r in rows if r.status == COMMITTED and r.step is not None]
     records = [CheckpointRecord(step, r.created or 0.0, numeric_metrics(r.metrics)) for r, step in ranked]
     newest = max((step for _, step in ranked), default=None)
     pinned = [step for r, step in ranked if r.name == latest and step != newest]
@@ -198,7 +176,7 @@ def check_metric(rows: list[Listing], policy: RetentionPolicy) -> str | None:
     """A message when --keep-best ranks by a metric that no committed checkpoint has (a typo?)."""
     if policy.keep_best is None:
         return None
-    committed = [r for r in rows if r.status == "committed" and r.step is not None]
+    committed = [r for r in rows if r.status == COMMITTED and r.step is not None]
     if not committed or any(policy.metric in numeric_metrics(r.metrics) for r in committed):
         return None
     known = sorted({k for r in committed for k in numeric_metrics(r.metrics)})
@@ -206,43 +184,42 @@ def check_metric(rows: list[Listing], policy: RetentionPolicy) -> str | None:
             f"(metrics found: {', '.join(known) if known else 'none'})")
 
 
-def scan(root: Path, *, include_root: bool) -> list[Listing]:
-    """The checkpoints in ``root``'s immediate subdirectories (and ``root`` itself), sorted by step."""
-    candidates = ([root] if include_root else []) + sorted(p for p in root.iterdir() if p.is_dir())
-    rows = [describe(p) for p in candidates if looks_like_checkpoint(p)]
-    rows.sort(key=lambda r: (r.step is None, r.step or 0, r.name))
-    latest = latest_tag(root)
+def scan(root: CheckpointRoot, *, include_root: bool) -> list[Listing]:
+    """The checkpoints in ``root``'s immediate subdirectories (and ``root`` itself), sorted by step,
+    the one ``latest`` names marked."""
+    rows = [Listing.of(info) for info in root.scan(include_self=include_root)]
+    latest = root.read_latest()
     for r in rows:
-        r.latest = latest is not None and r.name == latest and r.path != str(root)
+        r.latest = latest is not None and r.name == latest and r.path != root.location
     return rows
 
 
 @cli.command()
-@click.argument("root", type=click.Path(path_type=Path))
+@click.argument("root")
 @retention_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-def ls(root: Path, keep_last: int | None, keep_every: int | None, keep_best: int | None, metric: str | None,
+def ls(root: str, keep_last: int | None, keep_every: int | None, keep_best: int | None, metric: str | None,
        mode: str, keep_time_interval: float | None, as_json: bool) -> None:
     """List the checkpoints in ROOT (ROOT itself and its immediate subdirectories).
 
     The "kept by" column names the rules that keep each committed checkpoint, with the rule
     options given (the same as prune's), or with none: every checkpoint is kept ("all").
     """
-    if not root.is_dir():
-        raise Failure(f"no such directory: {root}", USAGE)
-    root = root.absolute()
+    with reported_errors():
+        checkpoints = open_root(root)
     policy = make_policy(keep_last, keep_every, keep_best, metric, mode, keep_time_interval)
     with reported_errors():
-        rows = scan(root, include_root=True)
-    apply_retention(rows, policy, latest_tag(root))
+        rows = scan(checkpoints, include_root=True)
+        latest = checkpoints.read_latest()
+    apply_retention(rows, policy, latest)
     warning = check_metric(rows, policy)
     if warning:
         console(stderr=True).print(f"warning: {warning}")
     if as_json:
-        print_json({"root": str(root), "latest": latest_tag(root), "checkpoints": [asdict(r) for r in rows]})
+        print_json({"root": checkpoints.location, "latest": latest, "checkpoints": [asdict(r) for r in rows]})
         return
     if not rows:
-        console(stderr=True).print(f"no checkpoints in {root}")
+        console(stderr=True).print(f"no checkpoints in {checkpoints.location}")
         return
     table = Table("name", Column("step", justify="right"), "status", Column("size", justify="right"), "created",
                   "metrics", "kept by", "latest")
@@ -251,28 +228,19 @@ def ls(root: Path, keep_last: int | None, keep_every: int | None, keep_best: int
         step = "-" if r.step is None else str(r.step)
         kept_by = ", ".join(r.kept_by) or "-"
         table.add_row(r.name, step, status, human_bytes(r.bytes), format_time(r.created),
-                      format_metrics(r.metrics) if r.status == "committed" else "-", kept_by,
+                      format_metrics(r.metrics) if r.status == COMMITTED else "-", kept_by,
                       "latest" if r.latest else "")
     console().print(table)
 
 
 # -- prune -------------------------------------------------------------------------------------
-def live_lease(root: Path) -> dict[str, Any] | None:
-    """The writer lease of ``root`` when it is live (a manager is writing there), else ``None``."""
-    lease = WriterLease(str(root), ttl=60, fsync=False)
-    holder = lease.holder()
-    if holder is None or lease.is_stale(holder):
-        return None
-    return holder
-
-
 @cli.command()
-@click.argument("root", type=click.Path(path_type=Path))
+@click.argument("root")
 @retention_options
 @click.option("--dry-run", "-n", is_flag=True, help="Report what would be deleted; delete nothing.")
 @click.option("--force", is_flag=True, help="Prune even while a live writer lease says a manager writes ROOT.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-def prune(root: Path, keep_last: int | None, keep_every: int | None, keep_best: int | None, metric: str | None,
+def prune(root: str, keep_last: int | None, keep_every: int | None, keep_best: int | None, metric: str | None,
           mode: str, keep_time_interval: float | None, dry_run: bool, force: bool, as_json: bool) -> None:
     """Delete the committed checkpoints under ROOT that no rule keeps.
 
@@ -281,29 +249,29 @@ def prune(root: Path, keep_last: int | None, keep_every: int | None, keep_best: 
     directories are left alone. A checkpoint is deleted manifest first, so a half-deleted one is
     never seen as valid. Refused while a manager holds ROOT's writer lease, unless --force.
     """
-    if not root.is_dir():
-        raise Failure(f"no such directory: {root}", USAGE)
-    root = root.absolute()
+    with reported_errors():
+        checkpoints = open_root(root)
+    where = checkpoints.location
     policy = make_policy(keep_last, keep_every, keep_best, metric, mode, keep_time_interval)
     if policy.keeps_all:
         raise Failure("nothing to prune by: give at least one of --keep-last, --keep-every, --keep-best, "
                       "--keep-time-interval", USAGE)
     with reported_errors():
-        if looks_like_checkpoint(root):
-            raise Failure(f"{root} is a checkpoint; prune takes the directory that holds checkpoints", USAGE)
-        holder = live_lease(root)
+        if looks_like_checkpoint(checkpoints.storage):
+            raise Failure(f"{where} is a checkpoint; prune takes the directory that holds checkpoints", USAGE)
+        holder = live_holder(checkpoints.storage)
         if holder is not None:
             who = f"{holder.get('host')} pid {holder.get('pid')}"
             if not force:
-                raise Failure(f"{root} is being written by {who} (live {LEASE_NAME}); "
+                raise Failure(f"{where} is being written by {who} (live {LEASE_NAME}); "
                               "stop that job first, or pass --force")
             console(stderr=True).print(f"warning: pruning while {who} holds the writer lease (--force)")
-        rows = [r for r in scan(root, include_root=False) if not r.name.startswith(".")]
-        apply_retention(rows, policy, latest_tag(root))
+        rows = [r for r in scan(checkpoints, include_root=False) if not r.name.startswith(".")]
+        apply_retention(rows, policy, checkpoints.read_latest())
         problem = check_metric(rows, policy)
         if problem:
             raise Failure(f"{problem}; refusing to prune by it", USAGE)
-        ranked = [r for r in rows if r.status == "committed" and r.step is not None]
+        ranked = [r for r in rows if r.status == COMMITTED and r.step is not None]
         newest = max((r.step for r in ranked if r.step is not None), default=None)
         doomed = [r for r in ranked if not r.kept_by and r.step != newest]  # the newest: never, whatever kept() says
         keep = [r for r in ranked if r not in doomed]
@@ -311,14 +279,13 @@ def prune(root: Path, keep_last: int | None, keep_every: int | None, keep_best: 
         leftovers = []
         if not dry_run:
             for r in doomed:
-                delete_checkpoint(r.path)
-                if os.path.exists(r.path):
+                if not checkpoints.delete(r.name):
                     leftovers.append(r.path)
 
     freed = sum(r.bytes for r in doomed)
     if as_json:
         print_json({
-            "root": str(root), "dry_run": dry_run, "bytes_freed": 0 if dry_run else freed,
+            "root": where, "dry_run": dry_run, "bytes_freed": 0 if dry_run else freed,
             "deleted": [] if dry_run else [prune_row(r) for r in doomed],
             "would_delete": [prune_row(r) for r in doomed] if dry_run else [],
             "kept": [prune_row(r) for r in keep],
@@ -337,7 +304,7 @@ def prune_row(r: Listing) -> dict[str, Any]:
 
 
 def skip_reason(r: Listing) -> str:
-    if r.status != "committed":
+    if r.status != COMMITTED:
         return r.status if r.error is None else f"{r.status}: {r.error}"
     return "committed without a step"
 
@@ -352,7 +319,7 @@ def print_prune(doomed: list[Listing], keep: list[Listing], skipped: list[Listin
     rows += [(r, "leave alone", skip_reason(r)) for r in skipped]
     for r, action, why in rows:
         table.add_row(r.name, "-" if r.step is None else str(r.step), action, human_bytes(r.bytes),
-                      format_metrics(r.metrics) if r.status == "committed" else "-", why,
+                      format_metrics(r.metrics) if r.status == COMMITTED else "-", why,
                       "latest" if r.latest else "")
     out = console()
     if rows:

@@ -1,26 +1,21 @@
-"""CheckpointManager: a directory of checkpoints by step, ``latest``, open/close, resume, retention.
+"""CheckpointManager: checkpoints by step under one root, ``latest``, open/close, resume, retention.
 
-Layout under ``root``: one checkpoint directory per step (``step_000000100``) or tag, a
-``latest`` pointer (JSON, replaced atomically, written only after a commit) and a writer lease
-(``.writer-lease``) naming the host, boot and process that writes here, renewed while it lives.
-A new writer removes what a dead one left uncommitted, renamed aside (``.deleting-*``) first.
-Saving a step below committed ones (a rollback) moves those into ``.superseded/`` first.
-Retention (see :mod:`zerostall.retention`) runs on the coordinator after each commit, in the
-background; a checkpoint is deleted manifest first, so a half-deleted one is never seen as valid.
+The root (see :mod:`zerostall.root`) holds one checkpoint per step (``step_000000100``) or tag,
+the ``latest`` pointer and the writer lease (see :mod:`zerostall.lease`). A new writer removes
+what a dead one left uncommitted. Saving a step below committed ones (a rollback) moves those into
+``.superseded/`` first. Retention (see :mod:`zerostall.retention`) runs on the coordinator after
+each commit, in the background; a checkpoint is deleted manifest first.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import functools
 import json
 import logging
 import os
 import random
-import secrets
-import shutil
-import socket
-import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -31,160 +26,61 @@ from .asynchronous import AsyncSaver, SaveHandle
 from .checkpoint import Checkpoint
 from .collectives import Group
 from .errors import CheckpointError, CheckpointNotFoundError
-from .format import MANIFEST_NAME
-from .opening import read_manifest_head
+from .lease import DEFAULT_TTL, WriterLease
+from .options import LoadOptions, SaveOptions
 from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
+from .root import LATEST_NAME, CheckpointRoot, step_tag, validate_tag
 from .saving import SaveInfo
 from .schedule import SaveSchedule
 from .state import RankLocal, rank_local
-from .storage.local import LocalStorage, fsync_dir
+from .storage import Storage, storage_for
 
 log = logging.getLogger(__name__)
 
-LATEST_NAME = "latest"
-LEASE_NAME = ".writer-lease"
-_TRASH_PREFIX = ".deleting-"
-SUPERSEDED_NAME = ".superseded"
 _RNG_KEY = "__rng__"
-
-
-def step_tag(step: int) -> str:
-    return f"step_{step:09d}"
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return "unknown"
-
-
-def publish(root: str, name: str, data: bytes, fsync: bool) -> None:
-    """Replace ``root/name`` atomically (the storage's own temp + rename commit)."""
-    LocalStorage(root, fsync=fsync).publish(name, f"{name}.{secrets.token_hex(4)}.tmp", data)
-
-
-class WriterLease:
-    """Who writes under a root: host, boot id, pid and a token, renewed every ``ttl / 3`` seconds.
-
-    A lease is stale when it was not renewed within its ``ttl`` (recorded in it), or when it names this host and boot
-    and a pid that no longer runs. ``flock`` is not used: it is unreliable on NFS/Lustre and does
-    not exist on object stores.
-    """
-
-    def __init__(self, root: str, ttl: float, fsync: bool) -> None:
-        self.root = root
-        self.path = os.path.join(root, LEASE_NAME)
-        self.ttl = ttl
-        self.fsync = fsync
-        self.me = {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": os.getpid(),
-                   "token": secrets.token_hex(8)}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def holder(self) -> dict[str, Any] | None:
-        try:
-            with open(self.path) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
-
-    def is_stale(self, lease: dict[str, Any]) -> bool:
-        if time.time() - lease.get("renewed", 0) > lease.get("ttl", self.ttl):
-            return True
-        if lease.get("host") == self.me["host"] and lease.get("boot_id") == self.me["boot_id"]:
-            try:
-                os.kill(int(lease["pid"]), 0)
-            except ProcessLookupError:
-                return True
-            except (PermissionError, KeyError, ValueError):
-                return False
-        return False
-
-    def acquire(self) -> None:
-        """Take the lease or raise naming its live holder; re-read after writing to settle races."""
-        current = self.holder()
-        if current is not None and current.get("token") != self.me["token"] and not self.is_stale(current):
-            raise CheckpointError(f"{os.path.dirname(self.path)} is being written by {current.get('host')} "
-                                  f"pid {current.get('pid')} (lease renewed {time.time() - current['renewed']:.0f} s "
-                                  "ago); two managers must not write one root")
-        self._renew()
-        time.sleep(random.uniform(0.01, 0.05))
-        if (self.holder() or {}).get("token") != self.me["token"]:
-            raise CheckpointError(f"another manager took {os.path.dirname(self.path)} at the same moment")
-        self._thread = threading.Thread(target=self._keep_alive, name="zerostall-lease", daemon=True)
-        self._thread.start()
-
-    def _renew(self) -> None:
-        publish(self.root, LEASE_NAME, json.dumps({**self.me, "ttl": self.ttl, "renewed": time.time()}).encode(),
-                self.fsync)
-
-    def _keep_alive(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
-            try:
-                self._renew()
-            except OSError as exc:
-                log.warning("could not renew the writer lease %s: %s", self.path, exc)
-
-    def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        if (self.holder() or {}).get("token") == self.me["token"]:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-
-
-def _remove_if_older(path: str, seconds: float) -> None:
-    """Remove ``path`` if it was last modified more than ``seconds`` ago (a file that young may
-    belong to a writer that is still running)."""
-    try:
-        if time.time() - os.stat(path).st_mtime > seconds:
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class CheckpointManager:
     """Steps and tags under one root: ``save`` (create → save → commit), ``open``, ``restore``,
     ``latest``, retention. Collective when distributed: every rank makes the same calls.
 
-    ``keep_*``/``metric``/``mode``/``protect`` set the retention rules; ``save_every`` and
-    ``save_interval_s`` drive :meth:`should_save`; ``async_save`` makes ``save`` return a
-    :class:`SaveHandle` at once. ``rank_local_keys`` are top-level keys of the state saved per
-    rank (data loaders); RNG states (torch, CUDA, python, numpy) are saved and restored per rank.
+    ``root`` is a path or a :class:`Storage`. ``retention`` sets the retention rules;
+    ``save_options``/``load_options`` are the options of its saves and of ``open``/``restore``. As
+    shorthand, the fields of a :class:`RetentionPolicy` (``keep_last=3``; not together with
+    ``retention``) and of :class:`SaveOptions` (``fsync=False``) are keywords too; any other
+    keyword is a ``TypeError`` here, not at the first save. ``save_every`` and ``save_interval_s``
+    drive :meth:`should_save`; ``async_save`` makes ``save`` return a :class:`SaveHandle` at once.
+    ``rank_local_keys`` are top-level keys of the state saved per rank (data loaders); RNG states
+    (torch, CUDA, python, numpy) are saved and restored per rank.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None, keep_every: int | None = None,
-                 keep_best: int | None = None, metric: str | None = None, mode: str = "min",
-                 keep_time_interval: float | None = None, protect: Callable[[int], bool] | None = None,
+    def __init__(self, root: str | os.PathLike[str] | Storage, *, retention: RetentionPolicy | None = None,
+                 save_options: SaveOptions | None = None, load_options: LoadOptions | None = None,
                  save_every: int | None = None, save_interval_s: float | None = None, async_save: bool = False,
                  rank_local_keys: tuple[str, ...] = ("dataloader", "data_loader"), process_group: Any = None,
-                 fsync: bool = True, lease_ttl: float = 60.0, **save_options: Any) -> None:
-        self.root = os.path.abspath(os.fspath(root))
-        self.policy = RetentionPolicy(keep_last, keep_every, keep_best, metric, mode, keep_time_interval, protect)
+                 lease_ttl: float = DEFAULT_TTL, **shorthand: Any) -> None:
+        rules, overrides = _split_shorthand(shorthand)
+        self.policy = _policy(retention, rules)
+        self.save_options = SaveOptions.of(save_options, overrides)
+        self.load_options = LoadOptions.of(load_options)
+        self.checkpoint_root = CheckpointRoot(storage_for(root, fsync=self.save_options.fsync))
+        self.root = self.checkpoint_root.location
         self.rank_local_keys = rank_local_keys
         self.process_group = process_group
         self.group = Group(process_group)
         self.schedule = SaveSchedule(self.group, save_every, save_interval_s)
-        self.fsync = fsync
-        self.save_options = save_options
         self.saver = AsyncSaver() if async_save else None
         self._pinned: set[int] = set()
         self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerostall-retention")
         self._pending_delete: Future[None] | None = None
         self._committing: Future[None] | None = None
-        self._records: dict[str, tuple[tuple[int, int, int], CheckpointRecord]] = {}  # see checkpoints()
         self.lease: WriterLease | None = None
         if self.group.is_coordinator:
             try:
-                os.makedirs(self.root, exist_ok=True)
-                self.lease = WriterLease(self.root, lease_ttl, fsync)
+                self.checkpoint_root.storage.create()
+                self.lease = WriterLease(self.checkpoint_root.storage, lease_ttl)
                 self.lease.acquire()
-                self._clean_stale_attempts()
+                self.checkpoint_root.clean_stale_attempts(temp_age=lease_ttl)
             except OSError as exc:
                 raise CheckpointError(f"cannot write checkpoints under {self.root}: {exc}") from exc
 
@@ -199,23 +95,23 @@ class CheckpointManager:
         """create → save → commit: write ``state`` as ``step`` (or ``tag``), then update ``latest``
         and apply retention once it has committed."""
         tag = tag or step_tag(step)
-        path = self.create(tag)
+        storage = self.create(tag)
         self._settle_commit()
         self._set_aside_later_than(step, tag)
         wrapped = self._wrap(state)
         metadata = {"metrics": dict(metrics or {}), "tag": tag}
         self.schedule.saved()
         self._pinned.add(step)
-        options = {"process_group": self.process_group, "step": step, "metadata": metadata, "fsync": self.fsync,
-                   **self.save_options}
         if self.saver is None:
             try:
-                info = save(wrapped, path, **options)
+                info = save(wrapped, storage, self.save_options, process_group=self.process_group, step=step,
+                            metadata=metadata)
             finally:
                 self._pinned.discard(step)
             self.commit(tag, step)
             return info
-        handle = self.saver.save(wrapped, path, **options)
+        handle = self.saver.save(wrapped, storage, self.save_options, process_group=self.process_group, step=step,
+                                 metadata=metadata)
         assert handle is not None
         self._committing = committing = Future()
         handle.committed.add_done_callback(
@@ -231,25 +127,8 @@ class CheckpointManager:
         if not self.group.is_coordinator:
             return
         later = [name for name, record in self.checkpoints() if record.step > step and name != tag]
-        if later:
-            self._deleter.submit(self._move_aside, later, step).result()  # not while retention deletes
-
-    def _move_aside(self, tags: list[str], step: int) -> None:
-        aside = os.path.join(self.root, SUPERSEDED_NAME)
-        os.makedirs(aside, exist_ok=True)
-        for tag in tags:
-            target = os.path.join(aside, tag)
-            while os.path.exists(target):
-                target = os.path.join(aside, f"{tag}.{secrets.token_hex(4)}")
-            try:
-                os.rename(os.path.join(self.root, tag), target)
-            except FileNotFoundError:
-                continue
-            log.warning("step %d is being saved under %s, which holds later steps: %s moved to %s (move it back "
-                        "to resume from it)", step, self.root, tag, target)
-        if self.fsync:
-            fsync_dir(aside)
-            fsync_dir(self.root)
+        if later:  # not while retention deletes
+            self._deleter.submit(self.checkpoint_root.set_aside, later, step).result()
 
     def _committed_async(self, fut: Future, tag: str, step: int, committing: Future) -> None:
         """Runs when an asynchronous save is done: commit it (latest, retention) if it succeeded."""
@@ -262,11 +141,10 @@ class CheckpointManager:
         else:
             committing.set_result(None)
 
-    def create(self, tag: str) -> str:
-        """The directory a new checkpoint ``tag`` is written into (created by the save itself)."""
-        if "/" in tag or tag in (LATEST_NAME, LEASE_NAME) or tag.startswith("."):
-            raise ValueError(f"invalid checkpoint tag {tag!r}")
-        return os.path.join(self.root, tag)
+    def create(self, tag: str) -> Storage:
+        """The storage a new checkpoint ``tag`` is written into (created by the save itself)."""
+        validate_tag(tag)
+        return self.checkpoint_root.child(tag)
 
     def commit(self, tag: str, step: int | None) -> None:
         """After the checkpoint committed: point ``latest`` at it, then apply retention in the
@@ -274,52 +152,30 @@ class CheckpointManager:
         if not self.group.is_coordinator:
             return
         try:
-            publish(self.root, LATEST_NAME, json.dumps({"tag": tag, "step": step}).encode(), self.fsync)
+            self.checkpoint_root.write_latest(tag, step)
         except OSError as exc:  # `latest` still names the previous checkpoint, which must stay
-            raise CheckpointError(f"{tag} is committed, but {os.path.join(self.root, LATEST_NAME)} could not be "
+            raise CheckpointError(f"{tag} is committed, but {self.checkpoint_root.where(LATEST_NAME)} could not be "
                                   f"pointed at it: {exc}") from exc
         self._pending_delete = self._deleter.submit(self._apply_retention)
 
     # -- reading -------------------------------------------------------------------------------
     def checkpoints(self) -> list[tuple[str, CheckpointRecord]]:
-        """Committed checkpoints (tag, record), oldest step first. Only the head of each manifest
-        is parsed, once per manager while it stays the same file (retention runs after every save)."""
-        found = []
-        seen: dict[str, tuple[tuple[int, int, int], CheckpointRecord]] = {}
-        for name in sorted(os.listdir(self.root)) if os.path.isdir(self.root) else ():
-            if name.startswith("."):
-                continue
-            try:
-                st = os.stat(os.path.join(self.root, name, MANIFEST_NAME))
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            key = (st.st_ino, st.st_mtime_ns, st.st_size)
-            cached = self._records.get(name)
-            if cached is not None and cached[0] == key:
-                record = cached[1]
-            else:
-                try:
-                    manifest = read_manifest_head(LocalStorage(os.path.join(self.root, name)))
-                except CheckpointError:
-                    continue
-                metadata = manifest.metadata if isinstance(manifest.metadata, dict) else {}
-                metrics = numeric_metrics(metadata.get("metrics") or {})
-                record = CheckpointRecord(manifest.step if manifest.step is not None else -1, manifest.created, metrics)
-            seen[name] = (key, record)
-            found.append((name, record))
-        self._records = seen
-        return sorted(found, key=lambda item: (item[1].step, item[0]))
+        """Committed checkpoints (tag, record), oldest step first (a step-less one counts as step
+        -1). Only the head of each manifest is parsed, once while it stays the same file."""
+        return [(info.name, CheckpointRecord(-1 if info.step is None else info.step, info.created or 0.0,
+                                             numeric_metrics(info.metrics)))
+                for info in self.checkpoint_root.checkpoints()]
 
     def latest(self) -> str | None:
-        """The newest committed checkpoint's tag. Found by scanning, which cannot lag behind a
+        """The newest committed checkpoint's tag. Found by listing, which cannot lag behind a
         commit; the ``latest`` file mirrors it for other tools."""
-        found = self.checkpoints()
-        return found[-1][0] if found else None
+        return self.checkpoint_root.latest()
 
-    def open(self, tag: str | None = None, **options: Any) -> Checkpoint | None:
+    def open(self, tag: str | None = None, **overrides: Any) -> Checkpoint | None:
         """Open ``tag`` (``None``/``"latest"``: the newest committed) on every rank: rank 0 resolves,
         everyone opens the same one. ``None`` when nothing was committed yet; a named tag that
-        does not exist raises :class:`CheckpointNotFoundError`. Close it (or use ``with``)."""
+        does not exist raises :class:`CheckpointNotFoundError`. Close it (or use ``with``).
+        Keywords override fields of the manager's ``load_options``."""
         resolved = None
         if self.group.is_coordinator:
             resolved = self.latest() if tag in (None, "latest") else tag
@@ -327,23 +183,24 @@ class CheckpointManager:
         resolved = json.loads(self.group.broadcast_bytes(payload))
         if resolved is None:
             return None
-        path = os.path.join(self.root, resolved)
         try:
-            ck = open_checkpoint(path, process_group=self.process_group, **options)
+            ck = open_checkpoint(self.checkpoint_root.child(resolved), self.load_options,
+                                 process_group=self.process_group, **overrides)
         except CheckpointNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint {resolved!r} under {self.root}") from None
         ck.tag = resolved
         return ck
 
-    def restore(self, state: Any, tag: str | None = None, **load_options: Any) -> int | None:
+    def restore(self, state: Any, tag: str | None = None, **overrides: Any) -> int | None:
         """Load the newest (or ``tag``) checkpoint into ``state`` in place, RNG states included;
-        returns its step, or ``None`` for a fresh start. It stays protected from retention."""
+        returns its step, or ``None`` for a fresh start. It stays protected from retention.
+        Keywords override fields of the manager's ``load_options``."""
         ck = self.open(tag)
         if ck is None:
             return None
         with ck:
             wrapped = self._wrap(state)
-            ck.load(wrapped, **load_options)
+            ck.load(wrapped, **overrides)
         _set_rng_state(wrapped[_RNG_KEY].value)
         if ck.step is not None:
             self._pinned.add(ck.step)
@@ -363,33 +220,13 @@ class CheckpointManager:
         keep = kept([r for _, r in found], self.policy, pinned=sorted(self._pinned))
         for tag, record in found:
             if record.step not in keep:
-                delete_checkpoint(os.path.join(self.root, tag))
+                self.checkpoint_root.delete(tag)
 
-    def _clean_stale_attempts(self) -> None:
-        """Remove step directories that never committed: we hold the lease, so their writer is dead
-        (and temp files of ``latest``/lease updates that a crash interrupted).
-
-        Each directory is first renamed out of the way in one atomic step, so that a writer that outlived
-        its lease can never commit a manifest into a directory whose data files are being deleted:
-        its commit then fails, or came first and the directory is put back whole."""
-        for name in os.listdir(self.root):
-            path = os.path.join(self.root, name)
-            if name.startswith(_TRASH_PREFIX):
-                shutil.rmtree(path, ignore_errors=True)  # a cleanup that a crash interrupted
-            elif name.startswith((f"{LATEST_NAME}.", f"{LEASE_NAME}.")) and name.endswith(".tmp"):
-                _remove_if_older(path, self.lease.ttl)  # a publish that a crash interrupted
-            elif name.startswith("step_") and os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST_NAME)):
-                trash = os.path.join(self.root, f"{_TRASH_PREFIX}{name}.{secrets.token_hex(4)}")
-                try:
-                    os.rename(path, trash)
-                except FileNotFoundError:
-                    continue
-                if os.path.exists(os.path.join(trash, MANIFEST_NAME)):
-                    log.warning("%s committed while it was being cleaned up: a writer outlived its lease", path)
-                    os.rename(trash, path)
-                    continue
-                log.info("removing the uncommitted checkpoint %s left by a dead writer", path)
-                shutil.rmtree(trash, ignore_errors=True)
+    def wait_staged(self) -> None:
+        """Block until the asynchronous save in flight (if any) has captured the state: call it
+        before mutating the state (the optimizer step). A no-op with synchronous saves."""
+        if self.saver is not None:
+            self.saver.wait_staged()
 
     def wait(self) -> None:
         """Finish the save in flight and the retention it triggered."""
@@ -441,13 +278,27 @@ class _OneShot:
             call(fut)
 
 
-def delete_checkpoint(path: str) -> None:
-    """Delete a checkpoint so that it never looks valid half-way: the manifest goes first."""
-    try:
-        os.unlink(os.path.join(path, MANIFEST_NAME))
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(path, ignore_errors=True)
+def _split_shorthand(shorthand: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The shorthand keywords split into retention rules and save options; any other is a TypeError."""
+    rules = {f.name for f in dataclasses.fields(RetentionPolicy)}
+    options = {f.name for f in dataclasses.fields(SaveOptions)}
+    for key in shorthand:
+        if key not in rules | options:
+            close = difflib.get_close_matches(key, sorted(rules | options), n=1)
+            raise TypeError(f"CheckpointManager got an unexpected keyword {key!r}"
+                            + (f"; did you mean {close[0]!r}?" if close else ""))
+    return ({k: v for k, v in shorthand.items() if k in rules and v is not None},
+            {k: v for k, v in shorthand.items() if k in options})
+
+
+def _policy(retention: RetentionPolicy | None, rules: dict[str, Any]) -> RetentionPolicy:
+    """The one retention policy: ``retention``, or one built from the rule keywords given."""
+    if retention is None:
+        return RetentionPolicy(**rules)
+    if rules:
+        raise ValueError(f"retention= and {', '.join(f'{name}=' for name in rules)} both set retention rules: "
+                         "give the rules either as a RetentionPolicy or as keywords")
+    return retention
 
 
 def _rng_state() -> dict[str, Any]:

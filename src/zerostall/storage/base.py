@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable, Iterable
+
+
+@dataclass(frozen=True)
+class FileStat:
+    """What a listing needs of one file: its size, when it was last written, and a ``version``
+    that changes whenever the file is replaced (to cache what was parsed from it)."""
+
+    size: int
+    modified: float  # seconds since the epoch
+    version: str
 
 
 class Storage(ABC):
@@ -11,6 +22,8 @@ class Storage(ABC):
 
     Writers stream a file from a sequence of memoryviews (tensor memory, no copies); the
     manifest is published with one atomic operation, the commit point of a checkpoint.
+    A location holds files and sub-locations (:meth:`child`): a checkpoint root holds one
+    sub-location per checkpoint. Only :meth:`move` needs a rename (an object store copies instead).
     """
 
     location: str
@@ -25,11 +38,24 @@ class Storage(ABC):
 
     @abstractmethod
     def list(self) -> list[str]:
-        """Names of the files at the location."""
+        """Names of the files at the location, sorted (a local directory's subdirectories may be
+        among them: callers pick the names they know)."""
+
+    @abstractmethod
+    def child(self, name: str) -> Storage:
+        """The storage at sub-location ``name`` (a subdirectory, a deeper key prefix), with this one's settings."""
+
+    @abstractmethod
+    def children(self) -> list[str]:
+        """Names of the sub-locations directly under the location (checkpoints under a root), sorted."""
 
     @abstractmethod
     def size(self, name: str) -> int:
         """Size in bytes of one file; FileNotFoundError if it is absent."""
+
+    @abstractmethod
+    def stat(self, name: str) -> FileStat:
+        """Size, modification time and version of one file; FileNotFoundError if it is absent."""
 
     @abstractmethod
     def write(self, name: str, parts: Iterable[memoryview]) -> int:
@@ -61,8 +87,26 @@ class Storage(ABC):
         ``before_replace`` runs at the last moment before the switch; if it raises, nothing changes."""
 
     @abstractmethod
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Create the small file ``name`` holding ``data``, whole, only if it is absent (a lease):
+        False when it exists. ``O_EXCL``-like locally, ``If-None-Match: *`` on an object store."""
+
+    @abstractmethod
     def delete(self, name: str) -> None:
         """Remove one file; a file that is already gone is not an error."""
+
+    @abstractmethod
+    def delete_tree(self, name: str) -> None:
+        """Remove sub-location ``name`` and all it holds, best effort (what is left shows in its
+        :meth:`child`'s :meth:`exists`); already gone is not an error. No order: delete first what must go first."""
+
+    @abstractmethod
+    def move(self, src: str, dst: str) -> None:
+        """Move sub-location ``src`` to ``dst`` (a path of names, ``a/b``, whose parent exists and
+        which itself does not); FileNotFoundError if ``src`` is gone. Locally one atomic rename, so
+        a writer still writing into ``src`` fails (it is fenced off). An object store copies, then
+        deletes, object by object: readers may see both or a part of each meanwhile, and a writer
+        still writing into ``src`` is not fenced off."""
 
     def memory_map(self, name: str) -> memoryview | None:
         """A copy-on-write memory map of the file where the storage allows it, else None."""

@@ -6,10 +6,12 @@ import errno
 import mmap
 import os
 import resource
+import secrets
+import shutil
 import threading
 from typing import Callable, Iterable
 
-from .base import Storage
+from .base import FileStat, Storage
 
 _WRITEV_BYTES = 1 << 20  # small, so bytes hashed just before are still in cache when written
 _IOV_PARTS = 512  # buffers per writev/preadv call (the kernel takes at most 1024)
@@ -57,13 +59,29 @@ class LocalStorage(Storage):
         return os.path.isdir(self.location)
 
     def list(self) -> list[str]:
+        """Every entry's name, subdirectories too: telling them apart costs a stat per entry where
+        the file system gives no entry types, and a save polls this list while it commits."""
         try:
             return sorted(os.listdir(self.location))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
+    def child(self, name: str) -> LocalStorage:
+        return LocalStorage(self._path(name), fsync=self.fsync)
+
+    def children(self) -> list[str]:
+        try:
+            with os.scandir(self.location) as entries:
+                return sorted(e.name for e in entries if _is_dir(e))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
     def size(self, name: str) -> int:
         return os.stat(self._path(name)).st_size
+
+    def stat(self, name: str) -> FileStat:
+        st = os.stat(self._path(name))
+        return FileStat(st.st_size, st.st_mtime, f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}")
 
     def write(self, name: str, parts: Iterable[memoryview]) -> int:
         path = self._path(name)
@@ -133,7 +151,45 @@ class LocalStorage(Storage):
     def publish(self, name: str, tmp_name: str, data: bytes,
                 before_replace: Callable[[], None] | None = None) -> None:
         tmp = self._path(tmp_name)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        self._write_small(tmp, data, os.O_TRUNC)  # e.g. the disk filled up: it leaves no half-written temp file
+        try:
+            if self.fsync:
+                fsync_dir(self.location)  # the data files' directory entries are durable before the commit
+            if before_replace is not None:
+                before_replace()
+            os.replace(tmp, self._path(name))
+        except BaseException:
+            _remove(tmp)
+            raise
+        if self.fsync:
+            fsync_dir(self.location)
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Written to a temp file (``name.*.tmp``), then hard-linked into place, which fails if
+        ``name`` exists: a reader never sees it empty or partly written. File systems without hard
+        links get an ``O_EXCL`` create, which a reader may see before it holds ``data``."""
+        tmp = self._path(f"{name}.{secrets.token_hex(4)}.tmp")
+        self._write_small(tmp, data, os.O_EXCL)
+        try:
+            os.link(tmp, self._path(name))
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
+            try:
+                self._write_small(self._path(name), data, os.O_EXCL)
+            except FileExistsError:
+                return False
+        finally:
+            _remove(tmp)
+        if self.fsync:
+            fsync_dir(self.location)
+        return True
+
+    def _write_small(self, path: str, data: bytes, flags: int) -> None:
+        """Write ``path`` whole (durably unless ``fsync=False``); nothing is left if that fails."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, 0o644)
         try:
             try:
                 _writev_all(fd, [memoryview(data)])
@@ -141,16 +197,9 @@ class LocalStorage(Storage):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            if self.fsync:
-                fsync_dir(self.location)  # the data files' directory entries are durable before the commit
-            if before_replace is not None:
-                before_replace()
-            os.replace(tmp, self._path(name))
         except BaseException:
-            _remove(tmp)  # e.g. the disk filled up: leave no half-written temp file behind
+            _remove(path)
             raise
-        if self.fsync:
-            fsync_dir(self.location)
 
     def delete(self, name: str) -> None:
         with self._lock:
@@ -161,6 +210,16 @@ class LocalStorage(Storage):
             os.unlink(self._path(name))
         except FileNotFoundError:
             pass
+
+    def delete_tree(self, name: str) -> None:
+        shutil.rmtree(self._path(name), ignore_errors=True)
+
+    def move(self, src: str, dst: str) -> None:
+        target = self._path(dst)
+        os.rename(self._path(src), target)
+        if self.fsync:
+            fsync_dir(os.path.dirname(target))
+            fsync_dir(self.location)
 
     def memory_map(self, name: str) -> memoryview | None:
         """A copy-on-write map of ``name``; None (read by copying instead) for an empty file and
@@ -181,6 +240,14 @@ class LocalStorage(Storage):
             for fd in cache.values():
                 os.close(fd)
             cache.clear()
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    """Whether a directory entry is a directory (following links); False if it vanished meanwhile."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def _remove(path: str) -> None:

@@ -1,0 +1,186 @@
+"""CheckpointRoot: listing (cached per manifest), latest, classification, deletion manifest first,
+setting aside, and removing what a dead writer left, all through the root's Storage."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+import zerostall as zs
+from zerostall import root as root_module
+from zerostall.format import MANIFEST_NAME
+from zerostall.root import (COMMITTED, CORRUPT, INCOMPLETE, LATEST_NAME, LEASE_NAME, SUPERSEDED_NAME,
+                            CheckpointRoot, step_tag, validate_tag)
+from zerostall.storage import LocalStorage
+
+
+def save(path, step: int | None, **kwargs) -> None:
+    zs.save({"w": torch.full((4,), float(step or 0))}, path, step=step, fsync=False, **kwargs)
+
+
+def uncommitted(path, step: int) -> bytes:
+    """A whole checkpoint whose manifest is held back (returned): a writer just before its commit."""
+    save(path, step)
+    manifest = path / MANIFEST_NAME
+    data = manifest.read_bytes()
+    manifest.unlink()
+    return data
+
+
+class Recording(LocalStorage):
+    """A LocalStorage that records deletes and moves (and can run something before a move)."""
+
+    def __init__(self, location: str, events: list, before_move=None) -> None:
+        super().__init__(location, fsync=False)
+        self.events = events
+        self.before_move = before_move
+
+    def child(self, name: str) -> Recording:
+        return Recording(os.path.join(self.location, name), self.events, self.before_move)
+
+    def delete(self, name: str) -> None:
+        self.events.append(("delete", os.path.basename(self.location), name))
+        super().delete(name)
+
+    def delete_tree(self, name: str) -> None:
+        manifest_left = os.path.exists(os.path.join(self.location, name, MANIFEST_NAME))
+        self.events.append(("delete_tree", name, manifest_left))
+        super().delete_tree(name)
+
+    def move(self, src: str, dst: str) -> None:
+        if self.before_move is not None:
+            self.before_move, run = None, self.before_move
+            run()
+        self.events.append(("move", src, dst.rsplit(".", 1)[0]))  # without the random suffix
+        super().move(src, dst)
+
+
+@pytest.fixture
+def ckroot(tmp_path) -> CheckpointRoot:
+    return CheckpointRoot(LocalStorage(str(tmp_path), fsync=False))
+
+
+def test_tags():
+    assert step_tag(100) == "step_000000100"
+    validate_tag("best-so-far")
+    for bad in ("a/b", LATEST_NAME, LEASE_NAME, ".hidden"):
+        with pytest.raises(ValueError, match="invalid checkpoint tag"):
+            validate_tag(bad)
+
+
+def test_checkpoints_lists_the_committed_ones_by_step(ckroot, tmp_path):
+    for step in (30, 4, 200):
+        save(tmp_path / step_tag(step), step)
+    save(tmp_path / "best", 50, metadata={"metrics": {"loss": 0.5, "note": "x"}})
+    save(tmp_path / "no-step", None)
+    uncommitted(tmp_path / step_tag(300), 300)
+    save(tmp_path / ".superseded" / step_tag(400), 400)
+    save(tmp_path / ".hidden", 500)
+    (tmp_path / "plain-dir").mkdir()
+    (tmp_path / "a-file").write_text("{}")
+    save(tmp_path / "broken", 7)
+    (tmp_path / "broken" / MANIFEST_NAME).write_text("{")
+    found = ckroot.checkpoints()
+    assert [(i.name, i.step) for i in found] == [("no-step", None), (step_tag(4), 4), (step_tag(30), 30),
+                                                 ("best", 50), (step_tag(200), 200)]
+    best = found[3]
+    assert best.status == COMMITTED and best.metrics == {"loss": 0.5, "note": "x"} and best.bytes > 0
+    assert best.location == str(tmp_path / "best") and best.created <= time.time()
+    assert ckroot.latest() == step_tag(200)
+    assert CheckpointRoot(LocalStorage(str(tmp_path / "missing"))).checkpoints() == []
+
+
+def test_each_manifest_is_parsed_once_until_it_is_replaced(ckroot, tmp_path, monkeypatch):
+    parsed = []
+    original = root_module.read_manifest_head
+    monkeypatch.setattr(root_module, "read_manifest_head",
+                        lambda storage: parsed.append(os.path.basename(storage.location)) or original(storage))
+    save(tmp_path / "a", 1)
+    save(tmp_path / "b", 2)
+    ckroot.checkpoints()
+    ckroot.checkpoints()
+    assert sorted(parsed) == ["a", "b"]
+    save(tmp_path / "a", 3)  # a new manifest in the same place
+    assert [(i.name, i.step) for i in ckroot.checkpoints()] == [("b", 2), ("a", 3)]
+    assert sorted(parsed) == ["a", "a", "b"]
+
+
+def test_latest_pointer_round_trip(ckroot, tmp_path):
+    assert ckroot.read_latest() is None
+    ckroot.write_latest("step_000000010", 10)
+    assert json.loads((tmp_path / LATEST_NAME).read_text()) == {"tag": "step_000000010", "step": 10}
+    assert ckroot.read_latest() == "step_000000010"
+    assert [n for n in os.listdir(tmp_path) if n.endswith(".tmp")] == []
+    for junk in ("{", "[1]", '{"tag": 3}'):
+        (tmp_path / LATEST_NAME).write_text(junk)
+        assert ckroot.read_latest() is None
+
+
+def test_scan_classifies_committed_incomplete_and_corrupt(ckroot, tmp_path):
+    save(tmp_path / "good", 10)
+    uncommitted(tmp_path / "half", 5)
+    save(tmp_path / "bad", 30)
+    raw = bytearray((tmp_path / "bad" / MANIFEST_NAME).read_bytes())
+    raw[60] ^= 0xFF
+    (tmp_path / "bad" / MANIFEST_NAME).write_bytes(bytes(raw))
+    (tmp_path / "empty").mkdir()
+    rows = {r.name: r for r in ckroot.scan()}
+    assert [r.name for r in ckroot.scan()] == ["good", "bad", "half"]
+    assert rows["good"].status == COMMITTED and rows["good"].step == 10
+    assert rows["half"].status == INCOMPLETE and rows["half"].bytes > 0 and rows["half"].step is None
+    assert rows["bad"].status == CORRUPT and "checksum" in rows["bad"].error
+    one = CheckpointRoot(LocalStorage(str(tmp_path / "good")))
+    assert [(r.name, r.location) for r in one.scan(include_self=True)] == [("good", str(tmp_path / "good"))]
+    assert ckroot.scan(include_self=True) == ckroot.scan()  # the root itself is no checkpoint
+
+
+def test_delete_removes_the_manifest_first(tmp_path):
+    save(tmp_path / "a", 1)
+    events: list = []
+    ckroot = CheckpointRoot(Recording(str(tmp_path), events))
+    assert ckroot.delete("a") and not (tmp_path / "a").exists()
+    assert events == [("delete", "a", MANIFEST_NAME), ("delete_tree", "a", False)]
+    assert ckroot.delete("a")  # already gone
+
+
+def test_set_aside_moves_whole_checkpoints_and_never_over_an_earlier_one(ckroot, tmp_path, caplog):
+    for step in (2, 3):
+        save(tmp_path / step_tag(step), step)
+    ckroot.set_aside([step_tag(2), step_tag(3), "gone"], step=1)
+    save(tmp_path / step_tag(3), 33)
+    ckroot.set_aside([step_tag(3)], step=1)
+    aside = sorted(os.listdir(tmp_path / SUPERSEDED_NAME))
+    assert aside[:2] == [step_tag(2), step_tag(3)] and aside[2].startswith(step_tag(3) + ".") and len(aside) == 3
+    assert ckroot.checkpoints() == []
+    assert zs.verify(tmp_path / SUPERSEDED_NAME / aside[2]) and f"{step_tag(2)} moved to" in caplog.text
+
+
+def test_clean_stale_attempts(tmp_path):
+    uncommitted(tmp_path / step_tag(1), 1)
+    save(tmp_path / step_tag(2), 2)
+    uncommitted(tmp_path / "my-tag", 3)  # not a step: left alone
+    (tmp_path / ".deleting-step_000000004.0123abcd" / "deep").mkdir(parents=True)
+    for name in ("latest.1234abcd.tmp", ".writer-lease.5678ef01.tmp"):
+        (tmp_path / name).write_text("{")
+        os.utime(tmp_path / name, (time.time() - 3600,) * 2)
+    (tmp_path / "latest.fresh000.tmp").write_text("{")
+    events: list = []
+    CheckpointRoot(Recording(str(tmp_path), events)).clean_stale_attempts(temp_age=60)
+    assert sorted(os.listdir(tmp_path)) == ["latest.fresh000.tmp", "my-tag", step_tag(2)]
+    assert ("move", step_tag(1), ".deleting-step_000000001") in events  # moved aside before it was deleted
+
+
+def test_an_attempt_that_commits_while_it_is_moved_aside_is_put_back(tmp_path, caplog):
+    manifest = uncommitted(tmp_path / step_tag(1), 1)
+    events: list = []
+    storage = Recording(str(tmp_path), events, before_move=lambda: (tmp_path / step_tag(1) / MANIFEST_NAME)
+                        .write_bytes(manifest))
+    ckroot = CheckpointRoot(storage)
+    ckroot.clean_stale_attempts(temp_age=60)
+    assert [e[0] for e in events] == ["move", "move"] and events[1][2] == step_tag(1)
+    assert os.listdir(tmp_path) == [step_tag(1)] and zs.verify(tmp_path / step_tag(1))
+    assert ckroot.latest() == step_tag(1) and "outlived its lease" in caplog.text
