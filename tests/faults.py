@@ -12,8 +12,8 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
 
 from zerostall.storage import Storage
 
@@ -41,15 +41,18 @@ class Fault:
 
     def _claims(self, op: str, name: str) -> bool:
         """Whether this call is one the fault acts on (called under the storage's lock)."""
-        if op != self.op:
-            return False
-        if self.name is not None and not (self.name(name) if callable(self.name) else fnmatch.fnmatchcase(name, self.name)):
+        if op != self.op or not self._names(name):
             return False
         self.seen += 1
         if self.seen < self.from_call or (self.times is not None and self.claimed >= self.times):
             return False
         self.claimed += 1
         return True
+
+    def _names(self, name: str) -> bool:
+        if self.name is None:
+            return True
+        return self.name(name) if callable(self.name) else fnmatch.fnmatchcase(name, self.name)
 
     def _fire(self, lock: threading.Lock, name: str, where: str) -> None:
         with lock:
