@@ -16,7 +16,11 @@ import torch
 import torch.distributed as dist
 
 import zerostall as zs
-from zerostall import engine
+from faults import FaultyStorage
+from zerostall.saving import prepare
+from zerostall.storage import LocalStorage
+
+TESTS = os.path.dirname(os.path.abspath(__file__))  # for child scripts: where faults.py is
 
 
 def state_of(value: float, n: int = 1 << 16) -> dict:
@@ -59,54 +63,53 @@ def test_background_failure_surfaces_on_the_future_the_next_save_and_close(tmp_p
     assert loaded(tmp_path / "ok")["step"] == 3
 
 
-def slow_writes(monkeypatch, gate: threading.Event) -> None:
-    original = engine._write_data
-
-    def gated(*args, **kwargs):
-        gate.wait(30)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(engine, "_write_data", gated)
+def gated(path, gate: threading.Event) -> FaultyStorage:
+    """``path`` with every data file write held until ``gate`` is set: a save stays in flight."""
+    storage = FaultyStorage(LocalStorage(str(path)))
+    storage.block("write", gate)
+    return storage
 
 
-def test_sync_save_waits_for_the_async_one_in_flight(tmp_path, monkeypatch):
+def test_sync_save_waits_for_the_async_one_in_flight(tmp_path):
     gate = threading.Event()
-    slow_writes(monkeypatch, gate)
-    handle = zs.async_save(state_of(1.0), tmp_path / "a")
+    a = gated(tmp_path / "a", gate)
+    handle = zs.async_save(state_of(1.0), a)
     handle.wait_staged()
-    threading.Timer(0.2, gate.set).start()
+    threading.Timer(0.2, gate.set).start()  # lets the sync save start waiting; any delay passes
     zs.save(state_of(2.0), tmp_path / "b")  # blocks until the async save committed
     assert handle.done() and handle.result().step is None
+    assert a.names("write")
     assert loaded(tmp_path / "a")["step"] == 1 and loaded(tmp_path / "b")["step"] == 2
 
 
-def test_one_save_in_flight_wait_or_skip(tmp_path, monkeypatch):
+def test_one_save_in_flight_wait_or_skip(tmp_path):
     gate = threading.Event()
-    slow_writes(monkeypatch, gate)
     with zs.AsyncSaver(if_busy="skip") as saver:
-        first = saver.save(state_of(1.0), tmp_path / "a")
+        a = gated(tmp_path / "a", gate)
+        first = saver.save(state_of(1.0), a)
         assert saver.save(state_of(2.0), tmp_path / "b") is None
         gate.set()
         first.result()
         saver.save(state_of(3.0), tmp_path / "b").result()
-    assert loaded(tmp_path / "b")["step"] == 3
+    assert a.names("write") and loaded(tmp_path / "b")["step"] == 3
     gate.clear()
-    threading.Timer(0.2, gate.set).start()
+    threading.Timer(0.2, gate.set).start()  # lets the second save start waiting; any delay passes
     with zs.AsyncSaver() as saver:
-        first = saver.save(state_of(1.0), tmp_path / "c")
+        c = gated(tmp_path / "c", gate)
+        first = saver.save(state_of(1.0), c)
         second = saver.save(state_of(2.0), tmp_path / "c")  # waits for the first to commit
         assert first.done()
         second.result()
-    assert loaded(tmp_path / "c")["step"] == 2
+    assert c.names("write") and loaded(tmp_path / "c")["step"] == 2
 
 
 def test_pool_is_reused_and_close_releases_it(tmp_path):
     saver = zs.AsyncSaver()
     alloc = saver.reserve(state_of(0.0))
     assert alloc >= 0 and saver.pool.nbytes >= (1 << 16) * 4
-    arena = saver.pool.buffers(engine.prepare(state_of(0.0), tmp_path / "x").items)[0]
+    arena = saver.pool.buffers(prepare(state_of(0.0), tmp_path / "x", zs.SaveOptions()).items)[0]
     saver.save(state_of(1.0), tmp_path / "ck").result()
-    assert saver.pool.buffers(engine.prepare(state_of(0.0), tmp_path / "x").items)[0] is arena
+    assert saver.pool.buffers(prepare(state_of(0.0), tmp_path / "x", zs.SaveOptions()).items)[0] is arena
     saver.close()
     assert saver.pool.nbytes == 0
 
@@ -132,17 +135,28 @@ def test_fifty_async_saves_keep_memory_flat(tmp_path):
 
 
 def test_exit_drains_the_save_in_flight(tmp_path):
+    """The script ends while its save's write is held: the write goes on only once the interpreter
+    is exiting (a threading exit hook, registered after zerostall's drain, runs before it)."""
     script = textwrap.dedent(f"""
-        import torch, zerostall as zs
-        from zerostall import engine
-        original = engine._write_data
-        def slow(*a, **k):
-            import time; time.sleep(0.5)
-            return original(*a, **k)
-        engine._write_data = slow
-        zs.async_save({{"w": torch.ones(1000)}}, {str(tmp_path / "ck")!r}, step=7)
+        import sys, threading, torch
+        sys.path.insert(0, {TESTS!r})
+        import zerostall as zs
+        from faults import FaultyStorage
+        from zerostall.storage import LocalStorage
+
+        exiting = threading.Event()
+        threading._register_atexit(exiting.set)
+
+        def until_exit(op, name):
+            exiting.wait()
+            print("write released at exit", flush=True)
+
+        storage = FaultyStorage(LocalStorage({str(tmp_path / "ck")!r}))
+        storage.call("write", until_exit)
+        zs.async_save({{"w": torch.ones(1000)}}, storage, step=7)
     """)
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "write released at exit" in proc.stdout, proc.stderr
     with zs.open(tmp_path / "ck") as ck:
         assert ck.step == 7
 
@@ -166,30 +180,26 @@ def test_async_save_across_ranks(ranks, tmp_path):
 
 
 def skip_on_ranks(path: str) -> list[bool]:
+    """Rank 1's first save is held after its ``done`` record, so rank 0 commits it and is done
+    while it is still in flight on rank 1 until rank 1 has asked for the second save."""
     rank = dist.get_rank()
-    original = engine.await_commit
-
-    def late(*args, **kwargs):  # rank 1 sees each commit 1.5 s after rank 0 made it
-        original(*args, **kwargs)
-        time.sleep(1.5)
-
-    if rank == 1:
-        engine.await_commit = late
-    try:
-        state = {"w": torch.full((64,), 1.0)}
-        with zs.AsyncSaver(if_busy="skip") as saver:
-            first = saver.save(state, f"{path}/a", step=1)
-            if rank == 0:
-                first.result()  # done here, in flight on rank 1
-            second = saver.save(state, f"{path}/b", step=2)
-            first.result()
-            dist.barrier()
-            state["w"].fill_(3.0)
-            third = saver.save(state, f"{path}/b", step=3)
-            third.result()
-        return [second is None, third is not None]
-    finally:
-        engine.await_commit = original
+    gate = threading.Event()
+    first_path = FaultyStorage(LocalStorage(f"{path}/a"))
+    held = first_path.block("publish", gate, name="*.done", at="after") if rank == 1 else None
+    state = {"w": torch.full((64,), 1.0)}
+    with zs.AsyncSaver(if_busy="skip") as saver:
+        first = saver.save(state, first_path, step=1)
+        if rank == 0:
+            first.result()  # done here, in flight on rank 1
+        second = saver.save(state, f"{path}/b", step=2)
+        gate.set()
+        first.result()
+        dist.barrier()
+        state["w"].fill_(3.0)
+        third = saver.save(state, f"{path}/b", step=3)
+        third.result()
+    assert held is None or held.count == 1
+    return [second is None, third is not None]
 
 
 def test_ranks_skip_together_while_a_save_is_in_flight_on_any_of_them(ranks, tmp_path):
@@ -201,21 +211,35 @@ def test_ranks_skip_together_while_a_save_is_in_flight_on_any_of_them(ranks, tmp
 
 
 def test_sigterm_lets_the_save_in_flight_commit(tmp_path):
+    """SIGTERM arrives while the save's write is held; the signal opens the hold, then the saver's
+    handler drains the save and lets the signal end the process."""
     script = textwrap.dedent(f"""
-        import os, signal, time, torch, zerostall as zs
-        from zerostall import engine
-        original = engine._write_data
-        def slow(*a, **k):
-            time.sleep(0.5)
-            return original(*a, **k)
-        engine._write_data = slow
+        import os, signal, sys, threading, time, torch
+        sys.path.insert(0, {TESTS!r})
+        import zerostall as zs
+        from faults import FaultyStorage
+        from zerostall.storage import LocalStorage
+
+        gate = threading.Event()
+        storage = FaultyStorage(LocalStorage({str(tmp_path / "ck")!r}))
+        held = storage.block("write", gate)
         saver = zs.AsyncSaver(drain_on_signals=[signal.SIGTERM])
-        saver.save({{"w": torch.ones(1000)}}, {str(tmp_path / "ck")!r}, step=3).wait_staged()
+        drain = signal.getsignal(signal.SIGTERM)
+
+        def open_then_drain(signum, frame):
+            gate.set()
+            drain(signum, frame)
+
+        signal.signal(signal.SIGTERM, open_then_drain)
+        saver.save({{"w": torch.ones(1000)}}, storage, step=3).wait_staged()
+        held.fired.wait()
+        print("write held when the signal came", flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(30)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], timeout=120)
-    assert proc.returncode == -15  # the signal still ends the process, after the commit
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -15, proc.stderr  # the signal still ends the process, after the commit
+    assert "write held when the signal came" in proc.stdout
     with zs.open(tmp_path / "ck") as ck:
         assert ck.step == 3
 

@@ -2,22 +2,26 @@
 files, a missing or damaged manifest, and pickle as an explicit opt-in on save and on load.
 
 Everything here works on real files written by ``zs.save``; the damage is done with plain file
-operations, never by mocking the library.
+operations, never by mocking the library (a failed read is injected through the storage interface).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+import threading
 
 import pytest
 import torch
 import xxhash
 
 import zerostall as zs
+from faults import FaultyStorage
 from zerostall.format import Chunk, load_json
+from zerostall.storage import LocalStorage
 
 WEIGHT = "layer.weight"  # fqn of the tensor the byte-level tests damage
 
@@ -500,34 +504,29 @@ def test_verify_clean_returns_bytes_checked(saved):
     assert_state_equal(target, state)
 
 
-def test_a_bad_block_stops_the_other_reader_threads(tmp_path, monkeypatch, task_log):
-    # Without the stop, the load of a large checkpoint with a bad first block reads all the rest
-    # before raising. The damage is a real flipped byte; wrappers around the reader's thread pool
-    # and run method only order the threads (the other one goes on once the failing thread's task
-    # has ended) and count what they read.
-    from zerostall import reader
-
-    block = 64 << 10
-    monkeypatch.setattr(reader, "_PIECE_BYTES", block)  # one block per piece: many runs per thread
-    state = {"a": torch.randn(1 << 20), "b": torch.randn(1 << 20)}  # 4 MiB each: 8 runs per thread
+def test_a_failed_read_stops_the_other_reader_threads(tmp_path):
+    """Without the stop, a load whose first read fails (a bad block, an I/O error) reads all the
+    rest of a large checkpoint before raising. Through a FaultyStorage: the first read fails once
+    the other thread waits at its own first read, which then goes on; its reads after the failure
+    are counted (the one it had begun, not the other 7 runs of its lane)."""
+    state = {f"t{i:02d}": torch.randn(1 << 18) for i in range(16)}  # 1 MiB each: one read each, 8 per thread
     path = tmp_path / "ck"
-    zs.save(state, path, block_size=block)
-    with zs.open(path) as ck:
-        first = min((c for e in ck.entries.values() for c in e.chunks), key=lambda c: (c.file, c.offset))
-    flip_byte(os.path.join(path, first.file), first.offset + 3)  # the first run: the first thread's first
+    zs.save(state, path)
+    storage = FaultyStorage(LocalStorage(str(path)))
+    other_waits, reads_after = threading.Event(), []
+    storage.block("read_into", other_waits, times=1)
+    failure = storage.fail("read_into", OSError(errno.EIO, "read failed (injected)"), times=1)
 
-    log, read_run, runs_after = task_log(reader), reader.Checkpoint._read_run, []
+    def after_the_failure(op, name):
+        other_waits.set()
+        failure.fired.wait()
+        reads_after.append(name)
 
-    def ordered(self, run, verify):
-        if (run[0][1].file, run[0][1].offset + run[0][2]) != (first.file, first.offset):
-            log.wait_for_a_failure()
-            runs_after.append(run)
-        read_run(self, run, verify)
-
-    monkeypatch.setattr(reader.Checkpoint, "_read_run", ordered)
-    with pytest.raises(zs.CorruptCheckpointError, match="block 0"):
-        zs.load({"a": torch.empty(1 << 20), "b": torch.empty(1 << 20)}, path, threads=2)
-    assert len(log.tasks) == 2 and len(runs_after) <= 1  # of its 8 runs: the one it had begun, if any
+    storage.call("read_into", after_the_failure, from_call=2)
+    with pytest.raises(zs.CheckpointError, match=r"read failed \(injected\)"):
+        zs.load({k: torch.empty(1 << 18) for k in state}, storage, threads=2, verify=False)
+    assert failure.count == 1
+    assert len(reads_after) == 1
 
 
 def test_the_manifest_head_matches_the_whole_manifest_and_is_checked_whole(tmp_path):

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import errno
 import pickle
-import os
-import signal
 import time
 
 import pytest
@@ -15,6 +14,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import zerostall as zs
 from distributed import RankError
+from faults import FaultyStorage
+from zerostall.storage import LocalStorage
 
 # -- functions that run on every rank ----------------------------------------------------------
 
@@ -169,27 +170,21 @@ def load_rank_local_other_world(path: str) -> str:
 
 
 def failing_save(path: str, how: str, timeout: float) -> str:
-    """Rank 1 fails while writing (an exception, or SIGKILL); report what every rank saw."""
-    from zerostall import engine
-
+    """Rank 1's data file write fails (ENOSPC) or it SIGKILLs itself there, through a
+    FaultyStorage around the path; report what every rank saw."""
     rank = dist.get_rank()
-    if rank == 1:
-        original = engine._write_data
-
-        def broken(*args, **kwargs):
-            if how == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise OSError(28, "No space left on device (injected)")
-
-        engine._write_data = broken
+    storage = FaultyStorage(LocalStorage(path))
+    if rank == 1 and how == "kill":
+        storage.crash("write")
+    elif rank == 1:
+        storage.fail("write", OSError(errno.ENOSPC, "No space left on device (injected)"))
+    state = {"w": full_value((32, 32), 5), "own": zs.rank_local(torch.full((4,), float(rank))),  # rank 1 writes
+             "rank": zs.rank_local(rank)}
     start = time.monotonic()
     try:
-        zs.save({"w": full_value((32, 32), 5), "rank": zs.rank_local(rank)}, path, commit_timeout=timeout)
+        zs.save(state, storage, commit_timeout=timeout)
     except zs.CheckpointError as exc:
         return f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}"
-    finally:
-        if rank == 1:
-            engine._write_data = original
     return "committed"
 
 
@@ -340,17 +335,16 @@ def test_rank_local_values_round_trip_and_report_world_change(ranks, tmp_path):
 def test_rank_failure_fails_the_save_everywhere_and_keeps_the_previous(ranks, tmp_path, how):
     path = str(tmp_path / "ck")
     zs.save({"w": torch.ones(32, 32), "rank": zs.rank_local(0)}, path)
-    with pytest.raises(RankError) as err:
-        ranks(2).run(failing_save, path, how, 6.0, timeout=60)
-    error = err.value
     if how == "raise":
-        assert "No space left" in error.failures[1].message
-        rank0 = error.results[0]
+        rank0, rank1 = ranks(2).run(failing_save, path, how, 6.0, timeout=60)
+        assert "No space left on device (injected)" in rank1
     else:
-        assert error.dead == [1]
-        rank0 = error.results[0]
+        with pytest.raises(RankError) as err:
+            ranks(2).run(failing_save, path, how, 6.0, timeout=60)
+        assert err.value.dead == [1]
+        rank0 = err.value.results[0]
     # an exception is reported by rank 1's own record, at once; a death by the commit timeout
-    expected = "rank 1: OSError" if how == "raise" else "ranks [1] did not finish writing within 6 s"
+    expected = "rank 1: CheckpointError" if how == "raise" else "ranks [1] did not finish writing within 6 s"
     assert rank0.startswith("CommitError") and expected in rank0, rank0
     target = {"w": torch.zeros(32, 32), "rank": zs.rank_local(-1)}
     zs.load(target, path, strict=False)

@@ -192,19 +192,35 @@ def test_lease_of_a_dead_process_is_taken_over(tmp_path):
 
 
 def crash_script(root, stage: str) -> str:
+    """The second save of a manager SIGKILLs itself while writing a data file, or just before
+    `latest` is renamed into place. A CheckpointManager takes no Storage yet, so the fault sits in
+    the os calls the local backend makes (not in a zerostall module attribute, which code moves
+    would silently bypass)."""
     return textwrap.dedent(f"""
         import os, signal, torch, zerostall as zs
-        from zerostall import engine, root
-        def die(*a, **k):
+        replace, writev = os.replace, os.writev
+
+        def die(where):
+            print("SIGKILL " + where, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+
+        def replace_or_die(src, dst, **kw):
+            if os.path.basename(dst) == "latest":
+                die("renaming latest")
+            return replace(src, dst, **kw)
+
+        def writev_or_die(fd, buffers):
+            if os.readlink(f"/proc/self/fd/{{fd}}").endswith(".safetensors"):
+                die("writing a data file")
+            return writev(fd, buffers)
+
         mgr = zs.CheckpointManager({str(root)!r})
         mgr.save(1, {{"w": torch.ones(4)}})
         mgr.wait()
         if {stage!r} == "between_save_and_commit":
-            original = root.publish
-            root.publish = lambda storage, name, *a: die() if name == "latest" else original(storage, name, *a)
+            os.replace = replace_or_die
         else:
-            engine._write_data = die
+            os.writev = writev_or_die
         mgr.save(2, {{"w": torch.full((4,), 2.0)}})
     """)
 
@@ -212,7 +228,8 @@ def crash_script(root, stage: str) -> str:
 @pytest.mark.parametrize("stage", ["between_save_and_commit", "while_writing"])
 def test_crash_leaves_a_resumable_root(tmp_path, stage):
     proc = subprocess.run([sys.executable, "-c", crash_script(tmp_path, stage)], capture_output=True, timeout=120)
-    assert proc.returncode == -9, proc.stderr.decode()
+    where = b"renaming latest" if stage == "between_save_and_commit" else b"writing a data file"
+    assert proc.returncode == -9 and proc.stdout.strip() == b"SIGKILL " + where, proc.stderr.decode()
     target = {"w": torch.zeros(4)}
     with zs.CheckpointManager(tmp_path) as mgr:  # the dead writer's lease is stale: taken over
         step = mgr.restore(target)

@@ -1,0 +1,274 @@
+"""Fault injection through the storage interface: a :class:`FaultyStorage` wraps any backend and
+fails, blocks, calls back or crashes at a named operation. Tests that inject faults this way keep
+injecting them however the library's code is moved between modules (patching a module attribute
+silently stops doing anything once the code no longer looks the attribute up there).
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from zerostall.storage import Storage
+
+GATE_TIMEOUT = 120.0  # a gate nobody opens fails the test instead of hanging it (not a timing bound)
+POINTS = ("before", "after", "before_replace")  # before the inner call, after it returned, at the switch
+
+
+@dataclass(eq=False)
+class Fault:
+    """One injected fault: the calls it applies to, where in them it acts and what it does.
+    ``count`` says how often it acted and ``fired`` is set the first time (before it acts), so a
+    test can assert that its fault happened and wait for the moment it does."""
+
+    op: str
+    action: Callable[[str, str, str], None]  # called with (op, name, where it fires)
+    name: str | Callable[[str], bool] | None
+    from_call: int
+    times: int | None
+    at: str
+    after_bytes: int | None
+    seen: int = 0  # calls that matched op and name
+    claimed: int = 0  # calls it was armed for (from the from_call-th on, at most ``times``)
+    count: int = 0
+    fired: threading.Event = field(default_factory=threading.Event)
+
+    def _claims(self, op: str, name: str) -> bool:
+        """Whether this call is one the fault acts on (called under the storage's lock)."""
+        if op != self.op or not self._names(name):
+            return False
+        self.seen += 1
+        if self.seen < self.from_call or (self.times is not None and self.claimed >= self.times):
+            return False
+        self.claimed += 1
+        return True
+
+    def _names(self, name: str) -> bool:
+        if self.name is None:
+            return True
+        return self.name(name) if callable(self.name) else fnmatch.fnmatchcase(name, self.name)
+
+    def _fire(self, lock: threading.Lock, name: str, where: str) -> None:
+        with lock:
+            self.count += 1
+        self.fired.set()
+        self.action(self.op, name, where)
+
+
+class FaultyStorage(Storage):
+    """A storage that delegates every operation to ``inner`` and applies the faults added to it.
+
+    Operations are the names of the :class:`Storage` methods (``"write"``, ``"publish"``,
+    ``"delete"``, ``"read_into"``, ``"read_into_many"``, ``"create"``, ``"list"``, ...); the name a
+    fault matches is the file's (``publish``: the final name, not the temporary one; ``""`` for
+    ``create``, ``exists``, ``list`` and ``close``). ``calls`` records every ``(op, name)`` seen.
+    """
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.location = inner.location
+        self.calls: list[tuple[str, str]] = []
+        self._faults: list[Fault] = []
+        self._lock = threading.Lock()
+
+    # -- adding faults -------------------------------------------------------------------------
+    def fail(self, op: str, error: BaseException, *, name: str | Callable[[str], bool] | None = None,
+             from_call: int = 1, times: int | None = None, at: str = "before",
+             after_bytes: int | None = None) -> Fault:
+        """Raise (a copy of) ``error``.
+
+        The fault applies to calls of ``op`` whose file name matches ``name`` (a glob or a
+        predicate; None: every call), from the ``from_call``-th such call on, at most ``times``
+        calls (None: all). It acts ``at`` "before" the inner call, "after" it returned (its effect
+        is then done: e.g. the manifest switched) or, for ``publish``, at "before_replace" (the
+        temporary file is written, the switch not made). For ``write``, ``after_bytes=K`` acts in
+        the stream of parts once the inner write has taken exactly ``K`` bytes (a partly written
+        file, like a disk filling up)."""
+        return self._add(op, lambda op, name, where: _raise(error), name, from_call, times, at, after_bytes)
+
+    def block(self, op: str, gate: threading.Event, *, name: str | Callable[[str], bool] | None = None,
+              from_call: int = 1, times: int | None = None, at: str = "before",
+              after_bytes: int | None = None) -> Fault:
+        """Wait until ``gate`` is set (a slow operation); where and when as for :meth:`fail`."""
+        def wait(op: str, name: str, where: str) -> None:
+            if not gate.wait(GATE_TIMEOUT):
+                raise TimeoutError(f"faults: the gate at {where} was never opened")
+
+        return self._add(op, wait, name, from_call, times, at, after_bytes)
+
+    def call(self, op: str, hook: Callable[[str, str], None], *, name: str | Callable[[str], bool] | None = None,
+             from_call: int = 1, times: int | None = None, at: str = "before",
+             after_bytes: int | None = None) -> Fault:
+        """Call ``hook(op, name)`` (run another save at that instant, say); what it raises
+        propagates. Where and when as for :meth:`fail`."""
+        return self._add(op, lambda op, name, where: hook(op, name), name, from_call, times, at, after_bytes)
+
+    def crash(self, op: str, *, name: str | Callable[[str], bool] | None = None, from_call: int = 1,
+              times: int | None = None, at: str = "before", after_bytes: int | None = None) -> Fault:
+        """SIGKILL this process (for crash tests in a child process), after writing
+        ``faults: SIGKILL at <where>`` to stderr. Where and when as for :meth:`fail`."""
+        return self._add(op, _kill, name, from_call, times, at, after_bytes)
+
+    def _add(self, op: str, action: Callable[[str, str, str], None], name: str | Callable[[str], bool] | None,
+             from_call: int, times: int | None, at: str, after_bytes: int | None) -> Fault:
+        if not callable(getattr(Storage, op, None)) or op.startswith("_"):
+            raise ValueError(f"no storage operation {op!r}")
+        if at not in POINTS or (at == "before_replace" and op != "publish"):
+            raise ValueError(f"a fault on {op} cannot act at {at!r}")
+        if after_bytes is not None and (op != "write" or at != "before"):
+            raise ValueError("after_bytes is for write faults only (and replaces `at`)")
+        fault = Fault(op, action, name, from_call, times, at, after_bytes)
+        with self._lock:
+            self._faults.append(fault)
+        return fault
+
+    def names(self, op: str) -> list[str]:
+        """The names of the calls of ``op`` seen so far, in order."""
+        with self._lock:
+            return [name for o, name in self.calls if o == op]
+
+    # -- applying them ---------------------------------------------------------------------------
+    def _enter(self, op: str, name: str) -> list[Fault]:
+        """Record the call and pick the faults that act on it (one lock: a consistent call count)."""
+        with self._lock:
+            self.calls.append((op, name))
+            return [f for f in self._faults if f._claims(op, name)]
+
+    def _at(self, faults: list[Fault], point: str, op: str, name: str) -> None:
+        for fault in faults:
+            if fault.at == point and fault.after_bytes is None:
+                fault._fire(self._lock, name, f"{point} {op} of {name}")
+
+    def _stream(self, parts: Iterable[memoryview], faults: list[Fault], name: str) -> Iterator[memoryview]:
+        """``parts``, cut so that each fault acts once the consumer has taken exactly its bytes."""
+        pending = sorted(faults, key=lambda f: f.after_bytes or 0)
+        done = 0
+
+        def fire_due() -> None:
+            while pending and (pending[0].after_bytes or 0) <= done:
+                pending.pop(0)._fire(self._lock, name, f"write of {name} after {done} bytes")
+
+        fire_due()
+        for part in parts:
+            while len(part):
+                cut = min(len(part), (pending[0].after_bytes or 0) - done) if pending else len(part)
+                yield part[:cut]
+                done += cut
+                part = part[cut:]
+                fire_due()
+
+    # -- the Storage interface, delegated ----------------------------------------------------
+    def create(self) -> None:
+        faults = self._enter("create", "")
+        self._at(faults, "before", "create", "")
+        self.inner.create()
+        self._at(faults, "after", "create", "")
+
+    def exists(self) -> bool:
+        faults = self._enter("exists", "")
+        self._at(faults, "before", "exists", "")
+        result = self.inner.exists()
+        self._at(faults, "after", "exists", "")
+        return result
+
+    def list(self) -> list[str]:
+        faults = self._enter("list", "")
+        self._at(faults, "before", "list", "")
+        result = self.inner.list()
+        self._at(faults, "after", "list", "")
+        return result
+
+    def size(self, name: str) -> int:
+        faults = self._enter("size", name)
+        self._at(faults, "before", "size", name)
+        result = self.inner.size(name)
+        self._at(faults, "after", "size", name)
+        return result
+
+    def write(self, name: str, parts: Iterable[memoryview]) -> int:
+        faults = self._enter("write", name)
+        self._at(faults, "before", "write", name)
+        streamed = [f for f in faults if f.after_bytes is not None]
+        result = self.inner.write(name, self._stream(parts, streamed, name) if streamed else parts)
+        self._at(faults, "after", "write", name)
+        return result
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        faults = self._enter("read_into", name)
+        self._at(faults, "before", "read_into", name)
+        self.inner.read_into(name, offset, out)
+        self._at(faults, "after", "read_into", name)
+
+    def read_into_many(self, name: str, offset: int, outs: list[memoryview]) -> None:
+        faults = self._enter("read_into_many", name)
+        self._at(faults, "before", "read_into_many", name)
+        self.inner.read_into_many(name, offset, outs)
+        self._at(faults, "after", "read_into_many", name)
+
+    def read_bytes(self, name: str) -> bytes:
+        faults = self._enter("read_bytes", name)
+        self._at(faults, "before", "read_bytes", name)
+        result = self.inner.read_bytes(name)
+        self._at(faults, "after", "read_bytes", name)
+        return result
+
+    def read_head(self, name: str, n: int) -> bytes:
+        faults = self._enter("read_head", name)
+        self._at(faults, "before", "read_head", name)
+        result = self.inner.read_head(name, n)
+        self._at(faults, "after", "read_head", name)
+        return result
+
+    def publish(self, name: str, tmp_name: str, data: bytes,
+                before_replace: Callable[[], None] | None = None) -> None:
+        faults = self._enter("publish", name)
+        self._at(faults, "before", "publish", name)
+
+        def at_the_switch() -> None:  # the faults first, then the caller's last-moment check
+            self._at(faults, "before_replace", "publish", name)
+            if before_replace is not None:
+                before_replace()
+
+        self.inner.publish(name, tmp_name, data, at_the_switch)
+        self._at(faults, "after", "publish", name)
+
+    def delete(self, name: str) -> None:
+        faults = self._enter("delete", name)
+        self._at(faults, "before", "delete", name)
+        self.inner.delete(name)
+        self._at(faults, "after", "delete", name)
+
+    def memory_map(self, name: str) -> memoryview | None:
+        faults = self._enter("memory_map", name)
+        self._at(faults, "before", "memory_map", name)
+        result = self.inner.memory_map(name)
+        self._at(faults, "after", "memory_map", name)
+        return result
+
+    def close(self) -> None:
+        faults = self._enter("close", "")
+        self._at(faults, "before", "close", "")
+        self.inner.close()
+        self._at(faults, "after", "close", "")
+
+
+def _raise(error: BaseException) -> None:
+    raise copy.copy(error)  # a fresh instance per call: threads raising it do not share a traceback
+
+
+def _kill(op: str, name: str, where: str) -> None:
+    sys.stderr.write(f"faults: SIGKILL at {where}\n")
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+_UNDELEGATED = sorted(m for m, v in vars(Storage).items()
+                      if callable(v) and not m.startswith("_") and m not in vars(FaultyStorage))
+if _UNDELEGATED:  # an optional method added to Storage would otherwise bypass the wrapper unseen
+    raise TypeError(f"FaultyStorage does not delegate Storage.{', Storage.'.join(_UNDELEGATED)}")
