@@ -13,9 +13,10 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 from dataclasses import dataclass, field
 
-from zerostall.storage import Storage
+from zerostall.storage import FileStat, Storage
 
 GATE_TIMEOUT = 120.0  # a gate nobody opens fails the test instead of hanging it (not a timing bound)
 POINTS = ("before", "after", "before_replace")  # before the inner call, after it returned, at the switch
@@ -70,12 +71,16 @@ class FaultyStorage(Storage):
     ``create``, ``exists``, ``list`` and ``close``). ``calls`` records every ``(op, name)`` seen.
     """
 
-    def __init__(self, inner: Storage) -> None:
+    def __init__(self, inner: Storage, *, parent: FaultyStorage | None = None, prefix: str = "") -> None:
         self.inner = inner
         self.location = inner.location
-        self.calls: list[tuple[str, str]] = []
-        self._faults: list[Fault] = []
-        self._lock = threading.Lock()
+        self._prefix = prefix
+        if parent is None:
+            self.calls: list[tuple[str, str]] = []
+            self._faults: list[Fault] = []
+            self._lock = threading.Lock()
+        else:  # a sub-location: the parent's faults apply, its log records
+            self.calls, self._faults, self._lock = parent.calls, parent._faults, parent._lock
 
     # -- adding faults -------------------------------------------------------------------------
     def fail(self, op: str, error: BaseException, *, name: str | Callable[[str], bool] | None = None,
@@ -164,98 +169,91 @@ class FaultyStorage(Storage):
                 fire_due()
 
     # -- the Storage interface, delegated ----------------------------------------------------
+    def _run(self, op: str, name: str, call: Callable[[], Any]) -> Any:
+        """Record the call of ``op`` on ``name``, act "before", make the inner call, act "after"."""
+        name = self._prefix + name
+        faults = self._enter(op, name)
+        self._at(faults, "before", op, name)
+        result = call()
+        self._at(faults, "after", op, name)
+        return result
+
     def create(self) -> None:
-        faults = self._enter("create", "")
-        self._at(faults, "before", "create", "")
-        self.inner.create()
-        self._at(faults, "after", "create", "")
+        self._run("create", "", self.inner.create)
 
     def exists(self) -> bool:
-        faults = self._enter("exists", "")
-        self._at(faults, "before", "exists", "")
-        result = self.inner.exists()
-        self._at(faults, "after", "exists", "")
-        return result
+        return self._run("exists", "", self.inner.exists)
 
     def list(self) -> list[str]:
-        faults = self._enter("list", "")
-        self._at(faults, "before", "list", "")
-        result = self.inner.list()
-        self._at(faults, "after", "list", "")
-        return result
+        return self._run("list", "", self.inner.list)
+
+    def child(self, name: str) -> FaultyStorage:
+        """The wrapped sub-location: it shares this wrapper's faults and call log, and the names it
+        reports are ``"<name>/<file>"`` (so one fault can target a file of a checkpoint under a root)."""
+        return self._run("child", name, lambda: FaultyStorage(self.inner.child(name), parent=self,
+                                                              prefix=f"{self._prefix}{name}/"))
+
+    def children(self) -> list[str]:
+        return self._run("children", "", self.inner.children)
 
     def size(self, name: str) -> int:
-        faults = self._enter("size", name)
-        self._at(faults, "before", "size", name)
-        result = self.inner.size(name)
-        self._at(faults, "after", "size", name)
-        return result
+        return self._run("size", name, lambda: self.inner.size(name))
+
+    def stat(self, name: str) -> FileStat:
+        return self._run("stat", name, lambda: self.inner.stat(name))
 
     def write(self, name: str, parts: Iterable[memoryview]) -> int:
-        faults = self._enter("write", name)
-        self._at(faults, "before", "write", name)
+        full = self._prefix + name
+        faults = self._enter("write", full)
+        self._at(faults, "before", "write", full)
         streamed = [f for f in faults if f.after_bytes is not None]
-        result = self.inner.write(name, self._stream(parts, streamed, name) if streamed else parts)
-        self._at(faults, "after", "write", name)
+        result = self.inner.write(name, self._stream(parts, streamed, full) if streamed else parts)
+        self._at(faults, "after", "write", full)
         return result
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        faults = self._enter("read_into", name)
-        self._at(faults, "before", "read_into", name)
-        self.inner.read_into(name, offset, out)
-        self._at(faults, "after", "read_into", name)
+        self._run("read_into", name, lambda: self.inner.read_into(name, offset, out))
 
     def read_into_many(self, name: str, offset: int, outs: list[memoryview]) -> None:
-        faults = self._enter("read_into_many", name)
-        self._at(faults, "before", "read_into_many", name)
-        self.inner.read_into_many(name, offset, outs)
-        self._at(faults, "after", "read_into_many", name)
+        self._run("read_into_many", name, lambda: self.inner.read_into_many(name, offset, outs))
 
     def read_bytes(self, name: str) -> bytes:
-        faults = self._enter("read_bytes", name)
-        self._at(faults, "before", "read_bytes", name)
-        result = self.inner.read_bytes(name)
-        self._at(faults, "after", "read_bytes", name)
-        return result
+        return self._run("read_bytes", name, lambda: self.inner.read_bytes(name))
 
     def read_head(self, name: str, n: int) -> bytes:
-        faults = self._enter("read_head", name)
-        self._at(faults, "before", "read_head", name)
-        result = self.inner.read_head(name, n)
-        self._at(faults, "after", "read_head", name)
-        return result
+        return self._run("read_head", name, lambda: self.inner.read_head(name, n))
 
     def publish(self, name: str, tmp_name: str, data: bytes,
                 before_replace: Callable[[], None] | None = None) -> None:
-        faults = self._enter("publish", name)
-        self._at(faults, "before", "publish", name)
+        full = self._prefix + name
+        faults = self._enter("publish", full)
+        self._at(faults, "before", "publish", full)
 
         def at_the_switch() -> None:  # the faults first, then the caller's last-moment check
-            self._at(faults, "before_replace", "publish", name)
+            self._at(faults, "before_replace", "publish", full)
             if before_replace is not None:
                 before_replace()
 
         self.inner.publish(name, tmp_name, data, at_the_switch)
-        self._at(faults, "after", "publish", name)
+        self._at(faults, "after", "publish", full)
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        return self._run("create_exclusive", name, lambda: self.inner.create_exclusive(name, data))
 
     def delete(self, name: str) -> None:
-        faults = self._enter("delete", name)
-        self._at(faults, "before", "delete", name)
-        self.inner.delete(name)
-        self._at(faults, "after", "delete", name)
+        self._run("delete", name, lambda: self.inner.delete(name))
+
+    def delete_tree(self, name: str) -> None:
+        self._run("delete_tree", name, lambda: self.inner.delete_tree(name))
+
+    def move(self, src: str, dst: str) -> None:
+        self._run("move", src, lambda: self.inner.move(src, dst))
 
     def memory_map(self, name: str) -> memoryview | None:
-        faults = self._enter("memory_map", name)
-        self._at(faults, "before", "memory_map", name)
-        result = self.inner.memory_map(name)
-        self._at(faults, "after", "memory_map", name)
-        return result
+        return self._run("memory_map", name, lambda: self.inner.memory_map(name))
 
     def close(self) -> None:
-        faults = self._enter("close", "")
-        self._at(faults, "before", "close", "")
-        self.inner.close()
-        self._at(faults, "after", "close", "")
+        self._run("close", "", self.inner.close)
 
 
 def _raise(error: BaseException) -> None:
