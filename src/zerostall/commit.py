@@ -35,19 +35,14 @@ _FIRST_POLL = 0.002
 _MAX_POLL = 0.1
 
 
-def _put(storage: Storage, name: str, data: bytes) -> None:
-    """Publish a small file atomically: a reader polling for it never sees it half-written."""
-    storage.publish(name, f"{name}.tmp", data)
-
-
 def write_record(storage: Storage, generation: str, rank: int, kind: str, payload: dict[str, Any]) -> None:
-    _put(storage, record_name(generation, rank, kind), dump_json(payload))
+    storage.put(record_name(generation, rank, kind), dump_json(payload))
 
 
 def write_abort(storage: Storage, generation: str, reason: str) -> None:
     """Tell every waiting rank that this generation will never commit (best effort)."""
     try:
-        _put(storage, abort_name(generation), reason.encode())
+        storage.put(abort_name(generation), reason.encode())
     except OSError:
         pass
 

@@ -35,6 +35,7 @@ _GEN = r"(?P<gen>[0-9a-f]+-[0-9a-f]+)"
 _DATA_FILE_RE = re.compile(rf"^{_GEN}-r(?P<rank>\d+)-(?P<n>\d+)\.safetensors$")
 _RECORD_RE = re.compile(rf"^{_GEN}(-r(?P<rank>\d+)\.(?P<kind>done|failed)|\.abort)$")
 _MANIFEST_TMP_RE = re.compile(rf"^manifest\.json\.{_GEN}$")  # after the ".tmp" suffix is removed
+_TMP_SUFFIX = re.compile(r"(\.[0-9a-f]{8})?\.tmp$")  # a temp file's suffix (see Storage.put)
 
 # dtypes safetensors knows; every other dtype is stored as U8 with the true dtype in the manifest
 _SAFETENSORS_DTYPES = {
@@ -110,7 +111,7 @@ def manifest_tmp_name(generation: str) -> str:
 
 def file_generation(name: str) -> str | None:
     """The generation a data file or manifest temp file belongs to; None for foreign files."""
-    base = name.removesuffix(".tmp")  # temp files of records and manifests belong to their generation
+    base = _TMP_SUFFIX.sub("", name)  # temp files of records and manifests belong to their generation
     match = _DATA_FILE_RE.match(base) or _RECORD_RE.match(base) or _MANIFEST_TMP_RE.match(base)
     return match.group("gen") if match else None
 

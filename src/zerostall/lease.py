@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from .errors import CheckpointError
-from .root import LEASE_NAME, publish
+from .root import LEASE_NAME
 from .storage import Storage, storage_for
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class WriterLease:
         return json.dumps({**self.me, "ttl": self.ttl, "renewed": time.time()}).encode()
 
     def _renew(self) -> None:
-        publish(self.storage, LEASE_NAME, self._record())
+        self.storage.put(LEASE_NAME, self._record())
 
     def _start_renewing(self) -> None:
         self._thread = threading.Thread(target=self._keep_alive, name="zerostall-lease", daemon=True)

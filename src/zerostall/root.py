@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import CheckpointError, IncompleteCheckpointError
 from .format import MANIFEST_NAME, ManifestHead, file_generation
-from .reader import read_manifest_head
+from .opening import read_manifest_head
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -42,12 +42,6 @@ def validate_tag(tag: str) -> None:
     """Refuse a tag that is not a plain name of its own (a path, ``latest``, the lease, a hidden name)."""
     if "/" in tag or tag in (LATEST_NAME, LEASE_NAME) or tag.startswith("."):
         raise ValueError(f"invalid checkpoint tag {tag!r}")
-
-
-def publish(storage: Storage, name: str, data: bytes) -> None:
-    """Replace the small file ``name`` atomically, through a temp file of its own (``name.*.tmp``,
-    which :meth:`CheckpointRoot.clean_stale_attempts` removes when a crash leaves one behind)."""
-    storage.publish(name, f"{name}.{secrets.token_hex(4)}.tmp", data)
 
 
 @dataclass
@@ -172,7 +166,7 @@ class CheckpointRoot:
 
     def write_latest(self, tag: str, step: int | None) -> None:
         """Point ``latest`` at ``tag`` (atomically, once it committed); OSError if it cannot be written."""
-        publish(self.storage, LATEST_NAME, json.dumps({"tag": tag, "step": step}).encode())
+        self.storage.put(LATEST_NAME, json.dumps({"tag": tag, "step": step}).encode())
 
     # -- removing ------------------------------------------------------------------------------
     def delete(self, tag: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -85,6 +86,12 @@ class Storage(ABC):
                 before_replace: Callable[[], None] | None = None) -> None:
         """Atomically make ``name`` hold ``data``: readers see the old content or the new, whole.
         ``before_replace`` runs at the last moment before the switch; if it raises, nothing changes."""
+
+    def put(self, name: str, data: bytes) -> None:
+        """Replace the small file ``name`` atomically (a commit record, ``latest``, the lease),
+        through a temp file of its own, ``<name>.<8 hex>.tmp``: writers racing on one name never
+        share a temp file."""
+        self.publish(name, f"{name}.{secrets.token_hex(4)}.tmp", data)
 
     @abstractmethod
     def create_exclusive(self, name: str, data: bytes) -> bool:
