@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 import threading
 import time
 
@@ -192,35 +193,22 @@ def test_lease_of_a_dead_process_is_taken_over(tmp_path):
 
 
 def crash_script(root, stage: str) -> str:
-    """The second save of a manager SIGKILLs itself while writing a data file, or just before
-    `latest` is renamed into place. A CheckpointManager takes no Storage yet, so the fault sits in
-    the os calls the local backend makes (not in a zerostall module attribute, which code moves
-    would silently bypass)."""
+    """The second save of a manager on a fault-injecting root SIGKILLs itself while writing a data
+    file, or just before ``latest`` is switched to it."""
     return textwrap.dedent(f"""
-        import os, signal, torch, zerostall as zs
-        replace, writev = os.replace, os.writev
+        import sys, torch, zerostall as zs
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from faults import FaultyStorage
+        from zerostall.storage import LocalStorage
 
-        def die(where):
-            print("SIGKILL " + where, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        def replace_or_die(src, dst, **kw):
-            if os.path.basename(dst) == "latest":
-                die("renaming latest")
-            return replace(src, dst, **kw)
-
-        def writev_or_die(fd, buffers):
-            if os.readlink(f"/proc/self/fd/{{fd}}").endswith(".safetensors"):
-                die("writing a data file")
-            return writev(fd, buffers)
-
-        mgr = zs.CheckpointManager({str(root)!r})
+        root = FaultyStorage(LocalStorage({str(root)!r}))
+        mgr = zs.CheckpointManager(root)
         mgr.save(1, {{"w": torch.ones(4)}})
         mgr.wait()
         if {stage!r} == "between_save_and_commit":
-            os.replace = replace_or_die
+            root.crash("publish", name="latest", at="before_replace")
         else:
-            os.writev = writev_or_die
+            root.crash("write", name="step_000000002/*", times=1)
         mgr.save(2, {{"w": torch.full((4,), 2.0)}})
     """)
 
@@ -228,8 +216,8 @@ def crash_script(root, stage: str) -> str:
 @pytest.mark.parametrize("stage", ["between_save_and_commit", "while_writing"])
 def test_crash_leaves_a_resumable_root(tmp_path, stage):
     proc = subprocess.run([sys.executable, "-c", crash_script(tmp_path, stage)], capture_output=True, timeout=120)
-    where = b"renaming latest" if stage == "between_save_and_commit" else b"writing a data file"
-    assert proc.returncode == -9 and proc.stdout.strip() == b"SIGKILL " + where, proc.stderr.decode()
+    where = "before_replace publish of latest" if stage == "between_save_and_commit" else "before write of step_000000002/"
+    assert proc.returncode == -9 and f"faults: SIGKILL at {where}" in proc.stderr.decode(), proc.stderr.decode()
     target = {"w": torch.zeros(4)}
     with zs.CheckpointManager(tmp_path) as mgr:  # the dead writer's lease is stale: taken over
         step = mgr.restore(target)

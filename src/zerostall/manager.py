@@ -28,8 +28,8 @@ from .collectives import Group
 from .errors import CheckpointError, CheckpointNotFoundError
 from .lease import DEFAULT_TTL, WriterLease
 from .options import LoadOptions, SaveOptions
-from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
-from .root import LATEST_NAME, CheckpointRoot, step_tag, validate_tag
+from .retention import CheckpointRecord, RetentionPolicy, numeric_metrics
+from .root import LATEST_NAME, CheckpointRoot, retained, step_tag, validate_tag
 from .saving import SaveInfo
 from .schedule import SaveSchedule
 from .state import RankLocal, rank_local
@@ -216,10 +216,8 @@ class CheckpointManager:
 
     # -- retention -----------------------------------------------------------------------------
     def _apply_retention(self) -> None:
-        found = self.checkpoints()
-        keep = kept([r for _, r in found], self.policy, pinned=sorted(self._pinned))
-        for tag, record in found:
-            if record.step not in keep:
+        for tag, rules in retained(self.checkpoint_root.checkpoints(), self.policy, self._pinned).items():
+            if not rules:
                 self.checkpoint_root.delete(tag)
 
     def wait_staged(self) -> None:

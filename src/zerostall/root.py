@@ -14,11 +14,12 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from .errors import CheckpointError, IncompleteCheckpointError
 from .format import MANIFEST_NAME, ManifestHead, file_generation
 from .opening import read_manifest_head
+from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,16 @@ class CheckpointInfo:
     created: float | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+
+
+def retained(infos: list[CheckpointInfo], policy: RetentionPolicy, pinned: Iterable[int] = ()) -> dict[str, list[str]]:
+    """For each committed checkpoint with a step, the rules that keep it (see
+    :func:`zerostall.retention.kept`); an empty list: retention may delete it. Checkpoints that share
+    a step share its fate; others (incomplete, corrupt, step-less) are not for retention to judge."""
+    ranked = [i for i in infos if i.status == COMMITTED and i.step is not None]
+    records = [CheckpointRecord(i.step, i.created or 0.0, numeric_metrics(i.metrics)) for i in ranked]
+    reasons = kept(records, policy, pinned=sorted(set(pinned)))
+    return {i.name: list(reasons.get(i.step, [])) for i in ranked}
 
 
 def looks_like_checkpoint(storage: Storage) -> bool:

@@ -1,94 +1,27 @@
-"""The ``zerostall`` command line: list, inspect, verify and prune checkpoints.
+"""``zerostall ls`` and ``zerostall prune``: the checkpoints under a root, and retention by hand.
 
-Every command prints a human table by default and one JSON object with ``--json``. Errors are a
-one-line message on stderr and an exit status (1: the checkpoint is incomplete or corrupt, or the
-root is being written; 2: bad usage or nothing found), never a traceback.
+Both read the root through :mod:`zerostall.root` and decide retention with the manager's own
+rules (:func:`zerostall.root.retained`), so what ``ls`` says a rule keeps is what ``prune`` keeps.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.filesize import decimal as human_bytes
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Column, Table
 
-import zerostall as zs
-from zerostall.format import Entry
 from zerostall.lease import live_holder
-from zerostall.retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
-from zerostall.root import COMMITTED, LEASE_NAME, CheckpointInfo, CheckpointRoot, looks_like_checkpoint
+from zerostall.retention import RetentionPolicy, numeric_metrics
+from zerostall.root import COMMITTED, LEASE_NAME, CheckpointInfo, CheckpointRoot, looks_like_checkpoint, retained
 from zerostall.storage import storage_for
 
-FAILED = 1
-USAGE = 2
-UNVERIFIED = 3  # verify could not read some bytes (I/O error, permissions, changed meanwhile): not known damaged
-_REPR_WIDTH = 60
+from .common import FAILED, USAGE, Failure, cli, clip, console, format_time, print_json, reported_errors
 
 
-class Failure(click.ClickException):
-    """An error shown as one line on stderr, with its own exit status."""
-
-    def __init__(self, message: str, exit_code: int = FAILED) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-@contextmanager
-def reported_errors() -> Iterator[None]:
-    """Turn library and file-system errors into a :class:`Failure` (a message, not a traceback)."""
-    try:
-        yield
-    except zs.CheckpointNotFoundError as exc:
-        raise Failure(str(exc), USAGE) from exc
-    except (zs.CheckpointError, OSError) as exc:
-        raise Failure(str(exc) or type(exc).__name__) from exc
-    except ValueError as exc:  # e.g. a URL scheme with no storage backend
-        raise Failure(str(exc), USAGE) from exc
-
-
-def console(*, stderr: bool = False) -> Console:
-    """A rich console that prints text as is; off a terminal, wide enough that tables never wrap."""
-    out = Console(stderr=stderr, markup=False, emoji=False, highlight=False)
-    if not out.is_terminal:
-        out.width = 1000
-    return out
-
-
-def print_json(obj: Any) -> None:
-    """Print ``obj`` as one JSON document on stdout."""
-    click.echo(json.dumps(obj, indent=2))
-
-
-def format_time(created: float | None) -> str:
-    """A manifest timestamp (seconds since the epoch) as local time, to the second."""
-    if created is None:
-        return "-"
-    return datetime.fromtimestamp(created).astimezone().isoformat(sep=" ", timespec="seconds")
-
-
-def clip(text: str, width: int = _REPR_WIDTH) -> str:
-    """``text`` cut to ``width`` characters."""
-    return text if len(text) <= width else text[:width - 1] + "…"
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(zs.__version__, prog_name="zerostall")
-def cli() -> None:
-    """zerostall: list, inspect, verify and prune checkpoints."""
-
-
-# -- ls ----------------------------------------------------------------------------------------
 @dataclass
 class Listing:
     """One row of ``zerostall ls``."""
@@ -157,19 +90,15 @@ def make_policy(keep_last: int | None, keep_every: int | None, keep_best: int | 
         raise Failure(str(exc).replace("keep_best needs a metric", "--keep-best needs --metric"), USAGE) from exc
 
 
-def apply_retention(rows: list[Listing], policy: RetentionPolicy, latest: str | None) -> None:
-    """Fill ``kept_by`` of the committed rows with a step, exactly as ``prune`` decides.
-
-    The newest step is always kept ("newest"); so is the step ``latest`` names ("pinned"), when
-    it is not the newest, since a job may be resuming from it. Rows sharing a step share a fate.
-    """
-    ranked = [(r, r.step) for r in rows if r.status == COMMITTED and r.step is not None]
-    records = [CheckpointRecord(step, r.created or 0.0, numeric_metrics(r.metrics)) for r, step in ranked]
-    newest = max((step for _, step in ranked), default=None)
-    pinned = [step for r, step in ranked if r.name == latest and step != newest]
-    reasons = kept(records, policy, pinned=pinned)
-    for r, step in ranked:
-        r.kept_by = list(reasons.get(step, []))
+def apply_retention(rows: list[Listing], infos: list[CheckpointInfo], policy: RetentionPolicy,
+                    latest: str | None) -> None:
+    """Fill ``kept_by`` of the committed rows with a step, exactly as ``prune`` decides: the
+    manager's rules, with the step ``latest`` names pinned (a job may be resuming from it)."""
+    steps = [i.step for i in infos if i.status == COMMITTED and i.step is not None]
+    pinned = [i.step for i in infos if i.name == latest and i.step is not None and i.step != max(steps, default=None)]
+    reasons = retained(infos, policy, pinned=pinned)
+    for r in rows:
+        r.kept_by = reasons.get(r.name, [])
 
 
 def check_metric(rows: list[Listing], policy: RetentionPolicy) -> str | None:
@@ -184,13 +113,15 @@ def check_metric(rows: list[Listing], policy: RetentionPolicy) -> str | None:
             f"(metrics found: {', '.join(known) if known else 'none'})")
 
 
-def scan(root: CheckpointRoot, *, include_root: bool) -> list[Listing]:
+def scan(root: CheckpointRoot, policy: RetentionPolicy, *, include_root: bool) -> list[Listing]:
     """The checkpoints in ``root``'s immediate subdirectories (and ``root`` itself), sorted by step,
-    the one ``latest`` names marked."""
-    rows = [Listing.of(info) for info in root.scan(include_self=include_root)]
+    the one ``latest`` names marked, each with the rules that keep it."""
+    infos = root.scan(include_self=include_root)
+    rows = [Listing.of(info) for info in infos]
     latest = root.read_latest()
     for r in rows:
         r.latest = latest is not None and r.name == latest and r.path != root.location
+    apply_retention(rows, infos, policy, latest)
     return rows
 
 
@@ -209,9 +140,8 @@ def ls(root: str, keep_last: int | None, keep_every: int | None, keep_best: int 
         checkpoints = open_root(root)
     policy = make_policy(keep_last, keep_every, keep_best, metric, mode, keep_time_interval)
     with reported_errors():
-        rows = scan(checkpoints, include_root=True)
+        rows = scan(checkpoints, policy, include_root=True)
         latest = checkpoints.read_latest()
-    apply_retention(rows, policy, latest)
     warning = check_metric(rows, policy)
     if warning:
         console(stderr=True).print(f"warning: {warning}")
@@ -233,7 +163,6 @@ def ls(root: str, keep_last: int | None, keep_every: int | None, keep_best: int 
     console().print(table)
 
 
-# -- prune -------------------------------------------------------------------------------------
 @cli.command()
 @click.argument("root")
 @retention_options
@@ -266,8 +195,7 @@ def prune(root: str, keep_last: int | None, keep_every: int | None, keep_best: i
                 raise Failure(f"{where} is being written by {who} (live {LEASE_NAME}); "
                               "stop that job first, or pass --force")
             console(stderr=True).print(f"warning: pruning while {who} holds the writer lease (--force)")
-        rows = [r for r in scan(checkpoints, include_root=False) if not r.name.startswith(".")]
-        apply_retention(rows, policy, checkpoints.read_latest())
+        rows = [r for r in scan(checkpoints, policy, include_root=False) if not r.name.startswith(".")]
         problem = check_metric(rows, policy)
         if problem:
             raise Failure(f"{problem}; refusing to prune by it", USAGE)
@@ -328,109 +256,3 @@ def print_prune(doomed: list[Listing], keep: list[Listing], skipped: list[Listin
               f"left {len(skipped)} alone")
     for path in leftovers:
         console(stderr=True).print(f"could not remove everything under {path} (its manifest is gone)")
-
-
-# -- inspect -----------------------------------------------------------------------------------
-def entry_row(ck: zs.Checkpoint, entry: Entry) -> dict[str, Any]:
-    """What ``inspect`` shows of one entry: kind, then dtype/shape/chunks/bytes, the value or the alias."""
-    row: dict[str, Any] = {"fqn": entry.fqn, "kind": entry.kind}
-    if entry.kind == "tensor":
-        row.update(dtype=entry.dtype, shape=list(entry.shape or ()), chunks=len(entry.chunks), bytes=entry.nbytes)
-    elif entry.kind == "alias":
-        row["alias_of"] = ck.manifest.entries[entry.alias_of].fqn if entry.alias_of is not None else None
-    else:
-        try:
-            row["value"] = repr(ck.read(entry.path))
-        except zs.CheckpointError as exc:  # a pickled value: the CLI never unpickles
-            row["value"] = f"<not decoded: {exc}>"
-    return row
-
-
-@cli.command()
-@click.argument("ckpt")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def inspect(ckpt: str, as_json: bool) -> None:
-    """Show the header and the entries of the checkpoint CKPT."""
-    with reported_errors(), zs.open(ckpt, verify=False) as ck:
-        m = ck.manifest
-        header = {"path": ck.path, "format_version": m.version, "generation": m.generation, "step": m.step,
-                  "created": m.created, "world_size": m.world_size, "block_size": m.block_size,
-                  "total_bytes": m.total_bytes, "files": len(m.files)}
-        entries = [entry_row(ck, e) for e in m.entries]
-    if as_json:
-        print_json({**header, "entries": entries})
-        return
-    grid = Table.grid(padding=(0, 2))
-    for key, value in header.items():
-        if key == "created":
-            value = format_time(value)
-        elif key in ("total_bytes", "block_size"):
-            value = f"{human_bytes(value)} ({value:,} bytes)"
-        grid.add_row(key.replace("_", " "), "-" if value is None else str(value))
-    table = Table("fqn", "kind", "dtype", "shape", Column("chunks", justify="right"),
-                  Column("bytes", justify="right"), "value")
-    for row in entries:
-        value = f"= {row['alias_of']}" if "alias_of" in row else clip(row.get("value", ""))
-        size = human_bytes(row["bytes"]) if "bytes" in row else ""
-        table.add_row(row["fqn"], row["kind"], row.get("dtype", ""), str(row.get("shape", "")),
-                      str(row.get("chunks", "")), size, value)
-    out = console()
-    out.print(grid)
-    out.print(table)
-
-
-# -- verify ------------------------------------------------------------------------------------
-@cli.command()
-@click.argument("ckpt")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-def verify(ckpt: str, as_json: bool) -> None:
-    """Check every file size and checksum of the checkpoint CKPT: exit 1 if it is damaged or
-    incomplete, 3 if some of it could not be read (not known to be damaged), 2 if there is none."""
-    start = time.perf_counter()
-    with reported_errors():
-        checked, faults, code = run_verify(ckpt, quiet=as_json)
-    seconds = time.perf_counter() - start
-    rate = checked / seconds / 1e9 if seconds > 0 else 0.0
-    if as_json:
-        print_json({"path": os.path.abspath(ckpt), "ok": not faults, "bytes_checked": checked,
-                    "seconds": round(seconds, 6), "gb_per_s": round(rate, 3), "faults": faults})
-    elif faults:
-        err = console(stderr=True)
-        err.print(f"{'COULD NOT VERIFY' if code == UNVERIFIED else 'FAILED'} {ckpt}: {len(faults)} fault(s)")
-        for fault in faults:
-            err.print(f"  - {fault}")
-    else:
-        console().print(f"OK {ckpt}: {human_bytes(checked)} checked in {seconds:.2f} s ({rate:.2f} GB/s)")
-    if code:
-        click.get_current_context().exit(code)
-
-
-def run_verify(ckpt: str, *, quiet: bool) -> tuple[int, list[str], int]:
-    """Verify with a progress bar; returns bytes checked, the faults found and the exit status."""
-    try:
-        with zs.open(ckpt) as ck:
-            total = sum(c.nbytes for e in ck.manifest.entries if e.kind == "tensor" for c in e.chunks)
-            with progress_bar(total, quiet=quiet) as advance:
-                return ck.verify(progress=advance), [], 0
-    except zs.CheckpointError as exc:
-        faults = list(getattr(exc, "faults", None) or [str(exc)])
-        if isinstance(exc, zs.CheckpointNotFoundError):
-            return 0, faults, USAGE
-        damaged = isinstance(exc, (zs.CorruptCheckpointError, zs.IncompleteCheckpointError))
-        return 0, faults, FAILED if damaged else UNVERIFIED
-
-
-@contextmanager
-def progress_bar(total: int, *, quiet: bool) -> Iterator[Callable[[int], None]]:
-    """A byte progress bar on stderr (off with ``quiet`` or off a terminal); yields ``advance(n)``."""
-    bar = Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                   TimeRemainingColumn(), console=Console(stderr=True),
-                   disable=quiet or not sys.stderr.isatty(), transient=True)
-    with bar:
-        task = bar.add_task("verify", total=total)
-        yield lambda n: bar.advance(task, n)
-
-
-def main() -> None:
-    """Entry point of the ``zerostall`` console script."""
-    cli(prog_name="zerostall")

@@ -1,0 +1,78 @@
+"""What every ``zerostall`` command shares: the command group, exit statuses, errors as one line,
+and the console, JSON and formatting helpers.
+
+Every command prints a human table by default and one JSON object with ``--json``. Errors are a
+one-line message on stderr and an exit status (1: the checkpoint is incomplete or corrupt, or the
+root is being written; 2: bad usage or nothing found; 3: verify could not read some bytes), never
+a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+import click
+from rich.console import Console
+
+import zerostall as zs
+
+FAILED = 1
+USAGE = 2
+UNVERIFIED = 3  # verify could not read some bytes (I/O error, permissions, changed meanwhile): not known damaged
+_REPR_WIDTH = 60
+
+
+class Failure(click.ClickException):
+    """An error shown as one line on stderr, with its own exit status."""
+
+    def __init__(self, message: str, exit_code: int = FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@contextmanager
+def reported_errors() -> Iterator[None]:
+    """Turn library and file-system errors into a :class:`Failure` (a message, not a traceback)."""
+    try:
+        yield
+    except zs.CheckpointNotFoundError as exc:
+        raise Failure(str(exc), USAGE) from exc
+    except (zs.CheckpointError, OSError) as exc:
+        raise Failure(str(exc) or type(exc).__name__) from exc
+    except ValueError as exc:  # e.g. a URL scheme with no storage backend
+        raise Failure(str(exc), USAGE) from exc
+
+
+def console(*, stderr: bool = False) -> Console:
+    """A rich console that prints text as is; off a terminal, wide enough that tables never wrap."""
+    out = Console(stderr=stderr, markup=False, emoji=False, highlight=False)
+    if not out.is_terminal:
+        out.width = 1000
+    return out
+
+
+def print_json(obj: Any) -> None:
+    """Print ``obj`` as one JSON document on stdout."""
+    click.echo(json.dumps(obj, indent=2))
+
+
+def format_time(created: float | None) -> str:
+    """A manifest timestamp (seconds since the epoch) as local time, to the second."""
+    if created is None:
+        return "-"
+    return datetime.fromtimestamp(created).astimezone().isoformat(sep=" ", timespec="seconds")
+
+
+def clip(text: str, width: int = _REPR_WIDTH) -> str:
+    """``text`` cut to ``width`` characters."""
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(zs.__version__, prog_name="zerostall")
+def cli() -> None:
+    """zerostall: list, inspect, verify and prune checkpoints."""

@@ -1,0 +1,120 @@
+"""``zerostall inspect`` and ``zerostall verify``: one checkpoint's entries, and every checksum of it."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.filesize import decimal as human_bytes
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Column, Table
+
+import zerostall as zs
+from zerostall.format import Entry
+
+from .common import FAILED, UNVERIFIED, USAGE, cli, clip, console, format_time, print_json, reported_errors
+
+
+def entry_row(ck: zs.Checkpoint, entry: Entry) -> dict[str, Any]:
+    """What ``inspect`` shows of one entry: kind, then dtype/shape/chunks/bytes, the value or the alias."""
+    row: dict[str, Any] = {"fqn": entry.fqn, "kind": entry.kind}
+    if entry.kind == "tensor":
+        row.update(dtype=entry.dtype, shape=list(entry.shape or ()), chunks=len(entry.chunks), bytes=entry.nbytes)
+    elif entry.kind == "alias":
+        row["alias_of"] = ck.manifest.entries[entry.alias_of].fqn if entry.alias_of is not None else None
+    else:
+        try:
+            row["value"] = repr(ck.read(entry.path))
+        except zs.CheckpointError as exc:  # a pickled value: the CLI never unpickles
+            row["value"] = f"<not decoded: {exc}>"
+    return row
+
+
+@cli.command()
+@click.argument("ckpt")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+def inspect(ckpt: str, as_json: bool) -> None:
+    """Show the header and the entries of the checkpoint CKPT."""
+    with reported_errors(), zs.open(ckpt, verify=False) as ck:
+        m = ck.manifest
+        header = {"path": ck.path, "format_version": m.version, "generation": m.generation, "step": m.step,
+                  "created": m.created, "world_size": m.world_size, "block_size": m.block_size,
+                  "total_bytes": m.total_bytes, "files": len(m.files)}
+        entries = [entry_row(ck, e) for e in m.entries]
+    if as_json:
+        print_json({**header, "entries": entries})
+        return
+    grid = Table.grid(padding=(0, 2))
+    for key, value in header.items():
+        if key == "created":
+            value = format_time(value)
+        elif key in ("total_bytes", "block_size"):
+            value = f"{human_bytes(value)} ({value:,} bytes)"
+        grid.add_row(key.replace("_", " "), "-" if value is None else str(value))
+    table = Table("fqn", "kind", "dtype", "shape", Column("chunks", justify="right"),
+                  Column("bytes", justify="right"), "value")
+    for row in entries:
+        value = f"= {row['alias_of']}" if "alias_of" in row else clip(row.get("value", ""))
+        size = human_bytes(row["bytes"]) if "bytes" in row else ""
+        table.add_row(row["fqn"], row["kind"], row.get("dtype", ""), str(row.get("shape", "")),
+                      str(row.get("chunks", "")), size, value)
+    out = console()
+    out.print(grid)
+    out.print(table)
+
+
+@cli.command()
+@click.argument("ckpt")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def verify(ckpt: str, as_json: bool) -> None:
+    """Check every file size and checksum of the checkpoint CKPT: exit 1 if it is damaged or
+    incomplete, 3 if some of it could not be read (not known to be damaged), 2 if there is none."""
+    start = time.perf_counter()
+    with reported_errors():
+        checked, faults, code = run_verify(ckpt, quiet=as_json)
+    seconds = time.perf_counter() - start
+    rate = checked / seconds / 1e9 if seconds > 0 else 0.0
+    if as_json:
+        print_json({"path": os.path.abspath(ckpt), "ok": not faults, "bytes_checked": checked,
+                    "seconds": round(seconds, 6), "gb_per_s": round(rate, 3), "faults": faults})
+    elif faults:
+        err = console(stderr=True)
+        err.print(f"{'COULD NOT VERIFY' if code == UNVERIFIED else 'FAILED'} {ckpt}: {len(faults)} fault(s)")
+        for fault in faults:
+            err.print(f"  - {fault}")
+    else:
+        console().print(f"OK {ckpt}: {human_bytes(checked)} checked in {seconds:.2f} s ({rate:.2f} GB/s)")
+    if code:
+        click.get_current_context().exit(code)
+
+
+def run_verify(ckpt: str, *, quiet: bool) -> tuple[int, list[str], int]:
+    """Verify with a progress bar; returns bytes checked, the faults found and the exit status."""
+    try:
+        with zs.open(ckpt) as ck:
+            total = sum(c.nbytes for e in ck.manifest.entries if e.kind == "tensor" for c in e.chunks)
+            with progress_bar(total, quiet=quiet) as advance:
+                return ck.verify(progress=advance), [], 0
+    except zs.CheckpointError as exc:
+        faults = list(getattr(exc, "faults", None) or [str(exc)])
+        if isinstance(exc, zs.CheckpointNotFoundError):
+            return 0, faults, USAGE
+        damaged = isinstance(exc, (zs.CorruptCheckpointError, zs.IncompleteCheckpointError))
+        return 0, faults, FAILED if damaged else UNVERIFIED
+
+
+@contextmanager
+def progress_bar(total: int, *, quiet: bool) -> Iterator[Callable[[int], None]]:
+    """A byte progress bar on stderr (off with ``quiet`` or off a terminal); yields ``advance(n)``."""
+    bar = Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TimeRemainingColumn(), console=Console(stderr=True),
+                   disable=quiet or not sys.stderr.isatty(), transient=True)
+    with bar:
+        task = bar.add_task("verify", total=total)
+        yield lambda n: bar.advance(task, n)
