@@ -80,3 +80,21 @@ def test_modules_import_only_modules_below_them():
 def test_no_module_is_too_long_to_read():
     long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these modules by job: {long}"
+
+
+def test_the_manager_and_the_cli_reach_a_root_only_through_storage():
+    """No file-system call of their own (os, shutil, pathlib, open): an object-store root must work."""
+    calls = []
+    for name in ("manager", "cli.common", "cli.listing", "cli.inspecting", "cli"):
+        path = modules()[name]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                calls += [f"{name} imports {n}" for n in names if n.split(".")[0] in ("shutil", "pathlib", "glob")]
+            if isinstance(node, ast.Call):
+                func = node.func
+                while isinstance(func, ast.Attribute):
+                    func = func.value
+                if isinstance(func, ast.Name) and func.id in ("os", "shutil", "open", "Path"):
+                    calls.append(f"{name}:{node.lineno} calls {ast.unparse(node.func)}")
+    assert not calls, calls

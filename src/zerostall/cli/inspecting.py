@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +16,7 @@ from rich.table import Column, Table
 
 import zerostall as zs
 from zerostall.format import Entry
+from zerostall.storage import storage_for
 
 from .common import FAILED, UNVERIFIED, USAGE, cli, clip, console, format_time, print_json, reported_errors
 
@@ -81,7 +81,7 @@ def verify(ckpt: str, as_json: bool) -> None:
     seconds = time.perf_counter() - start
     rate = checked / seconds / 1e9 if seconds > 0 else 0.0
     if as_json:
-        print_json({"path": os.path.abspath(ckpt), "ok": not faults, "bytes_checked": checked,
+        print_json({"path": storage_for(ckpt).location, "ok": not faults, "bytes_checked": checked,
                     "seconds": round(seconds, 6), "gb_per_s": round(rate, 3), "faults": faults})
     elif faults:
         err = console(stderr=True)
