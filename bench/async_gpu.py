@@ -70,14 +70,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import inspect
-import json
 import logging
 import math
 import os
-import random
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -90,33 +86,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-# shared with the CPU bench
-from async_save import (DCPArm, NoCheckpoint, Timing, ZerostallArm, descendants, median, remove, rnd, show,
-                        stamp, status_kib, zerostall_read)
 
 import zerostall as zs
-
-# --- version-robust access to DCP's async API (torch 2.11 .. 2.13) ---------------------------
-
-IMPORT_ERRORS: dict[str, str] = {}
-try:
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-except ImportError as _exc:  # older than 2.9
-    DefaultStager = StagingOptions = None  # type: ignore[assignment, misc]
-    IMPORT_ERRORS["dcp_default_stager"] = f"{type(_exc).__name__}: {_exc}"
-try:
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-except ImportError as _exc:
-    AsyncCheckpointerType = None  # type: ignore[assignment, misc]
-    IMPORT_ERRORS["dcp_async_checkpointer_type"] = f"{type(_exc).__name__}: {_exc}"
-ASYNC_SAVE_PARAMS = set(inspect.signature(dcp.async_save).parameters)
+from common import (IMPORT_ERRORS, N_TENSORS, T0, WHATS, AsyncContender, DCPArm, Futures, NoCheckpoint, Timing,
+                    ZeroOverheadDCP, ZerostallArm, build_state, clear, dcp_default_start, dcp_read, describe,
+                    descendants, first_save, init_group, median, model_state_bytes, overheads, print_json,
+                    print_save_table, print_train_table, progress, remove, rep_seconds, rnd, rotated, save_summary,
+                    show, state_bytes, status_kib, sync, time_save, train, zero_overhead_missing, zerostall_read,
+                    zerostall_start)
 
 if __name__ == "__mp_main__":  # DCP's writer process re-imports this module: quiet its per-save lines
     logging.disable(logging.INFO)
     warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
 
-N_TENSORS = 256
 STALE_TRIALS = 3
 STALE_TENSOR_MB = 64
 STALE_BUSY_S = 1.0  # GPU seconds of matmuls queued before the write (CPU: a token amount)
@@ -142,16 +124,6 @@ CPU_MODEL = ModelConfig(vocab=256, width=64, heads=4, layers=2, ffn=256, batch=4
 
 # --- small helpers --------------------------------------------------------------------------
 
-T0 = time.perf_counter()
-
-
-def progress(line: str) -> None:
-    print(f"[{time.perf_counter() - T0:6.1f}s] {line}", file=sys.stderr, flush=True)
-
-
-def describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:500]
-
 
 class Deadline:
     """The wall-clock budget of the whole run; waits never outlast it."""
@@ -176,36 +148,6 @@ class Deadline:
             if type(exc).__name__ == "TimeoutError":  # python 3.10's concurrent.futures class
                 self.hung = True
             raise
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def clear(root: str) -> None:
-    for name in os.listdir(root):
-        remove(os.path.join(root, name))
-
-
-def rotated(items: list[Any], k: int) -> list[Any]:
-    k %= max(1, len(items))
-    return items[k:] + items[:k]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_group() -> None:
-    """A 1-rank gloo group in this process, over TCP loopback; MASTER_ADDR also tells DCP's
-    process mode where its writer's store lives."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    port = free_port()
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def pinned_allocated_bytes() -> int | None:
@@ -249,149 +191,10 @@ def free_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-# --- the state ------------------------------------------------------------------------------
-
-
-def build_state(total_bytes: int, device: torch.device, n: int = N_TENSORS, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A deterministic bf16 state of ~total_bytes on ``device``: n tensors, log-uniform sizes (1:4096)."""
-    rng = random.Random(seed)
-    weights = [math.exp(rng.uniform(0.0, math.log(4096))) for _ in range(n)]
-    scale = total_bytes / sum(weights)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    state = {}
-    for i, weight in enumerate(weights):
-        numel = max(1, int(weight * scale) // 2)
-        shape = (numel // 1024, 1024) if numel >= 1024 else (numel,)
-        state[f"layers.{i}.weight"] = torch.randn(shape, dtype=torch.bfloat16, device=device, generator=gen)
-    sync(device)
-    return state
-
-
-def state_bytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
-
-
-# --- timing one asynchronous save -----------------------------------------------------------
-
-Futures = tuple["Future[Any] | None", "Future[Any]"]  # (staged or None: staged at return, committed)
-
-
-def time_save(start_save: Callable[[], Futures], deadline: Deadline,
-              after_staged: Callable[[], None] | None = None) -> Timing:
-    """Time one save from the call; ``after_staged`` runs once it is staged (untimed use only)."""
-    start = time.perf_counter()
-    staged, committed = start_save()
-    returned = time.perf_counter()
-    staged_at = stamp(staged, returned) if staged is not None else [returned]
-    committed_at = stamp(committed, returned)
-    if staged is not None:
-        deadline.result(staged)
-    if after_staged is not None:
-        after_staged()
-    deadline.result(committed)
-    while not (staged_at and committed_at):  # the callbacks run just after result() wakes us
-        time.sleep(1e-4)
-    return Timing(returned - start, staged_at[0] - start, committed_at[0] - start)
-
-
 # --- the contenders -------------------------------------------------------------------------
 
-
-def dcp_futures(result: Any) -> Futures:
-    """(staged, committed) from what ``dcp.async_save`` returned: an ``AsyncSaveResponse`` when
-    staging is asynchronous, else one future (staging happened inside the call)."""
-    committed = getattr(result, "upload_completion", None)
-    if committed is not None:
-        return getattr(result, "staging_completion", None), committed
-    return None, result
-
-
-def zero_overhead_missing() -> str | None:
-    """Why DCP's zero-overhead mode cannot run on this torch, or None when it can."""
-    if DefaultStager is None or StagingOptions is None:
-        return "torch.distributed.checkpoint.staging.DefaultStager is missing"
-    if AsyncCheckpointerType is None or not hasattr(AsyncCheckpointerType, "PROCESS"):
-        return "AsyncCheckpointerType.PROCESS is missing"
-    missing = {"async_stager", "async_checkpointer_type"} - ASYNC_SAVE_PARAMS
-    if missing:
-        return f"dcp.async_save has no {sorted(missing)} parameter"
-    return None
-
-
-class ZeroOverheadDCP:
-    """DCP's zero-overhead mode: process mode and the all-on ``DefaultStager``, one stager reused
-    while ``reuse`` holds, else a fresh one per save (closed once that save is uploaded)."""
-
-    def __init__(self, pin: bool, reuse: bool = True) -> None:
-        self.pin = pin  # pinned memory and non-blocking copies need CUDA
-        self.reuse = reuse
-        self.stager: Any = None
-
-    def new_stager(self) -> Any:
-        return DefaultStager(StagingOptions(use_pinned_memory=self.pin, use_shared_memory=True,
-                                            use_async_staging=True, use_non_blocking_copy=self.pin))
-
-    @staticmethod
-    def call(state: Any, path: str, stager: Any) -> Any:
-        return dcp.async_save(state, checkpoint_id=path, async_stager=stager,
-                              async_checkpointer_type=AsyncCheckpointerType.PROCESS)
-
-    def start(self, state: Any, path: str) -> Futures:
-        if self.reuse:
-            if self.stager is None:
-                self.stager = self.new_stager()
-            return dcp_futures(self.call(state, path, self.stager))
-        stager = self.new_stager()
-        try:
-            staged, committed = dcp_futures(self.call(state, path, stager))
-        except BaseException:
-            stager.close()
-            raise
-        committed.add_done_callback(lambda _: stager.close())
-        return staged, committed
-
-    def fall_back(self) -> None:
-        """From now on, a fresh stager per save."""
-        self.reuse = False
-        self.close()
-
-    @property
-    def mode(self) -> str:
-        return "reused" if self.reuse else "fresh per save"
-
-    def close(self) -> None:
-        if self.stager is not None:
-            stager, self.stager = self.stager, None
-            with contextlib.suppress(Exception):
-                stager.close()
-
-
-@dataclass
-class Contender:
-    """One way to start an asynchronous save, and to read one tensor of a checkpoint back."""
-
-    name: str  # JSON prefix: zerostall, dcp_default, dcp_zero_overhead
-    start: Callable[[Any, str], Futures]
-    read: Callable[[str, str, torch.Tensor], torch.Tensor]
-
-
-def dcp_read(path: str, key: str, like: torch.Tensor) -> torch.Tensor:
-    target = {key: torch.zeros(like.shape, dtype=like.dtype)}
-    dcp.load(target, checkpoint_id=path)
-    return target[key]
-
-
-def zerostall_start(saver: zs.AsyncSaver) -> Callable[[Any, str], Futures]:
-    def start(state: Any, path: str) -> Futures:
-        handle = saver.save(state, path)
-        assert handle is not None  # if_busy="wait" never skips
-        return handle.staged, handle.committed
-
-    return start
-
-
-def dcp_default_start(state: Any, path: str) -> Futures:
-    return dcp_futures(dcp.async_save(state, checkpoint_id=path))
+NAMES = ["zerostall", "dcp_default", "dcp_zero_overhead"]
+BF16 = (torch.bfloat16,)  # the state's dtype, as a model's weights on the GPU
 
 
 # --- part 1: save timings -------------------------------------------------------------------
@@ -441,25 +244,6 @@ def d2h_copy_seconds(state: dict[str, torch.Tensor], device: torch.device, reps:
     return seconds
 
 
-def first_save(c: Contender, state: dict[str, torch.Tensor], root: str, device: torch.device,
-               deadline: Deadline) -> Timing:
-    """The contender's first save (its warm-up), checked: a tensor overwritten once the save is
-    staged must read back with its old value."""
-    key = next(iter(state))
-    original = state[key].clone()
-    path = os.path.join(root, f"{c.name}-first")
-    sync(device)
-    try:
-        timing = time_save(lambda: c.start(state, path), deadline, after_staged=lambda: state[key].fill_(-7.0))
-        state[key].copy_(original)
-        sync(device)
-        if not torch.equal(c.read(path, key, original), original.cpu()):
-            raise AssertionError(f"{c.name}: the checkpoint holds a value written after the save was staged")
-    finally:
-        remove(path)
-    return timing
-
-
 def probe_reuse(zoc: ZeroOverheadDCP, state: dict[str, torch.Tensor], root: str, device: torch.device,
                 deadline: Deadline) -> tuple[Timing | None, str | None]:
     """A second save with the same stager, after a tensor changed: (its timing, None) when it
@@ -470,7 +254,7 @@ def probe_reuse(zoc: ZeroOverheadDCP, state: dict[str, torch.Tensor], root: str,
     expected = state[key].cpu()
     path = os.path.join(root, "dcp_zero_overhead-reuse")
     try:
-        timing = time_save(lambda: zoc.start(state, path), deadline)
+        timing = time_save(lambda: zoc.start(state, path), deadline.result)
         got = dcp_read(path, key, expected)
         if not torch.equal(got, expected):
             return None, "a reused DefaultStager saved stale data (the tensor changed since the first save)"
@@ -486,7 +270,7 @@ def run_save_part(args: argparse.Namespace, device: torch.device, root: str, dea
     out = SaveResults()
     pin = device.type == "cuda"
     progress(f"part 1: building a {args.size_mb} MiB bf16 state of {N_TENSORS} tensors on {device}")
-    state = build_state(args.size_mb << 20, device)
+    state = build_state(args.size_mb << 20, dtypes=BF16, device=device)
     out.nbytes, out.n_tensors = state_bytes(state), len(state)
 
     saver = zs.AsyncSaver()
@@ -510,19 +294,19 @@ def run_save_part(args: argparse.Namespace, device: torch.device, root: str, dea
     out.pinned_before_contenders = pinned_allocated_bytes()  # the pool alone, if the cache was emptied
 
     zoc: ZeroOverheadDCP | None = None
-    cs = [Contender("zerostall", zerostall_start(saver), zerostall_read),
-          Contender("dcp_default", dcp_default_start, dcp_read)]
+    cs = [AsyncContender("zerostall", zerostall_start(saver), zerostall_read),
+          AsyncContender("dcp_default", dcp_default_start, dcp_read)]
     why_not = zero_overhead_missing()
     if why_not is None:
         zoc = ZeroOverheadDCP(pin)
-        cs.append(Contender("dcp_zero_overhead", zoc.start, dcp_read))
+        cs.append(AsyncContender("dcp_zero_overhead", zoc.start, dcp_read))
     else:
         errors["dcp_zero_overhead"] = why_not
     live = []
     for c in cs:
         progress(f"first save: {c.name}")
         try:
-            out.first[c.name] = first_save(c, state, root, device, deadline)
+            out.first[c.name] = first_save(c, state, root, deadline.result, device)
             out.reps[c.name] = []
             live.append(c)
             show(f"first {c.name}", out.first[c.name])
@@ -552,7 +336,7 @@ def run_save_part(args: argparse.Namespace, device: torch.device, root: str, dea
             path = os.path.join(root, f"{c.name}-{rep}")
             sync(device)
             try:
-                timing = time_save(lambda c=c, path=path, s=state: c.start(s, path), deadline)
+                timing = time_save(lambda c=c, path=path, s=state: c.start(s, path), deadline.result)
             except Exception as exc:  # noqa: BLE001 - a contender that fails is reported, not fatal
                 remove(path)
                 if c.name == "dcp_zero_overhead" and zoc is not None and zoc.reuse and not deadline.hung:
@@ -561,7 +345,7 @@ def run_save_part(args: argparse.Namespace, device: torch.device, root: str, dea
                     zoc.fall_back()
                     out.stager_mode = zoc.mode
                     try:
-                        timing = time_save(lambda c=c, path=path, s=state: c.start(s, path), deadline)
+                        timing = time_save(lambda c=c, path=path, s=state: c.start(s, path), deadline.result)
                     except Exception as exc2:  # noqa: BLE001
                         errors[c.name] = f"rep {rep}: {describe(exc2)}"
                         live.remove(c)
@@ -737,7 +521,7 @@ class MemResult:
 def run_mem_part(args: argparse.Namespace, device: torch.device, root: str, deadline: Deadline) -> MemResult:
     out = MemResult(state_mb=args.mem_state_mb, saves=MEM_SAVES)
     progress(f"part 3: host memory over {MEM_SAVES} zerostall saves of a {args.mem_state_mb} MiB state")
-    state = build_state(args.mem_state_mb << 20, device, n=64, seed=1)
+    state = build_state(args.mem_state_mb << 20, seed=1, n=64, dtypes=BF16, device=device)
     path = os.path.join(root, "mem")
     with zs.AsyncSaver() as saver:
         saver.reserve(state)
@@ -809,25 +593,12 @@ class Trainer:
         return sum(p.numel() for p in self.model.parameters())
 
     def state_nbytes(self) -> int:
-        n = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        return n + sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
-                       for t in s.values() if isinstance(t, torch.Tensor))
+        return model_state_bytes(self.model, self.optimizer)
 
 
-def train(trainer: Trainer, arm: NoCheckpoint, steps: int, every: int, root: str) -> float:
-    """Seconds for ``steps`` steps saving every ``every`` steps (two alternating paths), the final
-    drain included."""
-    sync(trainer.device)
-    start = time.perf_counter()
-    for step in range(1, steps + 1):
-        trainer.forward_backward()
-        arm.before_step()
-        trainer.optimizer.step()
-        if step % every == 0:
-            arm.save(trainer.state(), os.path.join(root, arm.name, f"slot{(step // every) % 2}"))
-    arm.drain()
-    sync(trainer.device)
-    return time.perf_counter() - start
+def slots(root: str, arm: NoCheckpoint, every: int) -> Callable[[int], str]:
+    """The arm's save path at a step: two slots in turn, under the arm's directory."""
+    return lambda step: os.path.join(root, arm.name, f"slot{(step // every) % 2}")
 
 
 def train_or_fall_back(trainer: Trainer, arm: NoCheckpoint, steps: int, every: int, root: str,
@@ -835,7 +606,7 @@ def train_or_fall_back(trainer: Trainer, arm: NoCheckpoint, steps: int, every: i
     """One run of ``train``; should a reused DCP stager fail on this state, fresh stagers from
     then on and the run once more."""
     try:
-        return train(trainer, arm, steps, every, root)
+        return train(trainer, arm, steps, every, slots(root, arm, every))
     except Exception as exc:
         if not (isinstance(arm, DCPArm) and zoc is not None and zoc.reuse) or deadline.hung:
             raise
@@ -844,7 +615,7 @@ def train_or_fall_back(trainer: Trainer, arm: NoCheckpoint, steps: int, every: i
                  "a fresh stager per save from then on")
         zoc.fall_back()
         clear_arm(root, arm.name)
-        return train(trainer, arm, steps, every, root)
+        return train(trainer, arm, steps, every, slots(root, arm, every))
 
 
 @dataclass
@@ -936,44 +707,13 @@ def clear_arm(root: str, name: str) -> None:
     os.makedirs(path, exist_ok=True)
 
 
-def overheads(seconds: dict[str, list[float]]) -> dict[str, Any]:
-    base = seconds.get("none", [])
-    out: dict[str, Any] = {}
-    for arm, s in seconds.items():
-        if arm == "none" or not s or not base:
-            continue
-        paired = [100 * (a / b - 1) for a, b in zip(s, base)]
-        out[f"{arm}_train_overhead_pct"] = round(100 * (statistics.median(s) / statistics.median(base) - 1), 2)
-        out[f"{arm}_train_overhead_pct_range"] = [round(min(paired), 2), round(max(paired), 2)]
-    return out
-
-
 # --- the report -----------------------------------------------------------------------------
 
-NAMES = ["zerostall", "dcp_default", "dcp_zero_overhead"]
-WHATS = ("stall_s", "staged_s", "committed_s")
 
-
-def save_summary(res: SaveResults) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name in NAMES:
-        reps, first = res.reps.get(name, []), res.first.get(name)
-        for what in WHATS:
-            out[f"{name}_first_{what}"] = rnd(getattr(first, what)) if first else None
-            out[f"{name}_{what}"] = rnd(median([getattr(t, what) for t in reps]))
-    return out
-
-
-def print_save_table(res: SaveResults, errors: dict[str, str]) -> None:
+def print_save_part(res: SaveResults, errors: dict[str, str]) -> None:
+    """Part 1 on stdout: the state, the save table, then the pool, raw D2H and stager figures."""
     print(f"state: {res.nbytes / 1e9:.2f} GB in {res.n_tensors} tensors")
-    print(f"{'contender':18s} {'first stall':>11s} {'stall s':>9s} {'staged s':>9s} {'committed s':>11s}")
-    for name in NAMES:
-        reps, first = res.reps.get(name, []), res.first.get(name)
-        if not reps or first is None:
-            print(f"{name:18s} failed: {errors.get(name, 'did not run')[:100]}")
-            continue
-        print(f"{name:18s} {first.stall_s:11.4f} {median([t.stall_s for t in reps]):9.4f}"
-              f" {median([t.staged_s for t in reps]):9.4f} {median([t.committed_s for t in reps]):11.3f}")
+    print_save_table(res.first, res.reps, errors, NAMES)
     if res.pool_alloc_s is not None:
         print(f"zerostall pool allocation (reserve): {res.pool_alloc_s:.3f} s")
     if res.d2h_s:
@@ -981,18 +721,6 @@ def print_save_table(res: SaveResults, errors: dict[str, str]) -> None:
         print(f"raw D2H into preallocated {kind} buffers: {res.nbytes / statistics.median(res.d2h_s) / 1e9:.2f} GB/s")
     if res.stager_mode is not None:
         print(f"DCP zero-overhead stager: {res.stager_mode}")
-
-
-def print_train_table(res: TrainResult, over: dict[str, Any]) -> None:
-    print(f"{'arm':12s} {'median s':>9s} {'min s':>8s} {'max s':>8s} {'overhead %':>11s} {'per-round range %':>18s}")
-    for arm, s in res.seconds.items():
-        if not s:
-            continue
-        pct, span = over.get(f"{arm}_train_overhead_pct"), over.get(f"{arm}_train_overhead_pct_range")
-        pct_text = "" if pct is None else f"{pct:+.1f}"
-        span_text = "" if span is None else f"{span[0]:+.1f} .. {span[1]:+.1f}"
-        print(f"{arm:12s} {statistics.median(s):9.3f} {min(s):8.3f} {max(s):8.3f} {pct_text:>11s} {span_text:>18s}")
-    print(f"DCP arm mode: {res.dcp_mode}" + (f", stager {res.dcp_stager}" if res.dcp_stager else ""))
 
 
 def print_stale(stale: dict[str, StaleResult]) -> None:
@@ -1069,14 +797,15 @@ def main() -> None:
                 dist.destroy_process_group()
         shutil.rmtree(root, ignore_errors=True)
 
-    print_save_table(saves, errors)
+    print_save_part(saves, errors)
     print()
     print_stale(stale)
     if mem.growth_mb is not None:
         print(f"host memory growth over {mem.saves} zerostall saves of {mem.state_mb} MiB: {mem.growth_mb:.1f} MiB")
     print()
     over = overheads(training.seconds)
-    print_train_table(training, over)
+    print_train_table(training.seconds, over)
+    print(f"DCP arm mode: {training.dcp_mode}" + (f", stager {training.dcp_stager}" if training.dcp_stager else ""))
     if errors:
         print("errors: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
     if args.json:
@@ -1095,7 +824,7 @@ def main() -> None:
             "pinned_bytes_before_contenders": saves.pinned_before_contenders,
             "pinned_bytes_after_zerostall_close": saves.pinned_after_close,
             "pinned_cache_emptied_by": saves.host_cache_emptied_by,
-            **save_summary(saves),
+            **save_summary(saves.first, saves.reps, errors, NAMES),
             "dcp_default_staged_is_stall": True,
             "dcp_zero_overhead_stager": saves.stager_mode,
             "dcp_zero_overhead_reuse_probe": (None if saves.reuse_probe is None else
@@ -1137,13 +866,12 @@ def main() -> None:
             "elapsed_s": round(time.perf_counter() - T0, 1),
             "errors": errors,
             "notes": notes,
-            "seconds": {f"{name}_{what}": [round(getattr(t, what), 4) for t in saves.reps.get(name, [])]
-                        for name in NAMES for what in WHATS},
+            "seconds": rep_seconds(saves.reps, NAMES),
             "d2h_seconds": [round(s, 4) for s in saves.d2h_s],
             "train_seconds": {a: [round(x, 4) for x in s] for a, s in training.seconds.items()},
             "train_warmup_s": {a: round(x, 4) for a, x in training.warm_s.items()},
         }
-        print(json.dumps(result))
+        print_json(result)
     sys.stdout.flush()
     if deadline.hung:  # a wait timed out: a stuck writer thread would block a normal exit
         sys.stderr.flush()

@@ -15,7 +15,7 @@ zerostall (``zs.save(state, path)`` / ``zs.load(state, path)``) and DCP
   checkpoint, whose planning cost grows with its leaves) or, with --fsdp-model linear, a stack of
   Linear layers (~60 leaves);
 - replicated (DDP-style): every rank holds the same full plain tensors, ~--size-mb in all, 256
-  tensors of mixed sizes and dtypes (``build_state`` of bench/save_load.py). Here zerostall also
+  tensors of mixed sizes and dtypes (``build_state`` of bench/common.py, as in bench/save_load.py). Here zerostall also
   loads with ``broadcast=True`` (one replica reads each byte, the others receive it over gloo);
 - reshard: 16 float32 matrices (~--size-mb in all) saved as DTensors sharded by rows
   (``Shard(0)``) and loaded into the same matrices sharded by columns (``Shard(1)``): every rank
@@ -50,12 +50,9 @@ import math
 import os
 import re
 import shutil
-import socket
 import statistics
-import sys
 import tempfile
 import time
-import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -66,7 +63,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from save_load import build_state
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -74,6 +70,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import zerostall as zs
+from common import build_state, describe, free_port, init_group, print_json, progress
 
 GROUP_TIMEOUT = timedelta(minutes=5)  # a contender stuck in a collective fails instead of hanging
 MAX_WIDTH = 1024  # of the Linear layers
@@ -292,12 +289,6 @@ def first_error(error: str | None) -> str | None:
     return next((f"rank {r}: {e}" for r, e in enumerate(outcomes) if e), None)
 
 
-def describe(exc: BaseException) -> str:
-    """The exception and where it was raised (file:line in function)."""
-    where = traceback.extract_tb(exc.__traceback__)[-1]
-    return f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno} in {where.name})"
-
-
 def call(fn: Callable[[Any, str], Any], state: Any, path: str) -> tuple[float, str | None]:
     """One collective call on every rank: this rank's seconds from a barrier, any rank's failure."""
     dist.barrier()
@@ -320,7 +311,8 @@ def bytes_by_rank(path: str, pattern: re.Pattern[str], world: int) -> list[int]:
     return sizes
 
 
-def remove(path: str) -> None:
+def remove_together(path: str) -> None:
+    """Delete a checkpoint collectively: rank 0 deletes it between barriers, so no rank still reads it."""
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(path, ignore_errors=True)
@@ -353,7 +345,7 @@ def warm_up(
             fill(target, expected)
             if error:
                 log.errors[op] = error
-    remove(path)
+    remove_together(path)
 
 
 def timed_rep(
@@ -380,7 +372,7 @@ def timed_rep(
                 continue
             log.seconds.setdefault(op, []).append(seconds)
             log.read_bytes.setdefault(op, []).append(read)
-    remove(path)
+    remove_together(path)
 
 
 def run_case(name: str, state: Any, cs: list[Contender], root: str, reps: int, target: Any = None) -> RankLog:
@@ -445,21 +437,10 @@ def min_over_ranks(values: list[list[float]]) -> float | None:
 # --- one rank -------------------------------------------------------------------------------
 
 
-def init_group(rank: int, world: int, port: int) -> None:
-    """The only place a process group is made: gloo over TCP on loopback, one thread per rank."""
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=GROUP_TIMEOUT,
-    )
-
-
 def worker(rank: int, args: argparse.Namespace, port: int, root: str) -> None:
-    init_group(rank, args.world, port)
+    torch.set_num_threads(1)  # one thread per rank
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    init_group(rank, args.world, port, GROUP_TIMEOUT)  # the only place a process group is made
     try:
         total_bytes = args.size_mb << 20
         logs: dict[str, RankLog] = {}
@@ -559,16 +540,6 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"failed: {op}: {error}")
 
 
-def progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2, help="ranks to spawn (2)")
@@ -599,7 +570,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     print_table(result)
     if args.json:
-        print(json.dumps(headline(result, args)))
+        print_json(headline(result, args))
 
 
 if __name__ == "__main__":

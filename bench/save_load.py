@@ -33,13 +33,9 @@ with --json the last line of stdout is one JSON object.
 
 import argparse
 import inspect
-import json
-import math
 import os
-import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -53,8 +49,8 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 
 import zerostall as zs
+from common import N_TENSORS, build_state, print_json, progress, remove, rotated, state_bytes
 
-N_TENSORS = 256
 HASH_PIECE = 512 << 10  # the raw_hashed anchor hashes what it moves in pieces of this size, as zerostall does
 FSYNC = inspect.signature(zs.save).parameters["fsync"].default  # tuned DCP and raw writes match it
 
@@ -72,32 +68,9 @@ class Contender:
 # --- the state ------------------------------------------------------------------------------
 
 
-def build_state(total_bytes: int, seed: int = 0, n: int = N_TENSORS) -> dict[str, torch.Tensor]:
-    """A deterministic state of ~total_bytes in ``n`` tensors: log-uniform sizes (1:4096), every third one bf16."""
-    rng = random.Random(seed)
-    weights = [math.exp(rng.uniform(0.0, math.log(4096))) for _ in range(n)]
-    scale = total_bytes / sum(weights)
-    gen = torch.Generator().manual_seed(seed)
-    state = {}
-    for i, weight in enumerate(weights):
-        dtype = torch.bfloat16 if i % 3 == 2 else torch.float32
-        numel = max(1, int(weight * scale) // dtype.itemsize)
-        shape = (numel // 1024, 1024) if numel >= 1024 else (numel,)
-        state[f"layers.{i}.{dtype_name(dtype)}"] = torch.randn(shape, dtype=dtype, generator=gen)
-    return state
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def touched_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A target of the same structure, its memory already written (zeros_like fills every byte)."""
     return {key: torch.zeros_like(t) for key, t in state.items()}
-
-
-def state_bytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
 
 
 def copy_into(target: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> None:
@@ -260,13 +233,6 @@ def timed(fn: Callable, *args) -> float:
     return time.perf_counter() - start
 
 
-def remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    else:
-        os.remove(path)
-
-
 def check_loaded(name: str, state: dict, target: dict) -> None:
     bad = [key for key in state if not torch.equal(state[key], target[key])]
     if bad:
@@ -291,8 +257,7 @@ def run_reps(
     the same neighbour); each save to a fresh path, deleted after its load, outside the timing."""
     seconds: dict[str, list[float]] = {key: [] for c in cs for key in (c.save_key, c.load_key)}
     for rep in range(1, reps + 1):
-        shift = (rep - 1) % len(cs)
-        for c in cs[shift:] + cs[:shift]:
+        for c in rotated(cs, rep - 1):
             path = os.path.join(root, f"{c.save_key}-{rep}")
             save_s = timed(c.save, state, path)
             load_s = timed(c.load, target, path)
@@ -301,10 +266,6 @@ def run_reps(
             seconds[c.load_key].append(load_s)
             progress(f"rep {rep}/{reps}  {c.save_key} {save_s:.3f} s  {c.load_key} {load_s:.3f} s")
     return seconds
-
-
-def progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 # --- the report -----------------------------------------------------------------------------
@@ -389,7 +350,7 @@ def main() -> None:
             "torch_version": torch.__version__,
             "seconds": {key: [round(s, 4) for s in v] for key, v in seconds.items()},
         }
-        print(json.dumps(result))
+        print_json(result)
 
 
 if __name__ == "__main__":
