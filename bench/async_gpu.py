@@ -88,6 +88,7 @@ import torch
 import torch.distributed as dist
 
 import zerostall as zs
+from zerostall.options import default_threads
 from common import (IMPORT_ERRORS, N_TENSORS, T0, WHATS, AsyncContender, DCPArm, Futures, NoCheckpoint, Timing,
                     ZeroOverheadDCP, ZerostallArm, build_state, clear, dcp_default_start, dcp_read, describe,
                     descendants, first_save, init_group, median, model_state_bytes, overheads, print_json,
@@ -859,7 +860,7 @@ def main() -> None:
             "dcp_stale_stager": dcp_stale.stager if dcp_stale else None,
             "reps": args.reps,
             "dir": args.dir,
-            "zerostall_threads": zs.default_threads(),
+            "zerostall_threads": default_threads(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch_version": torch.__version__,
             "cuda_version": torch.version.cuda,

@@ -8,16 +8,16 @@ same directory (default a fresh one under /dev/shm, so software overhead is what
 for a disk):
 
 - zerostall: ``zs.save`` / ``zs.load`` (in place, checksums verified, fsync on: its defaults);
-- DCP at its defaults, and tuned (``FileSystemWriter`` with ``zs.default_threads()`` threads and
+- DCP at its defaults, and tuned (``FileSystemWriter`` with ``default_threads()`` threads and
   ``sync_files`` matching zerostall's fsync), in one process without a process group;
 - ``torch.save`` / ``torch.load`` + ``copy_`` into the target;
 - safetensors ``save_file`` / ``load_file`` + ``copy_`` into the target (``load_file`` memory-maps);
   neither of these two fsyncs (their defaults): on a disk their saves return before the data is
   durable, so they are not comparable with the fsync'd saves above (JSON ``unsynced_saves``);
 - raw: plain ``os.write`` of the tensor bytes (fsync'd per file, as zerostall fsyncs) and
-  ``os.preadv`` back into the target, with 1 thread and with ``zs.default_threads()`` threads
+  ``os.preadv`` back into the target, with 1 thread and with ``default_threads()`` threads
   (one file per thread, bytes balanced): the floor no library can beat;
-- raw hashed: the same raw writes and reads with zs.default_threads() threads, each 512 KiB piece
+- raw hashed: the same raw writes and reads with default_threads() threads, each 512 KiB piece
   also hashed with xxh3-64 right before it is written or right after it is read: the floor for any
   library that checksums every byte it saves and verifies every byte it loads, as zerostall does
   (JSON ``raw_hashed_read_vs_dcp``: the load ratio against DCP such a library could reach at best).
@@ -32,7 +32,6 @@ with --json the last line of stdout is one JSON object.
 """
 
 import argparse
-import inspect
 import os
 import shutil
 import statistics
@@ -49,10 +48,11 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 
 import zerostall as zs
+from zerostall.options import default_threads
 from common import N_TENSORS, build_state, print_json, progress, remove, rotated, state_bytes
 
 HASH_PIECE = 512 << 10  # the raw_hashed anchor hashes what it moves in pieces of this size, as zerostall does
-FSYNC = inspect.signature(zs.save).parameters["fsync"].default  # tuned DCP and raw writes match it
+FSYNC = zs.SaveOptions().fsync  # tuned DCP and raw writes match zerostall's default
 
 
 @dataclass
@@ -320,7 +320,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    threads = zs.default_threads()
+    threads = default_threads()
     progress(f"building a {args.size_mb} MiB state of {args.tensors} tensors")
     state = build_state(args.size_mb << 20, n=args.tensors)
     target = touched_like(state)
