@@ -95,7 +95,7 @@ class CheckpointManager:
         """create → save → commit: write ``state`` as ``step`` (or ``tag``), then update ``latest``
         and apply retention once it has committed."""
         tag = tag or step_tag(step)
-        storage = self.create(tag)
+        storage = self._create(tag)
         self._settle_commit()
         self._set_aside_later_than(step, tag)
         wrapped = self._wrap(state)
@@ -108,7 +108,7 @@ class CheckpointManager:
                             metadata=metadata)
             finally:
                 self._pinned.discard(step)
-            self.commit(tag, step)
+            self._commit(tag, step)
             return info
         handle = self.saver.save(wrapped, storage, self.save_options, process_group=self.process_group, step=step,
                                  metadata=metadata)
@@ -135,18 +135,18 @@ class CheckpointManager:
         try:
             self._pinned.discard(step)
             if fut.exception() is None:
-                self.commit(tag, step)
+                self._commit(tag, step)
         except BaseException as exc:
             committing.set_exception(exc)  # raised once, by the next wait(), save() or close()
         else:
             committing.set_result(None)
 
-    def create(self, tag: str) -> Storage:
+    def _create(self, tag: str) -> Storage:
         """The storage a new checkpoint ``tag`` is written into (created by the save itself)."""
         validate_tag(tag)
         return self.checkpoint_root.child(tag)
 
-    def commit(self, tag: str, step: int | None) -> None:
+    def _commit(self, tag: str, step: int | None) -> None:
         """After the checkpoint committed: point ``latest`` at it, then apply retention in the
         background. If ``latest`` cannot be written (a full disk), raise and delete nothing."""
         if not self.group.is_coordinator:
