@@ -80,9 +80,6 @@ class Flat:
     skeleton: Any = None
     refs: dict[Path, Ref] = field(default_factory=dict)
 
-    def tensors(self) -> dict[Path, torch.Tensor]:
-        return {p: v for p, v in self.leaves.items() if isinstance(v, torch.Tensor)}
-
 
 def flatten(state: Any, *, prepare: Callable[[Path, Any], None] | None = None, skeleton: bool = False) -> Flat:
     """Walk ``state`` once. ``prepare(path, obj)`` runs on each stateful object before its
