@@ -23,25 +23,18 @@ from .common import FAILED, USAGE, Failure, cli, clip, console, format_time, pri
 
 
 @dataclass
-class Listing:
-    """One row of ``zerostall ls``."""
+class Listing(CheckpointInfo):
+    """One row of ``zerostall ls``: a checkpoint as the root lists it, the rules that keep it, and
+    whether ``latest`` names it."""
 
-    name: str
-    path: str
-    status: str
-    step: int | None = None
-    bytes: int = 0
-    created: float | None = None
-    error: str | None = None
-    metrics: dict[str, Any] = field(default_factory=dict)
     kept_by: list[str] = field(default_factory=list)
     latest: bool = False
 
-    @classmethod
-    def of(cls, info: CheckpointInfo) -> Listing:
-        """The row of a checkpoint as the root lists it (not yet ranked by the rules)."""
-        return cls(name=info.name, path=info.location, status=info.status, step=info.step, bytes=info.bytes,
-                   created=info.created, error=info.error, metrics=info.metrics)
+    def to_json(self) -> dict[str, Any]:
+        """The row as ``--json`` prints it (the location under the key ``path``)."""
+        row = asdict(self)
+        row["path"] = row.pop("location")
+        return row
 
 
 def open_root(root: str) -> CheckpointRoot:
@@ -117,10 +110,10 @@ def scan(root: CheckpointRoot, policy: RetentionPolicy, *, include_root: bool) -
     """The checkpoints in ``root``'s immediate subdirectories (and ``root`` itself), sorted by step,
     the one ``latest`` names marked, each with the rules that keep it."""
     infos = root.scan(include_self=include_root)
-    rows = [Listing.of(info) for info in infos]
+    rows = [Listing(**asdict(info)) for info in infos]
     latest = root.read_latest()
     for r in rows:
-        r.latest = latest is not None and r.name == latest and r.path != root.location
+        r.latest = latest is not None and r.name == latest and r.location != root.location
     apply_retention(rows, infos, policy, latest)
     return rows
 
@@ -146,7 +139,7 @@ def ls(root: str, keep_last: int | None, keep_every: int | None, keep_best: int 
     if warning:
         console(stderr=True).print(f"warning: {warning}")
     if as_json:
-        print_json({"root": checkpoints.location, "latest": latest, "checkpoints": [asdict(r) for r in rows]})
+        print_json({"root": checkpoints.location, "latest": latest, "checkpoints": [r.to_json() for r in rows]})
         return
     if not rows:
         console(stderr=True).print(f"no checkpoints in {checkpoints.location}")
@@ -208,7 +201,7 @@ def prune(root: str, keep_last: int | None, keep_every: int | None, keep_best: i
         if not dry_run:
             for r in doomed:
                 if not checkpoints.delete(r.name):
-                    leftovers.append(r.path)
+                    leftovers.append(r.location)
 
     freed = sum(r.bytes for r in doomed)
     if as_json:
@@ -227,7 +220,7 @@ def prune(root: str, keep_last: int | None, keep_every: int | None, keep_best: i
 
 
 def prune_row(r: Listing) -> dict[str, Any]:
-    return {"name": r.name, "path": r.path, "step": r.step, "bytes": r.bytes, "metrics": r.metrics,
+    return {"name": r.name, "path": r.location, "step": r.step, "bytes": r.bytes, "metrics": r.metrics,
             "kept_by": r.kept_by, "latest": r.latest}
 
 
