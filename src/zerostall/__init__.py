@@ -4,7 +4,7 @@ from .api import async_save, load, open, save, verify
 from .asynchronous import AsyncSaver, SaveHandle
 from .checkpoint import Checkpoint
 from .errors import (CheckpointError, CheckpointNotFoundError, CommitError, CorruptCheckpointError,
-                     IncompleteCheckpointError, StateMismatchError, UnsupportedValueError)
+                     IncompleteCheckpointError, StateChangedError, StateMismatchError, UnsupportedValueError)
 from .format import FORMAT_VERSION
 from .load_plan import Mismatch
 from .manager import CheckpointManager
@@ -20,5 +20,5 @@ __all__ = [
     "AsyncSaver", "SaveHandle", "SaveInfo", "Checkpoint", "Mismatch", "CheckpointManager", "RetentionPolicy",
     "rank_local", "Stateful", "FORMAT_VERSION",
     "CheckpointError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError", "IncompleteCheckpointError",
-    "StateMismatchError", "UnsupportedValueError",
+    "StateChangedError", "StateMismatchError", "UnsupportedValueError",
 ]

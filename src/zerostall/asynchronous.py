@@ -15,15 +15,20 @@ raised on ``committed.result()``, on the next ``save`` and on ``close``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
 import threading
 import time
+import weakref
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
-from .capture import BufferPool, capture, record_caller_stream
+import torch
+
+from .capture import BufferPool, capture, record_caller_stream, versions
 from .collectives import Group
 from .errors import CheckpointError
 from .options import SaveOptions
@@ -78,6 +83,7 @@ class AsyncSaver:
         self._failure: BaseException | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
         self._previous_handlers = {sig: signal.signal(sig, self._drain_then_deliver) for sig in drain_on_signals}
 
     def _drain_then_deliver(self, signum: int, frame: Any) -> None:
@@ -111,12 +117,30 @@ class AsyncSaver:
         if self._current is not None and not self._current.done():
             self.wait()
         prepared = prepare(state, path, options, process_group=process_group, step=step, metadata=metadata)
+        self._hold_steps(prepared.collected.optimizers)
+        recorded = versions(prepared.items)
         ready = record_caller_stream(prepared.items)
         buffers = self.pool.buffers(prepared.items)
         handle = SaveHandle(prepared.storage.location, prepared.step)
         self._current = handle
-        self._worker.submit(self._run, prepared, buffers, ready, handle)
+        self._worker.submit(self._run, prepared, buffers, ready, recorded, handle)
         return handle
+
+    def _hold_steps(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Make each optimizer's ``step()`` wait for the capture of the save in flight (a step
+        pre-hook, once per optimizer and saver, kept until :meth:`close`), so a forgotten
+        ``wait_staged()`` cannot tear the checkpoint; after the capture it costs one check."""
+        for optimizer in optimizers:
+            if optimizer not in self._hooks:
+                hook = functools.partial(_before_step, weakref.ref(self))
+                self._hooks[optimizer] = optimizer.register_step_pre_hook(hook)
+
+    def _await_capture(self) -> None:
+        """Wait until the save in flight (if any) has captured the state, whatever its outcome (a
+        failure is raised by the save's handle, the next save or close, not by the optimizer)."""
+        current = self._current
+        if current is not None and not current.staged.done():
+            futures.wait([current.staged])
 
     def _busy_on_any_rank(self, process_group: Any) -> bool:
         """Whether a save is in flight on this rank or another (one small all-reduce): a save is
@@ -136,9 +160,10 @@ class AsyncSaver:
         self.pool.buffers(prepared.items)
         return time.perf_counter() - start
 
-    def _run(self, prepared: Prepared, buffers: list[Any], ready: Any, handle: SaveHandle) -> None:
+    def _run(self, prepared: Prepared, buffers: list[Any], ready: Any, recorded: list[int | None],
+             handle: SaveHandle) -> None:
         try:
-            capture(prepared.items, buffers, ready)
+            capture(prepared.items, buffers, ready, recorded)
         except BaseException as exc:
             self._fail(handle, exc, staged=True)
             return
@@ -210,6 +235,9 @@ class AsyncSaver:
             if self._process is not None:
                 self._process.close()
             self.pool.close()
+            for hook in list(self._hooks.values()):
+                hook.remove()
+            self._hooks.clear()
             for sig, previous in self._previous_handlers.items():
                 signal.signal(sig, previous)
             self._previous_handlers.clear()
@@ -219,6 +247,13 @@ class AsyncSaver:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _before_step(saver: weakref.ref[AsyncSaver], optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """An optimizer step pre-hook: wait for the capture of ``saver``'s save in flight."""
+    live = saver()
+    if live is not None:
+        live._await_capture()
 
 
 class _WriterProcess:

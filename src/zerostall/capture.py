@@ -4,6 +4,11 @@ The copy of a CUDA tensor runs on a side stream that first waits for an event re
 caller's stream when the save was requested, so every kernel queued before the save that writes
 the state is included, and the copies overlap what the caller queues next. CPU tensors are copied
 too (snapshotted, never aliased), so the caller may mutate them once capture is done.
+
+A tensor changed in place before its copy finished would make a torn checkpoint: each tensor's
+version counter is recorded when the save is requested and compared once its copy is done (a CPU
+tensor right after its copy, CUDA tensors once their copies are complete), and a change fails the
+save, naming the key.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Sequence
 import torch
 
 from .collect import WriteItem
+from .errors import StateChangedError
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +86,17 @@ class BufferPool:
         self._arena, self._views, self._key = None, [], None
 
 
+def versions(items: Sequence[WriteItem]) -> list[int | None]:
+    """Each item's tensor version now (None where a tensor keeps none: inference-mode tensors)."""
+    out: list[int | None] = []
+    for item in items:
+        try:
+            out.append(item.tensor._version)
+        except RuntimeError:
+            out.append(None)
+    return out
+
+
 def record_caller_stream(items: Sequence[WriteItem]) -> "torch.cuda.Event | None":
     """An event on the caller's current CUDA stream, marking all work queued so far."""
     if not any(i.tensor.is_cuda for i in items):
@@ -89,22 +106,38 @@ def record_caller_stream(items: Sequence[WriteItem]) -> "torch.cuda.Event | None
     return event
 
 
-def capture(items: Sequence[WriteItem], buffers: Sequence[torch.Tensor], ready: "torch.cuda.Event | None") -> None:
-    """Copy every item's tensor into its buffer and make the item point at the copy."""
+def capture(items: Sequence[WriteItem], buffers: Sequence[torch.Tensor], ready: "torch.cuda.Event | None",
+            recorded: Sequence[int | None]) -> None:
+    """Copy every item's tensor into its buffer and make the item point at the copy; raise
+    :class:`StateChangedError` if a tensor changed since ``recorded`` (its version at the save)
+    before its copy was complete."""
     stream = None
     if ready is not None:
         stream = torch.cuda.Stream()
         stream.wait_event(ready)
+    on_device = []
     with torch.no_grad():
-        for item, buf in zip(items, buffers):
+        for item, buf, version in zip(items, buffers, recorded):
             source = item.tensor
             if source.is_cuda:
                 assert stream is not None
                 with torch.cuda.stream(stream):
                     buf.copy_(source, non_blocking=True)
                 source.record_stream(stream)
+                on_device.append((item, source, version))
             else:
                 buf.copy_(source)
+                _check(item, source, version)
             item.tensor = buf
     if stream is not None:
         stream.synchronize()
+    for item, source, version in on_device:
+        _check(item, source, version)
+
+
+def _check(item: WriteItem, source: torch.Tensor, version: int | None) -> None:
+    if version is not None and source._version != version:
+        raise StateChangedError(
+            f"{item.entry.fqn} was changed in place while an asynchronous save was capturing it, so the "
+            "checkpoint would mix values from before and after the change; the save was not committed. Call "
+            "wait_staged() on the saver (or the handle) before changing the state after an asynchronous save")

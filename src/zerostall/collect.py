@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -140,12 +140,26 @@ class Collected:
     skeleton: Any = None
     refs: dict[Path, codec.Ref] = field(default_factory=dict)
     keys: dict[Path, str] = field(default_factory=dict)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+
+
+def optimizers_in(statefuls: Iterable[tuple[Any, Any]]) -> list[torch.optim.Optimizer]:
+    """The optimizers among the state's stateful objects, and those one attribute inside one (an
+    app state holding a model and its optimizer): their steps change the state in place."""
+    found: dict[int, torch.optim.Optimizer] = {}
+    for obj, _ in statefuls:
+        candidates = [obj] if isinstance(obj, torch.optim.Optimizer) else list(getattr(obj, "__dict__", {}).values())
+        for value in candidates:
+            for item in value if type(value) in (list, tuple) else (value,):
+                if isinstance(item, torch.optim.Optimizer):
+                    found.setdefault(id(item), item)
+    return list(found.values())
 
 
 def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
     """Flatten ``state`` into entries, structure rows for planning, and the tensors to write."""
     flat = flatten(state, skeleton=True)
-    out = Collected(skeleton=flat.skeleton, refs=flat.refs)
+    out = Collected(skeleton=flat.skeleton, refs=flat.refs, optimizers=optimizers_in(flat.statefuls.values()))
     seen = ViewIndex()  # view -> the key of the leaf that first held it
     names: set[str] = set()
     for path, value in flat.leaves.items():

@@ -29,3 +29,8 @@ class UnsupportedValueError(CheckpointError, TypeError):
 
 class CommitError(CheckpointError):
     """A save did not commit: a rank failed, died or timed out; the previous checkpoint is intact."""
+
+
+class StateChangedError(CheckpointError):
+    """A tensor of an asynchronous save changed before its capture finished (no ``wait_staged()``
+    before mutating the state): the save is not committed, so no torn checkpoint can exist."""

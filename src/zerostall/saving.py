@@ -90,7 +90,7 @@ def for_writer_process(prepared: Prepared) -> Prepared:
     :class:`LocalStorage` pickles as its path and fsync setting)."""
     if not isinstance(prepared.storage, LocalStorage):
         raise CheckpointError(f"a writer process needs a local path, not {prepared.storage.location}")
-    collected = dataclasses.replace(prepared.collected, items=[])
+    collected = dataclasses.replace(prepared.collected, items=[], optimizers=[])
     return dataclasses.replace(prepared, group=prepared.group.detached(), collected=collected)
 
 

@@ -1,0 +1,135 @@
+"""Asynchronous saves are never torn by a forgotten ``wait_staged()``: an optimizer's ``step()``
+waits for the capture by default, and any other in-place change before a tensor's copy finished
+fails the save (nothing is committed) with an error naming the key.
+
+To make "the change comes before the copy" certain, the saver's worker is held busy before the
+save is requested, so its capture cannot start until the test lets it (after changing the state,
+or from an optimizer step pre-hook that runs before the saver's own)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import zerostall as zs
+
+
+def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    train_step(model, optimizer)  # the optimizer has state to save
+    return model, optimizer
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, step: bool = True) -> None:
+    model(torch.randn(16, 64)).square().mean().backward()
+    if step:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def hold_worker(saver: zs.AsyncSaver) -> threading.Event:
+    """Keep the saver's one worker busy until the returned event is set (the next save's capture waits)."""
+    release = threading.Event()
+    saver._worker.submit(release.wait, 60)
+    return release
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_an_optimizer_step_right_after_the_save_waits_for_the_capture(tmp_path):
+    model, optimizer = model_and_optimizer()
+    before = snapshot(model)
+    saver = zs.AsyncSaver()
+    release = hold_worker(saver)
+    optimizer.register_step_pre_hook(lambda *_: release.set())  # runs before the saver's: the capture may start
+    handle = saver.save({"model": model, "optim": optimizer}, tmp_path / "ck")
+    seen = []
+    optimizer.register_step_pre_hook(lambda *_: seen.append(handle.staged.done()))  # runs after the saver's
+    train_step(model, optimizer)  # the mistake: no wait_staged() before the step
+    handle.result()
+    saver.close()
+    assert seen == [True]
+    assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the step changed it
+    loaded = zs.load({"model": model}, tmp_path / "ck", strict=False)[0]["model"]
+    assert all(torch.equal(before[k], v) for k, v in loaded.state_dict().items())
+
+
+def test_an_optimizer_inside_an_app_state_object_is_held_too(tmp_path):
+    model, optimizer = model_and_optimizer()
+
+    class AppState:  # the DCP-style wrapper: one stateful holding model and optimizer
+        def __init__(self) -> None:
+            self.model, self.optimizer = model, optimizer
+
+        def state_dict(self) -> dict:
+            return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+
+        def load_state_dict(self, sd: dict) -> None:
+            self.model.load_state_dict(sd["model"])
+            self.optimizer.load_state_dict(sd["optim"])
+
+    before = snapshot(model)
+    saver = zs.AsyncSaver()
+    release = hold_worker(saver)
+    optimizer.register_step_pre_hook(lambda *_: release.set())  # runs before the saver's hook
+    handle = saver.save({"app": AppState()}, tmp_path / "ck")
+    train_step(model, optimizer)
+    handle.result()
+    saver.close()
+    with zs.open(tmp_path / "ck") as ck:
+        assert all(torch.equal(before[k], ck.read(f"app.model.{k}")) for k in before)
+
+
+def test_a_change_before_the_capture_fails_the_save_and_commits_nothing(tmp_path):
+    model, optimizer = model_and_optimizer()
+    zs.save({"model": model.state_dict()}, tmp_path / "ck", step=1)  # the previous good checkpoint
+    saver = zs.AsyncSaver()
+    release = hold_worker(saver)
+    # state dicts, not the optimizer itself: nothing holds the step, the version check must catch it
+    handle = saver.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, tmp_path / "ck", step=2)
+    train_step(model, optimizer)
+    release.set()
+    with pytest.raises(zs.StateChangedError, match=r"(model|optim)\..* was changed in place .* wait_staged\(\)"):
+        handle.result()
+    with pytest.raises(zs.CheckpointError, match="a previous asynchronous save failed"):
+        saver.close()
+    with zs.open(tmp_path / "ck") as ck:
+        assert ck.step == 1  # the previous checkpoint is untouched
+    zs.verify(tmp_path / "ck")
+
+
+def test_a_plain_tensor_changed_before_its_copy_names_its_key(tmp_path):
+    state = {"w": torch.ones(1000), "b": torch.zeros(3)}
+    saver = zs.AsyncSaver()
+    release = hold_worker(saver)
+    handle = saver.save(state, tmp_path / "ck")
+    state["w"].mul_(2)
+    release.set()
+    with pytest.raises(zs.StateChangedError, match=r"^w was changed in place"):
+        handle.result()
+    assert not (tmp_path / "ck" / "manifest.json").exists()
+    saver = zs.AsyncSaver()  # the same save, with the change after wait_staged(): committed as it was
+    handle = saver.save(state, tmp_path / "ck")
+    saver.wait_staged()
+    state["w"].mul_(2)
+    handle.result()
+    saver.close()
+    assert torch.equal(zs.load({"w": torch.empty(1000), "b": torch.empty(3)}, tmp_path / "ck")["w"],
+                       torch.full((1000,), 2.0))
+
+
+def test_close_removes_the_step_hooks(tmp_path):
+    model, optimizer = model_and_optimizer()
+    hooks = len(optimizer._optimizer_step_pre_hooks)
+    saver = zs.AsyncSaver()
+    saver.save({"model": model, "optim": optimizer}, tmp_path / "ck").result()
+    saver.save({"model": model, "optim": optimizer}, tmp_path / "ck").result()
+    assert len(optimizer._optimizer_step_pre_hooks) == hooks + 1  # once per optimizer, not per save
+    saver.close()
+    assert len(optimizer._optimizer_step_pre_hooks) == hooks
