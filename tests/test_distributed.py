@@ -433,3 +433,43 @@ def test_pipeline_stages_are_all_in_the_checkpoint(ranks, tmp_path):
     assert torch.equal(whole["embed"], full_value((5,), 9))
     assert torch.equal(whole["layers"]["stage0"], full_value((3, 3), 10))
     assert torch.equal(whole["layers"]["stage1"], full_value((3, 3), 11))
+
+
+def save_and_load_own_keys(path: str, wanted: str) -> str:
+    """Each rank saves its own keys (pipeline stages), then loads them back with strict=True;
+    ``wanted`` "own": its own keys, "stage0": every rank only stage 0's."""
+    rank = dist.get_rank()
+    zs.save({"stage": {f"layer{rank}.w": full_value((4,), 20 + rank)}}, path)
+    key = f"layer{rank}.w" if wanted == "own" else "layer0.w"
+    target = {"stage": {key: torch.zeros(4)}}
+    try:
+        zs.load(target, path)
+    except zs.StateMismatchError as exc:
+        return str(exc)
+    return "ok" if torch.equal(target["stage"][key], full_value((4,), 20 + int(key[5]))) else "wrong values"
+
+
+def test_each_rank_loads_its_own_keys_strictly(ranks, tmp_path):
+    assert ranks(2).run(save_and_load_own_keys, str(tmp_path / "ck"), "own") == ["ok", "ok"]
+
+
+def test_an_entry_no_rank_wants_is_unexpected_on_every_rank(ranks, tmp_path):
+    out = ranks(2).run(save_and_load_own_keys, str(tmp_path / "ck"), "stage0")
+    assert all("unexpected in the checkpoint: stage.layer1.w" in o for o in out), out
+
+
+def planning_fails_on_rank_1(path: str) -> str:
+    """Rank 1's planning raises (two entries collide once "module" is stripped); rank 0's does not."""
+    zs.save({"module.w": torch.ones(2), "w": torch.zeros(2)}, path)
+    target = {"module.w": torch.zeros(2), "w": torch.zeros(2)}
+    try:
+        zs.load(target, path, strip=("module",) if dist.get_rank() == 1 else ())
+    except zs.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def test_a_load_one_rank_cannot_plan_fails_on_every_rank(ranks, tmp_path):
+    rank0, rank1 = ranks(2).run(planning_fails_on_rank_1, str(tmp_path / "ck"))
+    assert rank1.startswith("StateMismatchError: entries") and "collide" in rank1
+    assert rank0.startswith("CheckpointError: load from") and "1 other rank(s) could not match" in rank0

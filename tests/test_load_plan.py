@@ -16,11 +16,15 @@ def manifest(world: int = 1) -> Manifest:
     tied = Entry("model.tied", ("model", "tied"), "alias", alias_of=0)
     step = Entry("step", ("step",), "object", value=7)
     rng = [Entry("rng", ("rng",), "object", value=r, rank=r) for r in range(world)]
-    return Manifest("1-1", [w, tied, step, *rng], {"f0": 4128, "f1": 4128}, None, world_size=world)
+    rng_entry = Entry("__rng__.torch", ("__rng__", "torch"), "object", value=1, rank=0)  # a manager's own entry
+    return Manifest("1-1", [w, tied, step, *rng, rng_entry], {"f0": 4128, "f1": 4128}, None, world_size=world)
 
 
-def plan(state, world=1, rank=0, **options):
-    return LoadPlanner(manifest(world), "ck", rank, world, zs.LoadOptions(**options)).plan(state)
+def plan(state, world=1, rank=0, wanted=None, **options):
+    planner = LoadPlanner(manifest(world), "ck", rank, world, zs.LoadOptions(**options))
+    flat, p = planner.plan(state)
+    planner.check(p, wanted)
+    return flat, p
 
 
 def test_targets_get_their_entry_and_box_and_values_their_decoded_value():
@@ -52,3 +56,17 @@ def test_an_empty_container_is_filled_from_the_subtree_later():
     _, p = plan({"model": {}, "step": 0, "rng": 0, "x": torch.zeros(1)}, strict=False)
     assert p.mismatch.missing == ["x"]
     assert [(path, [rel for rel, _ in found]) for path, found in p.subtrees] == [(("model",), [("w",), ("tied",)])]
+
+
+def test_in_a_collective_load_unexpected_means_wanted_by_no_rank():
+    w = torch.zeros(4, 2)
+    _, p = plan({"model": {"w": w, "tied": w}, "rng": 0}, world=2, rank=1, wanted={2}, strict=False)
+    assert p.mismatch.unexpected == []  # "step" (entry 2) is another rank's: not unexpected here
+    _, p = plan({"model": {"w": w, "tied": w}, "rng": 0}, world=2, rank=1, wanted=set(), strict=False)
+    assert p.mismatch.unexpected == ["step"]
+
+
+def test_entries_zerostall_adds_for_itself_are_never_unexpected():
+    _, p = plan({"model": {"w": torch.zeros(4, 2), "tied": torch.zeros(4, 2)}, "step": 0, "rng": 0})
+    assert not p.mismatch  # the checkpoint also holds __rng__.torch (a manager's), which nobody asked for
+

@@ -381,3 +381,11 @@ def test_a_root_given_as_a_storage_is_used_for_every_checkpoint(tmp_path):
             assert ck.tag == "two" and ck.path == str(tmp_path / "two")
     assert {step_tag(1), "two"} <= set(children)
     assert sorted(os.listdir(tmp_path)) == ["latest", "two"]
+
+
+def test_a_manager_checkpoint_opened_and_loaded_is_not_unexpected_for_its_own_rng_entries(tmp_path):
+    with zs.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, part(1))
+        with mgr.open() as ck:
+            target = ck.load({"w": torch.zeros(4)})  # strict: the manager's __rng__ entries are not the user's
+    assert torch.equal(target["w"], part(1)["w"])

@@ -23,7 +23,7 @@ from .errors import CorruptCheckpointError
 from .fetch import Fetcher
 from .format import Entry
 from .gcpause import gc_paused
-from .load_plan import LoadPlanner, resolve
+from .load_plan import LoadPlan, LoadPlanner, resolve
 from .opening import agreed_manifest
 from .options import LoadOptions, default_threads
 from .state import Path, rebuild
@@ -155,12 +155,13 @@ class Checkpoint:
         match, every rank raises before anything is read.
         """
         o = LoadOptions.of(options or self.options, overrides)
-        together = o.broadcast and self.group.size > 1  # then every rank takes part in every broadcast
         planner = LoadPlanner(self.manifest, self.path, self.group.rank, self.group.size, o)
+        flat, plan = planner.plan(state) if self.group.size == 1 else self._plan_together(planner, state)
+        together = o.broadcast and self.group.size > 1  # then every rank takes part in every broadcast
         with (self.group.failing_together(f"broadcast load from {self.path} refused: {{failed}} other rank(s) could "
                                           "not match their state with it (their errors name the keys); nothing was "
                                           "loaded") if together else contextlib.nullcontext()):
-            flat, plan = planner.plan(state)
+            planner.check(plan, plan.wanted)
         received = broadcast_fill(self._fetcher, self.group, plan.tensors, o.verify, o.max_staging_bytes) \
             if together else set()
         self._fetcher.fill(plan.tensors, o.verify, o.max_staging_bytes, skip=received)
@@ -179,6 +180,20 @@ class Checkpoint:
         if plan.mismatch:
             log.warning("partial load from %s: %s", self.path, plan.mismatch.describe())
         return result, plan.mismatch
+
+    def _plan_together(self, planner: LoadPlanner, state: Any) -> tuple[Any, LoadPlan]:
+        """Plan on every rank, then learn in one all-reduce which entries some rank wants (so an
+        entry only another rank loads is not unexpected here) and whether a rank failed to plan."""
+        message = (f"load from {self.path} refused: {{failed}} other rank(s) could not match their state with it "
+                   "(their errors say why); nothing was loaded")
+        try:
+            flat, plan = planner.plan(state)
+        except Exception:
+            self.group.all_reduce_or_fail([0] * len(self.manifest.entries), message, failed=True)
+            raise
+        counts = self.group.all_reduce_or_fail(planner.used_mask(plan), message)
+        plan.wanted = {i for i, n in enumerate(counts) if n}
+        return flat, plan
 
     def verify(self, *, progress: Callable[[int], None] | None = None) -> int:
         """Check every file size and every block checksum; returns bytes checked (see

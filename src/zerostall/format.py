@@ -30,6 +30,8 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 DATA_ALIGNMENT = 4096
 DEFAULT_BLOCK_SIZE = 4 << 20
+RNG_KEY = "__rng__"  # the top-level key under which a CheckpointManager saves every rank's RNG states
+INTERNAL_KEYS = frozenset({RNG_KEY})  # top-level keys zerostall adds for itself: never a user's unexpected keys
 
 _GEN = r"(?P<gen>[0-9a-f]+-[0-9a-f]+)"
 _DATA_FILE_RE = re.compile(rf"^{_GEN}-r(?P<rank>\d+)-(?P<n>\d+)\.safetensors$")

@@ -19,7 +19,7 @@ from . import codec
 from .boxes import Box, local_box
 from .collect import ViewIndex
 from .errors import CorruptCheckpointError, StateMismatchError
-from .format import Entry, Manifest
+from .format import INTERNAL_KEYS, Entry, Manifest
 from .options import KeyFilter, LoadOptions
 from .state import Flat, Path, flatten, fqn, init_optimizer_state
 
@@ -56,6 +56,9 @@ class LoadPlan:
     replacements: dict[Path, Any] = field(default_factory=dict)
     subtrees: list[tuple[Path, list[tuple[Path, Entry]]]] = field(default_factory=list)
     consumed: set[Path] = field(default_factory=set)
+    used: list[Entry] = field(default_factory=list)
+    unused: list[Entry] = field(default_factory=list)
+    wanted: set[int] | None = None  # in a collective load: the entries (manifest indices) some rank matched
     meta: list[str] = field(default_factory=list)
     mismatch: Mismatch = field(default_factory=Mismatch)
 
@@ -72,6 +75,9 @@ def resolve(manifest: Manifest, entry: Entry, where: str) -> Entry:
     return entry
 
 
+_INTERNAL = {(key,) for key in INTERNAL_KEYS}
+
+
 class LoadPlanner:
     """Plans loads of one checkpoint's ``manifest`` (at ``path``) on rank ``rank`` of ``world``."""
 
@@ -83,7 +89,7 @@ class LoadPlanner:
         self.options = options
 
     def plan(self, state: Any) -> tuple[Flat, LoadPlan]:
-        """Match every target leaf with its entry; raise on a strict mismatch before any byte moves."""
+        """Match every target leaf with its entry (what did not match is settled by :meth:`check`)."""
         o = self.options
         prefix, strip, strict_dtype, materialize = o.prefix, o.strip, o.strict_dtype, o.materialize
         prefix_path = (prefix,) if isinstance(prefix, str) else tuple(prefix)
@@ -108,14 +114,32 @@ class LoadPlanner:
                                                 f"ranks, loading on {self.world})")
                 continue
             self._match(plan, path, rel, value, source, under, strict_dtype, materialize, seen_targets)
-        plan.mismatch.unexpected = [e.fqn for rel, e in source.items() if rel not in plan.consumed]
+        plan.unused = [e for rel, e in source.items() if rel not in plan.consumed and e.path[:1] not in _INTERNAL]
+        plan.used = [source[rel] for rel in plan.consumed]
+        return flat, plan
+
+    def check(self, plan: LoadPlan, wanted: set[int] | None = None) -> None:
+        """Settle what did not match and raise on a strict mismatch, before any byte moves. In a
+        collective load, ``wanted`` holds the manifest indices of the entries some rank matched: an
+        entry is unexpected only when no rank wanted it (pipeline stages load their own keys)."""
+        if wanted is not None:
+            index = {id(e): i for i, e in enumerate(self.manifest.entries)}
+            plan.unused = [e for e in plan.unused if index[id(e)] not in wanted]
+        plan.mismatch.unexpected = [e.fqn for e in plan.unused]
         if plan.meta:
             raise StateMismatchError(
                 f"targets on the meta device have no memory to load into: {', '.join(plan.meta[:20])}; "
                 "pass materialize=True to allocate them from the checkpoint")
-        if o.strict and plan.mismatch:
+        if self.options.strict and plan.mismatch:
             raise StateMismatchError(f"checkpoint {self.path} does not match the target state: {plan.mismatch.describe()}")
-        return flat, plan
+
+    def used_mask(self, plan: LoadPlan) -> list[int]:
+        """One flag per manifest entry: whether this rank's target matched it (summed over ranks)."""
+        mask = [0] * len(self.manifest.entries)
+        index = {id(e): i for i, e in enumerate(self.manifest.entries)}
+        for entry in plan.used:
+            mask[index[id(entry)]] = 1
+        return mask
 
     def _source_index(self, prefix: Path, strip: Sequence[str],
                       select: Callable[[str], bool] | None) -> dict[Path, Entry]:

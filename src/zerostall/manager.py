@@ -26,6 +26,7 @@ from .asynchronous import AsyncSaver, SaveHandle
 from .checkpoint import Checkpoint
 from .collectives import Group
 from .errors import CheckpointError, CheckpointNotFoundError
+from .format import RNG_KEY
 from .lease import DEFAULT_TTL, WriterLease
 from .options import LoadOptions, SaveOptions
 from .retention import CheckpointRecord, RetentionPolicy, numeric_metrics
@@ -37,7 +38,6 @@ from .storage import Storage, storage_for
 
 log = logging.getLogger(__name__)
 
-_RNG_KEY = "__rng__"
 
 
 class CheckpointManager:
@@ -201,7 +201,7 @@ class CheckpointManager:
         with ck:
             wrapped = self._wrap(state)
             ck.load(wrapped, **overrides)
-        _set_rng_state(wrapped[_RNG_KEY].value)
+        _set_rng_state(wrapped[RNG_KEY].value)
         if ck.step is not None:
             self._pinned.add(ck.step)
         return ck.step
@@ -211,7 +211,7 @@ class CheckpointManager:
             raise TypeError("CheckpointManager saves a dict of named parts, e.g. {'model': m, 'optim': o}")
         wrapped = {k: rank_local(v) if k in self.rank_local_keys and not isinstance(v, RankLocal) else v
                    for k, v in state.items()}
-        wrapped[_RNG_KEY] = rank_local(_rng_state())
+        wrapped[RNG_KEY] = rank_local(_rng_state())
         return wrapped
 
     # -- retention -----------------------------------------------------------------------------
