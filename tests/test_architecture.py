@@ -17,10 +17,8 @@ ORDER = [
     "collect", "plan", "write", "commit", "saving",
     # reading: opening → load plan → fetch (and broadcast) → verify, behind the Checkpoint front
     "load_plan", "fetch", "broadcast", "verify", "checkpoint",
-    # asynchronous saving, then the public functions
-    "capture", "asynchronous", "api",
-    # checkpoints by step under a root
-    "retention", "schedule", "root", "lease", "manager",
+    # asynchronous saving; checkpoints by step under a root; then the public functions
+    "capture", "asynchronous", "retention", "root", "api", "schedule", "lease", "manager",
     "cli.common", "cli.listing", "cli.inspecting", "cli", "__main__", "__init__",
 ]
 MAX_LINES = 400

@@ -135,6 +135,7 @@ def test_verify_good_then_flipped_byte(tmp_path: Path) -> None:
     assert "FAILED" in result.stderr and "model.bias" in result.stderr and "Traceback" not in result.output
     report = json.loads(run("verify", path, "--json").stdout)
     assert report["ok"] is False and any("model.bias" in f for f in report["faults"])
+    assert report["bytes_checked"] == 48  # the blocks that passed (model.weight); the damaged one is a fault
 
 
 def test_verify_lists_every_fault(tmp_path: Path) -> None:
@@ -343,3 +344,21 @@ def test_prune_of_a_checkpoint_or_nothing(managed: Path, tmp_path: Path) -> None
     result = run("prune", tmp_path / "missing", "--keep-last", 1)
     assert result.exit_code == 2 and "no such directory" in result.stderr
     assert committed_steps(managed) == sorted(LOSSES)
+
+
+def test_commands_that_take_a_checkpoint_take_a_root_latest_or_a_step_while_a_manager_writes(tmp_path: Path) -> None:
+    with zs.CheckpointManager(tmp_path / "run") as mgr:  # holds the writer lease throughout
+        for step in (10, 20):
+            mgr.save(step, small_state(step))
+        newest = str(tmp_path / "run" / "step_000000020")
+        for ckpt, step, path in [(tmp_path / "run", 20, newest), (tmp_path / "run" / "latest", 20, newest),
+                                 (tmp_path / "run" / "10", 10, str(tmp_path / "run" / "step_000000010"))]:
+            report = json.loads(run("inspect", ckpt, "--json").stdout)
+            assert (report["step"], report["path"]) == (step, path)
+            report = json.loads(run("verify", ckpt, "--json").stdout)
+            assert report["ok"] and report["path"] == path
+        result = run("inspect", tmp_path / "run" / "30")
+        assert result.exit_code == 2 and "no committed checkpoint of step 30" in result.stderr
+        assert "steps there: 10, 20" in result.stderr
+        assert run("verify", tmp_path / "nothing-here").exit_code == 2
+

@@ -389,3 +389,21 @@ def test_a_manager_checkpoint_opened_and_loaded_is_not_unexpected_for_its_own_rn
         with mgr.open() as ck:
             target = ck.load({"w": torch.zeros(4)})  # strict: the manager's __rng__ entries are not the user's
     assert torch.equal(target["w"], part(1)["w"])
+
+
+def test_a_reader_follows_a_writing_run_and_learns_when_its_checkpoint_was_pruned(tmp_path):
+    with zs.CheckpointManager(tmp_path, keep_last=1) as mgr:  # the writer holds the lease throughout
+        mgr.save(1, part(1))
+        with zs.open_latest(tmp_path) as ck:  # read-only: takes no lease
+            assert ck.step == 1 and ck.tag == step_tag(1)
+            mgr.save(2, part(2))
+            mgr.wait()  # retention deleted step 1 under the open session
+            with pytest.raises(zs.CheckpointError, match="was deleted: pruned by retention") as err:
+                ck.load({"w": torch.zeros(4)})
+            assert not isinstance(err.value, zs.CorruptCheckpointError)
+        with zs.open_latest(tmp_path) as ck:
+            assert ck.step == 2 and torch.equal(ck.read("w"), part(2)["w"])
+        with pytest.raises(zs.CheckpointNotFoundError, match=r"no committed checkpoint of step 1 .*steps there: 2"):
+            zs.open_latest(tmp_path, step=1)
+    with pytest.raises(zs.CheckpointNotFoundError, match="no committed checkpoint under"):
+        zs.open_latest(tmp_path / "empty")

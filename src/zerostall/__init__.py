@@ -1,6 +1,6 @@
 """zerostall: fast, sharded, asynchronous, verified checkpointing for PyTorch training."""
 
-from .api import async_save, load, open, save, verify
+from .api import async_save, load, open, open_latest, save, verify
 from .asynchronous import AsyncSaver, SaveHandle
 from .checkpoint import Checkpoint
 from .errors import (CheckpointError, CheckpointNotFoundError, CommitError, CorruptCheckpointError,
@@ -16,7 +16,7 @@ from .state import Stateful, rank_local
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "async_save", "load", "open", "verify", "SaveOptions", "LoadOptions",
+    "save", "async_save", "load", "open", "open_latest", "verify", "SaveOptions", "LoadOptions",
     "AsyncSaver", "SaveHandle", "SaveInfo", "Checkpoint", "Mismatch", "CheckpointManager", "RetentionPolicy",
     "rank_local", "Stateful", "FORMAT_VERSION",
     "CheckpointError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError", "IncompleteCheckpointError",

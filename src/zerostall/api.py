@@ -1,4 +1,4 @@
-"""The public functions: save, async_save, load, open, verify; and the process-wide saver.
+"""The public functions: save, async_save, load, open, open_latest, verify; and the process-wide saver.
 
 Each takes a path (or a :class:`~zerostall.storage.Storage`), an optional options object and, as
 shorthand, that object's fields as keywords. Every call is collective when ``torch.distributed`` is
@@ -14,10 +14,12 @@ from typing import Any, Callable, Mapping
 
 from .asynchronous import AsyncSaver, SaveHandle
 from .checkpoint import Checkpoint
+from .collectives import Group
 from .gcpause import gc_paused
 from .options import LoadOptions, SaveOptions
 from .saving import SaveInfo, persist, prepare
-from .storage import Storage
+from .root import CheckpointRoot
+from .storage import Storage, storage_for
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,18 @@ def open(path: str | os.PathLike[str] | Storage, options: LoadOptions | None = N
     reads the manifest and every rank gets the same one). ``options`` and keyword overrides
     (:class:`LoadOptions` fields) are the defaults of the session's loads and reads."""
     return Checkpoint(path, LoadOptions.of(options, overrides), process_group=process_group)
+
+
+def open_latest(root: str | os.PathLike[str] | Storage, step: int | None = None, options: LoadOptions | None = None,
+                *, process_group: Any = None, **overrides: Any) -> Checkpoint:
+    """Open the newest committed checkpoint under the checkpoint root ``root`` (or the newest of
+    ``step``), read-only: it takes no writer lease, so an evaluation job can follow a training run
+    while its :class:`CheckpointManager` writes there. Rank 0 picks the checkpoint; every rank
+    opens that one. If retention deletes it while the session is open, reads of files not yet
+    opened fail with a :class:`CheckpointError` saying it was deleted: open the newest again."""
+    checkpoints = CheckpointRoot(storage_for(root))
+    tag = Group(process_group).agree(lambda: checkpoints.newest(step).encode()).decode()
+    return Checkpoint(checkpoints.child(tag), LoadOptions.of(options, overrides), process_group=process_group)
 
 
 @gc_paused()  # opening included: the manifest's objects then die by reference counting, never walked

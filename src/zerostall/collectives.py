@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import json
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from . import errors
 from .errors import CheckpointError
 from .memory import tensor_bytes
 
@@ -90,6 +92,24 @@ class Group:
             buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         dist.broadcast(buf, src=self._global(src), group=self.pg)
         return bytes(tensor_bytes(buf.cpu()))
+
+    def agree(self, decide: Callable[[], bytes]) -> bytes:
+        """What ``decide()`` returns on the coordinator, on every rank (one broadcast of bytes); a
+        :class:`CheckpointError` it raises is raised on every rank, with its type. Ranks deciding
+        for themselves could see different things (a save committing in between)."""
+        if self.pg is None:
+            return decide()
+        payload = None
+        if self.is_coordinator:
+            try:
+                payload = b"V" + decide()
+            except CheckpointError as exc:
+                payload = b"E" + json.dumps([type(exc).__name__, str(exc)]).encode()
+        data = self.broadcast_bytes(payload)
+        if data[:1] == b"E":
+            kind, message = json.loads(data[1:])
+            raise getattr(errors, kind, CheckpointError)(message)
+        return data[1:]
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int) -> None:
         """Broadcast a preallocated tensor in place from group rank ``src``."""

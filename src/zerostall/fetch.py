@@ -207,7 +207,7 @@ class Fetcher:
         of = f" (entry {entry.fqn})" if entry is not None else ""
         current = manifest_generation(self.storage)
         if current != self.manifest.generation:
-            now = f"another save ({current}) replaced it" if current else "it was deleted"
+            now = f"another save ({current}) replaced it" if current else "it was deleted: pruned by retention, or by hand"
             return CheckpointError(f"{self.path} changed while this read session was open ({now}): data file "
                                    f"{name}{of} is gone; open the checkpoint again")
         return CorruptCheckpointError(f"data file {name} of {self.path} is missing{of}")

@@ -176,11 +176,8 @@ class CheckpointManager:
         everyone opens the same one. ``None`` when nothing was committed yet; a named tag that
         does not exist raises :class:`CheckpointNotFoundError`. Close it (or use ``with``).
         Keywords override fields of the manager's ``load_options``."""
-        resolved = None
-        if self.group.is_coordinator:
-            resolved = self.latest() if tag in (None, "latest") else tag
-        payload = json.dumps(resolved).encode() if self.group.is_coordinator else None
-        resolved = json.loads(self.group.broadcast_bytes(payload))
+        resolved = json.loads(self.group.agree(lambda: json.dumps(self.latest() if tag in (None, "latest") else tag)
+                                               .encode()))
         if resolved is None:
             return None
         try:

@@ -6,11 +6,9 @@ incomplete save. Listing reads only the manifest's head (step, time, metadata), 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
-from . import errors
 from .collectives import Group
 from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from .format import MANIFEST_NAME, Manifest, ManifestHead, file_generation
@@ -54,23 +52,20 @@ def read_manifest_head(storage: Storage) -> ManifestHead:
 
 
 def agreed_manifest(storage: Storage, group: Group) -> Manifest:
-    """Rank 0 reads the manifest and broadcasts its bytes, so every rank opens the same one
-    (even if a save commits meanwhile); an error on rank 0 is raised on every rank."""
+    """Rank 0 reads the manifest (checked before it is sent) and every rank parses the same bytes,
+    even if a save commits meanwhile; an error on rank 0 is raised on every rank."""
     if group.size == 1:
         return read_manifest(storage)
-    payload = manifest = None
-    if group.is_coordinator:
-        try:
-            raw = read_manifest_bytes(storage)
-            manifest = parse_manifest(storage, raw)  # checked before it is sent
-            payload = b"M" + raw
-        except CheckpointError as exc:
-            payload = b"E" + json.dumps([type(exc).__name__, str(exc)]).encode()
-    data = group.broadcast_bytes(payload)
-    if data[:1] == b"E":
-        kind, message = json.loads(data[1:])
-        raise getattr(errors, kind, CheckpointError)(message)
-    return manifest if manifest is not None else parse_manifest(storage, data[1:])
+    manifest = None
+
+    def read() -> bytes:
+        nonlocal manifest
+        raw = read_manifest_bytes(storage)
+        manifest = parse_manifest(storage, raw)
+        return raw
+
+    raw = group.agree(read)
+    return manifest if manifest is not None else parse_manifest(storage, raw)
 
 
 def manifest_generation(storage: Storage) -> str | None:

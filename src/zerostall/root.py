@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .errors import CheckpointError, IncompleteCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from .format import MANIFEST_NAME, ManifestHead, file_generation
 from .opening import read_manifest_head
 from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
@@ -154,6 +154,17 @@ class CheckpointRoot:
         """The newest committed checkpoint's tag, found by listing, which cannot lag behind a commit."""
         found = self.checkpoints()
         return found[-1].name if found else None
+
+    def newest(self, step: int | None = None) -> str:
+        """The tag of the newest committed checkpoint (of ``step``, when given), or a
+        :class:`CheckpointNotFoundError` saying what there is."""
+        found = self.checkpoints()
+        match = [i for i in found if step is None or i.step == step]
+        if match:
+            return match[-1].name
+        steps = ", ".join(str(i.step) for i in found if i.step is not None)
+        raise CheckpointNotFoundError(f"no committed checkpoint{f' of step {step}' if step is not None else ''} under "
+                                      f"{self.location}" + (f" (steps there: {steps})" if steps else ""))
 
     def scan(self, *, include_self: bool = False) -> list[CheckpointInfo]:
         """Every checkpoint directly under the root, committed or not (see :func:`describe`), and the

@@ -19,6 +19,8 @@ import click
 from rich.console import Console
 
 import zerostall as zs
+from zerostall.root import CheckpointRoot
+from zerostall.storage import storage_for
 
 FAILED = 1
 USAGE = 2
@@ -76,3 +78,18 @@ def clip(text: str, width: int = _REPR_WIDTH) -> str:
 @click.version_option(zs.__version__, prog_name="zerostall")
 def cli() -> None:
     """zerostall: list, inspect, verify and prune checkpoints."""
+
+
+def open_checkpoint(ckpt: str, **options: Any) -> zs.Checkpoint:
+    """A read session on what CKPT names: a checkpoint, a checkpoint root (its newest committed
+    checkpoint), ``ROOT/latest`` (the same) or ``ROOT/<step>`` (the newest of that step). Read-only:
+    it works while a manager writes the root."""
+    try:
+        return zs.open(ckpt, **options)
+    except zs.CheckpointNotFoundError:
+        parent, _, name = ckpt.rstrip("/").rpartition("/")
+        if name == "latest" or name.isdigit():
+            return zs.open_latest(parent or ".", None if name == "latest" else int(name), **options)
+        if not CheckpointRoot(storage_for(ckpt)).checkpoints():
+            raise
+        return zs.open_latest(ckpt, **options)

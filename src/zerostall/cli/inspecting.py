@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,7 +19,8 @@ import zerostall as zs
 from zerostall.format import Entry
 from zerostall.storage import storage_for
 
-from .common import FAILED, UNVERIFIED, USAGE, cli, clip, console, format_time, print_json, reported_errors
+from .common import (FAILED, UNVERIFIED, USAGE, cli, clip, console, format_time, open_checkpoint, print_json,
+                     reported_errors)
 
 
 def entry_row(ck: zs.Checkpoint, entry: Entry) -> dict[str, Any]:
@@ -40,8 +42,9 @@ def entry_row(ck: zs.Checkpoint, entry: Entry) -> dict[str, Any]:
 @click.argument("ckpt")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def inspect(ckpt: str, as_json: bool) -> None:
-    """Show the header and the entries of the checkpoint CKPT."""
-    with reported_errors(), zs.open(ckpt, verify=False) as ck:
+    """Show the header and the entries of the checkpoint CKPT (a checkpoint, a root: its newest
+    committed checkpoint, ROOT/latest or ROOT/<step>)."""
+    with reported_errors(), open_checkpoint(ckpt, verify=False) as ck:
         m = ck.manifest
         header = {"path": ck.path, "format_version": m.version, "generation": m.generation, "step": m.step,
                   "created": m.created, "world_size": m.world_size, "block_size": m.block_size,
@@ -73,40 +76,53 @@ def inspect(ckpt: str, as_json: bool) -> None:
 @click.argument("ckpt")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def verify(ckpt: str, as_json: bool) -> None:
-    """Check every file size and checksum of the checkpoint CKPT: exit 1 if it is damaged or
-    incomplete, 3 if some of it could not be read (not known to be damaged), 2 if there is none."""
+    """Check every file size and checksum of the checkpoint CKPT (a checkpoint, a root: its newest
+    committed checkpoint, ROOT/latest or ROOT/<step>): exit 1 if it is damaged or incomplete, 3 if
+    some of it could not be read (not known to be damaged), 2 if there is none."""
     start = time.perf_counter()
     with reported_errors():
-        checked, faults, code = run_verify(ckpt, quiet=as_json)
+        path, checked, faults, code = run_verify(ckpt, quiet=as_json)
     seconds = time.perf_counter() - start
     rate = checked / seconds / 1e9 if seconds > 0 else 0.0
     if as_json:
-        print_json({"path": storage_for(ckpt).location, "ok": not faults, "bytes_checked": checked,
+        print_json({"path": path, "ok": not faults, "bytes_checked": checked,
                     "seconds": round(seconds, 6), "gb_per_s": round(rate, 3), "faults": faults})
     elif faults:
         err = console(stderr=True)
-        err.print(f"{'COULD NOT VERIFY' if code == UNVERIFIED else 'FAILED'} {ckpt}: {len(faults)} fault(s)")
+        err.print(f"{'COULD NOT VERIFY' if code == UNVERIFIED else 'FAILED'} {path}: {len(faults)} fault(s) "
+                  f"({human_bytes(checked)} checked)")
         for fault in faults:
             err.print(f"  - {fault}")
     else:
-        console().print(f"OK {ckpt}: {human_bytes(checked)} checked in {seconds:.2f} s ({rate:.2f} GB/s)")
+        console().print(f"OK {path}: {human_bytes(checked)} checked in {seconds:.2f} s ({rate:.2f} GB/s)")
     if code:
         click.get_current_context().exit(code)
 
 
-def run_verify(ckpt: str, *, quiet: bool) -> tuple[int, list[str], int]:
-    """Verify with a progress bar; returns bytes checked, the faults found and the exit status."""
+def run_verify(ckpt: str, *, quiet: bool) -> tuple[str, int, list[str], int]:
+    """Verify with a progress bar; returns the checkpoint's location, the bytes checked (also when
+    faults were found), the faults and the exit status."""
+    path, checked, lock = storage_for(ckpt).location, 0, threading.Lock()
+
+    def count(n: int) -> None:  # called from the verify threads
+        nonlocal checked
+        with lock:
+            checked += n
+        advance(n)
+
     try:
-        with zs.open(ckpt) as ck:
+        with open_checkpoint(ckpt) as ck:
+            path = ck.path
             total = sum(c.nbytes for e in ck.manifest.entries if e.kind == "tensor" for c in e.chunks)
             with progress_bar(total, quiet=quiet) as advance:
-                return ck.verify(progress=advance), [], 0
+                ck.verify(progress=count)
+                return path, checked, [], 0
     except zs.CheckpointError as exc:
         faults = list(getattr(exc, "faults", None) or [str(exc)])
         if isinstance(exc, zs.CheckpointNotFoundError):
-            return 0, faults, USAGE
+            return path, checked, faults, USAGE
         damaged = isinstance(exc, (zs.CorruptCheckpointError, zs.IncompleteCheckpointError))
-        return 0, faults, FAILED if damaged else UNVERIFIED
+        return path, checked, faults, FAILED if damaged else UNVERIFIED
 
 
 @contextmanager
