@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import signal
@@ -50,10 +51,8 @@ def test_mutation_after_staged_does_not_reach_the_checkpoint(tmp_path):
 def test_background_failure_surfaces_on_the_future_the_next_save_and_close(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     saver = zs.AsyncSaver()
-    handle = saver.save(state_of(1.0), tmp_path / "file" / "ck")
-    with pytest.raises(zs.CheckpointError, match="cannot create checkpoint directory"):
-        handle.result()
-    with pytest.raises(zs.CheckpointError, match="previous asynchronous save failed"):
+    saver.save(state_of(1.0), tmp_path / "file" / "ck")  # nobody looks at its handle
+    with pytest.raises(zs.CheckpointError, match="previous asynchronous save failed: .*cannot create checkpoint"):
         saver.save(state_of(2.0), tmp_path / "ok")
     handle = saver.save(state_of(3.0), tmp_path / "ok")  # reported once, then saving goes on
     handle.result()
@@ -295,3 +294,19 @@ def test_a_dead_writer_process_is_replaced(tmp_path):
     finally:
         saver.close()
     assert torch.equal(zs.load({"w": torch.zeros(1000)}, tmp_path / "b")["w"], state["w"])
+
+
+def test_a_failure_seen_on_its_handle_is_not_raised_again_one_nobody_saw_is(tmp_path):
+    storage = FaultyStorage(LocalStorage(str(tmp_path / "ck")))
+    disk_full = storage.fail("write", OSError(errno.ENOSPC, "No space left on device"), times=2)
+    saver = zs.AsyncSaver()
+    handle = saver.save(state_of(1.0), storage)
+    with pytest.raises(zs.CheckpointError, match="No space left"):
+        handle.result()  # seen here...
+    assert saver.save(state_of(2.0), tmp_path / "ok").result().step is None  # ...so the next save goes on
+    storage.fail("write", OSError(errno.ENOSPC, "No space left on device"))
+    saver.save(state_of(3.0), storage)  # nobody looks at this one's handle
+    with pytest.raises(zs.CheckpointError, match="a previous asynchronous save failed: .*No space left"):
+        saver.save(state_of(4.0), tmp_path / "ok2")
+    saver.close()  # raised once, by the save above: not again
+    assert disk_full.fired.is_set()

@@ -97,8 +97,7 @@ def test_a_change_before_the_capture_fails_the_save_and_commits_nothing(tmp_path
     release.set()
     with pytest.raises(zs.StateChangedError, match=r"(model|optim)\..* was changed in place .* wait_staged\(\)"):
         handle.result()
-    with pytest.raises(zs.CheckpointError, match="a previous asynchronous save failed"):
-        saver.close()
+    saver.close()  # the failure was raised by its handle: not again
     with zs.open(tmp_path / "ck") as ck:
         assert ck.step == 1  # the previous checkpoint is untouched
     zs.verify(tmp_path / "ck")

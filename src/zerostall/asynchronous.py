@@ -39,21 +39,31 @@ log = logging.getLogger(__name__)
 
 
 class SaveHandle:
-    """The two futures of one asynchronous save."""
+    """The two futures of one asynchronous save. A failure raised by :meth:`result` or
+    :meth:`wait_staged` has been seen: the saver does not raise it again at the next save or close."""
 
     def __init__(self, path: str, step: int | None) -> None:
         self.path = path
         self.step = step
         self.staged: Future[None] = Future()
         self.committed: Future[SaveInfo] = Future()
+        self.failure_seen = False
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the state has been captured: call this before mutating it (optimizer step)."""
-        self.staged.result(timeout)
+        self._seen(self.staged, timeout)
 
     def result(self, timeout: float | None = None) -> SaveInfo:
         """Block until committed; raises what the background raised."""
-        return self.committed.result(timeout)
+        return self._seen(self.committed, timeout)
+
+    def _seen(self, future: Future, timeout: float | None) -> Any:
+        try:
+            return future.result(timeout)
+        except BaseException:
+            if future.done():  # the save's own failure, not a timeout of this wait
+                self.failure_seen = True
+            raise
 
     def done(self) -> bool:
         return self.committed.done()
@@ -80,7 +90,7 @@ class AsyncSaver:
         self.if_busy = if_busy
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerostall-async")
         self._current: SaveHandle | None = None
-        self._failure: BaseException | None = None
+        self._failure: tuple[BaseException, SaveHandle] | None = None
         self._lock = threading.Lock()
         self._closed = False
         self._hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
@@ -191,34 +201,38 @@ class AsyncSaver:
     def _fail(self, handle: SaveHandle, exc: BaseException, *, staged: bool) -> None:
         log.error("asynchronous save to %s failed: %s", handle.path, exc)
         with self._lock:
-            self._failure = exc
+            self._failure = (exc, handle)
         if staged:
             handle.staged.set_exception(exc)
         handle.committed.set_exception(exc)
 
     def _raise_failure(self) -> None:
+        """Raise the failure of a save in the background, once, unless its handle already did."""
         with self._lock:
             failure, self._failure = self._failure, None
-        if failure is not None:
-            raise CheckpointError(f"a previous asynchronous save failed: {failure}") from failure
+        if failure is not None and not failure[1].failure_seen:
+            failure[1].failure_seen = True
+            raise CheckpointError(f"a previous asynchronous save failed: {failure[0]}") from failure[0]
 
     def wait_staged(self) -> None:
-        """Block until the save in flight (if any) has captured the state."""
-        if self._current is not None:
-            try:
-                self._current.staged.result()
-            except BaseException:
-                self._raise_failure()
-                raise
+        """Block until the save in flight (if any) has captured the state; raises its failure
+        unless its handle already did."""
+        self._settle(lambda current: current.staged.result())
 
     def wait(self) -> SaveInfo | None:
-        """Block until the save in flight (if any) commits; raises its failure."""
+        """Block until the save in flight (if any) commits; raises its failure unless its handle
+        already did."""
+        return self._settle(lambda current: current.committed.result())
+
+    def _settle(self, wait: Any) -> Any:
         current = self._current
         if current is None:
             return None
         try:
-            return current.committed.result()
+            return wait(current)
         except BaseException:
+            if current.failure_seen:
+                return None
             self._raise_failure()
             raise
 
