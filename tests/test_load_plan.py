@@ -70,3 +70,16 @@ def test_entries_zerostall_adds_for_itself_are_never_unexpected():
     _, p = plan({"model": {"w": torch.zeros(4, 2), "tied": torch.zeros(4, 2)}, "step": 0, "rng": 0})
     assert not p.mismatch  # the checkpoint also holds __rng__.torch (a manager's), which nobody asked for
 
+
+
+def test_a_prefix_that_matches_nothing_says_so():
+    with pytest.raises(zs.StateMismatchError, match=r"nothing in checkpoint ck lies under the prefix 'modle'; its "
+                                                     r"top-level keys are: model, rng, step$"):
+        plan({"w": torch.zeros(4, 2)}, prefix="modle")
+
+
+def test_rank_local_values_across_world_sizes_suggest_strict_false():
+    with pytest.raises(zs.StateMismatchError, match=r"rng \(rank-local, saved by 2 ranks, loading on 1: load with "
+                                                     r"strict=False to skip it\)"):
+        planner = LoadPlanner(manifest(2), "ck", 0, 1, zs.LoadOptions(keys=["rng"]))
+        planner.check(planner.plan({"rng": zs.rank_local(0), "x": torch.zeros(1)})[1])

@@ -388,3 +388,11 @@ def test_a_closed_async_checkpoint_manager_leaves_no_reference_cycles(tmp_path):
         assert [record.step for _, record in manager.checkpoints()] == [2, 3]
 
     assert cyclic_garbage(run) == []
+
+
+def test_a_plain_data_loader_is_refused_at_the_first_save_saying_what_works(tmp_path):
+    loader = torch.utils.data.DataLoader(list(range(10)), batch_size=2)
+    with pytest.raises(zs.UnsupportedValueError, match=r"^dataloader: a torch DataLoader has no state_dict\(\).*"
+                                                        r"StatefulDataLoader"):
+        zs.save({"w": torch.ones(2), "dataloader": loader}, tmp_path / "ck", allow_pickle=True)
+    assert not (tmp_path / "ck").exists()

@@ -11,14 +11,14 @@ from .manager import CheckpointManager
 from .options import LoadOptions, SaveOptions
 from .retention import RetentionPolicy
 from .saving import SaveInfo
-from .state import Stateful, rank_local
+from .state import RankLocal, Stateful, rank_local
 
 __version__ = "0.1.0"
 
 __all__ = [
     "save", "async_save", "load", "open", "open_latest", "verify", "SaveOptions", "LoadOptions",
     "AsyncSaver", "SaveHandle", "SaveInfo", "Checkpoint", "Mismatch", "CheckpointManager", "RetentionPolicy",
-    "rank_local", "Stateful", "FORMAT_VERSION",
+    "rank_local", "RankLocal", "Stateful", "FORMAT_VERSION",
     "CheckpointError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "StateChangedError", "StateMismatchError", "UnsupportedValueError",
 ]

@@ -177,8 +177,9 @@ class Checkpoint:
         result = rebuild(state, flat, plan.replacements, assign=o.materialize)
         if o.strict:
             return result
-        if plan.mismatch:
-            log.warning("partial load from %s: %s", self.path, plan.mismatch.describe())
+        if plan.mismatch:  # once, not once a rank
+            log.log(logging.WARNING if self.group.is_coordinator else logging.DEBUG, "partial load from %s: %s",
+                    self.path, plan.unknown_prefix or plan.mismatch.describe())
         return result, plan.mismatch
 
     def _plan_together(self, planner: LoadPlanner, state: Any) -> tuple[Any, LoadPlan]:

@@ -166,6 +166,11 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
         name, key, local = fqn(path), path_key(path), path in flat.rank_local
         out.keys[path] = key
         if not isinstance(value, torch.Tensor):
+            if isinstance(value, torch.utils.data.DataLoader):
+                raise UnsupportedValueError(
+                    f"{name}: a torch DataLoader has no state_dict(), so where it stopped cannot be saved (pickling "
+                    "it would not restore its position either); use torchdata's StatefulDataLoader, or any loader "
+                    "with state_dict()/load_state_dict(), or leave the loader out of the state")
             encoded = codec.encode(value, where=name, allow_pickle=allow_pickle)
             if local:
                 out.rank_local.append(Entry(name, path, "object", value=encoded, rank=rank))

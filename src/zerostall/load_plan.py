@@ -59,6 +59,7 @@ class LoadPlan:
     used: list[Entry] = field(default_factory=list)
     unused: list[Entry] = field(default_factory=list)
     wanted: set[int] | None = None  # in a collective load: the entries (manifest indices) some rank matched
+    unknown_prefix: str | None = None  # what to say when the prefix asked for matches no entry at all
     meta: list[str] = field(default_factory=list)
     mismatch: Mismatch = field(default_factory=Mismatch)
 
@@ -111,10 +112,14 @@ class LoadPlanner:
                 continue
             if world_changed and path in flat.rank_local and rel not in source:
                 plan.mismatch.mismatched.append(f"{fqn(path)} (rank-local, saved by {self.manifest.world_size} "
-                                                f"ranks, loading on {self.world})")
+                                                f"ranks, loading on {self.world}: load with strict=False to skip it)")
                 continue
             self._match(plan, path, rel, value, source, under, strict_dtype, materialize, seen_targets)
         plan.unused = [e for rel, e in source.items() if rel not in plan.consumed and e.path[:1] not in _INTERNAL]
+        if prefix_path and not any(e.path[:len(prefix_path)] == prefix_path for e in self.manifest.entries):
+            tops = sorted({fqn(e.path[:1]) for e in self.manifest.entries if e.path[:1] not in _INTERNAL})
+            plan.unknown_prefix = (f"nothing in checkpoint {self.path} lies under the prefix {fqn(prefix_path)!r}; its "
+                                   f"top-level keys are: {', '.join(tops[:20])}" + (", …" if len(tops) > 20 else ""))
         plan.used = [source[rel] for rel in plan.consumed]
         return flat, plan
 
@@ -131,6 +136,8 @@ class LoadPlanner:
                 f"targets on the meta device have no memory to load into: {', '.join(plan.meta[:20])}; "
                 "pass materialize=True to allocate them from the checkpoint")
         if self.options.strict and plan.mismatch:
+            if plan.unknown_prefix:
+                raise StateMismatchError(plan.unknown_prefix)
             raise StateMismatchError(f"checkpoint {self.path} does not match the target state: {plan.mismatch.describe()}")
 
     def used_mask(self, plan: LoadPlan) -> list[int]:
