@@ -396,3 +396,15 @@ def test_a_plain_data_loader_is_refused_at_the_first_save_saying_what_works(tmp_
                                                         r"StatefulDataLoader"):
         zs.save({"w": torch.ones(2), "dataloader": loader}, tmp_path / "ck", allow_pickle=True)
     assert not (tmp_path / "ck").exists()
+
+
+def test_a_directory_of_foreign_files_is_refused_and_left_as_it_was(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "run").mkdir()
+    with pytest.raises(zs.CheckpointError, match=r"holds files that are not part of a zerostall checkpoint "
+                                                  r"\(config.json, run\); nothing was written"):
+        zs.save({"w": torch.ones(2)}, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "run"]
+    zs.save({"w": torch.ones(2)}, tmp_path / "ck")
+    zs.save({"w": torch.full((2,), 2.0)}, tmp_path / "ck")  # an existing checkpoint: replaced
+    assert torch.equal(zs.load({"w": torch.zeros(2)}, tmp_path / "ck")["w"], torch.full((2,), 2.0))

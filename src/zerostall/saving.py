@@ -104,7 +104,7 @@ def persist(prepared: Prepared) -> SaveInfo:
             item.tensor = item.tensor.cpu()
     previous = manifest_generation(storage) if group.is_coordinator else None  # see commit.publish
     try:
-        create(storage)
+        create(storage, coordinator=group.is_coordinator)
         files, headers = write_data(storage, p.items, generation, group.rank, threads, p.options.block_size)
         if not group.is_coordinator:
             with gc_paused():

@@ -16,7 +16,7 @@ from .balance import balance
 from .checksums import CACHE_PIECE, BlockHasher, block_checksums, checksum, pieces
 from .collect import WriteItem
 from .errors import CheckpointError
-from .format import Chunk, FileItem, data_file_name, safetensors_header
+from .format import MANIFEST_NAME, Chunk, FileItem, data_file_name, file_generation, safetensors_header
 from .gcpause import gc_paused
 from .memory import tensor_bytes
 from .storage import Storage
@@ -36,8 +36,17 @@ def assign_files(items: Sequence[WriteItem], n_files: int) -> list[list[WriteIte
     return [[items[i] for i in sorted(f, key=lambda i: (-items[i].tensor.element_size(), i))] for f in files if f]
 
 
-def create(storage: Storage) -> None:
-    """Make the checkpoint's location exist before the first data file is written."""
+def create(storage: Storage, *, coordinator: bool) -> None:
+    """Make the checkpoint's location exist before the first data file is written. The coordinator
+    first refuses a location holding files that are not a checkpoint's (a checkpoint root, a model
+    directory): saving there would mix a checkpoint into them."""
+    if coordinator:
+        foreign = [n for n in storage.list() if n != MANIFEST_NAME and file_generation(n) is None]
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f", … ({len(foreign) - 5} more)" if len(foreign) > 5 else "")
+            raise CheckpointError(f"{storage.location} holds files that are not part of a zerostall checkpoint "
+                                  f"({shown}); nothing was written: save into a new or empty directory, or into an "
+                                  "existing checkpoint to replace it")
     try:
         storage.create()
     except OSError as exc:
