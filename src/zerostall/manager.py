@@ -2,8 +2,8 @@
 
 The root (see :mod:`zerostall.root`) holds one checkpoint per step (``step_000000100``) or tag,
 the ``latest`` pointer and the writer lease (see :mod:`zerostall.lease`). A new writer removes
-what a dead one left uncommitted. Saving a step below committed ones (a rollback) moves those into
-``.superseded/`` first. Retention (see :mod:`zerostall.retention`) runs on the coordinator after
+what a dead one left uncommitted. Saving a step below committed ones (a rollback), or one that
+exists, moves those into ``.superseded/`` first. Retention (see :mod:`zerostall.retention`) runs on the coordinator after
 each commit, in the background; a checkpoint is deleted manifest first.
 """
 
@@ -119,14 +119,14 @@ class CheckpointManager:
         return handle
 
     def _set_aside_later_than(self, step: int, tag: str) -> None:
-        """Saving ``step`` while checkpoints of later steps exist forks the run (a rollback to an
-        earlier checkpoint, or a new run in the same root): move those into ``.superseded/``, so
-        that restore, ``latest`` and retention follow the run being written (they pick by step, and
-        would resume the abandoned run or delete the new one's checkpoints) and nothing is lost.
-        ``tag`` itself stays: this save replaces it, safely, as any save into a path does."""
+        """Saving ``step`` while checkpoints of later steps (or one under the same tag) exist forks
+        the run (a rollback to an earlier checkpoint, or a new run in the same root): move those
+        into ``.superseded/``, so that restore, ``latest`` and retention follow the run being
+        written (they pick by step, and would resume the abandoned run or delete the new one's
+        checkpoints) and no committed checkpoint is lost by being saved over."""
         if not self.group.is_coordinator:
             return
-        later = [name for name, record in self.checkpoints() if record.step > step and name != tag]
+        later = [name for name, record in self.checkpoints() if record.step > step or name == tag]
         if later:  # not while retention deletes
             self._deleter.submit(self.checkpoint_root.set_aside, later, step).result()
 
