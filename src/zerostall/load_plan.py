@@ -10,6 +10,7 @@ any byte moves.
 from __future__ import annotations
 
 import fnmatch
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -128,8 +129,7 @@ class LoadPlanner:
         collective load, ``wanted`` holds the manifest indices of the entries some rank matched: an
         entry is unexpected only when no rank wanted it (pipeline stages load their own keys)."""
         if wanted is not None:
-            index = {id(e): i for i, e in enumerate(self.manifest.entries)}
-            plan.unused = [e for e in plan.unused if index[id(e)] not in wanted]
+            plan.unused = [e for e in plan.unused if self._index[id(e)] not in wanted]
         plan.mismatch.unexpected = [e.fqn for e in plan.unused]
         if plan.meta:
             raise StateMismatchError(
@@ -143,10 +143,14 @@ class LoadPlanner:
     def used_mask(self, plan: LoadPlan) -> list[int]:
         """One flag per manifest entry: whether this rank's target matched it (summed over ranks)."""
         mask = [0] * len(self.manifest.entries)
-        index = {id(e): i for i, e in enumerate(self.manifest.entries)}
         for entry in plan.used:
-            mask[index[id(entry)]] = 1
+            mask[self._index[id(entry)]] = 1
         return mask
+
+    @functools.cached_property
+    def _index(self) -> dict[int, int]:
+        """Each entry's position in the manifest, by identity (only collective loads need it)."""
+        return {id(e): i for i, e in enumerate(self.manifest.entries)}
 
     def _source_index(self, prefix: Path, strip: Sequence[str],
                       select: Callable[[str], bool] | None) -> dict[Path, Entry]:
