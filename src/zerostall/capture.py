@@ -116,21 +116,23 @@ def capture(items: Sequence[WriteItem], buffers: Sequence[torch.Tensor], ready: 
         stream = torch.cuda.Stream()
         stream.wait_event(ready)
     on_device = []
-    with torch.no_grad():
-        for item, buf, version in zip(items, buffers, recorded):
-            source = item.tensor
-            if source.is_cuda:
-                assert stream is not None
-                with torch.cuda.stream(stream):
-                    buf.copy_(source, non_blocking=True)
-                source.record_stream(stream)
-                on_device.append((item, source, version))
-            else:
-                buf.copy_(source)
-                _check(item, source, version)
-            item.tensor = buf
-    if stream is not None:
-        stream.synchronize()
+    try:
+        with torch.no_grad():
+            for item, buf, version in zip(items, buffers, recorded):
+                source = item.tensor
+                if source.is_cuda:
+                    assert stream is not None
+                    with torch.cuda.stream(stream):
+                        buf.copy_(source, non_blocking=True)
+                    source.record_stream(stream)
+                    on_device.append((item, source, version))
+                else:
+                    buf.copy_(source)
+                    _check(item, source, version)
+                item.tensor = buf
+    finally:
+        if stream is not None:
+            stream.synchronize()  # also when a check failed: no copy may still land in a reused buffer
     for item, source, version in on_device:
         _check(item, source, version)
 
