@@ -56,3 +56,36 @@ def test_async_capture_sees_queued_kernels_and_not_later_writes(tmp_path):
         handle.result()
     loaded = zs.load({"x": torch.empty(4096, 4096, device="cuda")}, str(tmp_path / "ck"))
     assert torch.equal(loaded["x"], torch.full_like(x, 20.0))
+
+
+def test_a_cuda_tensor_changed_before_its_capture_fails_the_save(tmp_path):
+    """The version check on the CUDA path: a kernel queued after the save, before the capture
+    (held back here), changes a saved tensor; the save fails, nothing is committed."""
+    import threading
+
+    state = {"w": torch.ones(1 << 20, device="cuda")}
+    saver = zs.AsyncSaver()
+    release = threading.Event()
+    saver._worker.submit(release.wait, 60)  # the capture cannot start until the change is queued
+    handle = saver.save(state, str(tmp_path / "ck"))
+    state["w"].mul_(2)
+    release.set()
+    with pytest.raises(zs.StateChangedError, match="^w was changed in place"):
+        handle.result()
+    saver.close()
+    assert not (tmp_path / "ck" / "manifest.json").exists()
+
+
+def test_an_optimizer_step_on_cuda_waits_for_the_capture(tmp_path):
+    model = torch.nn.Linear(256, 256, device="cuda")
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 256, device="cuda")).sum().backward()
+    optimizer.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with zs.AsyncSaver() as saver:
+        handle = saver.save({"model": model, "optim": optimizer}, str(tmp_path / "ck"))
+        model(torch.randn(8, 256, device="cuda")).sum().backward()
+        optimizer.step()  # no wait_staged(): the step waits for the capture by itself
+        handle.result()
+    with zs.open(str(tmp_path / "ck")) as ck:
+        assert all(torch.equal(before[k].cpu(), ck.read(f"model.{k}")) for k in before)
