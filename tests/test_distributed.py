@@ -285,7 +285,7 @@ def test_a_save_one_rank_cannot_collect_fails_on_every_rank_and_keeps_the_checkp
     path = str(tmp_path / "ck")
     first, second = ranks(2).run(save_with_an_unsupported_value_on_rank_1, path, timeout=60)
     assert first[0] == second[0] == first[2] == second[2] == "saved"
-    assert first[1].startswith("CheckpointError (step 1 stays): 1 other rank(s) could not collect")
+    assert first[1].startswith("CheckpointError (step 1 stays): 1 other rank(s) could not prepare")
     assert second[1].startswith("UnsupportedValueError (step 1 stays)") and "own" in second[1]
     with zs.open(path) as ck:
         assert ck.step == 3
@@ -473,3 +473,19 @@ def test_a_load_one_rank_cannot_plan_fails_on_every_rank(ranks, tmp_path):
     rank0, rank1 = ranks(2).run(planning_fails_on_rank_1, str(tmp_path / "ck"))
     assert rank1.startswith("StateMismatchError: entries") and "collide" in rank1
     assert rank0.startswith("CheckpointError: load from") and "1 other rank(s) could not match" in rank0
+
+
+def save_into_a_foreign_directory(path: str) -> str:
+    try:
+        zs.save({"w": torch.ones(2), "r": zs.rank_local(torch.full((2,), float(dist.get_rank())))}, path)
+    except zs.CheckpointError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_a_foreign_directory_is_refused_on_every_rank_before_any_writes(ranks, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    rank0, rank1 = ranks(2).run(save_into_a_foreign_directory, str(tmp_path))
+    assert "holds files that are not part of a zerostall checkpoint (config.json)" in rank0
+    assert "1 other rank(s) could not prepare this save" in rank1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]  # no data file, no record

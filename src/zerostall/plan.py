@@ -90,7 +90,7 @@ class SavePlanner:
     0 for none) and contributes ``p + p**2 << 32``; the sums ``S1 = sum(p)`` and ``S2 = sum(p**2)``
     satisfy ``S1**2 == world * S2`` exactly when every rank proposed the same slot, so agreement is
     exact, not probabilistic. The second lane carries the coordinator's clock for the generation id,
-    the third the number of ranks that could not collect their state (see :meth:`refuse`).
+    the third the number of ranks that could not prepare the save (see :meth:`refuse`).
     Every rank's cache changes only on agreed outcomes, so slot numbers mean the same plan everywhere.
     """
 
@@ -111,8 +111,8 @@ class SavePlanner:
         slot = next((n for n, p in enumerate(cache, 1) if p.digests[group.rank] == digest), 0)
         clock = time.time_ns() if group.is_coordinator else 0
         proposals, clock = group.all_reduce_or_fail(
-            [slot + (slot * slot << 32), clock], "{failed} other rank(s) could not collect their state for this "
-            "save (their errors name the key); nothing was written")
+            [slot + (slot * slot << 32), clock], "{failed} other rank(s) could not prepare this "
+            "save (their errors say why); nothing was written")
         s1, s2 = proposals & 0xFFFFFFFF, proposals >> 32
         if s1 and s1 * s1 == group.size * s2:
             plan = cache.pop(s1 // group.size - 1)

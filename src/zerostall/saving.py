@@ -26,7 +26,7 @@ from .opening import manifest_generation
 from .options import SaveOptions, default_threads
 from .plan import SavePlan, SavePlanner
 from .storage import LocalStorage, Storage, storage_for
-from .write import create, write_data
+from .write import check_location, create, write_data
 
 _PLANNER = SavePlanner()
 
@@ -67,11 +67,15 @@ class Prepared:
 
 def prepare(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOptions, *, process_group: Any = None,
             step: int | None = None, metadata: Mapping[str, Any] | None = None) -> Prepared:
-    """Collect and plan a save (collective when distributed); no byte is written yet."""
+    """Check the location, collect and plan a save (collective when distributed); no byte is
+    written yet, and a rank that cannot take part makes every rank raise."""
     t0 = time.perf_counter()
     group = Group(process_group)
+    storage = storage_for(path, fsync=options.fsync)
     with gc_paused():
         try:
+            if group.is_coordinator:
+                check_location(storage)
             collected = collect(state, group.rank, allow_pickle=options.allow_pickle)
         except Exception:
             _PLANNER.refuse(group)
@@ -80,8 +84,8 @@ def prepare(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOpt
         plan, generation, replanned = _PLANNER.plan(group, collected)
         items = [i for i in collected.items if i.rank_local or plan.writes(group.rank, i.key)]
     encoded = codec.encode(dict(metadata or {}), where="metadata", allow_pickle=options.allow_pickle)
-    return Prepared(group, collected, plan, generation, replanned, items, storage_for(path, fsync=options.fsync),
-                    step, encoded, options, t_collect - t0, time.perf_counter() - t_collect)
+    return Prepared(group, collected, plan, generation, replanned, items, storage, step, encoded, options,
+                    t_collect - t0, time.perf_counter() - t_collect)
 
 
 def for_writer_process(prepared: Prepared) -> Prepared:
@@ -104,7 +108,7 @@ def persist(prepared: Prepared) -> SaveInfo:
             item.tensor = item.tensor.cpu()
     previous = manifest_generation(storage) if group.is_coordinator else None  # see commit.publish
     try:
-        create(storage, coordinator=group.is_coordinator)
+        create(storage)
         files, headers = write_data(storage, p.items, generation, group.rank, threads, p.options.block_size)
         if not group.is_coordinator:
             with gc_paused():

@@ -36,17 +36,20 @@ def assign_files(items: Sequence[WriteItem], n_files: int) -> list[list[WriteIte
     return [[items[i] for i in sorted(f, key=lambda i: (-items[i].tensor.element_size(), i))] for f in files if f]
 
 
-def create(storage: Storage, *, coordinator: bool) -> None:
-    """Make the checkpoint's location exist before the first data file is written. The coordinator
-    first refuses a location holding files that are not a checkpoint's (a checkpoint root, a model
-    directory): saving there would mix a checkpoint into them."""
-    if coordinator:
-        foreign = [n for n in storage.list() if n != MANIFEST_NAME and file_generation(n) is None]
-        if foreign:
-            shown = ", ".join(foreign[:5]) + (f", … ({len(foreign) - 5} more)" if len(foreign) > 5 else "")
-            raise CheckpointError(f"{storage.location} holds files that are not part of a zerostall checkpoint "
-                                  f"({shown}); nothing was written: save into a new or empty directory, or into an "
-                                  "existing checkpoint to replace it")
+def check_location(storage: Storage) -> None:
+    """Refuse a location holding files that are not a checkpoint's (a checkpoint root, a model
+    directory): saving there would mix a checkpoint into them. Run by the coordinator before any
+    rank writes."""
+    foreign = [n for n in storage.list() if n != MANIFEST_NAME and file_generation(n) is None]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f", … ({len(foreign) - 5} more)" if len(foreign) > 5 else "")
+        raise CheckpointError(f"{storage.location} holds files that are not part of a zerostall checkpoint "
+                              f"({shown}); nothing was written: save into a new or empty directory, or into an "
+                              "existing checkpoint to replace it")
+
+
+def create(storage: Storage) -> None:
+    """Make the checkpoint's location exist before the first data file is written."""
     try:
         storage.create()
     except OSError as exc:
