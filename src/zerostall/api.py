@@ -17,8 +17,8 @@ from .checkpoint import Checkpoint
 from .collectives import Group
 from .gcpause import gc_paused
 from .options import LoadOptions, SaveOptions
-from .saving import SaveInfo, persist, prepare
 from .root import CheckpointRoot
+from .saving import SaveInfo, persist, prepare
 from .storage import Storage, storage_for
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from .errors import CheckpointError, CheckpointNotFoundError
 from .format import RNG_KEY
 from .lease import DEFAULT_TTL, WriterLease
 from .options import LoadOptions, SaveOptions
-from .retention import CheckpointRecord, RetentionPolicy, numeric_metrics
+from .retention import CheckpointRecord, RetentionPolicy
 from .root import LATEST_NAME, CheckpointRoot, retained, step_tag, validate_tag
 from .saving import SaveInfo
 from .schedule import SaveSchedule
@@ -162,9 +162,7 @@ class CheckpointManager:
     def checkpoints(self) -> list[tuple[str, CheckpointRecord]]:
         """Committed checkpoints (tag, record), oldest step first (a step-less one counts as step
         -1). Only the head of each manifest is parsed, once while it stays the same file."""
-        return [(info.name, CheckpointRecord(-1 if info.step is None else info.step, info.created or 0.0,
-                                             numeric_metrics(info.metrics)))
-                for info in self.checkpoint_root.checkpoints()]
+        return [(info.name, info.record()) for info in self.checkpoint_root.checkpoints()]
 
     def latest(self) -> str | None:
         """The newest committed checkpoint's tag. Found by listing, which cannot lag behind a

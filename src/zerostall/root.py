@@ -60,13 +60,18 @@ class CheckpointInfo:
     metrics: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
 
+    def record(self) -> CheckpointRecord:
+        """What retention knows of it (a step-less checkpoint counts as step -1)."""
+        return CheckpointRecord(-1 if self.step is None else self.step, self.created or 0.0,
+                                numeric_metrics(self.metrics))
+
 
 def retained(infos: list[CheckpointInfo], policy: RetentionPolicy, pinned: Iterable[int] = ()) -> dict[str, list[str]]:
     """For each committed checkpoint with a step, the rules that keep it (see
     :func:`zerostall.retention.kept`); an empty list: retention may delete it. Checkpoints that share
     a step share its fate; others (incomplete, corrupt, step-less) are not for retention to judge."""
     ranked = [i for i in infos if i.status == COMMITTED and i.step is not None]
-    records = [CheckpointRecord(i.step, i.created or 0.0, numeric_metrics(i.metrics)) for i in ranked]
+    records = [i.record() for i in ranked]
     reasons = kept(records, policy, pinned=sorted(set(pinned)))
     return {i.name: list(reasons.get(i.step, [])) for i in ranked}
 
