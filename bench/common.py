@@ -237,7 +237,7 @@ class AsyncContender:
 def zerostall_start(saver: zs.AsyncSaver) -> Callable[[Any, str], Futures]:
     """Start a save with ``saver``: its (staged, committed) futures."""
     def start(state: Any, path: str) -> Futures:
-        handle = saver.save(state, path)
+        handle = saver.save(state, path, overwrite=True)  # timed saves reuse their paths, as DCP does
         assert handle is not None  # if_busy="wait" never skips
         return handle.staged, handle.committed
 
@@ -420,7 +420,7 @@ class ZerostallArm(NoCheckpoint):
 
     def save(self, state: Any, path: str) -> None:
         """Start a save; if_busy="wait": waits for the last commit."""
-        self.handle = self.saver.save(state, path)
+        self.handle = self.saver.save(state, path, overwrite=True)
 
     def before_step(self) -> None:
         """Wait until the last save is staged."""

@@ -50,7 +50,7 @@ def pages(path: str, suffix: str = "") -> int:
 
 def failed_save(path: str, new: dict) -> dict:
     try:
-        zs.save(new, path)
+        zs.save(new, path, overwrite=True)
     except zs.CheckpointError as exc:
         return {"error": type(exc).__name__, "message": str(exc)}
     return {"error": None}
@@ -67,7 +67,7 @@ def scenario(root: str, name: str, free_pages: int, first: bool = False) -> dict
     report["files"] = sorted(os.listdir(path)) if os.path.isdir(path) else []
     report["after"] = loaded(path) if not first else None
     os.remove(os.path.join(root, "filler"))
-    zs.save(state(3), path)
+    zs.save(state(3), path, overwrite=True)
     report["files_after_next_save"] = sorted(os.listdir(path))
     report["next"] = loaded(path)
     shutil.rmtree(path)

@@ -52,7 +52,7 @@ def main() -> None:
     zs.save(state(1), ckpt)
     before = sorted(os.listdir(ckpt))
     os.chmod(ckpt, 0o555)
-    report["save_over_read_only_ckpt"] = outcome(lambda: zs.save(state(2), ckpt))
+    report["save_over_read_only_ckpt"] = outcome(lambda: zs.save(state(2), ckpt, overwrite=True))
     report["save_over_read_only_ckpt"].update(unchanged=sorted(os.listdir(ckpt)) == before, holds=loads_as(ckpt))
     os.chmod(ckpt, 0o755)
 

@@ -85,18 +85,18 @@ def test_one_save_in_flight_wait_or_skip(tmp_path):
     gate = threading.Event()
     with zs.AsyncSaver(if_busy="skip") as saver:
         a = gated(tmp_path / "a", gate)
-        first = saver.save(state_of(1.0), a)
-        assert saver.save(state_of(2.0), tmp_path / "b") is None
+        first = saver.save(state_of(1.0), a, overwrite=True)
+        assert saver.save(state_of(2.0), tmp_path / "b", overwrite=True) is None
         gate.set()
         first.result()
-        saver.save(state_of(3.0), tmp_path / "b").result()
+        saver.save(state_of(3.0), tmp_path / "b", overwrite=True).result()
     assert a.names("write") and loaded(tmp_path / "b")["step"] == 3
     gate.clear()
     threading.Timer(0.2, gate.set).start()  # lets the second save start waiting; any delay passes
     with zs.AsyncSaver() as saver:
         c = gated(tmp_path / "c", gate)
-        first = saver.save(state_of(1.0), c)
-        second = saver.save(state_of(2.0), tmp_path / "c")  # waits for the first to commit
+        first = saver.save(state_of(1.0), c, overwrite=True)
+        second = saver.save(state_of(2.0), tmp_path / "c", overwrite=True)  # waits for the first to commit
         assert first.done()
         second.result()
     assert c.names("write") and loaded(tmp_path / "c")["step"] == 2
@@ -122,10 +122,10 @@ def test_fifty_async_saves_keep_memory_flat(tmp_path):
     state = {f"t{i}": torch.randn(1 << 18) for i in range(8)}  # 8 MiB
     with zs.AsyncSaver() as saver:
         for _ in range(3):
-            saver.save(state, tmp_path / "ck").result()
+            saver.save(state, tmp_path / "ck", overwrite=True).result()
         before = rss_mb()
         for step in range(50):
-            saver.save(state, tmp_path / "ck", step=step).wait_staged()
+            saver.save(state, tmp_path / "ck", step=step, overwrite=True).wait_staged()
         saver.wait()
         growth = rss_mb() - before
     assert growth < 64, f"RSS grew by {growth:.1f} MB over 50 saves"

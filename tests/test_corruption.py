@@ -321,7 +321,7 @@ def test_a_checkpoint_changed_under_an_open_session_is_not_called_corrupt(saved,
     path, state = saved
     ck = zs.open(path)
     if change == "resaved":
-        zs.save({"other": torch.ones(3)}, path)
+        zs.save({"other": torch.ones(3)}, path, overwrite=True)
     else:
         shutil.rmtree(path)
     for read in (lambda: ck.load(empty_like_state()), lambda: ck.read(WEIGHT), ck.verify):
@@ -452,14 +452,14 @@ def test_refused_value_deep_inside_metadata_is_located(tmp_path):
 def test_values_nested_too_deeply_are_refused_with_a_typed_error(tmp_path, where, named):
     """Not a RecursionError from deep inside the walk: a typed error naming where, and the
     checkpoint already at the path untouched."""
-    zs.save({"t": torch.ones(2)}, tmp_path / "ck")
+    zs.save({"t": torch.ones(2)}, tmp_path / "ck", overwrite=True)
     deep = 1
     for _ in range(5000):
         deep = [deep]
     state, metadata = {"t": torch.zeros(2)}, {}
     (state if where == "state" else metadata)["x"] = deep
     with pytest.raises(zs.UnsupportedValueError, match="deep") as exc:
-        zs.save(state, tmp_path / "ck", metadata=metadata)
+        zs.save(state, tmp_path / "ck", metadata=metadata, overwrite=True)
     assert named in str(exc.value)
     assert torch.equal(zs.load({"t": torch.zeros(2)}, tmp_path / "ck")["t"], torch.ones(2))
 

@@ -103,7 +103,7 @@ CHILD = textwrap.dedent('''
     else:
         raise SystemExit("unknown stage " + stage)
 
-    zs.save(make_state(2), storage, block_size={block})
+    zs.save(make_state(2), storage, block_size={block}, overwrite=True)
     sys.stderr.write("child: save returned\\n")
     sys.exit(3)
 ''')
@@ -153,7 +153,7 @@ def test_killed_save_leaves_old_or_new_checkpoint(killed, stage):
         assert manifest_files(path) | {"manifest.json"} == before, "the old manifest must be untouched"
 
     # the next normal save commits and removes every stale file of both earlier generations
-    zs.save(make_state(3), path)
+    zs.save(make_state(3), path, overwrite=True)
     assert_is_state(load_fresh(path), 3)
     assert zs.verify(path) > 0
     assert_only_current_generation(path)
@@ -177,7 +177,7 @@ def enospc() -> OSError:
 @pytest.mark.parametrize("how", ["enospc_first_write", "enospc_later_write", "enospc_manifest", "rename_fails"])
 def test_failed_save_keeps_old_and_leaves_nothing(tmp_path, monkeypatch, how):
     path = tmp_path / "ckpt"
-    zs.save(make_state(1), path)
+    zs.save(make_state(1), path, overwrite=True)
     before = set(os.listdir(path))
 
     storage = FaultyStorage(LocalStorage(str(path)))
@@ -200,7 +200,7 @@ def test_failed_save_keeps_old_and_leaves_nothing(tmp_path, monkeypatch, how):
         monkeypatch.setattr(os, "replace", replace)
 
     with pytest.raises(zs.CheckpointError) as exc:
-        zs.save(make_state(2), storage, block_size=BLOCK, threads=2)  # two data files of 4 MiB
+        zs.save(make_state(2), storage, block_size=BLOCK, threads=2, overwrite=True)  # two data files of 4 MiB
     assert "injected" in str(exc.value)
     monkeypatch.undo()
     if how == "rename_fails":
@@ -232,19 +232,19 @@ def test_failure_after_the_rename_does_not_destroy_the_committed_checkpoint(tmp_
     is in place, so the save may report the error, but it must not delete the data that manifest
     references: the new state loads and verifies, and the next save removes the old one's files."""
     path = tmp_path / "ckpt"
-    zs.save(make_state(1), path)
+    zs.save(make_state(1), path, overwrite=True)
     old = set(os.listdir(path)) - {"manifest.json"}
 
     storage = FaultyStorage(LocalStorage(str(path)))
     fault = storage.fail("publish", OSError(errno.EIO, "directory fsync failed (injected)"), name="manifest.json",
                          at="after")
     with pytest.raises(zs.CheckpointError, match="injected"):
-        zs.save(make_state(2), storage)
+        zs.save(make_state(2), storage, overwrite=True)
     assert fault.count == 1
 
     assert_is_state(load_fresh(path), 2)  # must not raise CorruptCheckpointError (data file missing)
     assert zs.verify(path) > 0
-    zs.save(make_state(3), path)
+    zs.save(make_state(3), path, overwrite=True)
     assert not old & set(os.listdir(path))
     assert_only_current_generation(path)
 
@@ -270,18 +270,18 @@ def test_failed_cleanup_does_not_fail_the_save(tmp_path):
     """Deleting the old generation is best effort: the new checkpoint is committed regardless,
     and the next save removes what was left."""
     path = tmp_path / "ckpt"
-    zs.save(make_state(1), path)
+    zs.save(make_state(1), path, overwrite=True)
     old = set(os.listdir(path)) - {"manifest.json"}
 
     storage = FaultyStorage(LocalStorage(str(path)))
     fault = storage.fail("delete", PermissionError(errno.EACCES, "cannot delete (injected)"))
-    zs.save(make_state(2), storage)
+    zs.save(make_state(2), storage, overwrite=True)
     assert fault.count == len(old)
     assert old <= set(os.listdir(path))
     assert_is_state(load_fresh(path), 2)
     assert zs.verify(path) > 0
 
-    zs.save(make_state(3), path)
+    zs.save(make_state(3), path, overwrite=True)
     assert_is_state(load_fresh(path), 3)
     assert_only_current_generation(path)
 
@@ -290,11 +290,11 @@ def test_a_write_that_makes_no_progress_fails_the_save(tmp_path, monkeypatch):
     """The local backend's own check: a ``writev`` that returns 0 (the os call it makes) fails the
     save instead of leaving a short file behind a committed manifest."""
     path = tmp_path / "ckpt"
-    zs.save(make_state(1), path)
+    zs.save(make_state(1), path, overwrite=True)
     stalls = []
     monkeypatch.setattr(os, "writev", lambda fd, buffers: stalls.append(fd) or 0)
     with pytest.raises(zs.CheckpointError, match="stalled"):
-        zs.save(make_state(2), path)
+        zs.save(make_state(2), path, overwrite=True)
     monkeypatch.undo()
     assert stalls
     assert_is_state(load_fresh(path), 1)
@@ -307,18 +307,18 @@ def test_an_older_save_does_not_commit_over_a_newer_one(tmp_path, when):
     had written them). A must then be refused, not commit a manifest over B's whose data files may
     be gone; B's checkpoint stays whole and A's files are removed."""
     path = tmp_path / "ck"
-    zs.save(make_state(1), path)
+    zs.save(make_state(1), path, overwrite=True)
     storage = FaultyStorage(LocalStorage(str(path)))  # A's view of the path
 
     def save_b(op, name):
-        zs.save(make_state(3), path)
+        zs.save(make_state(3), path, overwrite=True)
 
     if when == "before_its_writes":  # A has its generation and begins writing: B runs and commits now
         b_saved = storage.call("create", save_b, times=1)
     else:  # A has written its data and manifest temp file, at the switch: B runs and commits now
         b_saved = storage.call("publish", save_b, name="manifest.json", at="before_replace")
     with pytest.raises(zs.CheckpointError, match="another save .* committed there while it was in flight"):
-        zs.save(make_state(2), storage)
+        zs.save(make_state(2), storage, overwrite=True)
     assert b_saved.count == 1 and storage.names("write")
     assert_is_state(load_fresh(path), 3)
     assert zs.verify(path) > 0
@@ -332,10 +332,10 @@ def test_a_save_over_a_checkpoint_from_a_clock_ahead_commits(tmp_path, monkeypat
     path = tmp_path / "ck"
     ahead = time.time_ns() + 3600 * 10**9
     monkeypatch.setattr(time, "time_ns", lambda: ahead)
-    zs.save(make_state(1), path)
+    zs.save(make_state(1), path, overwrite=True)
     monkeypatch.undo()
     ahead_files = set(os.listdir(path)) - {"manifest.json"}
-    zs.save(make_state(2), path)
+    zs.save(make_state(2), path, overwrite=True)
     assert_is_state(load_fresh(path), 2)
     assert zs.verify(path) > 0
     assert not ahead_files & set(os.listdir(path)), "the replaced checkpoint's files must not outlive it"

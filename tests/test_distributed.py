@@ -109,7 +109,7 @@ def save_with_an_unsupported_value_on_rank_1(path: str) -> list[str]:
         if bad and dist.get_rank() == 1:
             state["own"] = zs.rank_local({"n": object()})
         try:
-            zs.save(state, path, step=step)
+            zs.save(state, path, step=step, overwrite=True)
             outcomes.append("saved")
         except zs.CheckpointError as exc:
             with zs.open(path) as ck:
@@ -144,7 +144,7 @@ def count_collectives(path: str) -> list[dict]:
             state = {"w": full_value((64, 8), 0) * step, "step": step}
             if extra:
                 state["new"] = torch.ones(3)
-            info = zs.save(state, path)
+            info = zs.save(state, path, overwrite=True)
             out.append({"replanned": info.replanned, "calls": list(calls), "plan_s": info.plan_s})
         return out
     finally:
@@ -182,7 +182,7 @@ def failing_save(path: str, how: str, timeout: float) -> str:
              "rank": zs.rank_local(rank)}
     start = time.monotonic()
     try:
-        zs.save(state, storage, commit_timeout=timeout)
+        zs.save(state, storage, commit_timeout=timeout, overwrite=True)
     except zs.CheckpointError as exc:
         return f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}"
     return "committed"
@@ -489,3 +489,13 @@ def test_a_foreign_directory_is_refused_on_every_rank_before_any_writes(ranks, t
     assert "holds files that are not part of a zerostall checkpoint (config.json)" in rank0
     assert "1 other rank(s) could not prepare this save" in rank1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]  # no data file, no record
+
+
+def test_a_save_over_a_checkpoint_without_overwrite_is_refused_on_every_rank(ranks, tmp_path):
+    path = tmp_path / "ck"
+    zs.save({"w": torch.ones(2)}, path)
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    rank0, rank1 = ranks(2).run(save_into_a_foreign_directory, str(path))
+    assert "already holds a committed checkpoint" in rank0 and "overwrite=True" in rank0
+    assert "1 other rank(s) could not prepare this save" in rank1
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before

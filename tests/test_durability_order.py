@@ -79,13 +79,13 @@ def manifest_info(path):
 @pytest.mark.parametrize("threads", [1, 3])
 def test_commit_order_into_existing_checkpoint(tmp_path, monkeypatch, threads):
     path = tmp_path / "ckpt"
-    zs.save(make_state(1), path)
+    zs.save(make_state(1), path, overwrite=True)
     root = os.path.realpath(path)
     _, old_files = manifest_info(path)
     assert old_files
 
     rec = Recorder(monkeypatch)
-    zs.save(make_state(2), path, threads=threads)
+    zs.save(make_state(2), path, threads=threads, overwrite=True)
     monkeypatch.undo()
     events = rec.events
 
@@ -141,9 +141,9 @@ def test_first_save_makes_the_directory_durable_before_writing(tmp_path, monkeyp
 
 def test_fsync_false_never_fsyncs(tmp_path, monkeypatch):
     path = tmp_path / "scratch" / "ckpt"
-    zs.save(make_state(1), path, fsync=False)
+    zs.save(make_state(1), path, fsync=False, overwrite=True)
     rec = Recorder(monkeypatch)
-    zs.save(make_state(2), path, fsync=False)
+    zs.save(make_state(2), path, fsync=False, overwrite=True)
     monkeypatch.undo()
 
     assert not [e for e in rec.events if e[0] == "fsync"], rec.events

@@ -97,12 +97,12 @@ def test_checkpoints_lists_the_committed_ones_by_step(ckroot, tmp_path):
 def test_each_manifest_is_parsed_once_until_it_is_replaced(tmp_path):
     storage = FaultyStorage(LocalStorage(str(tmp_path)))
     ckroot = CheckpointRoot(storage)
-    save(tmp_path / "a", 1)
-    save(tmp_path / "b", 2)
+    save(tmp_path / "a", 1, overwrite=True)
+    save(tmp_path / "b", 2, overwrite=True)
     ckroot.checkpoints()
     ckroot.checkpoints()
     assert sorted(storage.names("read_bytes")) == ["a/manifest.json", "b/manifest.json"]
-    save(tmp_path / "a", 3)  # a new manifest in the same place
+    save(tmp_path / "a", 3, overwrite=True)  # a new manifest in the same place
     assert [(i.name, i.step) for i in ckroot.checkpoints()] == [("b", 2), ("a", 3)]
     assert sorted(storage.names("read_bytes")) == ["a/manifest.json", "a/manifest.json", "b/manifest.json"]
 

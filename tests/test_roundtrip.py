@@ -272,7 +272,7 @@ def test_metadata_step_and_entries(tmp_path):
 def test_resave_replaces_generation_and_cleans_old_files(tmp_path):
     zs.save({"w": torch.ones(3)}, tmp_path / "ck")
     first = set(os.listdir(tmp_path / "ck"))
-    zs.save({"w": torch.full((3,), 2.0)}, tmp_path / "ck")
+    zs.save({"w": torch.full((3,), 2.0)}, tmp_path / "ck", overwrite=True)
     second = set(os.listdir(tmp_path / "ck"))
     assert first & second == {"manifest.json"}
     target = {"w": torch.zeros(3)}
@@ -362,8 +362,8 @@ def test_save_load_and_read_leave_no_reference_cycles(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     state = {"model": model, "t": (torch.ones(2), [torch.zeros(3), 5]), "tied": {"a": model[0].weight}, "step": 4}
     path = tmp_path / "ck"
-    assert cyclic_garbage(lambda: zs.save(state, path, step=1)) == []
-    assert cyclic_garbage(lambda: zs.async_save(state, path, step=2).result()) == []
+    assert cyclic_garbage(lambda: zs.save(state, path, step=1, overwrite=True)) == []
+    assert cyclic_garbage(lambda: zs.async_save(state, path, step=2, overwrite=True).result()) == []
     assert cyclic_garbage(lambda: zs.load(state, path)) == []
 
     def read_all() -> None:
@@ -403,8 +403,25 @@ def test_a_directory_of_foreign_files_is_refused_and_left_as_it_was(tmp_path):
     (tmp_path / "run").mkdir()
     with pytest.raises(zs.CheckpointError, match=r"holds files that are not part of a zerostall checkpoint "
                                                   r"\(config.json, run\); nothing was written"):
-        zs.save({"w": torch.ones(2)}, tmp_path)
+        zs.save({"w": torch.ones(2)}, tmp_path, overwrite=True)  # overwrite is about checkpoints only
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "run"]
     zs.save({"w": torch.ones(2)}, tmp_path / "ck")
-    zs.save({"w": torch.full((2,), 2.0)}, tmp_path / "ck")  # an existing checkpoint: replaced
+    zs.save({"w": torch.full((2,), 2.0)}, tmp_path / "ck", overwrite=True)  # an existing checkpoint: replaced
     assert torch.equal(zs.load({"w": torch.zeros(2)}, tmp_path / "ck")["w"], torch.full((2,), 2.0))
+
+
+def test_saving_over_a_checkpoint_needs_overwrite_and_keeps_it_otherwise(tmp_path):
+    path = tmp_path / "ck"
+    zs.save({"w": torch.ones(3)}, path, step=1)
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    with pytest.raises(zs.CheckpointExistsError, match=r"ck already holds a committed checkpoint; nothing was "
+                                                       r"written: pass overwrite=True"):
+        zs.save({"w": torch.full((3,), 2.0)}, path, step=2)
+    with pytest.raises(zs.CheckpointExistsError):
+        zs.async_save({"w": torch.full((3,), 2.0)}, path, step=2)  # refused at the call, before any capture
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    zs.save({"w": torch.full((3,), 2.0)}, path, step=2, overwrite=True)
+    with zs.open(path) as ck:
+        assert ck.step == 2 and torch.equal(ck.read("w"), torch.full((3,), 2.0))
+    with pytest.raises(ValueError, match="overwrite must be True or False"):
+        zs.SaveOptions(overwrite="yes")

@@ -88,11 +88,11 @@ def test_an_optimizer_inside_an_app_state_object_is_held_too(tmp_path):
 
 def test_a_change_before_the_capture_fails_the_save_and_commits_nothing(tmp_path):
     model, optimizer = model_and_optimizer()
-    zs.save({"model": model.state_dict()}, tmp_path / "ck", step=1)  # the previous good checkpoint
+    zs.save({"model": model.state_dict()}, tmp_path / "ck", step=1, overwrite=True)  # the previous good checkpoint
     saver = zs.AsyncSaver()
     release = hold_worker(saver)
     # state dicts, not the optimizer itself: nothing holds the step, the version check must catch it
-    handle = saver.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, tmp_path / "ck", step=2)
+    handle = saver.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, tmp_path / "ck", step=2, overwrite=True)
     train_step(model, optimizer)
     release.set()
     with pytest.raises(zs.StateChangedError, match=r"(model|optim)\..* was changed in place .* wait_staged\(\)"):
@@ -127,8 +127,8 @@ def test_close_removes_the_step_hooks(tmp_path):
     model, optimizer = model_and_optimizer()
     hooks = len(optimizer._optimizer_step_pre_hooks)
     saver = zs.AsyncSaver()
-    saver.save({"model": model, "optim": optimizer}, tmp_path / "ck").result()
-    saver.save({"model": model, "optim": optimizer}, tmp_path / "ck").result()
+    saver.save({"model": model, "optim": optimizer}, tmp_path / "ck", overwrite=True).result()
+    saver.save({"model": model, "optim": optimizer}, tmp_path / "ck", overwrite=True).result()
     assert len(optimizer._optimizer_step_pre_hooks) == hooks + 1  # once per optimizer, not per save
     saver.close()
     assert len(optimizer._optimizer_step_pre_hooks) == hooks

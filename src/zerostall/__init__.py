@@ -3,7 +3,7 @@
 from .api import async_save, load, open, open_latest, save, verify
 from .asynchronous import AsyncSaver, SaveHandle
 from .checkpoint import Checkpoint
-from .errors import (CheckpointError, CheckpointNotFoundError, CommitError, CorruptCheckpointError,
+from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CommitError, CorruptCheckpointError,
                      IncompleteCheckpointError, StateChangedError, StateMismatchError, UnsupportedValueError)
 from .format import FORMAT_VERSION
 from .load_plan import Mismatch
@@ -19,6 +19,6 @@ __all__ = [
     "save", "async_save", "load", "open", "open_latest", "verify", "SaveOptions", "LoadOptions",
     "AsyncSaver", "SaveHandle", "SaveInfo", "Checkpoint", "Mismatch", "CheckpointManager", "RetentionPolicy",
     "rank_local", "RankLocal", "Stateful", "FORMAT_VERSION",
-    "CheckpointError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError", "IncompleteCheckpointError",
+    "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError", "IncompleteCheckpointError",
     "StateChangedError", "StateMismatchError", "UnsupportedValueError",
 ]

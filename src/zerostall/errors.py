@@ -11,6 +11,10 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No checkpoint exists at the given path (or under the given tag)."""
 
 
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A save would replace a committed checkpoint without ``overwrite=True``; nothing was written."""
+
+
 class IncompleteCheckpointError(CheckpointError):
     """Data exists at the path but no manifest was committed: the save never finished."""
 

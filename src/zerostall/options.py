@@ -80,13 +80,19 @@ class SaveOptions(_Options):
     """Bytes per checksum block: a load verifies whole blocks, so smaller blocks make partial
     (resharded) reads cheaper and the manifest larger."""
 
+    overwrite: bool = False
+    """Replace a committed checkpoint already at the path (it stays readable until the new manifest
+    commits, and is deleted after); False refuses such a save with ``CheckpointExistsError`` before
+    anything is written. ``CheckpointManager`` never saves over a checkpoint: a re-saved step is set
+    aside instead."""
+
     commit_timeout: float = 600.0
     """Seconds the coordinator waits for every rank's data (and the other ranks for the commit)
     before the save fails everywhere; a dead rank fails the save after this long."""
 
     def __post_init__(self) -> None:
         self._check_threads()
-        self._check_bools("fsync", "allow_pickle")
+        self._check_bools("fsync", "allow_pickle", "overwrite")
         self._check("block_size", _is_int(self.block_size) and self.block_size >= 1, "an int >= 1")
         self._check("commit_timeout", isinstance(self.commit_timeout, (int, float))
                     and not isinstance(self.commit_timeout, bool) and self.commit_timeout > 0, "a number > 0")

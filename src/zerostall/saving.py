@@ -75,7 +75,7 @@ def prepare(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOpt
     with gc_paused():
         try:
             if group.is_coordinator:
-                check_location(storage)
+                check_location(storage, options.overwrite)
             collected = collect(state, group.rank, allow_pickle=options.allow_pickle)
         except Exception:
             _PLANNER.refuse(group)
