@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from . import errors
 from .errors import CheckpointError
-from .memory import tensor_bytes
+from .memory import owned_bytes
 
 
 class Group:
@@ -91,7 +91,7 @@ class Group:
         else:
             buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         dist.broadcast(buf, src=self._global(src), group=self.pg)
-        return bytes(tensor_bytes(buf.cpu()))
+        return bytes(owned_bytes(buf.cpu()))
 
     def agree(self, decide: Callable[[], bytes]) -> bytes:
         """What ``decide()`` returns on the coordinator, on every rank (one broadcast of bytes); a

@@ -13,12 +13,27 @@ _memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (valid while ``t`` lives).
+    """A writable byte view of a contiguous CPU tensor's memory, valid only while ``t`` lives: the
+    view does not own it, so never pass a temporary (such as ``x.cpu()``; see :func:`owned_bytes`).
 
     Built by ``PyMemoryView_FromMemory``: a plain 1-D ``B`` view with no ctypes array type per
     size, which made every later slice and buffer export measurably slower on the write path.
     """
+    if t.device.type != "cpu":
+        raise ValueError(f"a byte view needs a tensor in host memory, not on {t.device}: copy it to the CPU first")
     n = t.nbytes
     if n == 0:
         return memoryview(bytearray())
     return _memory_view(t.data_ptr(), n, _PYBUF_WRITE)
+
+
+def owned_bytes(t: torch.Tensor) -> memoryview:
+    """A byte view of a contiguous CPU tensor that keeps the tensor alive as long as the view (or a
+    slice of it) lives: for temporaries, such as the host copy of a device tensor."""
+    if t.device.type != "cpu":
+        raise ValueError(f"a byte view needs a tensor in host memory, not on {t.device}: copy it to the CPU first")
+    if t.nbytes == 0:
+        return memoryview(b"")
+    array = (ctypes.c_ubyte * t.nbytes).from_address(t.data_ptr())
+    array._owner = t  # type: ignore[attr-defined]
+    return memoryview(array).cast("B")

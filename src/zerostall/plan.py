@@ -23,7 +23,7 @@ from .collect import ChunkKey, Collected, Row
 from .collectives import Group
 from .errors import StateMismatchError
 from .format import dump_json, generation_id
-from .memory import tensor_bytes
+from .memory import owned_bytes
 from .state import fqn
 
 
@@ -137,7 +137,7 @@ def check_replicas(group: Group, plan: SavePlan, collected: Collected) -> None:
     mine: dict[ChunkKey, int] = {}
     for item in collected.items:
         if not item.rank_local and len(plan.holders[item.key]) > 1:
-            mine[item.key] = xxhash.xxh3_64_intdigest(tensor_bytes(item.tensor.cpu()))
+            mine[item.key] = xxhash.xxh3_64_intdigest(owned_bytes(item.tensor.cpu()))
     for key, encoded in collected.objects.items():
         if len(plan.holders[(key, ())]) > 1:
             mine[(key, ())] = xxhash.xxh3_64_intdigest(json.dumps(encoded, sort_keys=True).encode())

@@ -103,9 +103,6 @@ def persist(prepared: Prepared) -> SaveInfo:
     p, group, storage, generation = prepared, prepared.group, prepared.storage, prepared.generation
     threads = p.options.threads or default_threads()
     t0 = time.perf_counter()
-    for item in p.items:
-        if item.tensor.device.type != "cpu":
-            item.tensor = item.tensor.cpu()
     previous = manifest_generation(storage) if group.is_coordinator else None  # see commit.publish
     try:
         create(storage)

@@ -12,14 +12,19 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator, Sequence
 
+import torch
+
 from .balance import balance
 from .checksums import CACHE_PIECE, BlockHasher, block_checksums, checksum, pieces
 from .collect import WriteItem
 from .errors import CheckpointError, CheckpointExistsError
 from .format import MANIFEST_NAME, Chunk, FileItem, data_file_name, file_generation, safetensors_header
 from .gcpause import gc_paused
-from .memory import tensor_bytes
+from .memory import owned_bytes, tensor_bytes
 from .storage import Storage
+
+DEVICE_WINDOW = 16 << 20
+"""Bytes of a device tensor a writer thread copies to host memory at a time."""
 
 
 def assign_files(items: Sequence[WriteItem], n_files: int) -> list[list[WriteItem]]:
@@ -121,6 +126,13 @@ def _file_parts(header: bytes, items: list[WriteItem], chunks: list[Chunk], bloc
     for item, chunk in zip(items, chunks):
         if stop.is_set():
             raise _Stopped("another writer of this save failed")
+        if item.tensor.device.type != "cpu":
+            hasher = BlockHasher(block_size)
+            for piece in device_pieces(item.tensor, block_size, stop):
+                hasher.update(piece)
+                yield piece
+            chunk.checksums = hasher.finish()
+            continue
         data = tensor_bytes(item.tensor)
         if len(data) <= whole:
             chunk.checksums = block_checksums(data, block_size)
@@ -134,3 +146,18 @@ def _file_parts(header: bytes, items: list[WriteItem], chunks: list[Chunk], bloc
             hasher.update(piece)
             yield piece
         chunk.checksums = hasher.finish()
+
+
+def device_pieces(tensor: torch.Tensor, block_size: int, stop: threading.Event,
+                  window: int = DEVICE_WINDOW) -> Iterator[memoryview]:
+    """The bytes of a contiguous tensor in the pieces of :func:`pieces`, copied to host memory
+    ``window`` bytes at a time; each piece keeps its window alive until the file has written it."""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    n = flat.numel()
+    base, host = 0, memoryview(b"")
+    for lo, hi in pieces(n, block_size):
+        if hi > base + len(host):
+            if stop.is_set():
+                raise _Stopped("another writer of this save failed")
+            base, host = lo, owned_bytes(flat[lo:min(n, lo + max(window, hi - lo))].cpu())
+        yield host[lo - base:hi - base]
