@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -407,3 +408,28 @@ def test_a_reader_follows_a_writing_run_and_learns_when_its_checkpoint_was_prune
             zs.open_latest(tmp_path, step=1)
     with pytest.raises(zs.CheckpointNotFoundError, match="no committed checkpoint under"):
         zs.open_latest(tmp_path / "empty")
+
+
+def test_restore_puts_python_values_and_tuples_back_into_the_state(tmp_path):
+    with zs.CheckpointManager(tmp_path / "ckpt") as m:
+        m.save(5, {"w": torch.ones(2), "epoch": 7, "pair": (1, torch.zeros(1)), "nested": {"e": 3}})
+        state = {"w": torch.zeros(2), "epoch": 0, "pair": (0, torch.ones(1)), "nested": {"e": 0}}
+        assert m.restore(state) == 5
+    assert state["epoch"] == 7 and state["nested"] == {"e": 3}
+    assert state["pair"][0] == 1 and torch.equal(state["pair"][1], torch.zeros(1))
+    assert torch.equal(state["w"], torch.ones(2))
+
+
+@pytest.mark.parametrize("step, metrics, message", [
+    ("2", None, r"step='2' is not a training step"), (True, None, r"step=True is not a training step"),
+    (-1, None, r"step=-1 is not a training step"), (3, "fast", r"metrics='fast' is not a dict"),
+    (3, {"loss": "low"}, r"metrics 'loss' \(= 'low'\) is not a number")])
+def test_a_step_or_metrics_listing_could_not_rank_are_refused_at_save(tmp_path, step, metrics, message):
+    with zs.CheckpointManager(tmp_path / "ckpt") as m:
+        m.save(1, {"w": torch.ones(2)})
+        with pytest.raises(zs.UnsupportedValueError, match=message):
+            m.save(step, {"w": torch.ones(2)}, metrics=metrics)
+        with pytest.raises(zs.UnsupportedValueError, match=r"step='2'"):
+            zs.save({"w": torch.ones(2)}, tmp_path / "ckpt" / "other", step="2")
+        m.save(np.int64(4), {"w": torch.ones(2)}, metrics={"loss": 1})
+        assert m.latest() == "step_000000004" and [r.step for _, r in m.checkpoints()] == [1, 4]

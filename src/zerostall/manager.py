@@ -17,7 +17,7 @@ import logging
 import os
 import random
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -25,13 +25,13 @@ from .api import open as open_checkpoint, save
 from .asynchronous import AsyncSaver, SaveHandle
 from .checkpoint import Checkpoint
 from .collectives import Group
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, UnsupportedValueError
 from .format import RNG_KEY
 from .lease import DEFAULT_TTL, WriterLease
 from .options import LoadOptions, SaveOptions
 from .retention import CheckpointRecord, RetentionPolicy
 from .root import LATEST_NAME, CheckpointRoot, retained, step_tag, validate_tag
-from .saving import SaveInfo
+from .saving import SaveInfo, checked_step
 from .schedule import SaveSchedule
 from .state import RankLocal, rank_local
 from .storage import Storage, storage_for
@@ -94,12 +94,16 @@ class CheckpointManager:
              tag: str | None = None) -> SaveInfo | SaveHandle:
         """create → save → commit: write ``state`` as ``step`` (or ``tag``), then update ``latest``
         and apply retention once it has committed."""
+        step = checked_step(step)
+        if step is None:
+            raise UnsupportedValueError("CheckpointManager.save needs the training step (a non-negative int)")
+        metrics = checked_metrics(metrics)
         tag = tag or step_tag(step)
         storage = self._create(tag)
         self._settle_commit()
         self._set_aside_later_than(step, tag)
         wrapped = self._wrap(state)
-        metadata = {"metrics": dict(metrics or {}), "tag": tag}
+        metadata = {"metrics": metrics, "tag": tag}
         self.schedule.saved()
         self._pinned.add(step)
         if self.saver is None:
@@ -187,16 +191,20 @@ class CheckpointManager:
         return ck
 
     def restore(self, state: Any, tag: str | None = None, **overrides: Any) -> int | None:
-        """Load the newest (or ``tag``) checkpoint into ``state`` in place, RNG states included;
-        returns its step, or ``None`` for a fresh start. It stays protected from retention.
-        Keywords override fields of the manager's ``load_options``."""
+        """Load the newest (or ``tag``) checkpoint into ``state`` in place (its python values and
+        tuples replaced in the dict), RNG states included; returns its step, or ``None`` for a fresh
+        start. It stays protected from retention. Keywords override fields of the manager's ``load_options``."""
         ck = self.open(tag)
         if ck is None:
             return None
         with ck:
             wrapped = self._wrap(state)
-            ck.load(wrapped, **overrides)
-        _set_rng_state(wrapped[RNG_KEY].value)
+            result = ck.load(wrapped, **overrides)
+        loaded = result[0] if isinstance(result, tuple) else result  # (state, Mismatch) when not strict
+        for key, value in state.items():  # python values and tuples are new objects: put them in place
+            got = loaded[key]
+            state[key] = got.value if isinstance(got, RankLocal) and not isinstance(value, RankLocal) else got
+        _set_rng_state(loaded[RNG_KEY].value)
         if ck.step is not None:
             self._pinned.add(ck.step)
         return ck.step
@@ -316,3 +324,17 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         import numpy as np
 
         np.random.set_state(state["numpy"])
+
+
+def checked_metrics(metrics: Any) -> dict[str, float]:
+    """``metrics`` as a dict of names to numbers (what listing and ``keep_best`` rank by)."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise UnsupportedValueError(f"metrics={metrics!r} is not a dict: pass e.g. metrics={{'loss': 0.31}}")
+    bad = [k for k, v in metrics.items() if not isinstance(k, str) or isinstance(v, bool)
+           or not isinstance(v, (int, float))]
+    if bad:
+        raise UnsupportedValueError(f"metrics {bad[0]!r} (= {metrics[bad[0]]!r}) is not a number under a string name: "
+                                    "metrics are numbers that listing and keep_best rank by")
+    return dict(metrics)

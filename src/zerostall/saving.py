@@ -9,6 +9,7 @@ leaves either the old or the new checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import time
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from .collect import Collected, WriteItem, collect
 from .collectives import Group
 from .commit import (assemble, await_commit, await_records, clean_up_after_commit, delete_generation, publish,
                      record, report_failure, write_abort, write_record)
-from .errors import CheckpointError
+from .errors import CheckpointError, UnsupportedValueError
 from .format import manifest_tmp_name
 from .gcpause import gc_paused
 from .opening import manifest_generation
@@ -74,6 +75,7 @@ def prepare(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOpt
     storage = storage_for(path, fsync=options.fsync)
     with gc_paused():
         try:
+            step = checked_step(step)
             if group.is_coordinator:
                 check_location(storage, options.overwrite)
             collected = collect(state, group.rank, allow_pickle=options.allow_pickle)
@@ -86,6 +88,19 @@ def prepare(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOpt
     encoded = codec.encode(dict(metadata or {}), where="metadata", allow_pickle=options.allow_pickle)
     return Prepared(group, collected, plan, generation, replanned, items, storage, step, encoded, options,
                     t_collect - t0, time.perf_counter() - t_collect)
+
+
+def checked_step(step: Any) -> int | None:
+    """``step`` as the int a manifest records (numpy and 0-d tensor integers accepted), or None."""
+    if step is None:
+        return None
+    try:
+        value = operator.index(step) if not isinstance(step, bool) else -1
+    except TypeError:
+        value = -1
+    if value < 0:
+        raise UnsupportedValueError(f"step={step!r} is not a training step: pass a non-negative int (or None)")
+    return value
 
 
 def for_writer_process(prepared: Prepared) -> Prepared:
