@@ -425,3 +425,18 @@ def test_saving_over_a_checkpoint_needs_overwrite_and_keeps_it_otherwise(tmp_pat
         assert ck.step == 2 and torch.equal(ck.read("w"), torch.full((3,), 2.0))
     with pytest.raises(ValueError, match="overwrite must be True or False"):
         zs.SaveOptions(overwrite="yes")
+
+
+def test_every_data_file_stays_valid_safetensors_whatever_the_keys(tmp_path):
+    """Tensor names in data files are the keys, except where safetensors cannot hold them: its
+    reserved ``__metadata__`` and strings that are not UTF-8 (lone surrogates)."""
+    from safetensors.torch import load_file
+
+    state = {"__metadata__": torch.ones(2), "x\udc80y": torch.full((3,), 2.0), "b": torch.zeros(4)}
+    zs.save(state, tmp_path / "ck", threads=1)
+    [data] = [p for p in (tmp_path / "ck").iterdir() if p.suffix == ".safetensors"]
+    tensors = load_file(str(data))
+    assert sorted(tensors) == ["__metadata__#", "b", "x\\udc80y"]
+    assert torch.equal(tensors["__metadata__#"], state["__metadata__"])
+    out = zs.load({k: torch.empty_like(v) for k, v in state.items()}, tmp_path / "ck")
+    assert all(torch.equal(out[k], v) for k, v in state.items())

@@ -161,7 +161,7 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
     flat = flatten(state, skeleton=True)
     out = Collected(skeleton=flat.skeleton, refs=flat.refs, optimizers=optimizers_in(flat.statefuls.values()))
     seen = ViewIndex()  # view -> the key of the leaf that first held it
-    names: set[str] = set()
+    names = {"__metadata__"}  # reserved in a safetensors header
     for path, value in flat.leaves.items():
         name, key, local = fqn(path), path_key(path), path in flat.rank_local
         out.keys[path] = key
@@ -193,6 +193,7 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
             out.entries[key] = entry
             out.rows.append(Row(key, "tensor", dtype, shape, offsets, sizes, source.nbytes))
         file_name = name if sizes == shape else f"{name}@{','.join(map(str, offsets))}"
+        file_name = file_name.encode("utf-8", "backslashreplace").decode()  # a lone surrogate is not UTF-8
         while file_name in names:
             file_name += "#"
         names.add(file_name)
