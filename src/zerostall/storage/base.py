@@ -85,7 +85,9 @@ class Storage(ABC):
     def publish(self, name: str, tmp_name: str, data: bytes,
                 before_replace: Callable[[], None] | None = None) -> None:
         """Atomically make ``name`` hold ``data``: readers see the old content or the new, whole.
-        ``before_replace`` runs at the last moment before the switch; if it raises, nothing changes."""
+        ``before_replace`` runs at the last moment before the switch; if it raises, nothing changes.
+        Between it and the switch no other publish with a ``before_replace`` on this location can
+        switch (a check of what is in place holds until the switch: two writers, one commit)."""
 
     def put(self, name: str, data: bytes) -> None:
         """Replace the small file ``name`` atomically (a commit record, ``latest``, the lease),

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
+import logging
 import mmap
 import os
 import resource
 import secrets
 import shutil
 import threading
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from .base import FileStat, Storage
+
+log = logging.getLogger(__name__)
 
 _WRITEV_BYTES = 1 << 20  # small, so bytes hashed just before are still in cache when written
 _IOV_PARTS = 512  # buffers per writev/preadv call (the kernel takes at most 1024)
@@ -24,6 +29,21 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def _directory_lock(path: str) -> Iterator[None]:
+    """An exclusive ``flock`` of directory ``path``, held by one process at a time. Where the file
+    system has none for directories (some network file systems), a warning, and no lock."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            log.warning("cannot lock %s for the commit (%s): two writers on this path are not fenced", path, exc)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 class LocalStorage(Storage):
@@ -155,9 +175,12 @@ class LocalStorage(Storage):
         try:
             if self.fsync:
                 fsync_dir(self.location)  # the data files' directory entries are durable before the commit
-            if before_replace is not None:
-                before_replace()
-            os.replace(tmp, self._path(name))
+            if before_replace is None:
+                os.replace(tmp, self._path(name))
+            else:
+                with _directory_lock(self.location):
+                    before_replace()
+                    os.replace(tmp, self._path(name))
         except BaseException:
             _remove(tmp)
             raise
