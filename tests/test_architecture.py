@@ -15,8 +15,9 @@ ORDER = [
     "storage.base", "storage.local", "storage", "collectives", "state", "options", "opening",
     # saving: collect → plan → write → commit, run in order by saving
     "collect", "plan", "write", "commit", "saving",
-    # reading: opening → load plan → fetch (and broadcast) → verify, behind the Checkpoint front
-    "load_plan", "fetch", "broadcast", "verify", "checkpoint",
+    # reading: opening → reader (bytes, checked) → load plan → fetch (and broadcast) → verification,
+    # behind the Checkpoint front
+    "reader", "load_plan", "fetch", "broadcast", "verification", "checkpoint",
     # asynchronous saving; checkpoints by step under a root; then the public functions
     "capture", "asynchronous", "retention", "root", "api", "schedule", "lease", "manager",
     "cli.common", "cli.listing", "cli.inspecting", "cli", "__main__", "__init__",

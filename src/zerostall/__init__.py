@@ -1,17 +1,16 @@
-"""zerostall: fast, sharded, asynchronous, verified checkpointing for PyTorch training."""
+"""zerostall: fast, sharded, asynchronous, verified checkpointing for PyTorch training.
 
-from .api import async_save, load, open, open_latest, save, verify
-from .asynchronous import AsyncSaver, SaveHandle
-from .checkpoint import Checkpoint
-from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CommitError, CorruptCheckpointError,
-                     IncompleteCheckpointError, StateChangedError, StateMismatchError, UnsupportedValueError)
-from .format import FORMAT_VERSION
-from .load_plan import Mismatch
-from .manager import CheckpointManager
-from .options import LoadOptions, SaveOptions
-from .retention import RetentionPolicy
-from .saving import SaveInfo
-from .state import RankLocal, Stateful, rank_local
+The public names are imported on first use (PEP 562): ``import zerostall`` alone imports no torch,
+so the ``zerostall`` command starts in a fraction of a second; ``zerostall.save`` or ``from
+zerostall import save`` imports what it needs then.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -19,6 +18,68 @@ __all__ = [
     "save", "async_save", "load", "open", "open_latest", "verify", "SaveOptions", "LoadOptions",
     "AsyncSaver", "SaveHandle", "SaveInfo", "Checkpoint", "Mismatch", "CheckpointManager", "RetentionPolicy",
     "rank_local", "RankLocal", "Stateful", "FORMAT_VERSION",
-    "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError", "IncompleteCheckpointError",
-    "StateChangedError", "StateMismatchError", "UnsupportedValueError",
+    "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError",
+    "IncompleteCheckpointError", "StateChangedError", "StateMismatchError", "UnsupportedValueError",
 ]
+
+# Each public name and the module that defines it (tests/test_lazy_import.py keeps __all__, this and
+# the imports below naming the same objects).
+_EXPORTS = {
+    "save": "api", "async_save": "api", "load": "api", "open": "api", "open_latest": "api", "verify": "api",
+    "SaveOptions": "options", "LoadOptions": "options",
+    "AsyncSaver": "asynchronous", "SaveHandle": "asynchronous", "SaveInfo": "saving",
+    "Checkpoint": "checkpoint", "Mismatch": "load_plan", "CheckpointManager": "manager",
+    "RetentionPolicy": "retention",
+    "rank_local": "state", "RankLocal": "state", "Stateful": "state", "FORMAT_VERSION": "format",
+    "CheckpointError": "errors", "CheckpointExistsError": "errors", "CheckpointNotFoundError": "errors", "CommitError": "errors",
+    "CorruptCheckpointError": "errors", "IncompleteCheckpointError": "errors", "StateChangedError": "errors",
+    "StateMismatchError": "errors", "UnsupportedValueError": "errors",
+}
+
+if TYPE_CHECKING:  # what type checkers and editors see
+    from .api import async_save, load, open, open_latest, save, verify
+    from .asynchronous import AsyncSaver, SaveHandle
+    from .checkpoint import Checkpoint
+    from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CommitError,
+                         CorruptCheckpointError, IncompleteCheckpointError, StateChangedError, StateMismatchError,
+                         UnsupportedValueError)
+    from .format import FORMAT_VERSION
+    from .load_plan import Mismatch
+    from .manager import CheckpointManager
+    from .options import LoadOptions, SaveOptions
+    from .retention import RetentionPolicy
+    from .saving import SaveInfo
+    from .state import RankLocal, Stateful, rank_local
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use (then kept here); or a submodule, as
+    ``zerostall.format`` after a plain ``import zerostall``."""
+    module = _EXPORTS.get(name)
+    if module is not None:
+        value = globals()[name] = getattr(importlib.import_module(f".{module}", __name__), name)
+        return value
+    if not name.startswith("__"):
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+def _drain_at_exit() -> None:
+    """Commit the asynchronous save in flight at a normal exit (once ``zerostall.api`` is loaded
+    there can be one). A threading exit hook, which runs before ``concurrent.futures`` refuses new
+    work (plain ``atexit`` would run after); registered on ``import zerostall``, so hooks a program
+    registers after that import run before it (they run last registered first)."""
+    api = sys.modules.get(f"{__name__}.api")
+    if api is not None:
+        api.drain_at_exit()
+
+
+threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]

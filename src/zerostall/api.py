@@ -106,14 +106,11 @@ def async_save(state: Any, path: str | os.PathLike[str] | Storage, options: Save
     return handle
 
 
-def _drain_at_exit() -> None:
-    """Commit the save in flight at a normal exit. Registered with threading's exit hooks, which
-    run before ``concurrent.futures`` refuses new work (plain ``atexit`` would run after)."""
+def drain_at_exit() -> None:
+    """Commit the save in flight at a normal exit. Called from the threading exit hook that
+    ``import zerostall`` registers (see ``zerostall/__init__.py``)."""
     if _default is not None:
         try:
             _default.close()
         except BaseException as exc:  # at exit there is no caller left to raise to
             log.error("asynchronous save failed at exit: %s", exc)
-
-
-threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]

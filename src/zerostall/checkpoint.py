@@ -23,12 +23,13 @@ from .errors import CorruptCheckpointError
 from .fetch import Fetcher
 from .format import Entry
 from .gcpause import gc_paused
-from .load_plan import LoadPlan, LoadPlanner, resolve
+from .load_plan import LoadPlan, LoadPlanner
 from .opening import agreed_manifest
 from .options import LoadOptions, default_threads
+from .reader import resolve
 from .state import Path, rebuild
 from .storage import Storage, storage_for
-from .verify import verify_all
+from .verification import verify_all
 
 log = logging.getLogger(__name__)
 

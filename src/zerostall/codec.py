@@ -9,18 +9,29 @@ to pickle, on save and on load alike.
 from __future__ import annotations
 
 import base64
+import functools
 import math
 import pickle
 from typing import Any
 
-import torch
-
 from .errors import UnsupportedValueError
 
-try:
-    import numpy as np
-except ImportError:  # numpy is optional: without it, numpy values simply cannot occur
-    np = None
+
+def _torch() -> Any:
+    """torch, imported on first use: decoding plain values (the command line) needs none."""
+    import torch
+
+    return torch
+
+
+@functools.cache
+def _numpy() -> Any:
+    """numpy, imported on first use; None without it (numpy is optional: numpy values then cannot occur)."""
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
 
 
 def _b64(data: bytes) -> str:
@@ -89,12 +100,14 @@ def _encode(value: Any, allow_pickle: bool) -> Any:
         return {tag: [_encode(v, allow_pickle) for v in value]}
     if kind is Ref:
         return {"$ref": value.index}
+    torch = _torch()
     if isinstance(value, torch.dtype):
         return {"$dtype": str(value).removeprefix("torch.")}
     if isinstance(value, torch.Size):
         return {"$size": list(value)}
     if isinstance(value, torch.device):
         return {"$device": str(value)}
+    np = _numpy()
     if np is not None and isinstance(value, np.ndarray) and value.dtype.kind in "biufcmM":
         arr = np.ascontiguousarray(value)
         return {"$ndarray": [arr.dtype.str, list(arr.shape), _b64(arr.tobytes())]}
@@ -137,17 +150,19 @@ def _decode_tag(tag: str, body: Any, where: str, allow_pickle: bool) -> Any:
     if tag == "$frozenset":
         return frozenset(sub(v) for v in body)
     if tag == "$dtype":
-        return getattr(torch, body)
+        return getattr(_torch(), body)
     if tag == "$size":
-        return torch.Size(body)
+        return _torch().Size(body)
     if tag == "$device":
-        return torch.device(body)
+        return _torch().device(body)
     if tag == "$ndarray":
+        np = _numpy()
         if np is None:
             raise UnsupportedValueError(f"numpy is needed to restore the array at {where}")
         dtype, shape, raw = body
         return np.frombuffer(_unb64(raw), dtype=np.dtype(dtype)).reshape(shape).copy()
     if tag == "$npscalar":
+        np = _numpy()
         if np is None:
             raise UnsupportedValueError(f"numpy is needed to restore the scalar at {where}")
         dtype, raw = body

@@ -20,11 +20,11 @@ import torch
 
 from .balance import balance
 from .boxes import Box, contiguous_strides, element_span, flat_boxes, intersect, region
-from .checksums import CACHE_PIECE, BlockHasher, block_checksums, pieces
-from .errors import CheckpointError, CorruptCheckpointError
+from .checksums import CACHE_PIECE
+from .errors import CorruptCheckpointError
 from .format import Chunk, Entry, Manifest
 from .memory import tensor_bytes
-from .opening import manifest_generation
+from .reader import ChunkReader
 from .storage import Storage
 
 _PIECE_BYTES = 32 << 20  # the largest single read, in whole blocks
@@ -35,32 +35,13 @@ Staged = tuple[torch.Tensor, Box, Entry, Chunk, Box]  # a target, its box, an en
 StageJob = tuple[torch.Tensor, Box, Entry, Chunk, Box, int, int]  # a Staged and chunk bytes [lo, hi) of it
 
 
-class Fetcher:
-    """Reads the chunks of one checkpoint (its ``manifest`` on ``storage``) with ``threads`` threads."""
+class Fetcher(ChunkReader):
+    """Reads the chunks of one checkpoint (its ``manifest`` on ``storage``) into tensors with ``threads`` threads."""
 
     def __init__(self, storage: Storage, manifest: Manifest, threads: int) -> None:
-        self.storage = storage
-        self.manifest = manifest
-        self.path = storage.location
-        self.threads = threads
+        super().__init__(storage, manifest, threads)
         block = manifest.block_size
         self._piece_step = max(block, _PIECE_BYTES // block * block)
-        self._maps: dict[str, memoryview | None] = {}
-        self._scratch = threading.local()
-
-    def close(self) -> None:
-        """Release file handles and maps; tensors already returned stay valid."""
-        self.storage.close()
-        self._maps.clear()
-
-    def map(self, name: str) -> memoryview | None:
-        """A memory map of data file ``name`` where the storage offers one (kept for the session), else None."""
-        if name not in self._maps:
-            try:
-                self._maps[name] = self.storage.memory_map(name)
-            except FileNotFoundError:
-                raise self.missing(name) from None
-        return self._maps[name]
 
     def fill(self, targets: list[Target], verify: bool, staging: int, skip: set[int] = frozenset()) -> None:
         """Copy into each target (a tensor holding ``box`` of its entry) the bytes of every chunk
@@ -174,73 +155,6 @@ class Fetcher:
         if verify:
             for piece in run:
                 self.check_blocks(*piece)
-
-    def read_piece(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview, verify: bool) -> None:
-        """Read chunk bytes ``[lo, lo+len(out))``; when verifying (``lo`` is then block-aligned),
-        hash each cache-sized piece right after reading it and check every block's checksum."""
-        if not verify:
-            self._read_raw(entry, chunk, lo, out)
-            return
-        self._check_count(entry, chunk)
-        hasher = BlockHasher(self.manifest.block_size)
-        for a, b in pieces(len(out), self.manifest.block_size):
-            piece = out[a:b]
-            self._read_raw(entry, chunk, lo + a, piece)
-            hasher.update(piece)
-        self._check_digests(entry, chunk, lo, len(out), hasher.finish())
-
-    def _read_raw(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview) -> None:
-        try:
-            self.storage.read_into(chunk.file, chunk.offset + lo, out)
-        except FileNotFoundError:
-            raise self.missing(chunk.file, entry) from None
-        except EOFError:
-            raise CorruptCheckpointError(
-                f"data file {chunk.file} of {self.path} is truncated: entry {entry.fqn} lies past its end") from None
-        except OSError as exc:
-            raise CheckpointError(f"reading {chunk.file} of {self.path} (entry {entry.fqn}) failed: {exc}") from exc
-
-    def missing(self, name: str, entry: Entry | None = None) -> CheckpointError:
-        """The error for a data file that is gone: damage, unless the checkpoint changed under this
-        session (a save into the same path replaced it, or it was deleted) - then it is not corrupt,
-        and a script that deletes corrupt checkpoints must not delete the new one."""
-        of = f" (entry {entry.fqn})" if entry is not None else ""
-        current = manifest_generation(self.storage)
-        if current != self.manifest.generation:
-            now = f"another save ({current}) replaced it" if current else "it was deleted: pruned by retention, or by hand"
-            return CheckpointError(f"{self.path} changed while this read session was open ({now}): data file "
-                                   f"{name}{of} is gone; open the checkpoint again")
-        return CorruptCheckpointError(f"data file {name} of {self.path} is missing{of}")
-
-    def _check_count(self, entry: Entry, chunk: Chunk) -> None:
-        expected = max(1, -(-chunk.nbytes // self.manifest.block_size))
-        if len(chunk.checksums) != expected:
-            raise CorruptCheckpointError(f"entry {entry.fqn} in {chunk.file}: {len(chunk.checksums)} checksums for "
-                                         f"{expected} blocks")
-
-    def _check_digests(self, entry: Entry, chunk: Chunk, lo: int, length: int, digests: list[str]) -> None:
-        """Compare the checksums of the blocks of chunk bytes ``[lo, lo+length)`` with the manifest's."""
-        block = self.manifest.block_size
-        for n, digest in enumerate(digests):
-            index = lo // block + n
-            if digest != chunk.checksums[index]:
-                first = chunk.offset + index * block
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in {chunk.file} of {self.path}: entry {entry.fqn}, block {index} "
-                    f"(file bytes {first}-{first + min(block, lo + length - index * block)})")
-
-    def check_blocks(self, entry: Entry, chunk: Chunk, lo: int, data: memoryview) -> None:
-        """Check chunk bytes ``[lo, lo+len(data))`` already in memory (a memory map) against their checksums."""
-        self._check_count(entry, chunk)
-        self._check_digests(entry, chunk, lo, len(data), block_checksums(data, self.manifest.block_size))
-
-    def scratch_view(self, n: int) -> memoryview:
-        """This thread's reusable scratch bytes, ``n`` of them (reads that are only checked, not kept)."""
-        buf = getattr(self._scratch, "buf", None)
-        if buf is None or len(buf) < n:
-            buf = self._scratch.buf = bytearray(max(n, 1))
-        return memoryview(buf)[:n]
-
 
 def direct_read(target: torch.Tensor, box: Box, entry: Entry, chunk: Chunk) -> bool:
     """Whether ``chunk`` is exactly the target's ``box`` and its stored bytes can be read straight

@@ -15,15 +15,17 @@ import re
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import orjson
-import torch
 import xxhash
 
 from .checksums import checksum
 from .codec import decode_path, encode_path
 from .errors import CorruptCheckpointError
+
+if TYPE_CHECKING:  # reading a manifest needs no torch: only dtype_from_name imports it
+    import torch
 
 FORMAT_NAME = "zerostall"
 FORMAT_VERSION = 1
@@ -39,12 +41,13 @@ _RECORD_RE = re.compile(rf"^{_GEN}(-r(?P<rank>\d+)\.(?P<kind>done|failed)|\.abor
 _MANIFEST_TMP_RE = re.compile(rf"^manifest\.json\.{_GEN}$")  # after the ".tmp" suffix is removed
 _TMP_SUFFIX = re.compile(r"(\.[0-9a-f]{8})?\.tmp$")  # a temp file's suffix (see Storage.put)
 
-# dtypes safetensors knows; every other dtype is stored as U8 with the true dtype in the manifest
+# dtypes safetensors knows, by their manifest names (see dtype_name); every other dtype is stored
+# as U8 with the true dtype in the manifest
 _SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8",
+    "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
 }
 
 
@@ -120,11 +123,15 @@ def file_generation(name: str) -> str | None:
 
 @functools.cache
 def dtype_name(dtype: torch.dtype) -> str:
+    """The manifest's name of ``dtype``: ``float32``."""
     return str(dtype).removeprefix("torch.")
 
 
 @functools.cache
 def dtype_from_name(name: str) -> torch.dtype:
+    """The dtype a manifest names (the one place torch is imported here, on first use)."""
+    import torch
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise CorruptCheckpointError(f"unknown dtype {name!r} in manifest")
@@ -350,7 +357,7 @@ def safetensors_header(items: Iterable[FileItem], generation: str) -> tuple[byte
     relative = []
     pos = 0
     for item in items:
-        st_dtype = _SAFETENSORS_DTYPES.get(item.dtype)
+        st_dtype = _SAFETENSORS_DTYPES.get(dtype_name(item.dtype))
         shape = list(item.shape) if st_dtype else [item.nbytes]
         header[item.name] = {"dtype": st_dtype or "U8", "shape": shape, "data_offsets": [pos, pos + item.nbytes]}
         relative.append(pos)

@@ -19,9 +19,10 @@ import torch
 from . import codec
 from .boxes import Box, local_box
 from .collect import ViewIndex
-from .errors import CorruptCheckpointError, StateMismatchError
+from .errors import StateMismatchError
 from .format import INTERNAL_KEYS, Entry, Manifest
 from .options import KeyFilter, LoadOptions
+from .reader import resolve
 from .state import Flat, Path, flatten, fqn, init_optimizer_state
 
 
@@ -63,18 +64,6 @@ class LoadPlan:
     unknown_prefix: str | None = None  # what to say when the prefix asked for matches no entry at all
     meta: list[str] = field(default_factory=list)
     mismatch: Mismatch = field(default_factory=Mismatch)
-
-
-def resolve(manifest: Manifest, entry: Entry, where: str) -> Entry:
-    """The entry that ``entry`` stands for: itself, or the tensor entry it aliases."""
-    entries = manifest.entries
-    if entry.kind == "alias":
-        index = entry.alias_of
-        if not isinstance(index, int) or not 0 <= index < len(entries) or entries[index].kind != "tensor":
-            raise CorruptCheckpointError(f"entry {entry.fqn} aliases entry #{index}, which is not a tensor "
-                                         f"entry of {where}")
-        return entries[index]
-    return entry
 
 
 _INTERNAL = {(key,) for key in INTERNAL_KEYS}

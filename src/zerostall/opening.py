@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 import re
+from typing import TYPE_CHECKING
 
-from .collectives import Group
 from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from .format import MANIFEST_NAME, Manifest, ManifestHead, file_generation
 from .gcpause import gc_paused
 from .storage import Storage
+
+if TYPE_CHECKING:  # only passed through: reading a manifest needs no torch (the command line)
+    from .collectives import Group
 
 _GENERATION_RE = re.compile(rb'"generation":"([0-9a-f]+-[0-9a-f]+)"')
 

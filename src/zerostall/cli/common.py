@@ -1,5 +1,5 @@
 """What every ``zerostall`` command shares: the command group, exit statuses, errors as one line,
-and the console, JSON and formatting helpers.
+the console, JSON and formatting helpers, and opening a checkpoint.
 
 Every command prints a human table by default and one JSON object with ``--json``. Errors are a
 one-line message on stderr and an exit status (1: the checkpoint is incomplete or corrupt, or the
@@ -19,8 +19,10 @@ import click
 from rich.console import Console
 
 import zerostall as zs
+from zerostall.format import Manifest
+from zerostall.opening import read_manifest
 from zerostall.root import CheckpointRoot
-from zerostall.storage import storage_for
+from zerostall.storage import Storage, storage_for
 
 FAILED = 1
 USAGE = 2
@@ -80,16 +82,25 @@ def cli() -> None:
     """zerostall: list, inspect, verify and prune checkpoints."""
 
 
-def open_checkpoint(ckpt: str, **options: Any) -> zs.Checkpoint:
-    """A read session on what CKPT names: a checkpoint, a checkpoint root (its newest committed
-    checkpoint), ``ROOT/latest`` (the same) or ``ROOT/<step>`` (the newest of that step). Read-only:
+def open_checkpoint(ckpt: str) -> tuple[Storage, Manifest]:
+    """The storage and the committed manifest of what CKPT names: a checkpoint, a checkpoint root
+    (its newest committed checkpoint), ``ROOT/latest`` (the same) or ``ROOT/<step>`` (the newest of
+    that step). What ``zs.open`` and ``zs.open_latest`` read, without importing torch. Read-only:
     it works while a manager writes the root."""
+    storage = storage_for(ckpt)
     try:
-        return zs.open(ckpt, **options)
+        return storage, read_manifest(storage)
     except zs.CheckpointNotFoundError:
         parent, _, name = ckpt.rstrip("/").rpartition("/")
         if name == "latest" or name.isdigit():
-            return zs.open_latest(parent or ".", None if name == "latest" else int(name), **options)
-        if not CheckpointRoot(storage_for(ckpt)).checkpoints():
+            return open_newest(parent or ".", None if name == "latest" else int(name))
+        if not CheckpointRoot(storage).checkpoints():
             raise
-        return zs.open_latest(ckpt, **options)
+        return open_newest(ckpt, None)
+
+
+def open_newest(root: str, step: int | None) -> tuple[Storage, Manifest]:
+    """The newest committed checkpoint under ``root`` (of ``step``, when given), as :func:`open_checkpoint`."""
+    checkpoints = CheckpointRoot(storage_for(root))
+    storage = checkpoints.child(checkpoints.newest(step))
+    return storage, read_manifest(storage)

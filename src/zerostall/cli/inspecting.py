@@ -16,23 +16,27 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Column, Table
 
 import zerostall as zs
-from zerostall.format import Entry
+from zerostall import codec
+from zerostall.format import Entry, Manifest
+from zerostall.options import default_threads
+from zerostall.reader import ChunkReader
 from zerostall.storage import storage_for
+from zerostall.verification import verify_all
 
 from .common import (FAILED, UNVERIFIED, USAGE, cli, clip, console, format_time, open_checkpoint, print_json,
                      reported_errors)
 
 
-def entry_row(ck: zs.Checkpoint, entry: Entry) -> dict[str, Any]:
+def entry_row(manifest: Manifest, entry: Entry) -> dict[str, Any]:
     """What ``inspect`` shows of one entry: kind, then dtype/shape/chunks/bytes, the value or the alias."""
     row: dict[str, Any] = {"fqn": entry.fqn, "kind": entry.kind}
     if entry.kind == "tensor":
         row.update(dtype=entry.dtype, shape=list(entry.shape or ()), chunks=len(entry.chunks), bytes=entry.nbytes)
     elif entry.kind == "alias":
-        row["alias_of"] = ck.manifest.entries[entry.alias_of].fqn if entry.alias_of is not None else None
+        row["alias_of"] = manifest.entries[entry.alias_of].fqn if entry.alias_of is not None else None
     else:
         try:
-            row["value"] = repr(ck.read(entry.path))
+            row["value"] = repr(codec.decode(entry.value, where=entry.fqn))
         except zs.CheckpointError as exc:  # a pickled value: the CLI never unpickles
             row["value"] = f"<not decoded: {exc}>"
     return row
@@ -44,12 +48,12 @@ def entry_row(ck: zs.Checkpoint, entry: Entry) -> dict[str, Any]:
 def inspect(ckpt: str, as_json: bool) -> None:
     """Show the header and the entries of the checkpoint CKPT (a checkpoint, a root: its newest
     committed checkpoint, ROOT/latest or ROOT/<step>)."""
-    with reported_errors(), open_checkpoint(ckpt, verify=False) as ck:
-        m = ck.manifest
-        header = {"path": ck.path, "format_version": m.version, "generation": m.generation, "step": m.step,
+    with reported_errors():
+        storage, m = open_checkpoint(ckpt)
+        header = {"path": storage.location, "format_version": m.version, "generation": m.generation, "step": m.step,
                   "created": m.created, "world_size": m.world_size, "block_size": m.block_size,
                   "total_bytes": m.total_bytes, "files": len(m.files)}
-        entries = [entry_row(ck, e) for e in m.entries]
+        entries = [entry_row(m, e) for e in m.entries]
     if as_json:
         print_json({**header, "entries": entries})
         return
@@ -111,12 +115,16 @@ def run_verify(ckpt: str, *, quiet: bool) -> tuple[str, int, list[str], int]:
         advance(n)
 
     try:
-        with open_checkpoint(ckpt) as ck:
-            path = ck.path
-            total = sum(c.nbytes for e in ck.manifest.entries if e.kind == "tensor" for c in e.chunks)
+        storage, manifest = open_checkpoint(ckpt)
+        path = storage.location
+        total = sum(c.nbytes for e in manifest.entries if e.kind == "tensor" for c in e.chunks)
+        reader = ChunkReader(storage, manifest, default_threads())
+        try:
             with progress_bar(total, quiet=quiet) as advance:
-                ck.verify(progress=count)
+                verify_all(reader, allow_pickle=False, progress=count)
                 return path, checked, [], 0
+        finally:
+            reader.close()
     except zs.CheckpointError as exc:
         faults = list(getattr(exc, "faults", None) or [str(exc)])
         if isinstance(exc, zs.CheckpointNotFoundError):

@@ -14,12 +14,11 @@ from typing import Callable
 from . import codec
 from .checksums import checksum
 from .errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
-from .fetch import Fetcher
 from .format import Chunk, Entry
-from .load_plan import resolve
+from .reader import ChunkReader, resolve
 
 
-def verify_all(fetcher: Fetcher, *, allow_pickle: bool, progress: Callable[[int], None] | None = None) -> int:
+def verify_all(fetcher: ChunkReader, *, allow_pickle: bool, progress: Callable[[int], None] | None = None) -> int:
     """Check every file size and every block checksum; returns bytes checked.
 
     ``progress(nbytes)`` is called from the reader threads as blocks are checked. Raises
@@ -90,7 +89,7 @@ def verify_all(fetcher: Fetcher, *, allow_pickle: bool, progress: Callable[[int]
     return sum(c.nbytes for _, c in jobs)
 
 
-def _header_fault(fetcher: Fetcher, name: str, length: int | None) -> str | None:
+def _header_fault(fetcher: ChunkReader, name: str, length: int | None) -> str | None:
     """What is wrong with the safetensors header of data file ``name`` (its first ``length``
     bytes: length prefix, JSON, padding), checked against the checksum in the manifest
     (manifests before it had none), or None."""
