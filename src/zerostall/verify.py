@@ -11,7 +11,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from . import codec
+from . import codec, subclass
 from .checksums import checksum
 from .errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 from .fetch import Fetcher
@@ -59,6 +59,7 @@ def verify_all(fetcher: Fetcher, *, allow_pickle: bool, progress: Callable[[int]
                 _decode_safely(entry)
         except CheckpointError as exc:
             faults.append(str(exc))
+    faults += subclass.check(manifest.entries, fetcher.path)  # descriptions and links of tensor subclasses
     lock = threading.Lock()
 
     def check(entry: Entry, chunk: Chunk) -> None:
