@@ -6,6 +6,7 @@ import gc
 import json
 import math
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -440,3 +441,16 @@ def test_every_data_file_stays_valid_safetensors_whatever_the_keys(tmp_path):
     assert torch.equal(tensors["__metadata__#"], state["__metadata__"])
     out = zs.load({k: torch.empty_like(v) for k, v in state.items()}, tmp_path / "ck")
     assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("value, message", [
+    (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested tensors are not supported"),
+    (lambda: torch.nn.LazyLinear(3), "uninitialized lazy parameter"),
+])
+def test_tensors_without_a_plain_shape_are_refused_with_a_typed_error(tmp_path, value, message):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors are a prototype API, and say so
+        made = value()
+    with pytest.raises(zs.UnsupportedValueError, match=message):
+        zs.save({"x": made}, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()

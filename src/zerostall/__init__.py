@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "save", "async_save", "load", "open", "open_latest", "verify", "SaveOptions", "LoadOptions",
     "AsyncSaver", "SaveHandle", "SaveInfo", "Checkpoint", "Mismatch", "CheckpointManager", "RetentionPolicy",
-    "rank_local", "RankLocal", "Stateful", "FORMAT_VERSION",
+    "rank_local", "RankLocal", "Stateful", "FlattenedTensor", "FORMAT_VERSION",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "StateChangedError", "StateMismatchError", "UnsupportedValueError",
 ]
@@ -30,8 +30,10 @@ _EXPORTS = {
     "AsyncSaver": "asynchronous", "SaveHandle": "asynchronous", "SaveInfo": "saving",
     "Checkpoint": "checkpoint", "Mismatch": "load_plan", "CheckpointManager": "manager",
     "RetentionPolicy": "retention",
-    "rank_local": "state", "RankLocal": "state", "Stateful": "state", "FORMAT_VERSION": "format",
-    "CheckpointError": "errors", "CheckpointExistsError": "errors", "CheckpointNotFoundError": "errors", "CommitError": "errors",
+    "rank_local": "state", "RankLocal": "state", "Stateful": "state", "FlattenedTensor": "subclass",
+    "FORMAT_VERSION": "format",
+    "CheckpointError": "errors", "CheckpointExistsError": "errors", "CheckpointNotFoundError": "errors",
+    "CommitError": "errors",
     "CorruptCheckpointError": "errors", "IncompleteCheckpointError": "errors", "StateChangedError": "errors",
     "StateMismatchError": "errors", "UnsupportedValueError": "errors",
 }
@@ -50,6 +52,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .retention import RetentionPolicy
     from .saving import SaveInfo
     from .state import RankLocal, Stateful, rank_local
+    from .subclass import FlattenedTensor
 
 
 def __getattr__(name: str) -> Any:

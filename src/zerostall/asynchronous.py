@@ -170,7 +170,7 @@ class AsyncSaver:
         self.pool.buffers(prepared.items)
         return time.perf_counter() - start
 
-    def _run(self, prepared: Prepared, buffers: list[Any], ready: Any, recorded: list[int | None],
+    def _run(self, prepared: Prepared, buffers: list[Any], ready: Any, recorded: list[Any],
              handle: SaveHandle) -> None:
         try:
             capture(prepared.items, buffers, ready, recorded)

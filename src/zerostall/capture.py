@@ -8,7 +8,9 @@ too (snapshotted, never aliased), so the caller may mutate them once capture is 
 A tensor changed in place before its copy finished would make a torn checkpoint: each tensor's
 version counter is recorded when the save is requested and compared once its copy is done (a CPU
 tensor right after its copy, CUDA tensors once their copies are complete), and a change fails the
-save, naming the key.
+save, naming the key. Where the stored tensor is part of a leaf (a DTensor's local shard, a tensor
+subclass's inner tensor), the leaf's counter is compared too: changes made through the leaf
+reach the part without counting on it.
 """
 
 from __future__ import annotations
@@ -86,15 +88,20 @@ class BufferPool:
         self._arena, self._views, self._key = None, [], None
 
 
-def versions(items: Sequence[WriteItem]) -> list[int | None]:
-    """Each item's tensor version now (None where a tensor keeps none: inference-mode tensors)."""
-    out: list[int | None] = []
-    for item in items:
-        try:
-            out.append(item.tensor._version)
-        except RuntimeError:
-            out.append(None)
-    return out
+Version = tuple[int, int] | None
+
+
+def versions(items: Sequence[WriteItem]) -> list[Version]:
+    """Each item's version now: its tensor's and its leaf's (None where a tensor keeps none:
+    inference-mode tensors)."""
+    return [_version(item.tensor, item.watch) for item in items]
+
+
+def _version(tensor: torch.Tensor, watch: torch.Tensor | None) -> Version:
+    try:
+        return tensor._version, -1 if watch is None else watch._version
+    except RuntimeError:
+        return None
 
 
 def record_caller_stream(items: Sequence[WriteItem]) -> "torch.cuda.Event | None":
@@ -107,7 +114,7 @@ def record_caller_stream(items: Sequence[WriteItem]) -> "torch.cuda.Event | None
 
 
 def capture(items: Sequence[WriteItem], buffers: Sequence[torch.Tensor], ready: "torch.cuda.Event | None",
-            recorded: Sequence[int | None]) -> None:
+            recorded: Sequence[Version]) -> None:
     """Copy every item's tensor into its buffer and make the item point at the copy; raise
     :class:`StateChangedError` if a tensor changed since ``recorded`` (its version at the save)
     before its copy was complete."""
@@ -135,10 +142,12 @@ def capture(items: Sequence[WriteItem], buffers: Sequence[torch.Tensor], ready: 
             stream.synchronize()  # also when a check failed: no copy may still land in a reused buffer
     for item, source, version in on_device:
         _check(item, source, version)
+    for item in items:
+        item.watch = None  # the captured copy is all a writer needs (a writer process gets the items pickled)
 
 
-def _check(item: WriteItem, source: torch.Tensor, version: int | None) -> None:
-    if version is not None and source._version != version:
+def _check(item: WriteItem, source: torch.Tensor, version: Version) -> None:
+    if version is not None and _version(source, item.watch) != version:
         raise StateChangedError(
             f"{item.entry.fqn} was changed in place while an asynchronous save was capturing it, so the "
             "checkpoint would mix values from before and after the change; the save was not committed. Call "

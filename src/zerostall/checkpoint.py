@@ -15,11 +15,11 @@ from typing import Any, Callable
 
 import torch
 
-from . import codec
-from .boxes import whole
+from . import codec, subclass
+from .boxes import Box, intersect, region, whole
 from .broadcast import broadcast_fill
 from .collectives import Group
-from .errors import CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from .fetch import Fetcher
 from .format import Entry
 from .gcpause import gc_paused
@@ -100,11 +100,22 @@ class Checkpoint:
         """One entry, whole: a tensor (memory-mapped from the file where possible) or a python value.
 
         ``key`` is a dotted name or a key path tuple; a rank-local entry is this rank's copy
-        (``"name@rankN"`` names another rank's)."""
+        (``"name@rankN"`` names another rank's). A tensor subclass is rebuilt when its class is in
+        ``tensor_subclasses``, else returned as a :class:`FlattenedTensor` (see there)."""
         entry = self._entry(key)
         if entry.kind == "object":
             return codec.decode(entry.value, where=entry.fqn, allow_pickle=self.options.allow_pickle)
         verify = self.options.verify if verify is None else verify
+        if entry.kind == "subclass":
+            return self._subclass(entry, self.options.tensor_subclasses, verify)
+        return self._tensor(entry, verify)
+
+    def _tensor(self, entry: Entry, verify: bool, box: Box | None = None) -> torch.Tensor:
+        """Tensor entry ``entry`` whole, or its part ``box``."""
+        if box is not None:
+            out = torch.empty(box[1], dtype=entry.torch_dtype)
+            self._fetcher.fill([(out, box, entry)], verify, self.options.max_staging_bytes)
+            return out
         shape, dtype = entry.shape or (), entry.torch_dtype
         chunk = entry.chunks[0] if len(entry.chunks) == 1 else None
         if chunk is not None and chunk.sizes == shape and chunk.nbytes > 0:
@@ -119,6 +130,42 @@ class Checkpoint:
         out = torch.empty(shape, dtype=dtype)
         self._fetcher.fill([(out, whole(out), entry)], verify, self.options.max_staging_bytes)
         return out
+
+    @functools.cached_property
+    def _index(self) -> dict[int, int]:
+        return {id(e): i for i, e in enumerate(self.manifest.entries)}
+
+    def _subclass(self, entry: Entry, trusted: tuple[type, ...], verify: bool) -> Any:
+        """Subclass entry ``entry`` rebuilt by a ``trusted`` class where it forms one tensor, else
+        as stored: a FlattenedTensor, or a list of them (one per saved box)."""
+        entries = self.manifest.entries
+        saved = subclass.shards(entries, self._index[id(entry)], self.path)
+        flat = subclass.flattened(saved, entry, entries, lambda e, box: self._tensor(e, verify, box))
+        if isinstance(flat, subclass.FlattenedTensor) and flat.cls in map(subclass.class_name, trusted):
+            return flat.unflatten(*trusted)
+        return flat
+
+    def _copy(self, target: torch.Tensor, box: Box, entry: Entry, name: str, options: LoadOptions) -> None:
+        """Fill ``target`` (holding ``box``) with the value of ``entry`` as ``load_state_dict`` would
+        (``target.copy_(saved)``) where one side is a tensor subclass and the other is not."""
+        try:
+            with torch.no_grad():
+                if entry.kind == "tensor":  # into a subclass target: its copy_ converts
+                    target.copy_(self._tensor(entry, options.verify, box))
+                    return
+                flat = self._subclass(entry, (), options.verify)
+                for piece in flat if isinstance(flat, list) else [flat]:
+                    stored = (piece.offsets, tuple(piece.sizes))
+                    overlap = intersect(box, stored)
+                    if overlap is not None:
+                        dense = torch.empty(piece.sizes, dtype=piece.dtype)
+                        dense.copy_(piece.unflatten(*options.tensor_subclasses))
+                        target[region(overlap, box)].copy_(dense[region(overlap, stored)])
+        except CheckpointError:
+            raise
+        except Exception as exc:  # the subclass's own code refused (no copy_ to or from a plain tensor...)
+            raise StateMismatchError(f"{name}: copying between the checkpoint's {entry.cls or 'plain tensor'} and the "
+                                     f"{type(target).__qualname__} target failed: {type(exc).__name__}: {exc}") from exc
 
     def state(self) -> Any:
         """The whole saved state, rebuilt from the manifest's tree (tensors memory-mapped).
@@ -141,7 +188,8 @@ class Checkpoint:
 
         result = _build(tree, value)
         for i, entry in enumerate(entries):
-            if i not in referenced and entry.rank is None and isinstance(result, dict) and entry.path:
+            if (i not in referenced and entry.rank is None and entry.inner_of is None and isinstance(result, dict)
+                    and entry.path):
                 _insert(result, entry.path, value(i))
         return result
 
@@ -166,9 +214,18 @@ class Checkpoint:
         received = broadcast_fill(self._fetcher, self.group, plan.tensors, o.verify, o.max_staging_bytes) \
             if together else set()
         self._fetcher.fill(plan.tensors, o.verify, o.max_staging_bytes, skip=received)
+        for target, box, entry, name in plan.copies:
+            self._copy(target, box, entry, name, o)
         for path, entry, like in plan.new_tensors:
+            if entry.kind == "subclass" and (like is None or subclass.is_wrapper(like)):
+                trusted = (*o.tensor_subclasses, *((type(like),) if like is not None else ()))
+                plan.replacements[path] = self._subclass(entry, trusted, o.verify)
+                continue
             out = torch.empty(entry.shape or (), dtype=like.dtype if like is not None else entry.torch_dtype)
-            self._fetcher.fill([(out, whole(out), entry)], o.verify, o.max_staging_bytes)
+            if entry.kind == "subclass":
+                self._copy(out, whole(out), entry, ".".join(map(str, path)), o)
+            else:
+                self._fetcher.fill([(out, whole(out), entry)], o.verify, o.max_staging_bytes)
             plan.replacements[path] = out
         for path, found in plan.subtrees:
             tree: dict[Any, Any] = {}

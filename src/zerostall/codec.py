@@ -42,15 +42,18 @@ def _unb64(text: str) -> bytes:
     return base64.b64decode(text.encode("ascii"))
 
 
-def encode(value: Any, *, where: str = "", allow_pickle: bool = False) -> Any:
-    """Encode ``value`` into JSON-compatible data; ``where`` names the key in errors."""
+_PICKLE_HINT = "not a tensor or a plain python value; pass allow_pickle=True to store it with pickle"
+
+
+def encode(value: Any, *, where: str = "", allow_pickle: bool = False, hint: str = _PICKLE_HINT) -> Any:
+    """Encode ``value`` into JSON-compatible data; ``where`` names the key in errors, ``hint``
+    says what to do about a value that cannot be encoded."""
     try:
         return _encode(value, allow_pickle)
     except _Refused as exc:
         at = where + "".join(reversed(exc.location))
         raise UnsupportedValueError(
-            f"cannot save {type(exc.value).__module__}.{type(exc.value).__qualname__} at {at or '<root>'}: "
-            "not a tensor or a plain python value; pass allow_pickle=True to store it with pickle"
+            f"cannot save {type(exc.value).__module__}.{type(exc.value).__qualname__} at {at or '<root>'}: {hint}"
         ) from None
     except RecursionError:
         raise UnsupportedValueError(f"cannot save the value at {where or '<root>'}: it nests too deeply") from None

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 import torch
 
-from . import codec
+from . import codec, subclass
 from .boxes import local_box
 from .errors import UnsupportedValueError
 from .format import Entry, dtype_name
@@ -35,6 +35,7 @@ class WriteItem:
     offsets: tuple[int, ...]
     key: ChunkKey = ("", ())
     rank_local: bool = False
+    watch: torch.Tensor | None = None  # the leaf, when it is not ``tensor``'s own: its in-place changes count too
 
     @property
     def nbytes(self) -> int:
@@ -53,17 +54,34 @@ class Row:
     sizes: tuple[int, ...] = ()
     nbytes: int = 0
     alias_of: str | None = None
+    subclass: str | None = None  # a tensor subclass's class name
 
 
 def check_tensor(t: torch.Tensor, where: str) -> None:
-    """Refuse tensors whose bytes are not plain strided data we can store and restore exactly."""
+    """Refuse tensors whose bytes are not plain strided data we can store and restore exactly
+    (wrapper subclasses are stored as their inner tensors before this check)."""
     if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        raise UnsupportedValueError(f"{where}: tensor subclass {type(t).__qualname__} is not supported")
-    if t.layout != torch.strided or t.is_quantized or t.is_nested:
-        kind = "quantized" if t.is_quantized else "nested" if t.is_nested else str(t.layout)
+        raise UnsupportedValueError(
+            f"{where}: tensor subclass {type(t).__module__}.{type(t).__qualname__} is not supported: zerostall stores "
+            "plain tensors, Parameters, DTensors and wrapper subclasses with __tensor_flatten__/__tensor_unflatten__ "
+            "(float8, NF4...); a subclass without them may mean more than its strided data (its attributes are not "
+            "saved), so save t.as_subclass(torch.Tensor) if its data is all there is")
+    if t.layout != torch.strided or t.is_quantized:
+        kind = "quantized" if t.is_quantized else str(t.layout)
         raise UnsupportedValueError(f"{where}: {kind} tensors are not supported; convert to a dense tensor")
     if t.is_meta:
         raise UnsupportedValueError(f"{where}: tensor is on the meta device and has no data to save")
+
+
+def check_shaped(t: torch.Tensor, where: str) -> None:
+    """Refuse tensors that have no plain shape to take a box of: lazy modules' parameters before
+    their first forward, nested (jagged) tensors."""
+    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+        raise UnsupportedValueError(f"{where}: an uninitialized lazy parameter (of a LazyLinear, say) has no shape or "
+                                    "data yet: run one forward pass through the module before saving it")
+    if t.is_nested:
+        raise UnsupportedValueError(f"{where}: nested tensors are not supported; save a dense (padded) tensor, or "
+                                    "the list of its components (t.unbind())")
 
 
 def view_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -137,6 +155,7 @@ class Collected:
     rows: list[Row] = field(default_factory=list)
     items: list[WriteItem] = field(default_factory=list)
     objects: dict[str, Any] = field(default_factory=dict)
+    shards: dict[ChunkKey, dict[str, Any]] = field(default_factory=dict)  # subclass boxes: descriptions
     skeleton: Any = None
     refs: dict[Path, codec.Ref] = field(default_factory=dict)
     keys: dict[Path, str] = field(default_factory=dict)
@@ -161,6 +180,7 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
     flat = flatten(state, skeleton=True)
     out = Collected(skeleton=flat.skeleton, refs=flat.refs, optimizers=optimizers_in(flat.statefuls.values()))
     seen = ViewIndex()  # view -> the key of the leaf that first held it
+    seen_subclasses: dict[int, str] = {}  # id of a subclass leaf -> its key (their views have no data pointer)
     names = {"__metadata__"}  # reserved in a safetensors header
     for path, value in flat.leaves.items():
         name, key, local = fqn(path), path_key(path), path in flat.rank_local
@@ -178,24 +198,70 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
                 out.rows.append(Row(key, "object"))
                 out.objects[key] = encoded
             continue
+        check_shaped(value, name)
         piece, offsets, sizes = local_box(value)
+        if subclass.is_wrapper(piece):
+            first = None if local else seen_subclasses.setdefault(id(value), key)
+            if first is not None and first != key:
+                out.rows.append(Row(key, "alias", alias_of=first))
+            else:
+                _collect_subclass(out, names, path, key, value, piece, offsets, sizes, rank if local else None)
+            continue
         check_tensor(piece, name)
         first = None if local else seen.first(piece, key)
         if first is not None:
             out.rows.append(Row(key, "alias", alias_of=first))
             continue
-        source = plain_source(piece)
-        dtype, shape = dtype_name(value.dtype), tuple(value.shape)
-        entry = Entry(name, path, "tensor", dtype=dtype, shape=shape, rank=rank if local else None)
-        if local:
-            out.rank_local.append(entry)
-        else:
-            out.entries[key] = entry
-            out.rows.append(Row(key, "tensor", dtype, shape, offsets, sizes, source.nbytes))
-        file_name = name if sizes == shape else f"{name}@{','.join(map(str, offsets))}"
-        file_name = file_name.encode("utf-8", "backslashreplace").decode()  # a lone surrogate is not UTF-8
-        while file_name in names:
-            file_name += "#"
-        names.add(file_name)
-        out.items.append(WriteItem(entry, file_name, source, offsets, (key, offsets), local))
+        entry = Entry(name, path, "tensor", dtype=dtype_name(value.dtype), shape=tuple(value.shape),
+                      rank=rank if local else None)
+        _add_tensor(out, names, entry, key, plain_source(piece), offsets, sizes, value if piece is not value else None)
     return out
+
+
+def _add_tensor(out: Collected, names: set[str], entry: Entry, key: str, source: torch.Tensor,
+                offsets: tuple[int, ...], sizes: tuple[int, ...], watch: torch.Tensor | None) -> None:
+    """List a tensor entry holding ``source`` as its box (offsets, sizes), and the write of its bytes."""
+    local = entry.rank is not None
+    shape = entry.shape or ()
+    if local:
+        out.rank_local.append(entry)
+    else:
+        out.entries[key] = entry
+        out.rows.append(Row(key, "tensor", entry.dtype, shape, offsets, sizes, source.nbytes))
+    file_name = entry.fqn if sizes == shape else f"{entry.fqn}@{','.join(map(str, offsets))}"
+    file_name = file_name.encode("utf-8", "backslashreplace").decode()  # a lone surrogate is not UTF-8
+    while file_name in names:
+        file_name += "#"
+    names.add(file_name)
+    out.items.append(WriteItem(entry, file_name, source, offsets, (key, offsets), local, watch))
+
+
+def _collect_subclass(out: Collected, names: set[str], path: Path, key: str, value: torch.Tensor,
+                      piece: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...], rank: int | None) -> None:
+    """A wrapper subclass leaf (``piece``, this rank's box of ``value``): a subclass entry describing
+    this box, and a tensor entry per inner tensor (see :mod:`zerostall.subclass`)."""
+    name = fqn(path)
+    node = subclass.describe(piece, name)
+    dtype, shape = dtype_name(value.dtype), tuple(value.shape)
+    entry = Entry(name, path, "subclass", dtype=dtype, shape=shape, rank=rank, cls=node.cls, shards=[])
+    if rank is not None:
+        out.rank_local.append(entry)
+    else:
+        out.entries[key] = entry
+        out.rows.append(Row(key, "subclass", dtype, shape, offsets, sizes, 0, subclass=node.cls))
+    sharded = piece is not value  # a DTensor's local tensor: whole-stored inner tensors are named by their box
+    for attrs, tensor in list(node.leaves()):
+        box = tuple(tensor.shape) == sizes
+        ipath = subclass.inner_path(path, attrs, box, offsets if sharded else None)
+        ikey = path_key(ipath)
+        ientry = Entry(fqn(ipath), ipath, "tensor", dtype=dtype_name(tensor.dtype),
+                       shape=shape if box else tuple(tensor.shape), rank=rank)
+        zeros = (0,) * tensor.dim()
+        _add_tensor(out, names, ientry, ikey, plain_source(tensor), offsets if box else zeros,
+                    sizes if box else tuple(tensor.shape), value)
+        node.set(attrs, subclass.Ref(ikey, box))
+    shard = subclass.shard_json(node, offsets)
+    if rank is not None:
+        entry.shards = [shard]
+    else:
+        out.shards[(key, offsets)] = shard

@@ -18,7 +18,7 @@ import operator
 import time
 from typing import Any
 
-from . import codec
+from . import codec, subclass
 from .collect import Collected, WriteItem, path_key
 from .collectives import Group
 from .errors import CheckpointError, CommitError
@@ -124,6 +124,7 @@ def record(collected: Collected, plan: SavePlan, rank: int, files: dict[str, int
         "headers": headers,
         "chunks": [[i.key[0], i.entry.chunks[-1].to_json()] for i in written if not i.rank_local],
         "objects": [[k, v] for k, v in collected.objects.items() if plan.writes(rank, (k, ()))],
+        "shards": [[k, shard] for (k, o), shard in collected.shards.items() if plan.writes(rank, (k, o))],
         "rank_local": [e.to_json() for e in collected.rank_local],
     }
 
@@ -140,7 +141,8 @@ def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], header
         entry = collected.entries.get(row.key)
         if entry is None:
             path = paths.get(row.key) or codec.decode_path(json.loads(row.key))
-            entry = Entry(fqn(path), path, row.kind, dtype=row.dtype, shape=row.shape)
+            entry = Entry(fqn(path), path, row.kind, dtype=row.dtype, shape=row.shape, cls=row.subclass,
+                          shards=[] if row.kind == "subclass" else None)
         index[(row.key, None)] = len(entries)
         entries.append(entry)
     for row, entry in zip(plan.entries, entries):
@@ -149,8 +151,11 @@ def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], header
     for key, value in collected.objects.items():
         if plan.writes(0, (key, ())):
             entries[index[(key, None)]].value = value
+    for (key, offsets), shard in collected.shards.items():
+        if plan.writes(0, (key, offsets)):
+            entries[index[(key, None)]].shards.append(shard)  # type: ignore[union-attr]
     for entry in collected.rank_local:
-        index[(collected.keys[entry.path], 0)] = len(entries)
+        index[(path_key(entry.path), 0)] = len(entries)
         entries.append(entry)
     files, headers = dict(files), dict(headers)
     for rank, record in sorted(records.items()):
@@ -160,6 +165,8 @@ def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], header
             entries[index[(key, None)]].chunks.append(Chunk.from_json(chunk))
         for key, value in record["objects"]:
             entries[index[(key, None)]].value = value
+        for key, shard in record.get("shards", ()):
+            entries[index[(key, None)]].shards.append(shard)  # type: ignore[union-attr]
         for data in record["rank_local"]:
             entry = Entry.from_json(data)
             index[(path_key(entry.path), rank)] = len(entries)
@@ -167,6 +174,7 @@ def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], header
     for entry in entries:
         if len(entry.chunks) > 1:
             entry.chunks.sort(key=operator.attrgetter("offsets"))
+    subclass.link(entries, lambda key, rank: index[(key, rank)])
     for path, ref in collected.refs.items():
         key = collected.keys[path]
         ref.index = index.get((key, None), index.get((key, 0), -1))

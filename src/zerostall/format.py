@@ -28,7 +28,8 @@ if TYPE_CHECKING:  # reading a manifest needs no torch: only dtype_from_name imp
     import torch
 
 FORMAT_NAME = "zerostall"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version this zerostall reads; a manifest is written with the oldest that holds it
+SUBCLASS_VERSION = 2  # the first version with "subclass" entries (tensor subclasses stored as their inner tensors)
 MANIFEST_NAME = "manifest.json"
 DATA_ALIGNMENT = 4096
 DEFAULT_BLOCK_SIZE = 4 << 20
@@ -161,7 +162,9 @@ class Chunk:
 
 @dataclass(slots=True)
 class Entry:
-    """A leaf of the saved state. ``kind`` is "tensor", "object" (a python value) or "alias"."""
+    """A leaf of the saved state. ``kind`` is "tensor", "object" (a python value), "alias" or
+    "subclass" (a tensor subclass: ``cls`` names it, ``shards`` describe it box by box and point at
+    the tensor entries holding its inner tensors, whose ``inner_of`` points back)."""
 
     fqn: str
     path: tuple[Any, ...]
@@ -172,6 +175,9 @@ class Entry:
     value: Any = None
     alias_of: int | None = None
     rank: int | None = None
+    cls: str | None = None
+    shards: list[dict[str, Any]] | None = None
+    inner_of: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -190,6 +196,10 @@ class Entry:
             d["dtype"] = self.dtype
             d["shape"] = self.shape or ()
             d["chunks"] = [c.to_json() for c in self.chunks]
+            if self.inner_of is not None:
+                d["inner_of"] = self.inner_of
+        elif self.kind == "subclass":
+            d.update({"class": self.cls, "dtype": self.dtype, "shape": self.shape or (), "shards": self.shards or []})
         elif self.kind == "object":
             d["value"] = self.value
         else:
@@ -201,7 +211,10 @@ class Entry:
         get = d.get
         if d["kind"] == "tensor":  # positional: thousands of entries, keyword matching shows
             return cls(d["fqn"], decode_path(d["path"]), "tensor", d["dtype"], tuple(d["shape"]),
-                       [Chunk.from_json(c) for c in d["chunks"]], None, None, get("rank"))
+                       [Chunk.from_json(c) for c in d["chunks"]], None, None, get("rank"), None, None, get("inner_of"))
+        if d["kind"] == "subclass":
+            return cls(d["fqn"], decode_path(d["path"]), "subclass", d["dtype"], tuple(d["shape"]), rank=get("rank"),
+                       cls=d["class"], shards=list(d["shards"]))
         return cls(d["fqn"], decode_path(d["path"]), d["kind"], value=get("value"), alias_of=get("alias_of"),
                    rank=get("rank"))
 
@@ -219,7 +232,7 @@ class Manifest:
     step: int | None = None
     metadata: Any = None
     created: float = field(default_factory=time.time)
-    version: int = FORMAT_VERSION
+    version: int = 1  # as read; written as at least what the entries need (see version_needed)
     headers: dict[str, str] = field(default_factory=dict)  # file -> xxh3-64 of its safetensors header
 
     @property
@@ -228,8 +241,9 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         """Serialize as ``{"checksum": H, "manifest": BODY}`` where H is the xxh3-64 of BODY."""
+        version = max(self.version, version_needed(self.entries))
         body = dump_json({
-            "format": FORMAT_NAME, "version": self.version, "generation": self.generation,
+            "format": FORMAT_NAME, "version": version, "generation": self.generation,
             "created": self.created, "step": self.step, "world_size": self.world_size,
             "block_size": self.block_size, "checksum": "xxh3_64", "files": self.files,
             "headers": self.headers, "metadata": self.metadata, "tree": self.tree,
@@ -253,6 +267,12 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptCheckpointError(f"manifest {where} is malformed: {exc!r}") from exc
+
+
+def version_needed(entries: Iterable[Entry]) -> int:
+    """The oldest format version that holds ``entries``: 1, or 2 once a tensor subclass is among
+    them (so that a reader that knows no "subclass" entries refuses the manifest, never misreads it)."""
+    return SUBCLASS_VERSION if any(e.kind == "subclass" for e in entries) else 1
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import codec
+from . import codec, subclass
 from .boxes import Box, local_box
 from .collect import ViewIndex
 from .errors import StateMismatchError
@@ -51,9 +51,11 @@ class Mismatch:
 @dataclass
 class LoadPlan:
     """Which bytes go where: targets to fill (a tensor, the box of the global tensor it holds, its
-    entry), tensors to allocate, values to replace, subtrees to read whole, and what did not match."""
+    entry), tensors to allocate, values to replace, subtrees to read whole, values to copy between a
+    tensor subclass and a plain tensor (a target, its box, the entry, its name), and what did not match."""
 
     tensors: list[tuple[torch.Tensor, Box, Entry]] = field(default_factory=list)
+    copies: list[tuple[torch.Tensor, Box, Entry, str]] = field(default_factory=list)
     new_tensors: list[tuple[Path, Entry, torch.Tensor | None]] = field(default_factory=list)
     replacements: dict[Path, Any] = field(default_factory=dict)
     subtrees: list[tuple[Path, list[tuple[Path, Entry]]]] = field(default_factory=list)
@@ -146,8 +148,8 @@ class LoadPlanner:
         source: dict[Path, Entry] = {}
         same_world = self.manifest.world_size == self.world
         for e in self.manifest.entries:
-            if e.rank is not None and (not same_world or e.rank != self.rank):
-                continue
+            if e.rank is not None and (not same_world or e.rank != self.rank) or e.inner_of is not None:
+                continue  # another rank's, or a part of a tensor subclass (loaded through its subclass entry)
             if e.path[:len(prefix)] != prefix:
                 continue
             rel = _normalize(e.path[len(prefix):], strip)
@@ -170,13 +172,13 @@ class LoadPlanner:
         plan.consumed.add(rel)
         entry = resolve(self.manifest, entry, self.path)
         if not isinstance(value, torch.Tensor):
-            if entry.kind == "tensor":
+            if entry.kind in ("tensor", "subclass"):
                 plan.new_tensors.append((path, entry, None))
             else:
                 plan.replacements[path] = codec.decode(entry.value, where=entry.fqn,
                                                       allow_pickle=self.options.allow_pickle)
             return
-        if entry.kind != "tensor":
+        if entry.kind not in ("tensor", "subclass"):
             plan.mismatch.mismatched.append(f"{fqn(path)} (the checkpoint holds a python value, the target a tensor)")
         elif value.shape != entry.shape:
             plan.mismatch.mismatched.append(f"{fqn(path)} (shape {list(entry.shape or ())} in the checkpoint, "
@@ -185,14 +187,43 @@ class LoadPlanner:
             plan.mismatch.mismatched.append(f"{fqn(path)} (dtype {entry.dtype} in the checkpoint, "
                                             f"{str(value.dtype).removeprefix('torch.')} in the target)")
         elif value.is_meta:
-            if materialize:
+            if materialize and entry.kind == "subclass" and not self._rebuildable(entry, value):
+                plan.mismatch.mismatched.append(f"{fqn(path)} (the checkpoint holds a {entry.cls} tensor subclass: "
+                                                "pass that class in tensor_subclasses= to materialize it)")
+            elif materialize:
                 plan.new_tensors.append((path, entry, value))
             else:
                 plan.meta.append(fqn(path))
         else:
             piece, offsets, sizes = local_box(value)
-            if seen.first(piece, True) is None:
+            if entry.kind == "subclass" or subclass.is_wrapper(piece):
+                self._match_subclass(plan, path, entry, piece, (offsets, sizes), strict_dtype, seen)
+            elif seen.first(piece, True) is None:
                 plan.tensors.append((piece, (offsets, sizes), entry))
+
+    def _rebuildable(self, entry: Entry, like: torch.Tensor) -> bool:
+        """Whether subclass ``entry`` can be rebuilt for the target ``like``: it is a (non-DTensor)
+        target of that very class, or the caller trusts the class."""
+        return entry.cls in map(subclass.class_name, (*self.options.tensor_subclasses, type(like)))
+
+    def _match_subclass(self, plan: LoadPlan, path: Path, entry: Entry, piece: torch.Tensor, box: Box,
+                        strict_dtype: bool, seen: ViewIndex) -> None:
+        """A tensor subclass on either side. Same class: fill the target's inner tensors in place
+        (resharding where they follow the box). Otherwise the value is copied as ``load_state_dict``
+        does (``target.copy_(saved)``), a saved subclass only when the caller trusts its class."""
+        name = fqn(path)
+        if entry.kind == "subclass" and subclass.is_wrapper(piece):
+            fills = subclass.match(self.manifest.entries, self._index[id(entry)], piece, box, self.path, strict_dtype)
+            if isinstance(fills, str):
+                plan.mismatch.mismatched.append(f"{name} ({fills})")
+                return
+            plan.tensors.extend(fill for fill in fills if seen.first(fill[0], True) is None)
+        elif entry.kind == "subclass" and entry.cls not in map(subclass.class_name, self.options.tensor_subclasses):
+            plan.mismatch.mismatched.append(
+                f"{name} (the checkpoint holds a {entry.cls} tensor subclass, the target a plain tensor: load it into "
+                "a target of that class, or pass that class in tensor_subclasses= to copy its value into this one)")
+        else:
+            plan.copies.append((piece, box, entry, name))
 
     @staticmethod
     def _subtree(source: dict[Path, Entry], root: Path, consumed: set[Path]) -> list[tuple[Path, Entry]]:

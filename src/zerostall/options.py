@@ -138,6 +138,14 @@ class LoadOptions(_Options):
     allow_pickle: bool = False
     """Unpickle python values that were saved with pickle; never needed for tensors."""
 
+    tensor_subclasses: tuple[type, ...] = ()
+    """Tensor subclasses (with ``__tensor_unflatten__``) trusted to rebuild the checkpoint's entries of
+    their class (matched by module and qualified name) where no target of that class is given:
+    ``read`` and ``state()`` then return such a tensor instead of a ``FlattenedTensor``, and a plain
+    target is filled with its value (``copy_``, as ``load_state_dict`` does). A class named by a
+    checkpoint is never imported: a checkpoint is untrusted input. Not needed to load into targets
+    of the class itself, whose inner tensors are filled in place."""
+
     threads: int | None = None
     """Reader threads per process; None: one per core, at least 2, at most 8."""
 
@@ -154,3 +162,9 @@ class LoadOptions(_Options):
         self._check("prefix", isinstance(self.prefix, (str, tuple)), "a key (str) or a key path (tuple)")
         self._check("keys", self.keys is None or callable(self.keys) or isinstance(self.keys, (str, list, tuple, set)),
                     "None, a predicate or glob patterns")
+        if isinstance(self.tensor_subclasses, type):
+            object.__setattr__(self, "tensor_subclasses", (self.tensor_subclasses,))
+        self._check("tensor_subclasses", isinstance(self.tensor_subclasses, (tuple, list)) and all(
+            isinstance(c, type) and hasattr(c, "__tensor_unflatten__") for c in self.tensor_subclasses),
+            "a sequence of tensor subclasses with __tensor_unflatten__")
+        object.__setattr__(self, "tensor_subclasses", tuple(self.tensor_subclasses))

@@ -29,7 +29,7 @@ from .state import fqn
 
 def structure_digest(rows: Sequence[Row]) -> int:
     """A 64-bit digest of a rank's structure: equal digests mean a cached plan still fits it."""
-    fields = [(r.key, r.kind, r.dtype, r.shape, r.offsets, r.sizes, r.nbytes, r.alias_of) for r in rows]
+    fields = [(r.key, r.kind, r.dtype, r.shape, r.offsets, r.sizes, r.nbytes, r.alias_of, r.subclass) for r in rows]
     return xxhash.xxh3_64_intdigest(dump_json(fields))  # tuples, not dataclasses: serialized in C
 
 
@@ -54,8 +54,9 @@ def build_plan(structures: Sequence[Sequence[Row]], digests: Sequence[int], seed
 
     Chunks are taken fewest holders first, then largest first, and each goes to its least-loaded
     holder by bytes (lowest rank on ties): deterministic, so every rank computes the same plan.
-    Python values are written by their lowest-ranked holder. Raises ``ValueError`` naming the key
-    when ranks disagree on a leaf's kind, dtype or global shape.
+    Python values are written by their lowest-ranked holder; the description of a tensor subclass's
+    box is written like a chunk (by one of the ranks holding that box). Raises ``ValueError`` naming
+    the key when ranks disagree on a leaf's kind, dtype or global shape.
     """
     entries: dict[str, Row] = {}
     holders: dict[ChunkKey, list[int]] = {}
@@ -63,10 +64,11 @@ def build_plan(structures: Sequence[Sequence[Row]], digests: Sequence[int], seed
     for rank, rows in enumerate(structures):
         for row in rows:
             first = entries.setdefault(row.key, row)
-            if (first.kind, first.dtype, first.shape, first.alias_of) != (row.kind, row.dtype, row.shape, row.alias_of):
+            if (first.kind, first.dtype, first.shape, first.alias_of, first.subclass) != \
+                    (row.kind, row.dtype, row.shape, row.alias_of, row.subclass):
                 raise ValueError(f"{row.key}: rank {rank} holds {_describe(row)}, another rank {_describe(first)}; "
                                  "mark per-rank values with zerostall.rank_local()")
-            if row.kind in ("tensor", "object"):
+            if row.kind != "alias":
                 key = (row.key, row.offsets)
                 holders.setdefault(key, []).append(rank)
                 sizes[key] = row.nbytes
@@ -79,6 +81,8 @@ def build_plan(structures: Sequence[Sequence[Row]], digests: Sequence[int], seed
 def _describe(row: Row) -> str:
     if row.kind == "tensor":
         return f"a {row.dtype} tensor of shape {list(row.shape or ())}"
+    if row.kind == "subclass":
+        return f"a {row.subclass} tensor subclass ({row.dtype}) of shape {list(row.shape or ())}"
     return "an alias" if row.kind == "alias" else "a python value"
 
 
@@ -141,6 +145,9 @@ def check_replicas(group: Group, plan: SavePlan, collected: Collected) -> None:
     for key, encoded in collected.objects.items():
         if len(plan.holders[(key, ())]) > 1:
             mine[(key, ())] = xxhash.xxh3_64_intdigest(json.dumps(encoded, sort_keys=True).encode())
+    for chunk, shard in collected.shards.items():  # a replicated box of a tensor subclass: its context too
+        if len(plan.holders[chunk]) > 1:
+            mine[chunk] = xxhash.xxh3_64_intdigest(json.dumps(shard, sort_keys=True).encode())
     everyone = group.all_gather_object(mine)
     bad = sorted({key for d in everyone for key, h in d.items() if any(o.get(key, h) != h for o in everyone)})
     if bad:

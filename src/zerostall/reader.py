@@ -17,11 +17,12 @@ from .storage import Storage
 
 
 def resolve(manifest: Manifest, entry: Entry, where: str) -> Entry:
-    """The entry that ``entry`` stands for: itself, or the tensor entry it aliases."""
+    """The entry that ``entry`` stands for: itself, or the tensor (or tensor subclass) entry it aliases."""
     entries = manifest.entries
     if entry.kind == "alias":
         index = entry.alias_of
-        if not isinstance(index, int) or not 0 <= index < len(entries) or entries[index].kind != "tensor":
+        if not isinstance(index, int) or not 0 <= index < len(entries) or entries[index].kind not in ("tensor",
+                                                                                                       "subclass"):
             raise CorruptCheckpointError(f"entry {entry.fqn} aliases entry #{index}, which is not a tensor "
                                          f"entry of {where}")
         return entries[index]

@@ -58,6 +58,9 @@ def verify_all(fetcher: ChunkReader, *, allow_pickle: bool, progress: Callable[[
                 _decode_safely(entry)
         except CheckpointError as exc:
             faults.append(str(exc))
+    if any(e.kind == "subclass" or e.inner_of is not None for e in manifest.entries):
+        from . import subclass  # imports torch: only for checkpoints holding tensor subclasses
+        faults += subclass.check(manifest.entries, fetcher.path)  # their descriptions and links
     lock = threading.Lock()
 
     def check(entry: Entry, chunk: Chunk) -> None:

@@ -28,10 +28,16 @@ from .common import (FAILED, UNVERIFIED, USAGE, cli, clip, console, format_time,
 
 
 def entry_row(manifest: Manifest, entry: Entry) -> dict[str, Any]:
-    """What ``inspect`` shows of one entry: kind, then dtype/shape/chunks/bytes, the value or the alias."""
+    """What ``inspect`` shows of one entry: kind, then dtype/shape/chunks/bytes, the value or the alias;
+    a tensor subclass shows its class and boxes (its inner tensors are entries of their own)."""
     row: dict[str, Any] = {"fqn": entry.fqn, "kind": entry.kind}
     if entry.kind == "tensor":
         row.update(dtype=entry.dtype, shape=list(entry.shape or ()), chunks=len(entry.chunks), bytes=entry.nbytes)
+        owner, entries = entry.inner_of, manifest.entries
+        if owner is not None:
+            row["inner_of"] = entries[owner].fqn if isinstance(owner, int) and 0 <= owner < len(entries) else owner
+    elif entry.kind == "subclass":
+        row.update(dtype=entry.dtype, shape=list(entry.shape or ()), chunks=len(entry.shards or ()), value=entry.cls)
     elif entry.kind == "alias":
         row["alias_of"] = manifest.entries[entry.alias_of].fqn if entry.alias_of is not None else None
     else:
@@ -67,7 +73,8 @@ def inspect(ckpt: str, as_json: bool) -> None:
     table = Table("fqn", "kind", "dtype", "shape", Column("chunks", justify="right"),
                   Column("bytes", justify="right"), "value")
     for row in entries:
-        value = f"= {row['alias_of']}" if "alias_of" in row else clip(row.get("value", ""))
+        value = f"= {row['alias_of']}" if "alias_of" in row else f"part of {row['inner_of']}" if "inner_of" in row \
+            else clip(row.get("value", ""))
         size = human_bytes(row["bytes"]) if "bytes" in row else ""
         table.add_row(row["fqn"], row["kind"], row.get("dtype", ""), str(row.get("shape", "")),
                       str(row.get("chunks", "")), size, value)
