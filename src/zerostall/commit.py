@@ -16,7 +16,7 @@ import json
 import logging
 import operator
 import time
-from typing import Any
+from typing import Any, Callable
 
 from . import codec, subclass
 from .collect import Collected, WriteItem, path_key
@@ -182,21 +182,25 @@ def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], header
                     world_size=world_size, block_size=block_size, step=step, metadata=metadata, headers=headers)
 
 
-def publish(storage: Storage, manifest: Manifest, previous: str | None) -> None:
+def publish(storage: Storage, manifest: Manifest, previous: str | None,
+            before_commit: Callable[[], None] | None = None) -> None:
     """Publish the manifest: the single atomic step that makes the checkpoint exist. Refused at the
     last moment if the manifest in place is no longer ``previous`` (the generation this save
     found when it began writing): another save committed into the path meanwhile (two writers on
-    one path), its clean-up may have removed this save's data files, and its checkpoint stays."""
-    def unchanged() -> None:
+    one path), its clean-up may have removed this save's data files, and its checkpoint stays; or
+    if ``before_commit`` (an outside fence, such as a writer lease) raises."""
+    def last_checks() -> None:
         current = manifest_generation(storage)
         if current != previous:
             raise CheckpointError(f"the save {manifest.generation} into {storage.location} was not committed: "
                                   f"another save ({current}) committed there while it was in flight (two writers "
                                   "on one path?); that checkpoint is kept")
+        if before_commit is not None:
+            before_commit()
 
     try:
         storage.publish(MANIFEST_NAME, manifest_tmp_name(manifest.generation), manifest.to_bytes(),
-                        before_replace=unchanged)
+                        before_replace=last_checks)
     except OSError as exc:
         raise CheckpointError(f"committing the manifest in {storage.location} failed: {exc}") from exc
 

@@ -14,7 +14,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from .errors import CheckpointError
 from .root import LEASE_NAME
@@ -51,11 +51,12 @@ class WriterLease:
 
     def holder(self) -> dict[str, Any] | None:
         """The lease as it is now; None when there is none (or it cannot be read)."""
-        try:
-            lease = json.loads(self.storage.read_bytes(LEASE_NAME))
-        except (OSError, ValueError):
-            return None
-        return lease if isinstance(lease, dict) else None
+        return read_lease(self.storage)
+
+    def fence(self, then: Callable[[], None] | None = None) -> LeaseFence:
+        """A check (picklable, for a writer process) that this lease is still ours, for
+        ``SaveOptions.before_commit``; ``then`` runs after it."""
+        return LeaseFence(self.storage, self.me["token"], then)
 
     def is_stale(self, lease: dict[str, Any]) -> bool:
         """Whether ``lease`` was not renewed in time, or names a process of this host that is gone."""
@@ -101,7 +102,14 @@ class WriterLease:
         self._thread.start()
 
     def _keep_alive(self) -> None:
+        """Renew every ``ttl / 3`` seconds while the lease is still ours; once another process holds
+        it (this one was paused past the ttl, say), stop: never overwrite the new holder's lease."""
         while not self._stop.wait(self.ttl / 3):
+            try:
+                self.fence()()
+            except CheckpointError as exc:
+                log.error("%s; stopped renewing it", exc)
+                return
             try:
                 self._renew()
             except OSError as exc:
@@ -114,6 +122,33 @@ class WriterLease:
             self._thread.join()
         if (self.holder() or {}).get("token") == self.me["token"]:
             self.storage.delete(LEASE_NAME)
+
+
+def read_lease(storage: Storage) -> dict[str, Any] | None:
+    """The lease of the root at ``storage`` as it is now; None when there is none (or it cannot be read)."""
+    try:
+        lease = json.loads(storage.read_bytes(LEASE_NAME))
+    except (OSError, ValueError):
+        return None
+    return lease if isinstance(lease, dict) else None
+
+
+class LeaseFence:
+    """Raises unless the root's lease still holds ``token``: run right before anything a writer
+    that lost its lease must not do (a commit, moving or deleting checkpoints, ``latest``)."""
+
+    def __init__(self, storage: Storage, token: str, then: Callable[[], None] | None = None) -> None:
+        self.storage, self.token, self.then = storage, token, then
+
+    def __call__(self) -> None:
+        lease = read_lease(self.storage)
+        if (lease or {}).get("token") != self.token:
+            holder = f"{lease.get('host')} pid {lease.get('pid')}" if lease else "nobody"
+            raise CheckpointError(f"this process no longer holds the writer lease of {self.storage.location} (held "
+                                  f"by {holder}: it was taken over, e.g. while this process was paused past the "
+                                  "lease's ttl); nothing more is written, moved or deleted there: stop this writer")
+        if self.then is not None:
+            self.then()
 
 
 def live_holder(root: Storage) -> dict[str, Any] | None:

@@ -75,11 +75,15 @@ class CheckpointManager:
         self._pending_delete: Future[None] | None = None
         self._committing: Future[None] | None = None
         self.lease: WriterLease | None = None
+        self._save_options = self.save_options
         if self.group.is_coordinator:
             try:
                 self.checkpoint_root.storage.create()
                 self.lease = WriterLease(self.checkpoint_root.storage, lease_ttl)
                 self.lease.acquire()
+                # every commit first checks that the lease is still this manager's
+                self._save_options = dataclasses.replace(self.save_options,
+                                                         before_commit=self.lease.fence(self.save_options.before_commit))
                 self.checkpoint_root.clean_stale_attempts(temp_age=lease_ttl)
             except OSError as exc:
                 raise CheckpointError(f"cannot write checkpoints under {self.root}: {exc}") from exc
@@ -108,13 +112,13 @@ class CheckpointManager:
         self._pinned.add(step)
         if self.saver is None:
             try:
-                info = save(wrapped, storage, self.save_options, process_group=self.process_group, step=step,
+                info = save(wrapped, storage, self._save_options, process_group=self.process_group, step=step,
                             metadata=metadata)
             finally:
                 self._pinned.discard(step)
             self._commit(tag, step)
             return info
-        handle = self.saver.save(wrapped, storage, self.save_options, process_group=self.process_group, step=step,
+        handle = self.saver.save(wrapped, storage, self._save_options, process_group=self.process_group, step=step,
                                  metadata=metadata)
         assert handle is not None
         self._committing = committing = Future()
@@ -132,6 +136,7 @@ class CheckpointManager:
             return
         later = [name for name, record in self.checkpoints() if record.step > step or name == tag]
         if later:  # not while retention deletes
+            self._still_the_writer()
             self._deleter.submit(self.checkpoint_root.set_aside, later, step).result()
 
     def _committed_async(self, fut: Future, tag: str, step: int, committing: Future) -> None:
@@ -155,6 +160,7 @@ class CheckpointManager:
         background. If ``latest`` cannot be written (a full disk), raise and delete nothing."""
         if not self.group.is_coordinator:
             return
+        self._still_the_writer()
         try:
             self.checkpoint_root.write_latest(tag, step)
         except OSError as exc:  # `latest` still names the previous checkpoint, which must stay
@@ -218,7 +224,13 @@ class CheckpointManager:
         return wrapped
 
     # -- retention -----------------------------------------------------------------------------
+    def _still_the_writer(self) -> None:
+        """Raise unless this manager still holds the root's writer lease (see :class:`LeaseFence`)."""
+        if self.lease is not None:
+            self.lease.fence()()
+
     def _apply_retention(self) -> None:
+        self._still_the_writer()
         for tag, rules in retained(self.checkpoint_root.checkpoints(), self.policy, self._pinned).items():
             if not rules:
                 self.checkpoint_root.delete(tag)

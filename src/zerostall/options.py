@@ -86,6 +86,12 @@ class SaveOptions(_Options):
     anything is written. ``CheckpointManager`` never saves over a checkpoint: a re-saved step is set
     aside instead."""
 
+    before_commit: Callable[[], None] | None = None
+    """Called on the coordinator right before the commit (the manifest switch), at a moment no
+    other save into the path can commit; if it raises, the save is not committed and its error is
+    raised. A fence for an outside lease or lock (``CheckpointManager`` checks its writer lease
+    here); with ``AsyncSaver(writer="process")`` it must be picklable."""
+
     commit_timeout: float = 600.0
     """Seconds the coordinator waits for every rank's data (and the other ranks for the commit)
     before the save fails everywhere; a dead rank fails the save after this long."""
@@ -93,6 +99,7 @@ class SaveOptions(_Options):
     def __post_init__(self) -> None:
         self._check_threads()
         self._check_bools("fsync", "allow_pickle", "overwrite")
+        self._check("before_commit", self.before_commit is None or callable(self.before_commit), "None or a callable")
         self._check("block_size", _is_int(self.block_size) and self.block_size >= 1, "an int >= 1")
         self._check("commit_timeout", isinstance(self.commit_timeout, (int, float))
                     and not isinstance(self.commit_timeout, bool) and self.commit_timeout > 0, "a number > 0")

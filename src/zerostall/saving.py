@@ -139,7 +139,7 @@ def persist(prepared: Prepared) -> SaveInfo:
             with gc_paused():
                 manifest = assemble(p.collected, p.plan, files, headers, others, generation, group.size, p.step,
                                     p.metadata, p.options.block_size)
-                publish(storage, manifest, previous)
+                publish(storage, manifest, previous, p.options.before_commit)
         else:
             await_commit(storage, generation, p.options.commit_timeout)
     except BaseException as exc:

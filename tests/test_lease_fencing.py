@@ -1,0 +1,118 @@
+"""A writer paused past its lease's ttl (SIGSTOP) and then resumed must not commit, move, delete or
+renew anything under the root another manager has taken over meanwhile."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import zerostall as zs
+from zerostall.lease import WriterLease
+from zerostall.root import LEASE_NAME
+
+WAIT = 120.0  # a condition that never comes fails the test instead of hanging it (not a timing bound)
+TTL = 1.0
+
+PAUSED_WRITER = textwrap.dedent('''
+    import os, signal, sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    import zerostall as zs
+    from faults import FaultyStorage
+    from zerostall.storage import LocalStorage
+
+    root = FaultyStorage(LocalStorage(sys.argv[1]))
+    mgr = zs.CheckpointManager(root, lease_ttl={ttl}, keep_last=1)
+    mgr.save(1, {{"w": torch.full((8,), 1.0)}})
+    # stop itself with step 2's data written, before its commit; the test takes the root meanwhile
+    root.call("write", lambda op, name: os.kill(os.getpid(), signal.SIGSTOP), name="step_000000002/*", at="after",
+              times=1)
+    try:
+        mgr.save(2, {{"w": torch.full((8,), 2.0)}})
+        print("step 2: committed", flush=True)
+    except zs.CheckpointError as exc:
+        print("step 2: refused:", exc, flush=True)
+    try:
+        mgr.save(0, {{"w": torch.full((8,), 0.0)}})  # a rollback would set the new writer's steps aside
+        print("step 0: committed", flush=True)
+    except zs.CheckpointError as exc:
+        print("step 0: refused:", exc, flush=True)
+    mgr.close()
+''')
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def take_over(root) -> WriterLease:
+    """The root's writer lease, once the paused writer's has gone stale (as a new manager takes it,
+    without the clean-up a manager would also do, so the paused writer's attempt stays)."""
+    lease = WriterLease(str(root), ttl=60.0)
+    deadline = time.monotonic() + WAIT
+    while True:
+        try:
+            lease.acquire()
+            return lease
+        except zs.CheckpointError as exc:
+            if "is being written by" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc to see a stopped process")
+def test_a_writer_resumed_after_losing_its_lease_commits_moves_and_renews_nothing(tmp_path):
+    root = tmp_path / "ckpt"
+    script = tmp_path / "writer.py"
+    script.write_text(PAUSED_WRITER.format(tests=os.path.dirname(__file__), ttl=TTL))
+    paused = subprocess.Popen([sys.executable, str(script), str(root)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: paused.poll() is not None or stopped(paused.pid), "the writer to stop itself")
+        assert paused.poll() is None, paused.communicate()
+        lease = take_over(root)  # the paused writer's lease is stale after its ttl
+        os.kill(paused.pid, signal.SIGCONT)
+        out, err = paused.communicate(timeout=WAIT)
+    finally:
+        if paused.poll() is None:
+            paused.kill()
+    assert paused.returncode == 0, err
+    assert "step 2: refused: this process no longer holds the writer lease" in out, out + err
+    assert "step 0: refused: this process no longer holds the writer lease" in out, out + err
+    assert json.loads((root / LEASE_NAME).read_text())["token"] == lease.me["token"]  # never renewed over ours
+    assert not (root / "step_000000002" / "manifest.json").exists()  # its commit was refused
+    assert json.loads((root / "latest").read_text())["tag"] == "step_000000001"
+    assert not (root / ".superseded").exists()  # step 1 was not set aside by the rollback to step 0
+    lease.release()
+    with zs.CheckpointManager(root) as mgr:  # the next writer finds step 1 as it was
+        state = {"w": torch.empty(8)}
+        assert mgr.restore(state) == 1 and torch.equal(state["w"], torch.full((8,), 1.0))
+
+
+def test_renewal_stops_once_another_process_holds_the_lease(tmp_path):
+    lease = WriterLease(str(tmp_path), ttl=0.3)
+    lease.acquire()
+    theirs = {**json.loads((tmp_path / LEASE_NAME).read_text()), "pid": 1, "token": "another-writer"}
+    (tmp_path / LEASE_NAME).write_text(json.dumps(theirs))  # taken over while this one was not looking
+    lease._thread.join(timeout=WAIT)
+    assert not lease._thread.is_alive(), "the renewal thread went on renewing a lease that is not its own"
+    assert json.loads((tmp_path / LEASE_NAME).read_text()) == theirs
+    lease.release()  # not ours: left in place
+    assert json.loads((tmp_path / LEASE_NAME).read_text()) == theirs
