@@ -96,13 +96,21 @@ class Checkpoint:
         return resolve(self.manifest, entry, self.path)
 
     # -- reading -------------------------------------------------------------------------------
-    def read(self, key: str | Path, *, verify: bool | None = None) -> Any:
-        """One entry, whole: a tensor (memory-mapped from the file where possible) or a python value.
+    def read(self, key: str | Path, *, verify: bool | None = None, box: Box | None = None) -> Any:
+        """One entry, whole: a tensor (memory-mapped from the file where possible) or a python value;
+        with ``box`` = ``(offsets, sizes)``, only that part of a tensor entry (for large tensors).
 
         ``key`` is a dotted name or a key path tuple; a rank-local entry is this rank's copy
         (``"name@rankN"`` names another rank's). A tensor subclass is rebuilt when its class is in
         ``tensor_subclasses``, else returned as a :class:`FlattenedTensor` (see there)."""
         entry = self._entry(key)
+        if box is not None:
+            offsets, sizes = tuple(box[0]), tuple(box[1])
+            shape = tuple(entry.shape or ())
+            if entry.kind != "tensor" or len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                    o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, sizes, shape)):
+                raise ValueError(f"box {box} is not a part of {entry.fqn} ({entry.kind} of shape {list(shape)})")
+            return self._tensor(entry, self.options.verify if verify is None else verify, (offsets, sizes))
         if entry.kind == "object":
             return codec.decode(entry.value, where=entry.fqn, allow_pickle=self.options.allow_pickle)
         verify = self.options.verify if verify is None else verify

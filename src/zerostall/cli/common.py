@@ -79,7 +79,7 @@ def clip(text: str, width: int = _REPR_WIDTH) -> str:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(zs.__version__, prog_name="zerostall")
 def cli() -> None:
-    """zerostall: list, inspect, verify and prune checkpoints."""
+    """zerostall: list, inspect, verify, compare and prune checkpoints."""
 
 
 def open_checkpoint(ckpt: str) -> tuple[Storage, Manifest]:

@@ -1,0 +1,203 @@
+"""``zerostall diff``: what differs between two checkpoints, entry by entry, reading tensors a slab
+at a time so that checkpoints larger than memory compare too.
+
+Exit status as for the ``diff`` tool: 0 equal within the tolerance, 1 different, 2 trouble (bad
+usage, a checkpoint not found, unreadable or corrupt).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+from rich.table import Table
+
+import zerostall as zs
+from zerostall import codec
+from zerostall.format import Entry, Manifest
+from zerostall.reader import resolve
+
+from .common import Failure, USAGE, cli, clip, console, open_checkpoint, print_json, reported_errors
+
+DIFFERENT = 1
+SLAB_BYTES = 64 << 20  # of each side's tensor read and compared at a time
+
+
+@dataclass
+class Difference:
+    """One entry that differs: how (``what``), each side's description, and for values the largest
+    absolute and relative differences."""
+
+    key: str
+    what: str  # "dtype", "shape", "kind", "values", "value"
+    a: str
+    b: str
+    max_abs: float | None = None
+    max_rel: float | None = None
+
+
+@dataclass
+class Report:
+    """The whole comparison."""
+
+    only_in_a: list[str] = field(default_factory=list)
+    only_in_b: list[str] = field(default_factory=list)
+    differences: list[Difference] = field(default_factory=list)
+    compared: int = 0
+    bytes_compared: int = 0
+
+    @property
+    def equal(self) -> bool:
+        return not (self.only_in_a or self.only_in_b or self.differences)
+
+
+def keyed(manifest: Manifest) -> dict[str, Entry]:
+    """The user's entries by name (a rank-local one as ``name@rankN``); inner tensors of tensor
+    subclasses are entries of their own, compared like any tensor."""
+    return {entry.fqn if entry.rank is None else f"{entry.fqn}@rank{entry.rank}": entry for entry in manifest.entries}
+
+
+def compare(a: zs.Checkpoint, b: zs.Checkpoint, atol: float, rtol: float) -> Report:
+    """Compare checkpoint ``a`` with ``b``, entry by entry."""
+    report = Report()
+    left, right = keyed(a.manifest), keyed(b.manifest)
+    report.only_in_a = sorted(set(left) - set(right))
+    report.only_in_b = sorted(set(right) - set(left))
+    for key in [k for k in left if k in right]:
+        x, y = resolve(a.manifest, left[key], a.path), resolve(b.manifest, right[key], b.path)
+        report.compared += 1
+        if x.kind != y.kind:
+            report.differences.append(Difference(key, "kind", x.kind, y.kind))
+        elif x.kind == "object":
+            _compare_values(report, key, x, y)
+        elif x.kind == "subclass":
+            if (x.cls, x.dtype, x.shape) != (y.cls, y.dtype, y.shape):
+                report.differences.append(Difference(key, "subclass", f"{x.cls} {x.dtype} {list(x.shape or ())}",
+                                                     f"{y.cls} {y.dtype} {list(y.shape or ())}"))
+        else:
+            _compare_tensors(report, key, a, b, x, y, atol, rtol)
+    return report
+
+
+def _compare_values(report: Report, key: str, x: Entry, y: Entry) -> None:
+    try:
+        u, v = codec.decode(x.value, where=key), codec.decode(y.value, where=key)
+    except zs.UnsupportedValueError:  # pickled: compared by their stored form, never unpickled
+        u, v = x.value, y.value
+    if type(u) is not type(v) or not _same_value(u, v):
+        report.differences.append(Difference(key, "value", clip(repr(u)), clip(repr(v))))
+
+
+def _same_value(u: Any, v: Any) -> bool:
+    try:
+        same = u == v
+        return bool(same) if not hasattr(same, "all") else bool(same.all())
+    except Exception:  # values that cannot compare (tensors of other shapes...) differ
+        return False
+
+
+def _compare_tensors(report: Report, key: str, a: zs.Checkpoint, b: zs.Checkpoint, x: Entry, y: Entry,
+                     atol: float, rtol: float) -> None:
+    shape_x, shape_y = tuple(x.shape or ()), tuple(y.shape or ())
+    if shape_x != shape_y:
+        report.differences.append(Difference(key, "shape", f"{x.dtype} {list(shape_x)}", f"{y.dtype} {list(shape_y)}"))
+        return
+    import torch  # here: the other commands start without torch
+
+    from zerostall.boxes import flat_boxes
+
+    numel = math.prod(shape_x)
+    itemsize = max(x.torch_dtype.itemsize, y.torch_dtype.itemsize)
+    step = max(1, SLAB_BYTES // max(1, itemsize))
+    worst_abs = worst_rel = 0.0
+    close = True
+    for first in range(0, numel, step):
+        for box in flat_boxes(shape_x, first, min(numel, first + step)):
+            u, v = a.read(x.path if x.rank is None else key, box=box), b.read(y.path if y.rank is None else key, box=box)
+            report.bytes_compared += u.nbytes + v.nbytes
+            same, d_abs, d_rel = _slab_difference(torch, u, v, atol, rtol)
+            close &= same
+            worst_abs, worst_rel = max(worst_abs, d_abs), max(worst_rel, d_rel)
+    if x.dtype != y.dtype:
+        report.differences.append(Difference(key, "dtype", x.dtype or "", y.dtype or "", worst_abs, worst_rel))
+    elif not close:
+        report.differences.append(Difference(key, "values", f"{x.dtype} {list(shape_x)}", f"{y.dtype} {list(shape_y)}",
+                                             worst_abs, worst_rel))
+
+
+def _slab_difference(torch: Any, u: Any, v: Any, atol: float, rtol: float) -> tuple[bool, float, float]:
+    """Whether two parts are equal within ``atol + rtol * |v|`` (NaNs equal where both are), and
+    their largest absolute and relative differences."""
+    if u.dtype == v.dtype and not (u.dtype.is_floating_point or u.dtype.is_complex):
+        if torch.equal(u, v):
+            return True, 0.0, 0.0
+        wide = u.to(torch.float64), v.to(torch.float64)
+    else:
+        wide = (u.to(torch.complex128), v.to(torch.complex128)) if u.dtype.is_complex or v.dtype.is_complex \
+            else (u.to(torch.float64), v.to(torch.float64))
+    p, q = wide
+    equal = (p == q) | (torch.isnan(p) & torch.isnan(q))  # equal infinities, NaN on both sides
+    diff = torch.where(equal, torch.zeros_like(p), p - q).abs()
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)  # NaN or inf on one side only
+    scale = torch.nan_to_num(q.abs(), nan=0.0)
+    rel = torch.where(scale > 0, diff / scale, torch.where(diff > 0, torch.full_like(diff, math.inf), diff))
+    same = bool(((diff <= atol + rtol * scale) | equal).all())
+    d_abs = float(diff.max()) if diff.numel() else 0.0
+    d_rel = float(rel.max()) if rel.numel() else 0.0
+    return same, d_abs, d_rel
+
+
+@cli.command()
+@click.argument("a")
+@click.argument("b")
+@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance of tensor values.")
+@click.option("--rtol", type=float, default=0.0, show_default=True,
+              help="Relative tolerance: values differ where |a - b| > atol + rtol * |b|.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def diff(a: str, b: str, atol: float, rtol: float, as_json: bool) -> None:
+    """Compare checkpoints A and B (each a checkpoint, a root, ROOT/latest or ROOT/<step>): entries
+    only in one, kind, dtype and shape changes, python values, and tensor values (largest absolute
+    and relative difference), reading a slab at a time.
+
+    Exit status: 0 equal within the tolerance, 1 different, 2 trouble (a checkpoint not found,
+    unreadable or corrupt)."""
+    if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
+        raise Failure("--atol and --rtol must be numbers >= 0", USAGE)
+    try:
+        with reported_errors():
+            (left, _), (right, _) = open_checkpoint(a), open_checkpoint(b)
+            with zs.open(left) as ck_a, zs.open(right) as ck_b:
+                report = compare(ck_a, ck_b, atol, rtol)
+    except Failure as exc:
+        exc.exit_code = USAGE  # trouble, as for diff(1): never mistaken for "different"
+        raise
+    if as_json:
+        print_json({"a": left.location, "b": right.location, "equal": report.equal, "atol": atol, "rtol": rtol,
+                    "compared": report.compared, "bytes_compared": report.bytes_compared,
+                    "only_in_a": report.only_in_a, "only_in_b": report.only_in_b,
+                    "differences": [vars(d) for d in report.differences]})
+    else:
+        _print(report, left.location, right.location)
+    if not report.equal:
+        sys.exit(DIFFERENT)
+
+
+def _print(report: Report, a: str, b: str) -> None:
+    out = console()
+    if report.equal:
+        out.print(f"equal: {report.compared} entries, {report.bytes_compared} bytes compared")
+        return
+    table = Table("entry", "difference", f"A ({a})", f"B ({b})", "max abs", "max rel", box=None)
+    for key in report.only_in_a:
+        table.add_row(key, "only in A", "", "", "", "")
+    for key in report.only_in_b:
+        table.add_row(key, "only in B", "", "", "", "")
+    for d in report.differences:
+        table.add_row(d.key, d.what, d.a, d.b, "" if d.max_abs is None else f"{d.max_abs:.4g}",
+                      "" if d.max_rel is None else f"{d.max_rel:.4g}")
+    out.print(table)
+    out.print(f"different: {len(report.differences)} of {report.compared} common entries, "
+              f"{len(report.only_in_a)} only in A, {len(report.only_in_b)} only in B")
