@@ -76,13 +76,14 @@ def __dir__() -> list[str]:
 
 
 def _drain_at_exit() -> None:
-    """Commit the asynchronous save in flight at a normal exit (once ``zerostall.api`` is loaded
-    there can be one). A threading exit hook, which runs before ``concurrent.futures`` refuses new
-    work (plain ``atexit`` would run after); registered on ``import zerostall``, so hooks a program
-    registers after that import run before it (they run last registered first)."""
-    api = sys.modules.get(f"{__name__}.api")
-    if api is not None:
-        api.drain_at_exit()
+    """Close every asynchronous saver still open at exit, so its save in flight commits (once
+    ``zerostall.asynchronous`` is loaded there can be one). A threading exit hook, which runs before
+    ``concurrent.futures`` refuses new work (plain ``atexit`` would run after); registered on
+    ``import zerostall``, so hooks a program registers after that import run before it (they run
+    last registered first)."""
+    asynchronous = sys.modules.get(f"{__name__}.asynchronous")
+    if asynchronous is not None:
+        asynchronous.close_at_exit()
 
 
 threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]
