@@ -82,9 +82,36 @@ def killed_writer(path: str, then: str) -> None:
         saver.close()
 
 
+def small_shm(path: str) -> None:
+    """With a 16 MiB /dev/shm: a 32 MiB save is refused by the up-front check, then (statvfs made to
+    report room, as when another process fills /dev/shm right after the check) by the allocation
+    itself; saves that fit commit, a larger structure once the smaller one's buffers are released.
+    The script ends with the refused save's error, no close."""
+    saver = zs.AsyncSaver(writer="process")
+    for check in ("statvfs", "allocation"):
+        real = os.statvfs
+        if check == "allocation":
+            os.statvfs = lambda p: os.statvfs_result((4096, 4096, 1 << 18, 1 << 18, 1 << 18, 0, 0, 0, 0, 255))
+        try:
+            saver.save(state(32), f"{path}/big")
+        except zs.CheckpointError as exc:
+            cause = exc.__cause__
+            report(check=check, error=type(exc).__name__, message=str(exc), shm=os.listdir("/dev/shm"),
+                   cause=cause.errno if isinstance(cause, OSError) else None)
+        finally:
+            os.statvfs = real
+    for mib, step in ((8, 1), (10, 2)):  # 8 + 10 MiB fit only if the 8 are released in both processes
+        small = state(mib, step)
+        small[f"w{mib}"] = small.pop("w")  # another structure: a new pool
+        report(mib=mib, committed=saver.save(small, f"{path}/small{mib}", step=step).result().step)
+    saver.save(state(32), f"{path}/big")
+
+
 if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
     if scenario.startswith("killed-writer-"):
         killed_writer(path, scenario.removeprefix("killed-writer-"))
+    elif scenario == "small-shm":
+        small_shm(path)
     else:
         ending(path, scenario)

@@ -19,7 +19,8 @@ __all__ = [
     "AsyncSaver", "SaveHandle", "SaveInfo", "Checkpoint", "Mismatch", "CheckpointManager", "RetentionPolicy",
     "rank_local", "RankLocal", "Stateful", "FlattenedTensor", "FORMAT_VERSION",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError",
-    "IncompleteCheckpointError", "StateChangedError", "StateMismatchError", "UnsupportedValueError",
+    "IncompleteCheckpointError", "SharedMemoryError", "StateChangedError", "StateMismatchError",
+    "UnsupportedValueError",
 ]
 
 # Each public name and the module that defines it (tests/test_lazy_import.py keeps __all__, this and
@@ -34,8 +35,8 @@ _EXPORTS = {
     "FORMAT_VERSION": "format",
     "CheckpointError": "errors", "CheckpointExistsError": "errors", "CheckpointNotFoundError": "errors",
     "CommitError": "errors",
-    "CorruptCheckpointError": "errors", "IncompleteCheckpointError": "errors", "StateChangedError": "errors",
-    "StateMismatchError": "errors", "UnsupportedValueError": "errors",
+    "CorruptCheckpointError": "errors", "IncompleteCheckpointError": "errors", "SharedMemoryError": "errors",
+    "StateChangedError": "errors", "StateMismatchError": "errors", "UnsupportedValueError": "errors",
 }
 
 if TYPE_CHECKING:  # what type checkers and editors see
@@ -43,8 +44,8 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .asynchronous import AsyncSaver, SaveHandle
     from .checkpoint import Checkpoint
     from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CommitError,
-                         CorruptCheckpointError, IncompleteCheckpointError, StateChangedError, StateMismatchError,
-                         UnsupportedValueError)
+                         CorruptCheckpointError, IncompleteCheckpointError, SharedMemoryError, StateChangedError,
+                         StateMismatchError, UnsupportedValueError)
     from .format import FORMAT_VERSION
     from .load_plan import Mismatch
     from .manager import CheckpointManager

@@ -380,6 +380,8 @@ def _writer_main(conn: Any) -> None:
             conn.send(reply)
         except OSError:
             return  # the training process is gone; the checkpoint is committed (or failed) anyway
+        finally:  # unmap the shared buffers now, not at the next job: a larger pool may need the room
+            del job, reply  # (a failure's traceback holds them too)
 
 
 def _picklable(exc: BaseException) -> bool:
