@@ -87,4 +87,7 @@ def _drain_at_exit() -> None:
         asynchronous.close_at_exit()
 
 
+# concurrent.futures registers its own exit hook when first imported (torch imports it): first, so
+# that ours, registered after it, runs before it whichever of torch and zerostall was imported first
+importlib.import_module("concurrent.futures.thread")
 threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]
