@@ -1,7 +1,9 @@
 """Fault injection through the storage interface: a :class:`FaultyStorage` wraps any backend and
 fails, blocks, calls back or crashes at a named operation. Tests that inject faults this way keep
 injecting them however the library's code is moved between modules (patching a module attribute
-silently stops doing anything once the code no longer looks the attribute up there).
+silently stops doing anything once the code no longer looks the attribute up there). A
+:class:`GatedLocalStorage` holds the writer process of ``AsyncSaver(writer="process")``, which a
+FaultyStorage cannot reach.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
-from zerostall.storage import FileStat, Storage
+from zerostall.storage import FileStat, LocalStorage, Storage
 
 GATE_TIMEOUT = 120.0  # a gate nobody opens fails the test instead of hanging it (not a timing bound)
 POINTS = ("before", "after", "before_replace")  # before the inner call, after it returned, at the switch
@@ -258,6 +261,32 @@ class FaultyStorage(Storage):
 
     def close(self) -> None:
         self._run("close", "", self.inner.close)
+
+
+class GatedLocalStorage(LocalStorage):
+    """A local storage that travels to the writer process of ``AsyncSaver(writer="process")`` (which
+    takes only local storage) with one end of a pipe: before each data file's write it sends
+    ``"held"`` through ``gate`` and waits for any message back, so the test decides when (and
+    whether) the writer goes on."""
+
+    def __init__(self, root: str, gate: Connection | None = None, *, fsync: bool = True) -> None:
+        super().__init__(root, fsync=fsync)
+        self.gate = gate
+
+    def __getstate__(self) -> dict[str, object]:
+        return {**super().__getstate__(), "gate": self.gate}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        super().__setstate__(state)
+        self.gate = state["gate"]  # type: ignore[assignment]
+
+    def write(self, name: str, parts: Iterable[memoryview]) -> int:
+        if self.gate is not None and name.endswith(".safetensors"):
+            self.gate.send("held")
+            if not self.gate.poll(GATE_TIMEOUT):
+                raise TimeoutError(f"faults: the gate before the write of {name} was never opened")
+            self.gate.recv()
+        return super().write(name, parts)
 
 
 def _raise(error: BaseException) -> None:

@@ -160,6 +160,33 @@ def test_exit_drains_the_save_in_flight(tmp_path):
         assert ck.step == 7
 
 
+def test_exit_drains_the_save_in_flight_when_zerostall_is_imported_before_torch(tmp_path):
+    """torch, imported after zerostall, loads concurrent.futures, whose exit hook stops taking work
+    (a save's write threads). The save is held before its write threads start until a hook
+    registered between the two imports runs: the drain must run before concurrent.futures' hook.
+    It used to run after it, and the save failed (or, held like this, hung until the gate gave up)."""
+    script = textwrap.dedent(f"""
+        import sys, threading
+        sys.path.insert(0, {TESTS!r})
+        import zerostall as zs
+        from faults import FaultyStorage
+        from zerostall.storage import LocalStorage
+
+        exiting = threading.Event()
+        threading._register_atexit(exiting.set)
+        assert "torch" not in sys.modules  # torch, and with it concurrent.futures, comes after
+        import torch
+
+        storage = FaultyStorage(LocalStorage({str(tmp_path / "ck")!r}))
+        storage.block("create", exiting)
+        zs.async_save({{"w": torch.ones(1000)}}, storage, step=7)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "failed" not in proc.stderr, proc.stderr
+    with zs.open(tmp_path / "ck") as ck:
+        assert ck.step == 7
+
+
 def async_on_ranks(path: str) -> dict:
     rank = dist.get_rank()
     state = {"w": torch.full((64,), 2.0), "own": zs.rank_local(torch.full((2,), float(rank)))}

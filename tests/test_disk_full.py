@@ -1,6 +1,6 @@
 """Saves on a disk that really fills up: the kernel's own ENOSPC and short writes, not injected ones.
 
-tests/disk_full.py runs in a child process with a private mount namespace (``unshare -m``) on a
+tests/disk_full.py runs in a child process with a private mount namespace (tests/small_tmpfs.py) on a
 16 MiB tmpfs, fills it to a chosen number of free pages before each save and reports what
 happened; these tests check that report. (tests/test_crash.py injects the same failures into
 the write calls, on any machine.)
@@ -10,28 +10,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-MOUNT = 'mount -t tmpfs -o size={size} zerostall-test "$1"'
-
-
-def _in_small_tmpfs(directory: str, size: str, *command: str) -> subprocess.CompletedProcess:
-    script = MOUNT.format(size=size) + ' && shift && exec "$@"'
-    return subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", directory, *command],
-                          capture_output=True, text=True, timeout=300)
+from small_tmpfs import in_small_tmpfs, unavailable
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     directory = str(tmp_path_factory.mktemp("small-disk"))
-    if shutil.which("unshare") is None or _in_small_tmpfs(directory, "1m", "true").returncode != 0:
-        pytest.skip("needs a private mount namespace to mount a small tmpfs (unshare -m as root)")
+    if reason := unavailable(directory):
+        pytest.skip(reason)
     script = os.path.join(os.path.dirname(__file__), "disk_full.py")
-    done = _in_small_tmpfs(directory, "16m", sys.executable, script, directory)
+    done = subprocess.run(in_small_tmpfs(directory, "16m", sys.executable, script, directory),
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -19,7 +19,8 @@ __all__ = [
     "AsyncSaver", "SaveHandle", "SaveInfo", "Checkpoint", "Mismatch", "CheckpointManager", "RetentionPolicy",
     "rank_local", "RankLocal", "Stateful", "FlattenedTensor", "FORMAT_VERSION",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError",
-    "IncompleteCheckpointError", "StateChangedError", "StateMismatchError", "UnsupportedValueError",
+    "IncompleteCheckpointError", "SharedMemoryError", "StateChangedError", "StateMismatchError",
+    "UnsupportedValueError",
 ]
 
 # Each public name and the module that defines it (tests/test_lazy_import.py keeps __all__, this and
@@ -34,8 +35,8 @@ _EXPORTS = {
     "FORMAT_VERSION": "format",
     "CheckpointError": "errors", "CheckpointExistsError": "errors", "CheckpointNotFoundError": "errors",
     "CommitError": "errors",
-    "CorruptCheckpointError": "errors", "IncompleteCheckpointError": "errors", "StateChangedError": "errors",
-    "StateMismatchError": "errors", "UnsupportedValueError": "errors",
+    "CorruptCheckpointError": "errors", "IncompleteCheckpointError": "errors", "SharedMemoryError": "errors",
+    "StateChangedError": "errors", "StateMismatchError": "errors", "UnsupportedValueError": "errors",
 }
 
 if TYPE_CHECKING:  # what type checkers and editors see
@@ -43,8 +44,8 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .asynchronous import AsyncSaver, SaveHandle
     from .checkpoint import Checkpoint
     from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CommitError,
-                         CorruptCheckpointError, IncompleteCheckpointError, StateChangedError, StateMismatchError,
-                         UnsupportedValueError)
+                         CorruptCheckpointError, IncompleteCheckpointError, SharedMemoryError, StateChangedError,
+                         StateMismatchError, UnsupportedValueError)
     from .format import FORMAT_VERSION
     from .load_plan import Mismatch
     from .manager import CheckpointManager
@@ -76,13 +77,17 @@ def __dir__() -> list[str]:
 
 
 def _drain_at_exit() -> None:
-    """Commit the asynchronous save in flight at a normal exit (once ``zerostall.api`` is loaded
-    there can be one). A threading exit hook, which runs before ``concurrent.futures`` refuses new
-    work (plain ``atexit`` would run after); registered on ``import zerostall``, so hooks a program
-    registers after that import run before it (they run last registered first)."""
-    api = sys.modules.get(f"{__name__}.api")
-    if api is not None:
-        api.drain_at_exit()
+    """Close every asynchronous saver still open at exit, so its save in flight commits (once
+    ``zerostall.asynchronous`` is loaded there can be one). A threading exit hook, which runs before
+    ``concurrent.futures`` refuses new work (plain ``atexit`` would run after); registered on
+    ``import zerostall``, so hooks a program registers after that import run before it (they run
+    last registered first)."""
+    asynchronous = sys.modules.get(f"{__name__}.asynchronous")
+    if asynchronous is not None:
+        asynchronous.close_at_exit()
 
 
+# concurrent.futures registers its own exit hook when first imported (torch imports it): first, so
+# that ours, registered after it, runs before it whichever of torch and zerostall was imported first
+importlib.import_module("concurrent.futures.thread")
 threading._register_atexit(_drain_at_exit)  # type: ignore[attr-defined]

@@ -7,7 +7,6 @@ initialized: every rank of the process group calls it.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from typing import Any, Callable, Mapping
@@ -20,8 +19,6 @@ from .options import LoadOptions, SaveOptions
 from .root import CheckpointRoot
 from .saving import SaveInfo, persist, prepare
 from .storage import Storage, storage_for
-
-log = logging.getLogger(__name__)
 
 
 @gc_paused()  # the caller waits: no cyclic collections over the per-leaf objects
@@ -104,13 +101,3 @@ def async_save(state: Any, path: str | os.PathLike[str] | Storage, options: Save
                                   **overrides)
     assert handle is not None
     return handle
-
-
-def drain_at_exit() -> None:
-    """Commit the save in flight at a normal exit. Called from the threading exit hook that
-    ``import zerostall`` registers (see ``zerostall/__init__.py``)."""
-    if _default is not None:
-        try:
-            _default.close()
-        except BaseException as exc:  # at exit there is no caller left to raise to
-            log.error("asynchronous save failed at exit: %s", exc)

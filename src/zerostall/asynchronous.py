@@ -11,6 +11,10 @@ where the caller's CUDA stream is, and returns a :class:`SaveHandle` whose ``sta
 done when the state has been copied (the caller may mutate it from then on) and whose
 ``committed`` future is done when the checkpoint is durable and visible. A background failure is
 raised on ``committed.result()``, on the next ``save`` and on ``close``.
+
+At interpreter exit (the end of the script, an exception escaping it, ``sys.exit``, Ctrl-C) every
+saver not closed is closed: the save in flight commits first, a failure is logged, and the writer
+process is told to stop, so the exit never waits for a writer that waits for more work.
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ class AsyncSaver:
         self._closed = False
         self._hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
         self._previous_handlers = {sig: signal.signal(sig, self._drain_then_deliver) for sig in drain_on_signals}
+        _open_savers.add(self)
 
     def _drain_then_deliver(self, signum: int, frame: Any) -> None:
         """Wait for the save in flight, then let the signal do what it did before we came."""
@@ -245,6 +250,7 @@ class AsyncSaver:
             self._raise_failure()
         finally:
             self._closed = True
+            _open_savers.discard(self)
             self._worker.shutdown(wait=True)
             if self._process is not None:
                 self._process.close()
@@ -261,6 +267,20 @@ class AsyncSaver:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+_open_savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
+
+
+def close_at_exit() -> None:
+    """Close every saver still open. Called at interpreter exit by the threading exit hook that
+    ``import zerostall`` registers (see ``zerostall/__init__.py``), which runs before
+    ``multiprocessing`` joins its children (a writer process waiting for its next job)."""
+    for saver in list(_open_savers):
+        try:
+            saver.close()
+        except BaseException as exc:  # at exit there is no caller left to raise to
+            log.error("asynchronous save failed at exit: %s", exc)
 
 
 def _before_step(saver: weakref.ref[AsyncSaver], optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -336,7 +356,11 @@ class _WriterProcess:
 
 
 def _writer_main(conn: Any) -> None:
-    """The writer process: persist each job received, answer (ok, SaveInfo | exception)."""
+    """The writer process: persist each job received, answer (ok, SaveInfo | exception).
+
+    It ignores SIGINT: Ctrl-C in a terminal reaches the whole process group, and the save handed
+    over must still commit; the writer stops when the training process closes the pipe or dies."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
         try:
             job = conn.recv()
@@ -356,6 +380,8 @@ def _writer_main(conn: Any) -> None:
             conn.send(reply)
         except OSError:
             return  # the training process is gone; the checkpoint is committed (or failed) anyway
+        finally:  # unmap the shared buffers now, not at the next job: a larger pool may need the room
+            del job, reply  # (a failure's traceback holds them too)
 
 
 def _picklable(exc: BaseException) -> bool:

@@ -15,19 +15,23 @@ reach the part without counting on it.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
+import os
+import secrets
 import time
 from typing import Sequence
 
 import torch
 
 from .collect import WriteItem
-from .errors import StateChangedError
+from .errors import SharedMemoryError, StateChangedError
 
 log = logging.getLogger(__name__)
 
 _ALIGN = 64
+_SHM = "/dev/shm"
 
 
 class BufferPool:
@@ -35,7 +39,8 @@ class BufferPool:
     :meth:`reserve`), reused while the structure stays the same, released by :meth:`close`.
 
     ``pin_memory`` (default: when CUDA is available) makes device-to-host copies fast and
-    asynchronous; ``shared_memory`` puts the arena in shared memory for a writer process.
+    asynchronous; ``shared_memory`` puts the arena in shared memory (``/dev/shm``) for a writer
+    process, and raises :class:`SharedMemoryError` there when it does not fit.
     """
 
     def __init__(self, *, pin_memory: bool | None = None, shared_memory: bool = False) -> None:
@@ -65,9 +70,8 @@ class BufferPool:
         for dtype, shape in key:
             offsets.append(total)
             total += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
-        arena = torch.empty(max(total, 1), dtype=torch.uint8)
-        if self.shared_memory:
-            arena.share_memory_()
+        size = max(total, 1)
+        arena = _shared_arena(size) if self.shared_memory else torch.empty(size, dtype=torch.uint8)
         arena.zero_()  # touch every page now: first-touch faults are slow, and belong to allocation
         if self.pin_memory:
             # registered in place rather than taken from torch's pinned cache, which rounds sizes up
@@ -86,6 +90,44 @@ class BufferPool:
             torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self._registered.data_ptr()))
             self._registered = None
         self._arena, self._views, self._key = None, [], None
+
+
+def _shared_arena(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of shared memory that a writer process can map, as a uint8 tensor.
+
+    Its pages are allocated here (``posix_fallocate``): on a full tmpfs, a mapping whose pages were
+    never allocated kills the process with SIGBUS at the first touch, so a shortage must show now,
+    as a :class:`SharedMemoryError`. The file is unlinked at once (the memory lives while mapped),
+    so nothing is left in ``/dev/shm`` whatever happens next.
+    """
+    if nbytes > _shm_free():  # the cheap check first; the allocation below is the reliable one
+        raise SharedMemoryError(_shortage(nbytes))
+    name = os.path.join(_SHM, f"zerostall-{os.getpid()}-{secrets.token_hex(8)}")
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.unlink(name)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            raise SharedMemoryError(_shortage(nbytes)) from exc
+        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # maps a duplicate of fd
+    finally:
+        os.close(fd)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def _shm_free() -> int:
+    st = os.statvfs(_SHM)
+    return st.f_bavail * st.f_frsize
+
+
+def _shortage(nbytes: int) -> str:
+    gib = -(-nbytes // (1 << 30))
+    return (f"the capture buffers of this save need {nbytes} bytes ({nbytes / 2**20:.1f} MiB) of shared memory in "
+            f"{_SHM}, which has {_shm_free()} bytes free; save without shared memory (AsyncSaver(writer=\"thread\"), "
+            f"the default) or give {_SHM} more room (in Docker: docker run --shm-size={gib}g or more)")
 
 
 Version = tuple[int, int] | None

@@ -38,3 +38,8 @@ class CommitError(CheckpointError):
 class StateChangedError(CheckpointError):
     """A tensor of an asynchronous save changed before its capture finished (no ``wait_staged()``
     before mutating the state): the save is not committed, so no torn checkpoint can exist."""
+
+
+class SharedMemoryError(CheckpointError):
+    """The capture buffers of an asynchronous save do not fit in shared memory (``/dev/shm``, which
+    a writer process needs): nothing was saved; the message says how much is needed and free."""
