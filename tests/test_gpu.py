@@ -1,5 +1,11 @@
-"""CUDA paths: saving from GPU tensors, loading into them through pinned staging, capture on a side
-stream. They need a GPU, so they run on the GPU machine (``./dev test tests/test_gpu.py``), not in CI."""
+"""CUDA paths: saving from GPU tensors, loading into them through pinned staging, capture on side
+streams (with two GPUs, a state spread over both). They need a GPU, so they run on a GPU machine
+(``./dev test tests/test_gpu.py``), not in CI.
+
+Work the caller queues behind ``torch.cuda._sleep`` (a kernel that spins for a number of clock
+cycles) is still pending when zerostall is called: a copy not ordered after it reads stale
+values, and a wait that misses it lets zerostall use bytes that have not landed yet.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,8 @@ import torch
 import zerostall as zs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+SPIN = 1 << 30  # clock cycles of queued GPU work: a good part of a second
 
 
 def cuda_state() -> dict:
@@ -114,3 +122,33 @@ def test_a_sync_save_of_gpu_state_streams_through_bounded_host_memory(tmp_path):
                          text=True, timeout=600, check=True)
     grown = int(out.stdout.split()[-1])
     assert grown < 512 << 20, f"the peak resident set grew by {grown >> 20} MiB during a sync save of 2 GiB"
+
+
+def test_an_async_capture_waits_for_work_queued_on_the_callers_side_stream(tmp_path):
+    x = torch.zeros(1 << 22, device="cuda")
+    torch.cuda.synchronize()
+    with zs.AsyncSaver() as saver, torch.cuda.stream(torch.cuda.Stream()):
+        torch.cuda._sleep(SPIN)
+        x.fill_(6.0)
+        handle = saver.save({"x": x}, str(tmp_path / "ck"))
+    handle.result()
+    with zs.open(str(tmp_path / "ck")) as ck:
+        assert torch.equal(ck.read("x"), torch.full((1 << 22,), 6.0))
+
+
+@two_gpus
+def test_an_async_capture_of_state_on_two_gpus_waits_for_each(tmp_path):
+    """Each tensor is copied on a side stream of its own device after the work queued there, and
+    capture is done once every device's copies are (not only the current device's)."""
+    state = {"a": torch.zeros(1 << 22, device="cuda:0"), "b": torch.zeros(1 << 22, device="cuda:1")}
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    for n, value in enumerate(state.values()):
+        with torch.cuda.device(value.device):
+            torch.cuda._sleep(SPIN)
+            value.fill_(float(n + 1))
+    with zs.AsyncSaver() as saver:
+        saver.save(state, str(tmp_path / "ck")).result()
+    with zs.open(str(tmp_path / "ck")) as ck:
+        assert torch.equal(ck.read("a"), torch.full((1 << 22,), 1.0))
+        assert torch.equal(ck.read("b"), torch.full((1 << 22,), 2.0))

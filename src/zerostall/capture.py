@@ -1,9 +1,11 @@
 """Capture: copy the state into host buffers that are allocated once and reused.
 
-The copy of a CUDA tensor runs on a side stream that first waits for an event recorded on the
-caller's stream when the save was requested, so every kernel queued before the save that writes
-the state is included, and the copies overlap what the caller queues next. CPU tensors are copied
-too (snapshotted, never aliased), so the caller may mutate them once capture is done.
+The copy of a CUDA tensor runs on a side stream of the tensor's device that first waits for an
+event recorded on the caller's current stream of that device when the save was requested, so
+every kernel queued before the save that writes the state is included, and the copies overlap
+what the caller queues next; capture is done once every device's side stream is (see
+:mod:`zerostall.devices`). CPU tensors are copied too (snapshotted, never aliased), so the caller
+may mutate them once capture is done.
 
 A tensor changed in place before its copy finished would make a torn checkpoint: each tensor's
 version counter is recorded when the save is requested and compared once its copy is done (a CPU
@@ -26,6 +28,7 @@ from typing import Sequence
 import torch
 
 from .collect import WriteItem
+from .devices import CallerStreams, on_stream
 from .errors import SharedMemoryError, StateChangedError
 
 log = logging.getLogger(__name__)
@@ -146,32 +149,30 @@ def _version(tensor: torch.Tensor, watch: torch.Tensor | None) -> Version:
         return None
 
 
-def record_caller_stream(items: Sequence[WriteItem]) -> "torch.cuda.Event | None":
-    """An event on the caller's current CUDA stream, marking all work queued so far."""
-    if not any(i.tensor.is_cuda for i in items):
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream())
-    return event
+def record_caller_stream(items: Sequence[WriteItem]) -> CallerStreams | None:
+    """Where the caller's CUDA work stands on each device the items are on (an event on its
+    current stream of each), recorded in the caller's thread at the save; None without CUDA items."""
+    return CallerStreams.of(i.tensor for i in items)
 
 
-def capture(items: Sequence[WriteItem], buffers: Sequence[torch.Tensor], ready: "torch.cuda.Event | None",
+def capture(items: Sequence[WriteItem], buffers: Sequence[torch.Tensor], ready: CallerStreams | None,
             recorded: Sequence[Version]) -> None:
     """Copy every item's tensor into its buffer and make the item point at the copy; raise
     :class:`StateChangedError` if a tensor changed since ``recorded`` (its version at the save)
-    before its copy was complete."""
-    stream = None
+    before its copy was complete. Runs in a worker thread: ``ready`` gives it the device to make
+    current and the caller's streams to wait for."""
+    streams = {}
     if ready is not None:
-        stream = torch.cuda.Stream()
-        stream.wait_event(ready)
+        ready.enter()
+        streams = {device: ready.side_stream(device) for device in ready.devices}
     on_device = []
     try:
         with torch.no_grad():
             for item, buf, version in zip(items, buffers, recorded):
                 source = item.tensor
                 if source.is_cuda:
-                    assert stream is not None
-                    with torch.cuda.stream(stream):
+                    stream = streams[source.device.index]
+                    with on_stream(stream):
                         buf.copy_(source, non_blocking=True)
                     source.record_stream(stream)
                     on_device.append((item, source, version))
@@ -180,8 +181,8 @@ def capture(items: Sequence[WriteItem], buffers: Sequence[torch.Tensor], ready: 
                     _check(item, source, version)
                 item.tensor = buf
     finally:
-        if stream is not None:
-            stream.synchronize()  # also when a check failed: no copy may still land in a reused buffer
+        if ready is not None:
+            ready.synchronize()  # also when a check failed: no copy may still land in a reused buffer
     for item, source, version in on_device:
         _check(item, source, version)
     for item in items:
