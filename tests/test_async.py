@@ -113,6 +113,19 @@ def test_pool_is_reused_and_close_releases_it(tmp_path):
     assert saver.pool.nbytes == 0
 
 
+def test_reserve_waits_for_the_save_in_flight_before_replacing_its_buffers(tmp_path):
+    """The buffers a save in flight copies into and writes from are not released under it (a
+    pinned arena would be unpinned while a device copy still lands in it)."""
+    gate = threading.Event()
+    with zs.AsyncSaver() as saver:
+        handle = saver.save(state_of(1.0), gated(tmp_path / "a", gate))
+        threading.Timer(0.2, gate.set).start()  # lets reserve start waiting; any delay passes
+        saver.reserve({"other": torch.ones(1 << 10)})  # another structure: a new arena
+        assert handle.done()
+        handle.result()
+    assert loaded(tmp_path / "a")["step"] == 1 and torch.equal(loaded(tmp_path / "a")["w"], torch.ones(1 << 16))
+
+
 def rss_mb() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from zerostall.capture import capture, record_caller_stream, versions
+from zerostall.capture import BufferPool, capture, record_caller_stream, versions
 from zerostall.collect import collect
 from zerostall.devices import CallerStreams, cuda_devices, worker_device
 
@@ -32,9 +32,14 @@ def test_a_worker_takes_the_callers_device_when_the_work_is_there_else_the_works
     assert worker_device(1, []) == 1
 
 
-def test_cpu_state_records_no_streams(tmp_path):
+def test_cpu_state_records_no_streams_and_is_not_pinned(tmp_path):
     items = collect({"w": torch.ones(8), "b": torch.zeros(2, 2)}, 0, allow_pickle=False).items
     assert record_caller_stream(items) is None and CallerStreams.of(i.tensor for i in items) is None
+    pool = BufferPool()
+    pool.buffers(items)
+    assert pool.nbytes > 0 and pool.pinned_bytes == 0
+    pool.close()
+    assert pool.nbytes == 0
 
 
 class FakeCuda:

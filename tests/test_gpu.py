@@ -1,6 +1,6 @@
 """CUDA paths: saving from GPU tensors, loading into them through pinned staging, capture on side
-streams (with two GPUs, a state spread over both). They need a GPU, so they run on a GPU machine
-(``./dev test tests/test_gpu.py``), not in CI.
+streams (with two GPUs, a state spread over both), the pinned pool's lifetime. They need a GPU, so
+they run on a GPU machine (``./dev test tests/test_gpu.py``), not in CI.
 
 Work the caller queues behind ``torch.cuda._sleep`` (a kernel that spins for a number of clock
 cycles) is still pending when zerostall is called: a copy not ordered after it reads stale
@@ -9,10 +9,15 @@ values, and a wait that misses it lets zerostall use bytes that have not landed 
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 import zerostall as zs
+from zerostall.devices import host_register, host_unregister
+from zerostall.saving import prepare
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -134,6 +139,48 @@ def test_an_async_capture_waits_for_work_queued_on_the_callers_side_stream(tmp_p
     handle.result()
     with zs.open(str(tmp_path / "ck")) as ck:
         assert torch.equal(ck.read("x"), torch.full((1 << 22,), 6.0))
+
+
+def test_the_pool_is_pinned_for_gpu_state_and_unpinned_by_close(tmp_path):
+    with zs.AsyncSaver() as saver:
+        saver.save({"w": torch.ones(1 << 16)}, str(tmp_path / "cpu")).result()
+        assert saver.pool.pinned_bytes == 0  # nothing to copy from a GPU: no context, no pinning
+        saver.save(cuda_state(), str(tmp_path / "gpu")).result()
+        assert saver.pool.pinned_bytes == saver.pool.nbytes > 0
+    assert saver.pool.pinned_bytes == 0
+
+
+def test_a_saver_dropped_without_close_unpins_its_pool(tmp_path):
+    """Pages freed while pinned come back at the same address and cannot be pinned again: the pool's
+    finalizer unpins the arena before it is freed. Re-pinning the arena's memory shows it."""
+    state = cuda_state()
+    saver = zs.AsyncSaver()
+    saver.save(state, str(tmp_path / "ck")).result()
+    view = saver.pool.buffers(prepare(state, str(tmp_path / "x"), zs.SaveOptions()).items)[0]  # keeps the memory
+    assert saver.pool.pinned_bytes > 0
+    dropped = weakref.ref(saver)
+    del saver
+    gc.collect()
+    assert dropped() is None
+    assert host_register(view.data_ptr(), view.nbytes, torch.cuda.current_device()) == 0, "still pinned"
+    assert host_unregister(view.data_ptr()) == 0
+
+
+def test_a_failed_pin_is_a_warning_and_leaves_no_error_for_the_next_kernel(tmp_path, monkeypatch, caplog):
+    """cudart keeps a failure as its thread's last error, which torch raises at the next kernel
+    launch of that thread: the pool pins in a thread of its own and saves unpinned."""
+    cudart = torch.cuda.cudart()
+    real = cudart.cudaHostRegister
+    monkeypatch.setattr(cudart, "cudaHostRegister", lambda ptr, size, flags: real(0, size, flags))  # fails
+    state = cuda_state()
+    with zs.AsyncSaver() as saver:
+        saver.save(state, str(tmp_path / "ck")).result()
+        assert saver.pool.pinned_bytes == 0 and saver.pool.nbytes > 0
+    assert "could not pin" in caplog.text
+    torch.ones(8, device="cuda").add_(1)  # a kernel launch in the thread that allocated the pool
+    torch.cuda.synchronize()
+    with zs.open(str(tmp_path / "ck")) as ck:
+        assert torch.equal(ck.read("big").cuda(), state["big"])
 
 
 @two_gpus

@@ -169,8 +169,11 @@ class AsyncSaver:
         """Allocate the buffer pool for ``state``'s structure now (collective when distributed), so
         the first save costs no more than the rest; returns the seconds spent (0 when the pool
         already fits). Reserve with the structure you will save: an optimizer's state appears only
-        after its first step."""
+        after its first step. Waits for the save in flight first, whose copies and writes may still
+        use the buffers (its failure stays for that save's handle, the next save or close)."""
         prepared = prepare(state, os.devnull, SaveOptions.of(options, overrides), process_group=process_group)
+        if self._current is not None:
+            futures.wait([self._current.committed])
         start = time.perf_counter()
         self.pool.buffers(prepared.items)
         return time.perf_counter() - start

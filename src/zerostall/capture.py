@@ -23,76 +23,107 @@ import math
 import os
 import secrets
 import time
+import weakref
 from typing import Sequence
 
 import torch
 
 from .collect import WriteItem
-from .devices import CallerStreams, on_stream
+from .devices import CallerStreams, cuda_devices, host_register, host_unregister, on_stream, worker_device
 from .errors import SharedMemoryError, StateChangedError
 
 log = logging.getLogger(__name__)
 
 _ALIGN = 64
 _SHM = "/dev/shm"
+Key = tuple[tuple[tuple[torch.dtype, tuple[int, ...]], ...], bool]  # each buffer's dtype and shape; pinned
 
 
 class BufferPool:
     """Host buffers for one structure's captured copies: one arena, allocated on first use (or by
-    :meth:`reserve`), reused while the structure stays the same, released by :meth:`close`.
+    :meth:`reserve`), reused while the structure stays the same, released by :meth:`close` (or,
+    for a pool dropped without it, when the pool is collected).
 
-    ``pin_memory`` (default: when CUDA is available) makes device-to-host copies fast and
-    asynchronous; ``shared_memory`` puts the arena in shared memory (``/dev/shm``) for a writer
-    process, and raises :class:`SharedMemoryError` there when it does not fit.
+    ``pin_memory`` (default: when the state has CUDA tensors) pins the arena for every device, so
+    device-to-host copies are fast and asynchronous; if pinning fails the pool says so in a
+    warning and stays unpinned (copies are slower, not wrong). ``shared_memory`` puts the arena
+    in shared memory (``/dev/shm``) for a writer process, and raises :class:`SharedMemoryError`
+    there when it does not fit.
     """
 
     def __init__(self, *, pin_memory: bool | None = None, shared_memory: bool = False) -> None:
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.pin_memory = pin_memory
         self.shared_memory = shared_memory
-        self._key: tuple[tuple[torch.dtype, tuple[int, ...]], ...] | None = None
+        self._key: Key | None = None
         self._arena: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
-        self._registered: torch.Tensor | None = None
+        self._unpin: weakref.finalize | None = None
         self.alloc_s = 0.0
 
     @property
     def nbytes(self) -> int:
         return 0 if self._arena is None else self._arena.numel()
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the arena pinned in place (torch's pinned-memory statistics do not count them)."""
+        return self.nbytes if self._unpin is not None else 0
+
     def buffers(self, items: Sequence[WriteItem]) -> list[torch.Tensor]:
         """One host tensor per item (same dtype and shape), reusing the arena when it fits."""
-        key = tuple((i.tensor.dtype, tuple(i.tensor.shape)) for i in items)
+        devices = cuda_devices(i.tensor for i in items)
+        pin = bool(devices) if self.pin_memory is None else self.pin_memory
+        key = (tuple((i.tensor.dtype, tuple(i.tensor.shape)) for i in items), pin)
         if key != self._key:
-            self._allocate(key)
+            self._allocate(key, devices)
         return self._views
 
-    def _allocate(self, key: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> None:
+    def _allocate(self, key: Key, devices: list[int]) -> None:
         start = time.perf_counter()
         self.close()
+        shapes, pin = key
         offsets, total = [], 0
-        for dtype, shape in key:
+        for dtype, shape in shapes:
             offsets.append(total)
             total += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
         size = max(total, 1)
         arena = _shared_arena(size) if self.shared_memory else torch.empty(size, dtype=torch.uint8)
         arena.zero_()  # touch every page now: first-touch faults are slow, and belong to allocation
-        if self.pin_memory:
-            # registered in place rather than taken from torch's pinned cache, which rounds sizes up
-            # to a power of two and keeps the memory after it is released
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0))
-            self._registered = arena
+        if pin:
+            self._pin(arena, devices)
         self._views = [arena[o:o + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
-                       for o, (dtype, shape) in zip(offsets, key)]
+                       for o, (dtype, shape) in zip(offsets, shapes)]
         self._arena, self._key = arena, key
         self.alloc_s = time.perf_counter() - start
         log.debug("allocated a %d-byte capture pool in %.3f s", total, self.alloc_s)
 
+    def _pin(self, arena: torch.Tensor, devices: list[int]) -> None:
+        """Register the arena in place rather than take it from torch's pinned cache, which rounds
+        sizes up to a power of two and keeps the memory after it is released. The finalizer
+        holds the arena, so its pages are unpinned before they are freed (pages freed while
+        pinned could come back at the same address, which CUDA then refuses to pin again)."""
+        device = worker_device(torch.cuda.current_device(), devices)
+        code = host_register(arena.data_ptr(), arena.numel(), device)
+        if code:
+            log.warning("could not pin the %d-byte capture pool (%s): device-to-host copies of asynchronous "
+                        "saves will be slower", arena.numel(), torch.cuda.CudaError(code))
+            return
+        self._unpin = weakref.finalize(self, _unpin_arena, arena)
+        self._unpin.atexit = False  # at exit the process's pages go anyway; CUDA may be shutting down
+
     def close(self) -> None:
-        """Release the arena (unpinned and freed; allocated again on the next use)."""
-        if self._registered is not None:
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self._registered.data_ptr()))
-            self._registered = None
+        """Release the arena (unpinned and freed; allocated again on the next use). Call it once
+        no copy into the arena is in flight."""
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
         self._arena, self._views, self._key = None, [], None
+
+
+def _unpin_arena(arena: torch.Tensor) -> None:
+    code = host_unregister(arena.data_ptr())
+    if code:
+        log.warning("could not unpin the capture pool (%s)", torch.cuda.CudaError(code))
 
 
 def _shared_arena(nbytes: int) -> torch.Tensor:

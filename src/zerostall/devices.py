@@ -14,16 +14,20 @@ follow, and this module is where they are kept:
   ``torch.cuda.stream`` alone switches the thread to the stream's device and, when leaving, back
   to the thread's previous device, initializing a context there.
 
-Nothing here calls CUDA unless a tensor is on a CUDA device.
+Nothing here calls CUDA unless a tensor is on a CUDA device (or pinning is asked for).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Iterator, Sequence
 
 import torch
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, not one
+
 
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
     """The indices of the CUDA devices ``tensors`` are on, in order."""
@@ -86,3 +90,22 @@ def on_stream(stream: torch.cuda.Stream) -> Iterator[None]:
     """Queue the block's CUDA work on ``stream``, with its device current for the block only."""
     with torch.cuda.device(stream.device), torch.cuda.stream(stream):
         yield
+
+
+def host_register(ptr: int, nbytes: int, device: int) -> int:
+    """Pin ``nbytes`` of host memory at ``ptr`` for every device (``cudaHostRegister``); returns
+    cudart's error code (0: pinned). It runs in a thread of its own with ``device`` current:
+    cudart keeps a failure as the calling thread's last error, which torch's check after that
+    thread's next kernel launch would raise as if the kernel had failed."""
+
+    def register() -> int:
+        torch.cuda.set_device(device)
+        return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE))
+
+    with ThreadPoolExecutor(1, thread_name_prefix="zerostall-pin") as pool:
+        return pool.submit(register).result()
+
+
+def host_unregister(ptr: int) -> int:
+    """Unpin host memory pinned by :func:`host_register`; returns cudart's error code."""
+    return int(torch.cuda.cudart().cudaHostUnregister(ptr))
