@@ -141,6 +141,23 @@ def test_an_async_capture_waits_for_work_queued_on_the_callers_side_stream(tmp_p
         assert torch.equal(ck.read("x"), torch.full((1 << 22,), 6.0))
 
 
+def test_a_gpu_load_writes_after_the_callers_work_on_its_targets_and_is_done_when_it_returns(tmp_path):
+    """Uploads go on side streams that wait for the zero-fill of the targets (queued behind a spin),
+    staging buffers are reused meanwhile (tiny staging, many threads: each reuse must wait for the
+    uploads from the buffer), dtypes convert on the GPU, and all has landed when load returns."""
+    state = cuda_state()
+    zs.save(state, str(tmp_path / "ck"))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SPIN)
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
+    target["big"] = torch.zeros(3, 1 << 20, device="cuda", dtype=torch.bfloat16)
+    out = zs.load(target, str(tmp_path / "ck"), max_staging_bytes=64 << 10, threads=4)
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            expected = value.to(torch.bfloat16) if key == "big" else value
+            assert out[key].is_cuda and torch.equal(out[key], expected), key
+
+
 def test_the_pool_is_pinned_for_gpu_state_and_unpinned_by_close(tmp_path):
     with zs.AsyncSaver() as saver:
         saver.save({"w": torch.ones(1 << 16)}, str(tmp_path / "cpu")).result()

@@ -2,9 +2,11 @@
 
 A chunk that is exactly a target's box, with the target's dtype and a contiguous CPU layout, is
 read straight into the target's memory; any other overlap (resharding, dtype conversion, GPU
-targets) is read into a bounded per-thread staging buffer and copied from there while still in
-the CPU cache. Reads of small tensors stored back to back are merged into one scatter read; work
-is balanced over reader threads by bytes, and the first failure stops the others.
+targets) is read into a bounded per-thread staging buffer and copied from there: into a CPU
+target while still in the CPU cache, into a GPU target by an asynchronous upload of the stored
+bytes, converted and placed on the GPU (see :class:`_Uploads`). Reads of small tensors stored
+back to back are merged into one scatter read; work is balanced over reader threads by bytes,
+and the first failure stops the others.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import functools
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from .balance import balance
 from .boxes import Box, contiguous_strides, element_span, flat_boxes, intersect, region
 from .checksums import CACHE_PIECE
+from .devices import CallerStreams, on_stream
 from .errors import CorruptCheckpointError
 from .format import Chunk, Entry, Manifest
 from .memory import tensor_bytes
@@ -49,16 +52,21 @@ class Fetcher(ChunkReader):
         the target's box and layouts match, through staging buffers otherwise. Chunks whose
         ``id`` is in ``skip`` were already delivered (by broadcast)."""
         direct, staged = self._route(targets, skip)
+        cuda = CallerStreams.of(item[0] for item in staged)  # a GPU target is never read into directly
+        uploads = None if cuda is None else _Uploads(cuda)
         try:
-            with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read") as pool:
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read",
+                                    initializer=None if cuda is None else cuda.enter) as pool:
                 run_balanced(pool, self.threads, self._read_run, _runs(direct, _piece_span), verify)
                 block = self.manifest.block_size
-                step = max(block, min(_STAGE_BYTES, staging // self.threads) // block * block)
+                buffers = self.threads * (1 if uploads is None else _Uploads.BUFFERS)
+                step = max(block, min(_STAGE_BYTES, staging // buffers) // block * block)
                 jobs = [job for item in staged for job in self._stage_jobs(item, step, verify)]
-                stream = torch.cuda.current_stream() if any(job[0].is_cuda for job in jobs) else None
-                stage = functools.partial(self._stage_run, stream=stream)
+                stage = functools.partial(self._stage_run, uploads=uploads)
                 run_balanced(pool, self.threads, stage, _runs(jobs, _job_span), verify)
         finally:
+            if cuda is not None:
+                cuda.synchronize()  # every upload has landed (also after a failure: buffers are freed)
             self.storage.close()  # the files these threads held open: the next fill has new threads
 
     def _route(self, targets: list[Target], skip: set[int]) -> tuple[list[Piece], list[Staged]]:
@@ -106,29 +114,39 @@ class Fetcher(ChunkReader):
                 lo, hi = lo // block * block, min(-(-hi // block) * block, chunk.nbytes)
         return [(target, box, entry, chunk, inter, a, min(a + step, hi)) for a in range(lo, hi, step)]
 
-    def _stage_run(self, run: list[StageJob], verify: bool, stream: Any = None) -> None:
-        """Read jobs that lie back to back in one file into this thread's staging buffer (one read
-        for several small ones) and copy the part of each intersection they hold into its target
-        at once: the bytes are still in the CPU cache, and the copies run in parallel whatever
-        torch's own thread setting. Copies to GPU targets run on the caller's ``stream``, after
-        the work queued there, and are complete when they return (the buffer is reused)."""
-        buf = self._staging(sum(hi - lo for *_, lo, hi in run), pinned=any(job[0].is_cuda for job in run))
+    def _stage_run(self, run: list[StageJob], verify: bool, uploads: _Uploads | None = None) -> None:
+        """Read jobs that lie back to back in one file into a staging buffer (one read for several
+        small ones) and copy the part of each intersection they hold into its target: into a CPU
+        target at once, while the bytes are in the CPU cache (the copies run in parallel whatever
+        torch's own thread setting); into a GPU target by ``uploads``, without waiting."""
+        uploading = uploads if uploads is not None and any(job[0].is_cuda for job in run) else None
+        n = sum(hi - lo for *_, lo, hi in run)
+        buf = self._staging(n) if uploading is None else uploading.staging(n)
         view, pieces, at = tensor_bytes(buf), [], 0
         for _, _, entry, chunk, _, lo, hi in run:
             pieces.append((entry, chunk, lo, view[at:at + hi - lo]))
             at += hi - lo
         self._read_run(pieces, verify)
         at = 0
-        with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with torch.no_grad():
             for target, box, entry, chunk, inter, lo, hi in run:
-                _copy_part(target, box, entry, chunk, inter, lo, buf[at:at + hi - lo].view(entry.torch_dtype))
+                data = buf[at:at + hi - lo]
+                if target.is_cuda:
+                    assert uploading is not None
+                    with uploading.on(target.device.index):
+                        data = data.to(target.device, non_blocking=True)
+                        _copy_part(target, box, entry, chunk, inter, lo, data.view(entry.torch_dtype))
+                else:
+                    _copy_part(target, box, entry, chunk, inter, lo, data.view(entry.torch_dtype))
                 at += hi - lo
+        if uploading is not None:
+            uploading.queued()
 
-    def _staging(self, n: int, pinned: bool) -> torch.Tensor:
-        """This thread's reusable staging buffer of at least ``n`` bytes (pinned for GPU targets)."""
+    def _staging(self, n: int) -> torch.Tensor:
+        """This thread's reusable staging buffer of at least ``n`` bytes, for CPU targets."""
         buf = getattr(self._scratch, "staging", None)
-        if buf is None or buf.numel() < n or buf.is_pinned() != pinned:
-            buf = self._scratch.staging = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
+        if buf is None or buf.numel() < n:
+            buf = self._scratch.staging = torch.empty(n, dtype=torch.uint8)
         return buf
 
     def _pieces(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview) -> list[Piece]:
@@ -155,6 +173,61 @@ class Fetcher(ChunkReader):
         if verify:
             for piece in run:
                 self.check_blocks(*piece)
+
+class _Uploads:
+    """The GPU side of one fill. Each reader thread uploads staged bytes on a side stream per
+    device (which first waits for the caller's work queued there, so a target the caller is still
+    writing, zeroing say, is written after it) and does not wait for them: it reads the next run
+    into the other of its two pinned staging buffers meanwhile, and reuses a buffer only once the
+    uploads from it are done. The fill waits for all of them before it returns."""
+
+    BUFFERS = 2  # staging buffers per thread
+
+    def __init__(self, cuda: CallerStreams) -> None:
+        self.cuda = cuda
+        self._local = threading.local()
+
+    def _thread(self) -> Any:
+        local = self._local
+        if not hasattr(local, "turn"):
+            local.turn, local.streams, local.used = 0, {}, set()
+            local.buffers = [None] * self.BUFFERS
+            local.pending = [[] for _ in range(self.BUFFERS)]  # events after the uploads from each buffer
+        return local
+
+    def staging(self, n: int) -> torch.Tensor:
+        """This thread's next pinned staging buffer, of at least ``n`` bytes, once the uploads
+        queued from it are done."""
+        local = self._thread()
+        local.turn = (local.turn + 1) % self.BUFFERS
+        for event in local.pending[local.turn]:
+            event.synchronize()
+        local.pending[local.turn] = []
+        buf = local.buffers[local.turn]
+        if buf is None or buf.numel() < n:
+            buf = local.buffers[local.turn] = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        return buf
+
+    @contextlib.contextmanager
+    def on(self, device: int) -> Iterator[None]:
+        """Queue the block's work on this thread's side stream of ``device``."""
+        local = self._thread()
+        stream = local.streams.get(device)
+        if stream is None:
+            stream = local.streams[device] = self.cuda.side_stream(device)
+        local.used.add(device)
+        with on_stream(stream):
+            yield
+
+    def queued(self) -> None:
+        """Mark the current staging buffer busy until the uploads queued from it are done."""
+        local = self._thread()
+        for device in local.used:
+            event = torch.cuda.Event()
+            event.record(local.streams[device])
+            local.pending[local.turn].append(event)
+        local.used = set()
+
 
 def direct_read(target: torch.Tensor, box: Box, entry: Entry, chunk: Chunk) -> bool:
     """Whether ``chunk`` is exactly the target's ``box`` and its stored bytes can be read straight
