@@ -129,6 +129,18 @@ def test_a_sync_save_of_gpu_state_streams_through_bounded_host_memory(tmp_path):
     assert grown < 512 << 20, f"the peak resident set grew by {grown >> 20} MiB during a sync save of 2 GiB"
 
 
+def test_a_sync_save_waits_for_work_queued_on_the_callers_side_stream(tmp_path):
+    """The writer threads copy on their own streams: the caller's side stream is waited for first."""
+    x = torch.zeros(1 << 22, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        torch.cuda._sleep(SPIN)
+        x.fill_(5.0)
+        zs.save({"x": x}, str(tmp_path / "ck"))
+    with zs.open(str(tmp_path / "ck")) as ck:
+        assert torch.equal(ck.read("x"), torch.full((1 << 22,), 5.0))
+
+
 def test_an_async_capture_waits_for_work_queued_on_the_callers_side_stream(tmp_path):
     x = torch.zeros(1 << 22, device="cuda")
     torch.cuda.synchronize()

@@ -77,6 +77,12 @@ class CallerStreams:
             self._streams.append(stream)
         return stream
 
+    def wait(self) -> None:
+        """Wait, in any thread, until the caller's work recorded at construction is done."""
+        for device, event in self.events.items():
+            with torch.cuda.device(device):
+                event.synchronize()
+
     def synchronize(self) -> None:
         """Wait for the work queued so far on every side stream made by :meth:`side_stream`."""
         with self._lock:

@@ -17,6 +17,7 @@ import torch
 from .balance import balance
 from .checksums import CACHE_PIECE, BlockHasher, block_checksums, checksum, pieces
 from .collect import WriteItem
+from .devices import CallerStreams
 from .errors import CheckpointError, CheckpointExistsError
 from .format import MANIFEST_NAME, Chunk, FileItem, data_file_name, file_generation, safetensors_header
 from .gcpause import gc_paused
@@ -70,12 +71,17 @@ def write_data(storage: Storage, items: list[WriteItem], generation: str, rank: 
                block_size: int) -> tuple[dict[str, int], dict[str, str]]:
     """Write this rank's items into balanced files in parallel; each item's chunk is appended to its
     entry. Returns each file's size and the checksum of its header. The first writer that fails
-    stops the others."""
+    stops the others. Items still on a GPU (a synchronous save, in the caller's thread) are
+    copied by the writer threads once the work the caller queued on them is done."""
+    cuda = CallerStreams.of(item.tensor for item in items)
+    if cuda is not None:
+        cuda.wait()  # the writer threads copy on their own streams, not ordered after the caller's
     with gc_paused():
         groups = assign_files(items, threads) if items else []
     names = [data_file_name(generation, rank, n) for n in range(len(groups))]
     stop = threading.Event()
-    with ThreadPoolExecutor(max_workers=max(1, len(groups)), thread_name_prefix="zerostall-write") as pool:
+    with ThreadPoolExecutor(max_workers=max(1, len(groups)), thread_name_prefix="zerostall-write",
+                            initializer=None if cuda is None else cuda.enter) as pool:
         futures = [pool.submit(_write_file, storage, n, g, generation, block_size, stop)
                    for n, g in zip(names, groups)]
     cause = next((exc for exc in map(Future.exception, futures) if exc is not None and not isinstance(exc, _Stopped)),
