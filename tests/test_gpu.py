@@ -1,6 +1,7 @@
 """CUDA paths: saving from GPU tensors, loading into them through pinned staging, capture on side
-streams (with two GPUs, a state spread over both), the pinned pool's lifetime. They need a GPU, so
-they run on a GPU machine (``./dev test tests/test_gpu.py``), not in CI.
+streams, the pinned pool's lifetime, and work on a GPU other than 0 (in one process, and over two
+NCCL ranks). They need a GPU (some two), so they run on a GPU machine
+(``./dev test tests/test_gpu.py``), not in CI.
 
 Work the caller queues behind ``torch.cuda._sleep`` (a kernel that spins for a number of clock
 cycles) is still pending when zerostall is called: a copy not ordered after it reads stale
@@ -10,6 +11,9 @@ values, and a wait that misses it lets zerostall use bytes that have not landed 
 from __future__ import annotations
 
 import gc
+import socket
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -228,3 +232,95 @@ def test_an_async_capture_of_state_on_two_gpus_waits_for_each(tmp_path):
     with zs.open(str(tmp_path / "ck")) as ck:
         assert torch.equal(ck.read("a"), torch.full((1 << 22,), 1.0))
         assert torch.equal(ck.read("b"), torch.full((1 << 22,), 2.0))
+
+
+GPU1_CHILD = """
+import sys, torch, zerostall as zs
+path = sys.argv[1]
+torch.cuda.set_device(1)
+x = torch.zeros(1 << 22, device="cuda")
+w = torch.randn(1024, 1024, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+torch.cuda.synchronize()
+torch.cuda._sleep(1 << 30)
+x.fill_(3.0)
+assert not torch._C._cuda_hasPrimaryContext(0), "torch itself made a context on GPU 0"
+state = {"x": x, "w": w}
+with zs.AsyncSaver() as saver:
+    saver.save(state, path + "/async").result()
+zs.save(state, path + "/sync")
+for name in ("async", "sync"):
+    target = {"x": torch.empty_like(x), "w": torch.empty(1024, 1024, device="cuda", dtype=torch.bfloat16)}
+    out = zs.load(target, f"{path}/{name}", max_staging_bytes=1 << 16)
+    assert torch.equal(out["x"], torch.full_like(x, 3.0)), name
+    assert torch.equal(out["w"], w.to(torch.bfloat16)), name
+assert not torch._C._cuda_hasPrimaryContext(0), "zerostall made a context on GPU 0"
+print("ok")
+"""
+
+
+@two_gpus
+def test_saving_and_loading_on_gpu_1_makes_no_context_on_gpu_0_and_waits_for_gpu_1(tmp_path):
+    """A torchrun rank with local rank 1, as a fresh process: its async save copies on GPU 1 after
+    the work queued there, and neither its capture, writer, pin or reader threads make a
+    context on GPU 0 (checked with the driver's per-device primary context state)."""
+    out = subprocess.run([sys.executable, "-c", GPU1_CHILD, str(tmp_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout.splitlines(), out.stderr[-3000:]
+
+
+NCCL_CHILD = """
+import sys, torch, torch.distributed as dist, zerostall as zs
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+rank, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        device_id=torch.device("cuda", rank))
+mesh = init_device_mesh("cuda", (2,))
+g = torch.Generator().manual_seed(0)  # the same values on both ranks
+full = torch.randn(512, 256, generator=g).cuda()
+replicated = torch.randn(1 << 20, generator=g).cuda()
+sharded = distribute_tensor(full, mesh, [Shard(0)])
+own = torch.zeros(1 << 20, device="cuda")
+dist.barrier()
+torch.cuda.synchronize()
+before = torch._C._cuda_hasPrimaryContext(1 - rank)
+torch.cuda._sleep(1 << 30)
+own.fill_(rank + 1.0)
+state = {"sharded": sharded, "replicated": replicated, "own": zs.rank_local(own), "step": 3}
+with zs.AsyncSaver() as saver:
+    saver.save(state, path + "/async").result()
+zs.save(state, path + "/sync")
+for name in ("async", "sync"):
+    target = {"sharded": distribute_tensor(torch.zeros(512, 256, device="cuda"), mesh, [Shard(0)]),
+              "replicated": torch.zeros(1 << 20, device="cuda", dtype=torch.bfloat16),
+              "own": zs.rank_local(torch.zeros(1 << 20, device="cuda")), "step": 0}
+    with zs.open(f"{path}/{name}") as ck:
+        out = ck.load(target)
+    assert torch.equal(out["sharded"].to_local(), sharded.to_local()), name
+    assert torch.equal(out["replicated"], replicated.to(torch.bfloat16)), name
+    assert torch.equal(out["own"].value, torch.full((1 << 20,), rank + 1.0, device="cuda")), name
+    assert out["step"] == 3, name
+after = torch._C._cuda_hasPrimaryContext(1 - rank)
+dist.destroy_process_group()
+print("contexts on the other GPU, before and after:", int(before), int(after))
+"""
+
+
+@two_gpus
+def test_two_nccl_ranks_save_open_and_load_on_their_own_gpus(tmp_path):
+    """torchrun-like: rank r on cuda:r with set_device(r) and a bound NCCL group. Async and sync
+    saves of a sharded DTensor, a replicated tensor and a rank-local one written behind queued
+    work, opened and loaded collectively, equal the sources; zerostall adds no context on the
+    other rank's GPU (whatever NCCL itself did before is the baseline)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", NCCL_CHILD, str(rank), str(port), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outs = [proc.communicate(timeout=300) for proc in procs]
+    for rank, (proc, (stdout, stderr)) in enumerate(zip(procs, outs)):
+        assert proc.returncode == 0, f"rank {rank}: {stderr[-3000:]}"
+        [line] = [line for line in stdout.splitlines() if line.startswith("contexts on the other GPU")]
+        before, after = line.split()[-2:]
+        assert after == before, f"rank {rank}: zerostall made a context on the other rank's GPU"

@@ -30,7 +30,13 @@ class Group:
         self.size = dist.get_world_size(self.pg) if self.pg is not None else 1
         self.device = torch.device("cpu")
         if self.pg is not None and dist.get_backend(self.pg) == "nccl":
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.device = self._nccl_device()
+
+    def _nccl_device(self) -> torch.device:
+        """The GPU this rank's NCCL collectives use: the one the group is bound to
+        (``init_process_group(device_id=...)``), else the current device (``torch.cuda.set_device``)."""
+        bound = getattr(self.pg, "bound_device_id", None)
+        return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
 
     def detached(self) -> "Group":
         """This rank's place in the group without the process group itself (picklable): what the
