@@ -20,10 +20,12 @@ mode needs one; zerostall runs under it too, as under torchrun). Four parts, in 
    allows: a second save with it (after changing a tensor) must commit and read back right, else
    (pytorch#183413 on 2.11) a fresh stager is made per save, as that release's users must, and the
    JSON says which (``dcp_zero_overhead_stager``, with the reason in ``errors``). zerostall's pool
-   is allocated first by ``saver.reserve(state)`` (``zerostall_pool_alloc_s``; the pinned bytes
-   torch's pinned host allocator handed out for it are ``zerostall_pool_pinned_bytes``: it rounds
-   requests up to a power of two; ``pinned_bytes_after_zerostall_close`` is what that allocator
-   still holds once the saver is closed, all other pinned buffers gone). The raw floor,
+   is allocated first by ``saver.reserve(state)`` (``zerostall_pool_alloc_s``); the pool pins its
+   arena in place (``cudaHostRegister``), which torch's pinned host allocator statistics do not
+   count, so ``zerostall_pool_pinned_bytes`` is what the pool reports it registered
+   (``BufferPool.pinned_bytes``), and ``zerostall_pool_pinned_bytes_after_close`` what it still
+   has registered once the saver is closed (0 expected); ``pinned_bytes_after_zerostall_close`` is
+   what torch's pinned host allocator still holds then, all other pinned buffers gone. The raw floor,
    ``d2h_pinned_gbps``: the state copied into preallocated pinned buffers (one arena, touched
    first), ``non_blocking`` copies then one ``torch.cuda.synchronize()``, timed; median of --reps
    after a warm copy (the arena is freed, and torch's pinned cache emptied, before the
@@ -208,6 +210,7 @@ class SaveResults:
     pool_alloc_s: float | None = None
     pool_bytes: int | None = None
     pool_pinned_bytes: int | None = None
+    pool_pinned_after_close: int | None = None
     pinned_after_close: int | None = None
     pinned_before_contenders: int | None = None
     host_cache_emptied_by: str | None = None
@@ -275,13 +278,11 @@ def run_save_part(args: argparse.Namespace, device: torch.device, root: str, dea
     out.nbytes, out.n_tensors = state_bytes(state), len(state)
 
     saver = zs.AsyncSaver()
-    before = pinned_allocated_bytes()
-    out.pool_alloc_s = saver.reserve(state)  # first, so no freed pinned block can serve it
-    after = pinned_allocated_bytes()
+    out.pool_alloc_s = saver.reserve(state)
     out.pool_bytes = saver.pool.nbytes
-    out.pool_pinned_bytes = None if before is None or after is None else after - before
-    progress(f"zerostall pool: {out.pool_bytes / 1e9:.2f} GB allocated in {out.pool_alloc_s:.3f} s"
-             + ("" if out.pool_pinned_bytes is None else f" ({out.pool_pinned_bytes / 1e9:.2f} GB pinned)"))
+    out.pool_pinned_bytes = saver.pool.pinned_bytes
+    progress(f"zerostall pool: {out.pool_bytes / 1e9:.2f} GB allocated in {out.pool_alloc_s:.3f} s "
+             f"({out.pool_pinned_bytes / 1e9:.2f} GB pinned)")
 
     try:
         out.d2h_pinned = pin
@@ -365,6 +366,7 @@ def run_save_part(args: argparse.Namespace, device: torch.device, root: str, dea
         out.stager_mode = None
     with contextlib.suppress(Exception):
         saver.close()
+    out.pool_pinned_after_close = saver.pool.pinned_bytes
     gc.collect()
     out.pinned_after_close = pinned_allocated_bytes()  # still held by torch's host cache after close()?
     if zoc is not None:
@@ -716,7 +718,8 @@ def print_save_part(res: SaveResults, errors: dict[str, str]) -> None:
     print(f"state: {res.nbytes / 1e9:.2f} GB in {res.n_tensors} tensors")
     print_save_table(res.first, res.reps, errors, NAMES)
     if res.pool_alloc_s is not None:
-        print(f"zerostall pool allocation (reserve): {res.pool_alloc_s:.3f} s")
+        print(f"zerostall pool allocation (reserve): {res.pool_alloc_s:.3f} s, "
+              f"{(res.pool_pinned_bytes or 0) / 1e9:.2f} GB of {(res.pool_bytes or 0) / 1e9:.2f} GB pinned")
     if res.d2h_s:
         kind = "pinned" if res.d2h_pinned else "pageable (no CUDA)"
         print(f"raw D2H into preallocated {kind} buffers: {res.nbytes / statistics.median(res.d2h_s) / 1e9:.2f} GB/s")
@@ -822,6 +825,7 @@ def main() -> None:
             "zerostall_pool_alloc_s": rnd(saves.pool_alloc_s),
             "zerostall_pool_bytes": saves.pool_bytes,
             "zerostall_pool_pinned_bytes": saves.pool_pinned_bytes,
+            "zerostall_pool_pinned_bytes_after_close": saves.pool_pinned_after_close,
             "pinned_bytes_before_contenders": saves.pinned_before_contenders,
             "pinned_bytes_after_zerostall_close": saves.pinned_after_close,
             "pinned_cache_emptied_by": saves.host_cache_emptied_by,
