@@ -89,6 +89,7 @@ def manager_scenario(root: str, async_save: bool) -> dict:
         mgr.wait()
     except Exception as exc:
         report = {"error": type(exc).__name__, "message": str(exc)}
+    mgr.wait()  # retention runs in the background: let whatever the failed commit set off finish first
     report["files"] = sorted(os.listdir(path))
     report["latest"] = Path(path, "latest").read_text()
     os.remove(os.path.join(root, "filler"))

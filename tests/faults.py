@@ -3,12 +3,14 @@ fails, blocks, calls back or crashes at a named operation. Tests that inject fau
 injecting them however the library's code is moved between modules (patching a module attribute
 silently stops doing anything once the code no longer looks the attribute up there). A
 :class:`GatedLocalStorage` holds the writer process of ``AsyncSaver(writer="process")``, which a
-FaultyStorage cannot reach.
+FaultyStorage cannot reach, before its writes; a :class:`CommitHeldByLock` holds any process's
+commits into a local directory until another process lets go of a lock or dies.
 """
 
 from __future__ import annotations
 
 import copy
+import fcntl
 import fnmatch
 import os
 import signal
@@ -287,6 +289,33 @@ class GatedLocalStorage(LocalStorage):
                 raise TimeoutError(f"faults: the gate before the write of {name} was never opened")
             self.gate.recv()
         return super().write(name, parts)
+
+
+class CommitHeldByLock(LocalStorage):
+    """A local directory whose manifest switch waits until it can take an exclusive ``flock`` on the
+    file ``lock``: a process holding that lock holds every commit into the directory back until it
+    lets go or dies (the kernel releases it then), whichever process commits. A writer process
+    gets it by pickle, path and lock file name, as it gets a :class:`LocalStorage`, which
+    :class:`FaultyStorage` is not."""
+
+    def __init__(self, root: str, *, lock: str, fsync: bool = True) -> None:
+        super().__init__(root, fsync=fsync)
+        self.lock = lock
+
+    def __getstate__(self) -> dict[str, object]:
+        return {**super().__getstate__(), "lock": self.lock}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(str(state["location"]), lock=str(state["lock"]), fsync=bool(state["fsync"]))
+
+    def publish(self, name: str, tmp_name: str, data: bytes,
+                before_replace: Callable[[], None] | None = None) -> None:
+        if name == "manifest.json":
+            with open(self.lock, "rb") as held:
+                fcntl.flock(held, fcntl.LOCK_EX)  # let go when the file closes, right after the switch
+                super().publish(name, tmp_name, data, before_replace)
+            return
+        super().publish(name, tmp_name, data, before_replace)
 
 
 def _raise(error: BaseException) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import multiprocessing
 import os
@@ -11,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -69,14 +71,51 @@ def gated(path, gate: threading.Event) -> FaultyStorage:
     return storage
 
 
+class _Waiters(list):
+    """A future's list of waiters, where ``concurrent.futures.wait()`` registers one: the first
+    opens ``gate``."""
+
+    def __init__(self, waiters: list, gate: threading.Event) -> None:
+        super().__init__(waiters)
+        self.gate = gate
+
+    def append(self, waiter) -> None:
+        self.gate.set()
+        super().append(waiter)
+
+
+@contextlib.contextmanager
+def released_by_a_wait(handle, gate: threading.Event) -> Iterator[None]:
+    """Inside: ``gate`` is set once someone waits for ``handle``'s save to commit (``result()`` or
+    ``exception()`` of its ``committed`` future, or ``concurrent.futures.wait`` on it), not before,
+    so a save held at ``gate`` stays held unless it is waited for, however long anything takes.
+    On the way out the gate opens in any case."""
+    future = handle.committed
+
+    def opening(wait):
+        def waited(*args, **kwargs):
+            gate.set()
+            return wait(*args, **kwargs)
+        return waited
+
+    future.result, future.exception = opening(future.result), opening(future.exception)
+    future._waiters = _Waiters(future._waiters, gate)
+    try:
+        yield
+    finally:
+        gate.set()
+        del future.result, future.exception  # they held the future: no cycle left behind
+
+
 def test_sync_save_waits_for_the_async_one_in_flight(tmp_path):
     gate = threading.Event()
     a = gated(tmp_path / "a", gate)
     handle = zs.async_save(state_of(1.0), a)
     handle.wait_staged()
-    threading.Timer(0.2, gate.set).start()  # lets the sync save start waiting; any delay passes
-    zs.save(state_of(2.0), tmp_path / "b")  # blocks until the async save committed
-    assert handle.done() and handle.result().step is None
+    with released_by_a_wait(handle, gate):
+        zs.save(state_of(2.0), tmp_path / "b")  # waits until the async save committed
+        assert handle.done(), "the sync save did not wait for the asynchronous one in flight"
+    assert handle.result().step is None
     assert a.names("write")
     assert loaded(tmp_path / "a")["step"] == 1 and loaded(tmp_path / "b")["step"] == 2
 
@@ -92,23 +131,26 @@ def test_one_save_in_flight_wait_or_skip(tmp_path):
         saver.save(state_of(3.0), tmp_path / "b", overwrite=True).result()
     assert a.names("write") and loaded(tmp_path / "b")["step"] == 3
     gate.clear()
-    threading.Timer(0.2, gate.set).start()  # lets the second save start waiting; any delay passes
     with zs.AsyncSaver() as saver:
         c = gated(tmp_path / "c", gate)
         first = saver.save(state_of(1.0), c, overwrite=True)
-        second = saver.save(state_of(2.0), tmp_path / "c", overwrite=True)  # waits for the first to commit
-        assert first.done()
+        with released_by_a_wait(first, gate):
+            second = saver.save(state_of(2.0), tmp_path / "c", overwrite=True)  # waits for the first to commit
+            assert first.done(), "the second save did not wait for the first"
         second.result()
     assert c.names("write") and loaded(tmp_path / "c")["step"] == 2
 
 
 def test_pool_is_reused_and_close_releases_it(tmp_path):
     saver = zs.AsyncSaver()
-    alloc = saver.reserve(state_of(0.0))
-    assert alloc >= 0 and saver.pool.nbytes >= (1 << 16) * 4
+    assert saver.pool.nbytes == 0 and saver.pool.allocations == 0
+    assert saver.reserve(state_of(0.0)) > 0  # allocated now...
+    assert saver.pool.nbytes >= (1 << 16) * 4 and saver.pool.allocations == 1
+    assert saver.reserve(state_of(5.0)) == 0  # ...once: the same structure fits the pool
     arena = saver.pool.buffers(prepare(state_of(0.0), tmp_path / "x", zs.SaveOptions()).items)[0]
     saver.save(state_of(1.0), tmp_path / "ck").result()
     assert saver.pool.buffers(prepare(state_of(0.0), tmp_path / "x", zs.SaveOptions()).items)[0] is arena
+    assert saver.pool.allocations == 1
     saver.close()
     assert saver.pool.nbytes == 0
 
@@ -119,9 +161,9 @@ def test_reserve_waits_for_the_save_in_flight_before_replacing_its_buffers(tmp_p
     gate = threading.Event()
     with zs.AsyncSaver() as saver:
         handle = saver.save(state_of(1.0), gated(tmp_path / "a", gate))
-        threading.Timer(0.2, gate.set).start()  # lets reserve start waiting; any delay passes
-        saver.reserve({"other": torch.ones(1 << 10)})  # another structure: a new arena
-        assert handle.done()
+        with released_by_a_wait(handle, gate):
+            saver.reserve({"other": torch.ones(1 << 10)})  # another structure: a new arena
+            assert handle.done(), "reserve did not wait for the save in flight"
         handle.result()
     assert loaded(tmp_path / "a")["step"] == 1 and torch.equal(loaded(tmp_path / "a")["w"], torch.ones(1 << 16))
 
@@ -141,6 +183,7 @@ def test_fifty_async_saves_keep_memory_flat(tmp_path):
             saver.save(state, tmp_path / "ck", step=step, overwrite=True).wait_staged()
         saver.wait()
         growth = rss_mb() - before
+        assert saver.pool.allocations == 1, "the saves did not reuse the capture pool"
     assert growth < 64, f"RSS grew by {growth:.1f} MB over 50 saves"
     with zs.open(tmp_path / "ck") as ck:
         assert ck.step == 49
@@ -283,18 +326,25 @@ def test_sigterm_lets_the_save_in_flight_commit(tmp_path):
         assert ck.step == 3
 
 
-PROCESS_WRITER = """
-import os, signal, sys, torch, zerostall as zs
+PROCESS_WRITER = f"""
+import fcntl, os, signal, sys, torch
+sys.path.insert(0, {TESTS!r})
+import zerostall as zs
+from faults import CommitHeldByLock
+
 if __name__ == "__main__":
-    path, die = sys.argv[1], sys.argv[2] == "die"
-    state = {"w": torch.full((16 << 20,), 1.0), "step": 1}  # 64 MiB: the commit takes a while
+    path, lock, die = sys.argv[1], sys.argv[2], sys.argv[3] == "die"
+    held = open(lock, "wb")
+    fcntl.flock(held, fcntl.LOCK_EX)  # the writer process's commit waits for this lock: until the kill
+    state = {{"w": torch.full((1 << 20,), 1.0), "step": 1}}
     saver = zs.AsyncSaver(writer="process")
-    handle = saver.save(state, path, step=1)
+    handle = saver.save(state, CommitHeldByLock(path, lock=lock), step=1)
     handle.wait_staged()
     state["w"].fill_(2.0)
     if die:
         print("manifest before the kill:", os.path.exists(os.path.join(path, "manifest.json")), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+    fcntl.flock(held, fcntl.LOCK_UN)
     print("committed", handle.result().step, flush=True)
     saver.close()
 """
@@ -305,18 +355,18 @@ def test_process_writer_commits_even_if_the_trainer_dies(tmp_path, die):
     script = tmp_path / "train.py"
     script.write_text(PROCESS_WRITER)
     path = tmp_path / "ck"
-    proc = subprocess.run([sys.executable, str(script), str(path), "die" if die else "live"],
+    proc = subprocess.run([sys.executable, str(script), str(path), str(tmp_path / "lock"), "die" if die else "live"],
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == (-9 if die else 0), proc.stderr
-    if die:  # the trainer died before the commit: the writer process finished it alone
+    if die:  # the trainer died before the commit (held until then): the writer process finished it alone
         assert "manifest before the kill: False" in proc.stdout
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 60  # for the orphaned writer process to commit (not a timing bound)
     while not (path / "manifest.json").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    target = {"w": torch.zeros(16 << 20), "step": 0}
+    target = {"w": torch.zeros(1 << 20), "step": 0}
     zs.load(target, path)
-    assert target["step"] == 1 and torch.equal(target["w"][:4], torch.ones(4))
-    assert zs.verify(path) == 64 << 20  # the writer process's files, their blocks and headers
+    assert target["step"] == 1 and torch.equal(target["w"], torch.ones(1 << 20))
+    assert zs.verify(path) == 4 << 20  # the writer process's files, their blocks and headers
 
 
 def test_a_dead_writer_process_is_replaced(tmp_path):

@@ -14,6 +14,7 @@ import errno
 import inspect
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -133,6 +134,7 @@ def killed(tmp_path_factory):
         out, err = proc.communicate(timeout=120)
         sizes = {name: os.path.getsize(path / name) for name in os.listdir(path)}  # as the kill left them
         results[stage] = (path, before, proc.returncode, out + err, sizes)
+    shutil.copytree(root / "before_rename", root / "before_rename.as-killed")  # the tests below save into it
     return results
 
 
@@ -157,6 +159,22 @@ def test_killed_save_leaves_old_or_new_checkpoint(killed, stage):
     assert_is_state(load_fresh(path), 3)
     assert zs.verify(path) > 0
     assert_only_current_generation(path)
+
+
+def test_kill_before_the_rename_left_the_new_manifest_whole_beside_the_old(killed, tmp_path):
+    """Stage "before_rename" died at the switch: the new manifest is complete in its temp file (put in
+    place, it loads the new state) and the old one is still in place. A publish that wrote the
+    manifest in place, with no temp file and rename, would leave no such file."""
+    path, before, returncode, output, _ = killed["before_rename"]
+    assert returncode == -9 and "SIGKILL at before_replace publish of manifest.json" in output, output
+    as_killed = path.parent / "before_rename.as-killed"
+    temps = [name for name in os.listdir(as_killed) if name.startswith("manifest.json.") and name.endswith(".tmp")]
+    assert len(temps) == 1 and temps[0] not in before, sorted(os.listdir(as_killed))
+    switched = shutil.copytree(as_killed, tmp_path / "switched")
+    assert_is_state(load_fresh(switched), 1)
+    os.replace(switched / temps[0], switched / "manifest.json")  # the rename the kill prevented
+    assert_is_state(load_fresh(switched), 2)
+    assert zs.verify(switched) > 0
 
 
 def test_kill_while_writing_died_mid_data(killed):
@@ -186,7 +204,7 @@ def test_failed_save_keeps_old_and_leaves_nothing(tmp_path, monkeypatch, how):
         fault = storage.fail("write", enospc(), name=data, times=1, after_bytes=0)
     elif how == "enospc_later_write":  # one data file is complete, the next fails part-way
         first_written = storage.call("write", lambda op, name: None, name=data, times=1, at="after")
-        storage.block("write", first_written.fired, name=data, from_call=2)
+        storage.block("write", first_written.fired, name=data, from_call=2)  # starts once the first is whole
         fault = storage.fail("write", enospc(), name=data, from_call=2, times=1, after_bytes=3 << 20)
     elif how == "enospc_manifest":  # the manifest temp file is written, the switch fails
         fault = storage.fail("publish", enospc(), name="manifest.json", at="before_replace")
@@ -207,8 +225,9 @@ def test_failed_save_keeps_old_and_leaves_nothing(tmp_path, monkeypatch, how):
         assert [os.path.basename(dst) for dst in renames] == ["manifest.json"]
     else:
         assert fault.count == 1
-    if how == "enospc_later_write":
-        assert first_written.count == 1 and len(storage.names("write")) >= 2
+    if how == "enospc_later_write":  # it happened as described: a whole file, then another one's failure
+        first, failed = storage.names("write")[:2]
+        assert first_written.count == 1 and first != failed and os.path.basename(failed) in str(exc.value)
 
     assert set(os.listdir(path)) == before, "files of the failed generation were left behind"
     assert_is_state(load_fresh(path), 1)

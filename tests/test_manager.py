@@ -8,7 +8,6 @@ import random
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import zerostall as zs
-from faults import FaultyStorage
+from faults import GATE_TIMEOUT, FaultyStorage
 from zerostall.format import MANIFEST_NAME
 from zerostall.root import LEASE_NAME, step_tag
 from zerostall.storage import LocalStorage
@@ -296,45 +295,42 @@ def test_start_up_removes_attempts_and_interrupted_cleanups(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["latest.fresh000.tmp", step_tag(2)]
 
 
-def open_repeatedly(root: str, rounds: int) -> list[str | None]:
-    mgr = zs.CheckpointManager(root, lease_ttl=5.0)
-    tags = []
+def open_while_a_commit_lands(root: str, ready: str) -> tuple[str, bool]:
+    """Open the newest checkpoint while step 2 commits (the whole checkpoint ``ready`` renamed into
+    place) right after rank 0 listed the root; any other rank that lists the root for itself does
+    so only once step 2 is there. Returns the tag this rank opened and whether step 2 had landed."""
+    storage = FaultyStorage(LocalStorage(root))
+    mgr = zs.CheckpointManager(storage, lease_ttl=5.0)
+    landed = os.path.join(root, step_tag(2))
+    if dist.get_rank() == 0:
+        storage.call("children", lambda op, name: os.rename(ready, landed), times=1, at="after")
+    else:
+        storage.call("children", lambda op, name: appears(landed), times=1)
     try:
-        for _ in range(rounds):
-            ck = mgr.open()
-            tags.append(None if ck is None else ck.tag)
-            if ck is not None:
-                ck.load({"w": torch.zeros(4)})
-                ck.close()
-            time.sleep(0.01 * dist.get_rank())
+        with mgr.open() as ck:
+            ck.load({"w": torch.zeros(4)})
+            tag = ck.tag
     finally:
         mgr.close()
-    return tags
+    return tag, os.path.isdir(landed)
 
 
-def test_ranks_agree_on_open_while_commits_happen(ranks, tmp_path):
-    root = str(tmp_path)
-    stop = threading.Event()
+def appears(path: str) -> None:
+    """Wait until ``path`` exists (made by another process)."""
+    deadline = time.monotonic() + GATE_TIMEOUT
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.01)
 
-    def writer() -> None:  # commits new steps all the time (not through a manager, so no lease)
-        step = 1
-        while not stop.is_set():
-            try:
-                zs.save(part(step), os.path.join(root, step_tag(step)), step=step, fsync=False)
-            except zs.CheckpointError:
-                pass  # the manager starting on rank 0 removed this not-yet-committed step
-            step += 1
-            time.sleep(0.005)
 
-    thread = threading.Thread(target=writer)
-    thread.start()
-    try:
-        results = ranks(2).run(open_repeatedly, root, 30)
-    finally:
-        stop.set()
-        thread.join()
-    assert results[0] == results[1]
-    assert len({t for t in results[0] if t}) > 1  # commits really happened while opening
+def test_ranks_agree_on_open_while_a_commit_lands(ranks, tmp_path):
+    """Rank 0 resolves the checkpoint and every rank opens that one: a rank that listed the root
+    itself would see step 2, committed after rank 0 looked, and open another checkpoint."""
+    root = tmp_path / "root"
+    zs.save(part(1), root / step_tag(1), step=1, fsync=False)
+    zs.save(part(2), tmp_path / "ready", step=2, fsync=False)
+    assert ranks(2).run(open_while_a_commit_lands, str(root), str(tmp_path / "ready")) == [(step_tag(1), True)] * 2
 
 
 def test_retention_is_one_policy_given_whole_or_by_keywords(tmp_path):

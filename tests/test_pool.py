@@ -18,6 +18,11 @@ import torch
 import torch.distributed as dist
 from distributed import RankError, RankPool
 
+# A run timeout no test reaches: where a test checks that a death is noticed without waiting for
+# the run's timeout, a pool that waited for it would hang, and pytest-timeout fails the test. No
+# wall-clock bound of the test's own then depends on how fast the machine is.
+NEVER = 3600.0
+
 # --- functions run on the ranks (module level, so the workers can import them) ---
 
 
@@ -142,11 +147,9 @@ def test_local_function_is_refused(ranks) -> None:
 
 def test_killed_rank_is_reported_promptly_and_pool_replaced(ranks) -> None:
     pool = ranks(2)
-    start = time.monotonic()
     with pytest.raises(RankError) as info:
-        pool.run(kill_self_on, 1, 1.0, timeout=60)  # the survivor takes 1 s more
-    assert time.monotonic() - start < 10  # noticed through the sentinel, not the timeout
-    assert info.value.dead == [1] and info.value.results == {0: 0}
+        pool.run(kill_self_on, 1, 1.0, timeout=NEVER)  # the survivor takes 1 s more
+    assert info.value.dead == [1] and info.value.results == {0: 0}  # noticed through the sentinel
     assert not info.value.failures and not info.value.timed_out
     assert "rank(s) [1] died" in str(info.value)
     assert not pool.alive
@@ -159,20 +162,16 @@ def test_killed_rank_is_reported_promptly_and_pool_replaced(ranks) -> None:
 
 def test_survivors_of_a_death_get_death_grace_seconds(ranks) -> None:
     pool = ranks(2)
-    start = time.monotonic()
     with pytest.raises(RankError) as info:
-        pool.run(kill_self_on, 1, 60.0, timeout=60, death_grace=1)
-    assert time.monotonic() - start < 10
+        pool.run(kill_self_on, 1, NEVER, timeout=NEVER, death_grace=1)  # the survivor never finishes
     assert info.value.dead == [1] and info.value.timed_out == [0] and not info.value.results
     assert not pool.alive
 
 
 def test_peers_blocked_on_a_killed_rank_fail_promptly(ranks) -> None:
     pool = ranks(4)
-    start = time.monotonic()
     with pytest.raises(RankError) as info:
-        pool.run(kill_self_during_barrier, 2, timeout=60)
-    assert time.monotonic() - start < 10
+        pool.run(kill_self_during_barrier, 2, timeout=NEVER)
     err = info.value
     assert err.dead == [2] and not err.timed_out
     assert sorted(err.failures) == [0, 1, 3]  # gloo: "Connection closed by peer"
@@ -185,7 +184,7 @@ def test_rank_stuck_in_collective_times_out(ranks) -> None:
     start = time.monotonic()
     with pytest.raises(RankError, match="did not finish before the timeout") as info:
         pool.run(barrier_on_rank0_only, timeout=3)
-    assert 3 <= time.monotonic() - start < 20
+    assert time.monotonic() - start >= 3  # not before the timeout (whatever the machine's speed)
     assert info.value.timed_out == [0] and info.value.results == {1: 1}
     assert not pool.alive
     fresh = ranks(2)

@@ -24,7 +24,6 @@ import logging
 import os
 import signal
 import threading
-import time
 import weakref
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -174,9 +173,9 @@ class AsyncSaver:
         prepared = prepare(state, os.devnull, SaveOptions.of(options, overrides), process_group=process_group)
         if self._current is not None:
             futures.wait([self._current.committed])
-        start = time.perf_counter()
+        allocations = self.pool.allocations
         self.pool.buffers(prepared.items)
-        return time.perf_counter() - start
+        return self.pool.alloc_s if self.pool.allocations != allocations else 0.0
 
     def _run(self, prepared: Prepared, buffers: list[Any], ready: Any, recorded: list[Any],
              handle: SaveHandle) -> None:

@@ -49,6 +49,7 @@ class BufferPool:
     warning and stays unpinned (copies are slower, not wrong). ``shared_memory`` puts the arena
     in shared memory (``/dev/shm``) for a writer process, and raises :class:`SharedMemoryError`
     there when it does not fit.
+    ``allocations`` counts the arenas allocated so far; ``alloc_s`` is the last one's time.
     """
 
     def __init__(self, *, pin_memory: bool | None = None, shared_memory: bool = False) -> None:
@@ -58,6 +59,7 @@ class BufferPool:
         self._arena: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
         self._unpin: weakref.finalize | None = None
+        self.allocations = 0
         self.alloc_s = 0.0
 
     @property
@@ -94,6 +96,7 @@ class BufferPool:
         self._views = [arena[o:o + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
                        for o, (dtype, shape) in zip(offsets, shapes)]
         self._arena, self._key = arena, key
+        self.allocations += 1
         self.alloc_s = time.perf_counter() - start
         log.debug("allocated a %d-byte capture pool in %.3f s", total, self.alloc_s)
 
