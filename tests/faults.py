@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from dataclasses import dataclass, field
@@ -316,6 +317,16 @@ class CommitHeldByLock(LocalStorage):
                 super().publish(name, tmp_name, data, before_replace)
             return
         super().publish(name, tmp_name, data, before_replace)
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition`` (another process's state, say) until it holds; one that never does fails
+    the test after ``GATE_TIMEOUT`` instead of hanging it."""
+    deadline = time.monotonic() + GATE_TIMEOUT
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
 
 
 def _raise(error: BaseException) -> None:

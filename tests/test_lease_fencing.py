@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import zerostall as zs
+from faults import wait_for
 from zerostall.lease import WriterLease
 from zerostall.root import LEASE_NAME
 
@@ -48,13 +49,6 @@ PAUSED_WRITER = textwrap.dedent('''
     mgr.close()
 ''')
 
-
-def wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def stopped(pid: int) -> bool:

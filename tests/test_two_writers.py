@@ -7,13 +7,13 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import zerostall as zs
+from faults import wait_for
 
 WAIT = 120.0  # a condition that never comes fails the test instead of hanging it (not a timing bound)
 
@@ -46,13 +46,6 @@ WRITER = textwrap.dedent('''
         print("committed")
 ''')
 
-
-def wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def waiting_for_a_lock(pid: int) -> bool:
