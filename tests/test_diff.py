@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner, Result
@@ -100,3 +101,10 @@ def test_trouble_exits_2_never_1(tmp_path):
     data.write_bytes(bytes(raw))
     corrupt = run(tmp_path / "a", tmp_path / "b")
     assert corrupt.exit_code == 2 and "checksum" in corrupt.output
+
+
+def test_a_manager_checkpoint_equals_itself_rng_states_included(tmp_path):
+    with zs.CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(5, {"w": torch.ones(3), "meta": {"arr": np.arange(4), "t": torch.zeros(2)}})
+    result = run(tmp_path / "ckpt" / "5", tmp_path / "ckpt" / "step_000000005")
+    assert result.exit_code == 0, result.output
