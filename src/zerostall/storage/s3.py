@@ -284,28 +284,13 @@ class S3Storage(Storage):
 
     # -- reading -------------------------------------------------------------------------------
     def read_bytes(self, name: str) -> bytes:
-        body = self._call(self._key(name), "reading", self._client.get_object, Key=self._key(name))["Body"]
-        return self._read_body(name, body.read)
+        return self._fetch(name, None)
 
     def read_head(self, name: str, n: int) -> bytes:
-        if n <= 0:
-            return b""
         try:
-            body = self._call(self._key(name), "reading", self._client.get_object, Key=self._key(name),
-                              Range=f"bytes=0-{n - 1}")
-        except StorageError as exc:
-            if error_code(exc.__cause__) in ("InvalidRange", "416"):
-                return b""  # an empty object
-            raise
-        return self._read_body(name, body["Body"].read)
-
-    def _read_body(self, name: str, read: Callable[[], bytes]) -> bytes:
-        from botocore.exceptions import BotoCoreError
-
-        try:
-            return read()
-        except (BotoCoreError, OSError) as exc:
-            raise StorageError(f"reading {self.location}/{name} failed: {exc}") from exc
+            return self._fetch(name, f"bytes=0-{n - 1}") if n > 0 else b""
+        except EOFError:
+            return b""  # an empty object has no byte 0
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         """Parallel ranged GETs (``concurrency`` at most, of at least 1 MiB) straight into ``out``."""
@@ -331,22 +316,49 @@ class S3Storage(Storage):
     def read_into_many(self, name: str, offset: int, outs: list[memoryview]) -> None:
         self._get_into(name, offset, outs)
 
+    def _open(self, name: str, byte_range: str | None) -> Any:
+        """The body of a GET of ``name`` (of ``byte_range``); EOFError if the range starts past its end."""
+        extra = {"Range": byte_range} if byte_range else {}
+        try:
+            return self._call(self._key(name), "reading", self._client.get_object, Key=self._key(name),
+                              **extra)["Body"]
+        except StorageError as exc:
+            if error_code(exc.__cause__) in ("InvalidRange", "416"):
+                raise EOFError(f"{self.location}/{name} ends before {byte_range}") from None
+            raise
+
+    def _broken(self, name: str, attempt: int, exc: BaseException) -> None:
+        """After a body that broke off (the request itself is retried by botocore): wait to ask
+        again, or give up after ``max_attempts``."""
+        if attempt >= self.options.max_attempts:
+            raise StorageError(f"reading {self.location}/{name} failed: {exc}") from exc
+        time.sleep(random.uniform(0, min(20.0, 0.1 * 2 ** attempt)))  # full jitter, as botocore
+
+    def _fetch(self, name: str, byte_range: str | None) -> bytes:
+        """A whole (small) body, asked again if the connection breaks in the middle."""
+        from botocore.exceptions import BotoCoreError
+
+        attempt = 0
+        while True:
+            body = self._open(name, byte_range)
+            try:
+                return body.read()
+            except (BotoCoreError, ConnectionError, TimeoutError) as exc:
+                attempt += 1
+                self._broken(name, attempt, exc)
+            finally:
+                body.close()
+
     def _get_into(self, name: str, offset: int, outs: list[memoryview]) -> None:
         """One ranged GET read into ``outs`` in order; a connection that breaks mid-body is asked
-        again for the rest (the request itself is retried by botocore)."""
+        again for the rest."""
         from botocore.exceptions import BotoCoreError
 
         total = sum(len(o) for o in outs)
         pending = [o for o in outs if len(o)]
-        done, attempt = 0, 0
+        done = attempt = 0
         while pending:
-            try:
-                body = self._call(self._key(name), "reading", self._client.get_object, Key=self._key(name),
-                                  Range=f"bytes={offset + done}-{offset + total - 1}")["Body"]
-            except StorageError as exc:
-                if error_code(exc.__cause__) in ("InvalidRange", "416"):
-                    raise EOFError(f"{self.location}/{name} ends before byte {offset + total}") from None
-                raise
+            body = self._open(name, f"bytes={offset + done}-{offset + total - 1}")
             try:
                 while pending:
                     got = body.readinto(pending[0])
@@ -359,8 +371,6 @@ class S3Storage(Storage):
                         pending.pop(0)
             except (BotoCoreError, ConnectionError, TimeoutError) as exc:
                 attempt += 1
-                if attempt >= self.options.max_attempts:
-                    raise StorageError(f"reading {self.location}/{name} failed: {exc}") from exc
-                time.sleep(random.uniform(0, min(20.0, 0.1 * 2 ** attempt)))  # full jitter, as botocore
+                self._broken(name, attempt, exc)
             finally:
                 body.close()
