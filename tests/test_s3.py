@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
@@ -61,6 +63,27 @@ def irregular(data: bytes) -> Iterator[memoryview]:
 
 
 # -- the storage contract ----------------------------------------------------------------------
+
+
+WITHOUT_BOTO3 = """
+import sys
+sys.modules["boto3"] = None  # as if the s3 extra were not installed
+import torch, zerostall as zs
+zs.save({"w": torch.ones(3)}, sys.argv[1])
+assert torch.equal(zs.load({"w": torch.zeros(3)}, sys.argv[1])["w"], torch.ones(3))
+zs.S3Options(part_size=8 << 20)
+try:
+    zs.save({"w": torch.ones(3)}, "s3://bucket/ck")
+except ImportError as exc:
+    print(exc)
+"""
+
+
+def test_without_the_s3_extra_local_paths_work_and_s3_says_what_to_install(tmp_path):
+    done = subprocess.run([sys.executable, "-c", WITHOUT_BOTO3, str(tmp_path / "ck")], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'zerostall[s3]'" in done.stdout
 
 
 def test_an_s3_url_gets_an_s3_storage_that_pickles_as_its_url(s3_url):
