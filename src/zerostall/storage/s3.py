@@ -92,14 +92,14 @@ class S3Storage(Storage):
         """Nothing to make: an object store has no directories (a location exists once it holds an object)."""
 
     def exists(self) -> bool:
+        """Whether an object (not a folder marker) lies under the prefix; the bucket, for its root."""
         if not self.prefix:
             try:
                 self._call("", "looking up the bucket", self._client.head_bucket)
             except FileNotFoundError:
                 return False
             return True
-        page = self._call(self.prefix, "listing", self._client.list_objects_v2, Prefix=self.prefix, MaxKeys=1)
-        return bool(page.get("KeyCount") or page.get("Contents"))
+        return any(not o["Key"].endswith("/") for page in self._pages(self.prefix) for o in page.get("Contents", ()))
 
     def list(self) -> list[str]:
         """The objects directly under the prefix; folder markers (keys ending in "/", as consoles
