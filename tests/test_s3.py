@@ -351,3 +351,18 @@ def test_two_committers_on_one_manifest_one_wins(s3_url):
     assert len(failed) == 1 and isinstance(results[failed[0]], zs.ConcurrentWriteError), results
     won = 5 - failed[0]
     assert same(zs.load(zeros_like_state(), path), state_of(won))
+
+
+def test_a_lease_taken_over_is_never_renewed_over(s3_url):
+    from zerostall.lease import WriterLease, read_lease
+
+    storage = storage_for(s3_url)
+    lease = WriterLease(storage, ttl=0.3)  # renewed every 0.1 s
+    lease.acquire()
+    assert not storage.create_exclusive(".writer-lease", b"{}")  # a second manager cannot create it
+    storage.put(".writer-lease", b'{"token": "theirs", "host": "elsewhere", "pid": 1}')  # taken over
+    lease._thread.join(60)
+    assert not lease._thread.is_alive()  # it stopped renewing
+    assert read_lease(storage)["token"] == "theirs"
+    lease.release()
+    assert read_lease(storage)["token"] == "theirs"  # not ours: not removed

@@ -103,17 +103,18 @@ class WriterLease:
 
     def _keep_alive(self) -> None:
         """Renew every ``ttl / 3`` seconds while the lease is still ours; once another process holds
-        it (this one was paused past the ttl, say), stop: never overwrite the new holder's lease."""
+        it (this one was paused past the ttl, say), stop: never overwrite the new holder's lease.
+        The check and the renewal are one publish: on an object store a PUT conditional on the
+        lease the check read, so a takeover between the two fails the renewal."""
         while not self._stop.wait(self.ttl / 3):
             try:
-                self.fence()()
+                self.storage.publish(LEASE_NAME, f"{LEASE_NAME}.{secrets.token_hex(4)}.tmp", self._record(),
+                                     before_replace=self.fence())
+            except OSError as exc:
+                log.warning("could not renew the writer lease %s: %s", self.where, exc)
             except CheckpointError as exc:
                 log.error("%s; stopped renewing it", exc)
                 return
-            try:
-                self._renew()
-            except OSError as exc:
-                log.warning("could not renew the writer lease %s: %s", self.where, exc)
 
     def release(self) -> None:
         """Stop renewing and remove the lease, if it is still ours."""
