@@ -25,7 +25,7 @@ from .s3client import Connection, S3Options, Views, error_code
 log = logging.getLogger(__name__)
 
 _MAX_PARTS = 10_000
-_MIN_RANGE = 1 << 20  # a read is split into parallel GETs of at least this many bytes
+_MIN_RANGE = 8 << 20  # a read is split into parallel GETs of at least this many bytes (each request costs client CPU)
 _DELETE_BATCH = 1000  # keys per DeleteObjects request
 _CONFLICT = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")  # a condition did not hold
 
@@ -293,7 +293,7 @@ class S3Storage(Storage):
             return b""  # an empty object has no byte 0
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        """Parallel ranged GETs (``concurrency`` at most, of at least 1 MiB) straight into ``out``."""
+        """Parallel ranged GETs (``concurrency`` at most, of at least 8 MiB) straight into ``out``."""
         n = len(out)
         if n == 0:
             return
