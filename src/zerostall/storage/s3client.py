@@ -135,7 +135,9 @@ class Connection:
             return conn
 
 
-def error_code(exc: Exception) -> str:
+def error_code(exc: BaseException | None) -> str:
+    """The S3 error code of a botocore failure (``NoSuchKey``, ``PreconditionFailed``; else its HTTP
+    status), or "" for any other exception."""
     response = getattr(exc, "response", None) or {}
     return str(response.get("Error", {}).get("Code", "")) or str(response.get("ResponseMetadata", {}).get(
         "HTTPStatusCode", ""))
