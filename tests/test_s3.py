@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 from click.testing import CliRunner
+from faults import FaultyStorage
 from torch.distributed.tensor import Replicate, Shard
 
 import zerostall as zs
@@ -258,6 +259,15 @@ def test_save_load_open_verify_on_s3(s3_server, s3_url):
         zs.load(zeros_like_state(), path)
     with pytest.raises(zs.CorruptCheckpointError):
         zs.verify(path)
+
+
+def test_small_tensors_back_to_back_are_read_in_one_request(s3_url):
+    state = {f"p{i:03d}": torch.full((4096,), float(i)) for i in range(300)}  # 16 KiB each, one data file
+    zs.save(state, s3_url, threads=1)
+    storage = FaultyStorage(storage_for(s3_url))
+    out = zs.load({k: torch.zeros(4096) for k in state}, storage)
+    assert [op for op, _ in storage.calls if op.startswith("read_into")] == ["read_into_many"]
+    assert all(torch.equal(out[k], state[k]) for k in state)
 
 
 def test_explicit_options_need_no_environment(s3_server, s3_url, monkeypatch):
