@@ -55,6 +55,10 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+class Exited(RuntimeError):
+    """The server exited while starting (a port taken meanwhile, say)."""
+
+
 class SeaweedS3:
     """One SeaweedFS server with an S3 gateway; ``endpoint``, ``bucket``, ``access_key``,
     ``secret_key`` and ``region`` say how to reach it (:meth:`env` as AWS environment variables)."""
@@ -88,7 +92,19 @@ class SeaweedS3:
             json.dump({"identities": [{"name": "zerostall", "credentials": [
                 {"accessKey": self.access_key, "secretKey": self.secret_key}],
                 "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}, f)
-        self.ports = self.ports or free_ports(8)
+        fresh = not self.ports  # new ports may be taken by another process before weed binds them: try again
+        for tries_left in range(2 if fresh else 0, -1, -1):
+            if fresh:
+                self.ports = free_ports(8)
+            try:
+                self._launch(binary, data, config)
+                return
+            except Exited:
+                if not tries_left:
+                    raise
+
+    def _launch(self, binary: str, data: str, config: str) -> None:
+        """Run weed on ``self.ports`` and wait until it serves (stopped again if it does not)."""
         master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = self.ports
         args = [binary, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-master.port={master}", f"-master.port.grpc={master_grpc}", "-master.telemetry=false",
@@ -124,7 +140,7 @@ class SeaweedS3:
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RuntimeError(f"weed exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise Exited(f"weed exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 urllib.request.urlopen(self.endpoint, timeout=2).close()
             except urllib.error.HTTPError:
