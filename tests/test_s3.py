@@ -278,6 +278,22 @@ def test_explicit_options_need_no_environment(s3_server, s3_url, monkeypatch):
     assert same(zs.load(zeros_like_state(), storage), state_of(3))
 
 
+def test_settings_come_from_an_aws_profile(s3_server, s3_url, tmp_path, monkeypatch):
+    """Endpoint, region, addressing style and credentials from ~/.aws/config and credentials files."""
+    for name in s3_server.env():
+        monkeypatch.delenv(name)
+    config, credentials = tmp_path / "config", tmp_path / "credentials"
+    config.write_text(f"[profile zs-test]\nendpoint_url = {s3_server.endpoint}\nregion = {s3_server.region}\n"
+                      "s3 =\n    addressing_style = path\n")
+    credentials.write_text(f"[zs-test]\naws_access_key_id = {s3_server.access_key}\n"
+                           f"aws_secret_access_key = {s3_server.secret_key}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    storage = S3Storage(s3_url, S3Options(profile="zs-test"))
+    zs.save(state_of(7), storage)
+    assert same(zs.load(zeros_like_state(), storage), state_of(7))
+
+
 @pytest.mark.parametrize("load_world, load_mesh, load_pl", [(1, (1,), [Replicate()]), (2, (2,), [Shard(1)])])
 def test_two_ranks_save_and_load_resharded(ranks, s3_server, s3_url, load_world, load_mesh, load_pl):
     storage = S3Storage(s3_url, explicit(s3_server))  # pickled to the ranks with its options
@@ -320,18 +336,25 @@ def test_the_manager_keeps_retains_restores_and_cleans_up_on_s3(s3_server, s3_ur
     assert ".writer-lease" not in storage.list()
 
 
-def test_the_command_line_on_s3(s3_url):
+def test_every_command_works_on_s3(s3_url):
     with zs.CheckpointManager(s3_url) as mgr:
         mgr.save(5, state_of(5))
+        mgr.save(6, state_of(6))
     runner = CliRunner()
     listing = runner.invoke(cli, ["ls", s3_url, "--json"])
     assert listing.exit_code == 0, listing.output
-    assert "step_000000005" in listing.output
-    for args in (["inspect", f"{s3_url}/latest"], ["verify", s3_url], ["verify", f"{s3_url}/5"]):
+    assert "step_000000005" in listing.output and "step_000000006" in listing.output
+    zs.save(state_of(5), f"{s3_url}-plain/a")
+    zs.save(state_of(5), f"{s3_url}-plain/b")
+    for args in (["inspect", f"{s3_url}/latest"], ["verify", s3_url], ["verify", f"{s3_url}/5"],
+                 ["diff", f"{s3_url}-plain/a", f"{s3_url}-plain/b"]):
         result = runner.invoke(cli, args)
         assert result.exit_code == 0, (args, result.output)
+    assert runner.invoke(cli, ["diff", f"{s3_url}/5", f"{s3_url}/6"]).exit_code == 1  # they differ
     pruned = runner.invoke(cli, ["prune", s3_url, "--keep-last", "1"])
     assert pruned.exit_code == 0, pruned.output
+    root = storage_for(s3_url)
+    assert not root.child("step_000000005").exists() and root.child("step_000000006").exists()
 
 
 def test_two_committers_on_one_manifest_one_wins(s3_url):
