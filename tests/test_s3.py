@@ -399,3 +399,18 @@ def test_a_lease_taken_over_is_never_renewed_over(s3_url):
     assert read_lease(storage)["token"] == "theirs"
     lease.release()
     assert read_lease(storage)["token"] == "theirs"  # not ours: not removed
+
+
+def test_a_stale_lease_is_taken_over_by_one_of_two_takers(s3_url):
+    from zerostall.lease import WriterLease, read_lease
+
+    storage = storage_for(s3_url)
+    storage.put(".writer-lease", b'{"token": "dead", "host": "gone", "pid": 1, "ttl": 1, "renewed": 0}')
+    faulty = FaultyStorage(storage)
+    first, second = WriterLease(faulty, ttl=60), WriterLease(storage, ttl=60)
+    faulty.call("publish", lambda op, name: second.acquire(), name=".writer-lease", times=1, at="before_replace")
+    with pytest.raises(zs.CheckpointError, match="another manager took"):
+        first.acquire()  # the second took it between the first one's look and its switch
+    assert read_lease(storage)["token"] == second.me["token"]
+    second.release()
+    assert read_lease(storage) is None
