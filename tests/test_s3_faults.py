@@ -37,6 +37,23 @@ def test_saves_loads_and_the_manager_ride_out_throttling_5xx_and_resets(s3_serve
     assert all(proxy.fired[kind] for kind in ("slowdown", "error", "reset", "cut")), proxy.fired
 
 
+def test_answers_cut_off_mid_body_are_asked_again(s3_server, s3_url):
+    """Every other request's answer breaks off half-way (a listing, an error's XML, a manifest; an
+    upload's connection is reset instead), including bodies botocore reads whole itself."""
+    with FaultProxy(s3_server.endpoint, every=2, kinds=("cut",)) as proxy:
+        storage = S3Storage(s3_url, zs.S3Options(**{**explicit(s3_server).__dict__, "endpoint_url": proxy.endpoint}))
+        for name in ("a", "b", "c"):
+            storage.write(name, [memoryview(name.encode() * 1000)])
+        storage.child("sub").write("x", [memoryview(b"x")])
+        for _ in range(3):
+            assert storage.list() == ["a", "b", "c"] and storage.children() == ["sub"] and storage.exists()
+            assert storage.read_bytes("b") == b"b" * 1000 and storage.read_head("c", 5) == b"ccccc"
+            assert storage.stat("a").size == 1000
+            with pytest.raises(FileNotFoundError):
+                storage.read_bytes("missing")
+    assert proxy.fired["cut"] and proxy.fired["reset"], proxy.fired
+
+
 @pytest.fixture
 def own_server() -> Iterator[SeaweedS3]:
     """A server of this test's own, to kill and start again."""

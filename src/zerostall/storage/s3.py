@@ -15,7 +15,7 @@ import logging
 import random
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 from ..errors import ConcurrentWriteError, StorageError
 from ..format import MANIFEST_NAME
@@ -69,23 +69,35 @@ class S3Storage(Storage):
             if code in ("501", "NotImplemented") else ""))
 
     def _call(self, key: str, doing: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
-        """``fn(Bucket=..., **kwargs)``, its failure an OSError naming ``key`` (see :meth:`_error`)."""
+        """``fn(Bucket=..., **kwargs)``, its failure an OSError naming ``key`` (see :meth:`_error`).
+        An answer whose body breaks off while botocore reads it whole (it retries only requests
+        that fail before an answer) is asked for again, as botocore would."""
         from botocore.exceptions import BotoCoreError, ClientError
+        from urllib3.exceptions import HTTPError
 
-        try:
-            return fn(Bucket=self.bucket, **kwargs)
-        except (ClientError, BotoCoreError) as exc:
-            raise self._error(exc, key, doing) from exc
+        attempt = 0
+        while True:
+            try:
+                return fn(Bucket=self.bucket, **kwargs)
+            except (ClientError, BotoCoreError) as exc:
+                raise self._error(exc, key, doing) from exc
+            except HTTPError as exc:
+                attempt += 1
+                self._again_or_fail(f"{doing} s3://{self.bucket}/{key}", attempt, exc)
 
-    def _pages(self, prefix: str, delimiter: str = "", what: str = "list_objects_v2") -> Iterator[dict[str, Any]]:
+    def _again_or_fail(self, what: str, attempt: int, exc: BaseException) -> None:
+        """After a connection that broke mid-answer: wait to ask again (full jitter, as botocore),
+        or raise :class:`StorageError` after ``max_attempts``."""
+        if attempt >= self.options.max_attempts:
+            raise StorageError(f"{what} failed: {exc}") from exc
+        time.sleep(random.uniform(0, min(20.0, 0.1 * 2 ** attempt)))
+
+    def _pages(self, prefix: str, delimiter: str = "", what: str = "list_objects_v2") -> list[dict[str, Any]]:
         """Every page of a listing of ``prefix`` (1000 entries a page): objects, or multipart uploads."""
-        from botocore.exceptions import BotoCoreError, ClientError
+        def listing(Bucket: str) -> list[dict[str, Any]]:  # the keyword _call passes
+            return list(self._client.get_paginator(what).paginate(Bucket=Bucket, Prefix=prefix, Delimiter=delimiter))
 
-        try:
-            yield from self._client.get_paginator(what).paginate(Bucket=self.bucket, Prefix=prefix,
-                                                                 Delimiter=delimiter)
-        except (ClientError, BotoCoreError) as exc:
-            raise self._error(exc, prefix, "listing") from exc
+        return self._call(prefix, "listing", listing)
 
     # -- the location --------------------------------------------------------------------------
     def create(self) -> None:
@@ -99,7 +111,8 @@ class S3Storage(Storage):
             except FileNotFoundError:
                 return False
             return True
-        return any(not o["Key"].endswith("/") for page in self._pages(self.prefix) for o in page.get("Contents", ()))
+        page = self._call(self.prefix, "listing", self._client.list_objects_v2, Prefix=self.prefix)
+        return any(not o["Key"].endswith("/") for o in page.get("Contents", ()))  # markers are few: one page
 
     def list(self) -> list[str]:
         """The objects directly under the prefix; folder markers (keys ending in "/", as consoles
@@ -327,13 +340,6 @@ class S3Storage(Storage):
                 raise EOFError(f"{self.location}/{name} ends before {byte_range}") from None
             raise
 
-    def _broken(self, name: str, attempt: int, exc: BaseException) -> None:
-        """After a body that broke off (the request itself is retried by botocore): wait to ask
-        again, or give up after ``max_attempts``."""
-        if attempt >= self.options.max_attempts:
-            raise StorageError(f"reading {self.location}/{name} failed: {exc}") from exc
-        time.sleep(random.uniform(0, min(20.0, 0.1 * 2 ** attempt)))  # full jitter, as botocore
-
     def _fetch(self, name: str, byte_range: str | None) -> bytes:
         """A whole (small) body, asked again if the connection breaks in the middle."""
         from botocore.exceptions import BotoCoreError
@@ -345,7 +351,7 @@ class S3Storage(Storage):
                 return body.read()
             except (BotoCoreError, ConnectionError, TimeoutError) as exc:
                 attempt += 1
-                self._broken(name, attempt, exc)
+                self._again_or_fail(f"reading {self.location}/{name}", attempt, exc)
             finally:
                 body.close()
 
@@ -371,6 +377,6 @@ class S3Storage(Storage):
                         pending.pop(0)
             except (BotoCoreError, ConnectionError, TimeoutError) as exc:
                 attempt += 1
-                self._broken(name, attempt, exc)
+                self._again_or_fail(f"reading {self.location}/{name}", attempt, exc)
             finally:
                 body.close()
