@@ -80,6 +80,7 @@ class FaultyStorage(Storage):
     def __init__(self, inner: Storage, *, parent: FaultyStorage | None = None, prefix: str = "") -> None:
         self.inner = inner
         self.location = inner.location
+        self.remote = inner.remote
         self._prefix = prefix
         if parent is None:
             self.calls: list[tuple[str, str]] = []
@@ -258,6 +259,9 @@ class FaultyStorage(Storage):
 
     def move(self, src: str, dst: str) -> None:
         self._run("move", src, lambda: self.inner.move(src, dst))
+
+    def abort_uploads(self, name: str = "") -> int:
+        return self._run("abort_uploads", name, lambda: self.inner.abort_uploads(name))
 
     def memory_map(self, name: str) -> memoryview | None:
         return self._run("memory_map", name, lambda: self.inner.memory_map(name))

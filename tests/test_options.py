@@ -16,7 +16,8 @@ import zerostall as zs
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "options.md"
-SOURCES = {"SaveOptions": "options.py", "LoadOptions": "options.py", "RetentionPolicy": "retention.py"}
+SOURCES = {"SaveOptions": "options.py", "LoadOptions": "options.py", "RetentionPolicy": "retention.py",
+           "S3Options": "storage/s3client.py"}
 
 
 def field_docs(cls_name: str) -> tuple[str, dict[str, str]]:
@@ -37,7 +38,8 @@ def render() -> str:
     """docs/options.md as the dataclasses say it should be."""
     out = ["# Options reference", "",
            "Generated from the dataclasses' field docstrings (`src/zerostall/options.py`, "
-           "`src/zerostall/retention.py`); `tests/test_options.py` checks that it matches them. Every "
+           "`src/zerostall/retention.py`, `src/zerostall/storage/s3client.py`); `tests/test_options.py` checks "
+           "that it matches them. Every "
            "function that takes an options object also takes its fields as keywords: "
            "`zs.save(state, path, fsync=False)` is `zs.save(state, path, zs.SaveOptions(fsync=False))`.", ""]
     for name in SOURCES:
@@ -68,6 +70,8 @@ def test_the_options_reference_matches_the_dataclasses():
     (zs.SaveOptions, "commit_timeout", -1), (zs.SaveOptions, "allow_pickle", 1),
     (zs.LoadOptions, "max_staging_bytes", -1), (zs.LoadOptions, "strict", None), (zs.LoadOptions, "strip", [1]),
     (zs.LoadOptions, "prefix", 3), (zs.LoadOptions, "keys", 5), (zs.LoadOptions, "threads", 1.5),
+    (zs.S3Options, "part_size", 1 << 20), (zs.S3Options, "concurrency", 0), (zs.S3Options, "addressing_style", "dns"),
+    (zs.S3Options, "read_timeout", 0), (zs.S3Options, "endpoint_url", 9000), (zs.S3Options, "conditional_writes", 1),
 ])
 def test_a_bad_value_fails_when_built_naming_the_field(cls, field, value):
     with pytest.raises(ValueError, match=rf"{cls.__name__}\.{field} must be"):

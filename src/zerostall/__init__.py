@@ -17,10 +17,10 @@ __version__ = "0.1.0"
 __all__ = [
     "save", "async_save", "load", "open", "open_latest", "verify", "SaveOptions", "LoadOptions",
     "AsyncSaver", "SaveHandle", "SaveInfo", "Checkpoint", "Mismatch", "CheckpointManager", "RetentionPolicy",
-    "rank_local", "RankLocal", "Stateful", "FlattenedTensor", "FORMAT_VERSION",
+    "rank_local", "RankLocal", "Stateful", "FlattenedTensor", "FORMAT_VERSION", "S3Storage", "S3Options",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "SharedMemoryError", "StateChangedError", "StateMismatchError",
-    "UnsupportedValueError",
+    "UnsupportedValueError", "StorageError", "ConcurrentWriteError",
 ]
 
 # Each public name and the module that defines it (tests/test_lazy_import.py keeps __all__, this and
@@ -32,11 +32,12 @@ _EXPORTS = {
     "Checkpoint": "checkpoint", "Mismatch": "load_plan", "CheckpointManager": "manager",
     "RetentionPolicy": "retention",
     "rank_local": "state", "RankLocal": "state", "Stateful": "state", "FlattenedTensor": "subclass",
-    "FORMAT_VERSION": "format",
+    "FORMAT_VERSION": "format", "S3Storage": "storage.s3", "S3Options": "storage.s3client",
     "CheckpointError": "errors", "CheckpointExistsError": "errors", "CheckpointNotFoundError": "errors",
     "CommitError": "errors",
     "CorruptCheckpointError": "errors", "IncompleteCheckpointError": "errors", "SharedMemoryError": "errors",
     "StateChangedError": "errors", "StateMismatchError": "errors", "UnsupportedValueError": "errors",
+    "StorageError": "errors", "ConcurrentWriteError": "errors",
 }
 
 if TYPE_CHECKING:  # what type checkers and editors see
@@ -44,8 +45,8 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .asynchronous import AsyncSaver, SaveHandle
     from .checkpoint import Checkpoint
     from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CommitError,
-                         CorruptCheckpointError, IncompleteCheckpointError, SharedMemoryError, StateChangedError,
-                         StateMismatchError, UnsupportedValueError)
+                         ConcurrentWriteError, CorruptCheckpointError, IncompleteCheckpointError, SharedMemoryError,
+                         StateChangedError, StateMismatchError, StorageError, UnsupportedValueError)
     from .format import FORMAT_VERSION
     from .load_plan import Mismatch
     from .manager import CheckpointManager
@@ -53,6 +54,8 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .retention import RetentionPolicy
     from .saving import SaveInfo
     from .state import RankLocal, Stateful, rank_local
+    from .storage.s3 import S3Storage
+    from .storage.s3client import S3Options
     from .subclass import FlattenedTensor
 
 

@@ -206,9 +206,15 @@ def publish(storage: Storage, manifest: Manifest, previous: str | None,
 
 
 def delete_generation(storage: Storage, generation: str, rank: int) -> None:
-    """Remove this rank's files of a save that did not commit."""
+    """Remove this rank's files of a save that did not commit (best effort: an unreachable storage
+    must not hide why the save failed; a later save or the manager's clean-up removes them)."""
     own = f"{generation}-r{rank:05d}"
-    for name in storage.list():
+    try:
+        names = storage.list()
+    except OSError as exc:
+        log.warning("could not list %s to remove the files of the failed save: %s", storage.location, exc)
+        return
+    for name in names:
         if name.startswith(own):
             try:
                 storage.delete(name)

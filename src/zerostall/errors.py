@@ -43,3 +43,13 @@ class StateChangedError(CheckpointError):
 class SharedMemoryError(CheckpointError):
     """The capture buffers of an asynchronous save do not fit in shared memory (``/dev/shm``, which
     a writer process needs): nothing was saved; the message says how much is needed and free."""
+
+
+class StorageError(CheckpointError, OSError):
+    """A storage request failed for good (an object store's error, or a network failure that
+    outlasted the retries); the message names the object and the server's answer."""
+
+
+class ConcurrentWriteError(CheckpointError):
+    """Another writer replaced or created a file between this writer's check and its conditional
+    write (an object store's If-Match / If-None-Match failed): this write did not take effect."""

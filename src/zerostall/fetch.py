@@ -32,6 +32,7 @@ from .storage import Storage
 
 _PIECE_BYTES = 32 << 20  # the largest single read, in whole blocks
 _STAGE_BYTES = 4 << 20  # a staged read: copied into its target while still in the CPU cache
+_REMOTE_RUN = 8 << 20  # back-to-back direct reads merged into one request on a remote storage (each costs a round trip)
 Target = tuple[torch.Tensor, Box, Entry]  # a tensor, the box of the global tensor it holds, its entry
 Piece = tuple[Entry, Chunk, int, memoryview]  # bytes [lo, lo + len(out)) of a chunk, to be read into out
 Staged = tuple[torch.Tensor, Box, Entry, Chunk, Box]  # a target, its box, an entry, a chunk, their overlap
@@ -57,13 +58,14 @@ class Fetcher(ChunkReader):
         try:
             with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read",
                                     initializer=None if cuda is None else cuda.enter) as pool:
-                run_balanced(pool, self.threads, self._read_run, _runs(direct, _piece_span), verify)
+                merge = _REMOTE_RUN if self.storage.remote else CACHE_PIECE
+                run_balanced(pool, self.threads, self._read_run, _runs(direct, _piece_span, merge), verify)
                 block = self.manifest.block_size
                 buffers = self.threads * (1 if uploads is None else _Uploads.BUFFERS)
                 step = max(block, min(_STAGE_BYTES, staging // buffers) // block * block)
                 jobs = [job for item in staged for job in self._stage_jobs(item, step, verify)]
                 stage = functools.partial(self._stage_run, uploads=uploads)
-                run_balanced(pool, self.threads, stage, _runs(jobs, _job_span), verify)
+                run_balanced(pool, self.threads, stage, _runs(jobs, _job_span, CACHE_PIECE), verify)
         finally:
             if cuda is not None:
                 cuda.synchronize()  # every upload has landed (also after a failure: buffers are freed)
@@ -281,16 +283,16 @@ def run_balanced(pool: ThreadPoolExecutor, threads: int, read: Callable[[list[An
         fut.result()
 
 
-def _runs(items: list[Any], span: Callable[[Any], tuple[str, int, int]]) -> list[tuple[list[Any], int]]:
+def _runs(items: list[Any], span: Callable[[Any], tuple[str, int, int]], limit: int) -> list[tuple[list[Any], int]]:
     """Group items whose bytes (``span``: file, offset, length) lie back to back in one file into
-    runs of at most a cache piece (with their byte counts), so many small tensors are read by one
+    runs of at most ``limit`` bytes (with their byte counts), so many small tensors are read by one
     scatter read; larger items stay alone."""
     runs: list[tuple[list[Any], int]] = []
     run: list[Any] = []
     size = end = 0
     file = None
     for (name, start, n), item in sorted(((span(i), i) for i in items), key=lambda s: s[0][:2]):
-        if run and start == end and name == file and size + n <= CACHE_PIECE:
+        if run and start == end and name == file and size + n <= limit:
             run.append(item)
             size += n
         else:

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ConcurrentWriteError
 from .root import LEASE_NAME
 from .storage import Storage, storage_for
 
@@ -73,7 +73,8 @@ class WriterLease:
 
     def acquire(self) -> None:
         """Take the lease or raise naming its live holder. A new lease is created exclusively; a
-        stale one is replaced, then read back after a moment to settle a race with another taker."""
+        stale one is replaced only if it is still the one seen (a conditional PUT on an object
+        store), then read back after a moment to settle a race where no such check holds."""
         current = self.holder()
         if current is None:
             if self.storage.create_exclusive(LEASE_NAME, self._record()):
@@ -85,7 +86,7 @@ class WriterLease:
                                   f"pid {current.get('pid')} (lease renewed "
                                   f"{time.time() - current.get('renewed', 0):.0f} s ago); "
                                   "two managers must not write one root")
-        self._renew()
+        self._replace(current)
         time.sleep(random.uniform(0.01, 0.05))
         if (self.holder() or {}).get("token") != self.me["token"]:
             raise CheckpointError(f"another manager took {self.storage.location} at the same moment")
@@ -94,8 +95,20 @@ class WriterLease:
     def _record(self) -> bytes:
         return json.dumps({**self.me, "ttl": self.ttl, "renewed": time.time()}).encode()
 
-    def _renew(self) -> None:
-        self.storage.put(LEASE_NAME, self._record())
+    def _replace(self, seen: dict[str, Any] | None) -> None:
+        """Write our lease over ``seen``, checking at the switch that it is still there."""
+        def unchanged() -> None:
+            if (self.holder() or {}).get("token") != (seen or {}).get("token"):
+                raise CheckpointError(f"another manager took {self.storage.location} at the same moment")
+
+        try:
+            self.storage.publish(LEASE_NAME, self._tmp_name(), self._record(), before_replace=unchanged)
+        except ConcurrentWriteError as exc:
+            raise CheckpointError(f"another manager took {self.storage.location} at the same moment") from exc
+
+    @staticmethod
+    def _tmp_name() -> str:
+        return f"{LEASE_NAME}.{secrets.token_hex(4)}.tmp"
 
     def _start_renewing(self) -> None:
         self._thread = threading.Thread(target=self._keep_alive, name="zerostall-lease", daemon=True)
@@ -103,17 +116,17 @@ class WriterLease:
 
     def _keep_alive(self) -> None:
         """Renew every ``ttl / 3`` seconds while the lease is still ours; once another process holds
-        it (this one was paused past the ttl, say), stop: never overwrite the new holder's lease."""
+        it (this one was paused past the ttl, say), stop: never overwrite the new holder's lease.
+        The check and the renewal are one publish: on an object store a PUT conditional on the
+        lease the check read, so a takeover between the two fails the renewal."""
         while not self._stop.wait(self.ttl / 3):
             try:
-                self.fence()()
+                self.storage.publish(LEASE_NAME, self._tmp_name(), self._record(), before_replace=self.fence())
+            except OSError as exc:
+                log.warning("could not renew the writer lease %s: %s", self.where, exc)
             except CheckpointError as exc:
                 log.error("%s; stopped renewing it", exc)
                 return
-            try:
-                self._renew()
-            except OSError as exc:
-                log.warning("could not renew the writer lease %s: %s", self.where, exc)
 
     def release(self) -> None:
         """Stop renewing and remove the lease, if it is still ours."""

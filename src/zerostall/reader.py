@@ -57,9 +57,12 @@ class ChunkReader:
 
     def read_piece(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview, verify: bool) -> None:
         """Read chunk bytes ``[lo, lo+len(out))``; when verifying (``lo`` is then block-aligned),
-        hash each cache-sized piece right after reading it and check every block's checksum."""
-        if not verify:
+        hash each cache-sized piece right after reading it and check every block's checksum (from
+        a remote storage: read all of ``out`` in one call, then check it)."""
+        if not verify or self.storage.remote:
             self._read_raw(entry, chunk, lo, out)
+            if verify:
+                self.check_blocks(entry, chunk, lo, out)
             return
         self._check_count(entry, chunk)
         hasher = BlockHasher(self.manifest.block_size)

@@ -226,7 +226,10 @@ class CheckpointRoot:
 
         Each attempt is first moved aside (``.deleting-*``), so a writer that outlived its lease can
         never commit a manifest into a checkpoint whose data files are being deleted: locally the
-        move is one rename, so its commit then fails, or came first and the attempt is put back."""
+        move is one rename, so its commit then fails, or came first and the attempt is put back.
+        Files a dead writer left half-written (an object store's unfinished uploads) are abandoned."""
+        if self.storage.abort_uploads():
+            log.info("aborted the unfinished uploads a dead writer left under %s", self.location)
         for name in self.storage.children():
             if name.startswith(TRASH_PREFIX):
                 self.storage.delete_tree(name)  # a clean-up that a crash interrupted

@@ -26,7 +26,7 @@ from .gcpause import gc_paused
 from .opening import manifest_generation
 from .options import SaveOptions, default_threads
 from .plan import SavePlan, SavePlanner
-from .storage import LocalStorage, Storage, storage_for
+from .storage import LocalStorage, S3Storage, Storage, storage_for
 from .write import check_location, create, write_data
 
 _PLANNER = SavePlanner()
@@ -105,10 +105,12 @@ def checked_step(step: Any) -> int | None:
 
 def for_writer_process(prepared: Prepared) -> Prepared:
     """A picklable copy of ``prepared`` for a writer process: no process group, no live tensors
-    other than the (captured, shared-memory) items this rank writes, storage by path (a
-    :class:`LocalStorage` pickles as its path and fsync setting)."""
-    if not isinstance(prepared.storage, LocalStorage):
-        raise CheckpointError(f"a writer process needs a local path, not {prepared.storage.location}")
+    other than the (captured, shared-memory) items this rank writes, storage by location (a
+    :class:`LocalStorage` pickles as its path and fsync setting, an :class:`S3Storage` as its URL
+    and options)."""
+    if not isinstance(prepared.storage, (LocalStorage, S3Storage)):
+        raise CheckpointError(f"a writer process needs a local path or an s3:// URL, not {prepared.storage.location} "
+                              f"({type(prepared.storage).__name__}): use writer='thread'")
     collected = dataclasses.replace(prepared.collected, items=[], optimizers=[])
     return dataclasses.replace(prepared, group=prepared.group.detached(), collected=collected)
 

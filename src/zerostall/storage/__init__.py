@@ -6,18 +6,24 @@ import os
 
 from .base import FileStat, Storage
 from .local import LocalStorage
+from .s3 import S3Storage
+from .s3client import S3Options
 
 
 def storage_for(path: str | os.PathLike[str] | Storage, *, fsync: bool = True) -> Storage:
-    """The backend for ``path``: local (or shared POSIX) paths today; URLs get their own backends.
-    A :class:`Storage` is used as it is (a wrapper that injects faults in tests, say)."""
+    """The backend for ``path``: :class:`S3Storage` for ``s3://bucket/prefix`` (settings from the
+    environment and AWS config; always durable, so ``fsync`` does not apply), :class:`LocalStorage`
+    for local (or shared POSIX) paths. A :class:`Storage` is used as it is (an ``S3Storage`` with
+    explicit :class:`S3Options`, a wrapper that injects faults in tests)."""
     if isinstance(path, Storage):
         return path
     text = os.fspath(path)
+    if text.startswith("s3://"):
+        return S3Storage(text)
     if "://" in text and not text.startswith("file://"):
         scheme = text.split("://", 1)[0]
         raise ValueError(f"no storage backend for {scheme}:// URLs yet (path {text!r})")
     return LocalStorage(text.removeprefix("file://"), fsync=fsync)
 
 
-__all__ = ["FileStat", "Storage", "LocalStorage", "storage_for"]
+__all__ = ["FileStat", "Storage", "LocalStorage", "S3Options", "S3Storage", "storage_for"]

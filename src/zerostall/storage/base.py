@@ -28,6 +28,9 @@ class Storage(ABC):
     """
 
     location: str
+    remote = False
+    """Whether every request pays a round trip (an object store): readers then fetch a whole
+    piece in one call and check its blocks after, instead of cache-sized reads."""
 
     @abstractmethod
     def create(self) -> None:
@@ -116,6 +119,13 @@ class Storage(ABC):
         a writer still writing into ``src`` fails (it is fenced off). An object store copies, then
         deletes, object by object: readers may see both or a part of each meanwhile, and a writer
         still writing into ``src`` is not fenced off."""
+
+    def abort_uploads(self, name: str = "") -> int:
+        """Abandon the files left half-written under sub-location ``name`` (the whole location by
+        default) by writers that died: an object store's unfinished multipart uploads, which no
+        listing shows. Returns how many. Only where no live writer writes (the lease holder's
+        clean-up); a local directory has none (a half-written file is listed and deleted as any)."""
+        return 0
 
     def memory_map(self, name: str) -> memoryview | None:
         """A copy-on-write memory map of the file where the storage allows it, else None."""

@@ -1,0 +1,89 @@
+"""S3 under faults: throttling, 5xx answers and dropped connections on a fraction of requests (a
+proxy, tests/s3proxy.py, between the client and the real server), and the server killed in the
+middle of an upload. A save either succeeds after retries or fails with a typed error, leaving no
+manifest for itself, the previous checkpoint intact and, after the clean-up, no open uploads."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+import zerostall as zs
+from faults import FaultyStorage
+from s3proxy import FaultProxy
+from s3server import SeaweedS3, weed_runs
+from test_s3 import explicit, same, state_of, uploads, zeros_like_state
+from zerostall.format import MANIFEST_NAME
+from zerostall.storage import S3Storage
+
+MIB = 1 << 20
+
+
+def test_saves_loads_and_the_manager_ride_out_throttling_5xx_and_resets(s3_server, s3_url):
+    with FaultProxy(s3_server.endpoint, every=5) as proxy:
+        options = explicit(s3_server, part_size=5 * MIB)
+        storage = S3Storage(s3_url, zs.S3Options(**{**options.__dict__, "endpoint_url": proxy.endpoint}))
+        with zs.CheckpointManager(storage, keep_last=2) as mgr:
+            for step in (1, 2, 3):
+                mgr.save(step, state_of(step))
+            mgr.wait()
+            restored = zeros_like_state()
+            assert mgr.restore(restored) == 3 and same(restored, state_of(3))
+            assert [tag for tag, _ in mgr.checkpoints()] == ["step_000000002", "step_000000003"]
+        assert zs.verify(storage.child("step_000000003")) > 0
+    assert all(proxy.fired[kind] for kind in ("slowdown", "error", "reset", "cut")), proxy.fired
+
+
+def test_answers_cut_off_mid_body_are_asked_again(s3_server, s3_url):
+    """Every other request's answer breaks off half-way (a listing, an error's XML, a manifest; an
+    upload's connection is reset instead), including bodies botocore reads whole itself."""
+    with FaultProxy(s3_server.endpoint, every=2, kinds=("cut",)) as proxy:
+        storage = S3Storage(s3_url, zs.S3Options(**{**explicit(s3_server).__dict__, "endpoint_url": proxy.endpoint}))
+        for name in ("a", "b", "c"):
+            storage.write(name, [memoryview(name.encode() * 1000)])
+        storage.child("sub").write("x", [memoryview(b"x")])
+        for _ in range(3):
+            assert storage.list() == ["a", "b", "c"] and storage.children() == ["sub"] and storage.exists()
+            assert storage.read_bytes("b") == b"b" * 1000 and storage.read_head("c", 5) == b"ccccc"
+            assert storage.stat("a").size == 1000
+            with pytest.raises(FileNotFoundError):
+                storage.read_bytes("missing")
+    assert proxy.fired["cut"] and proxy.fired["reset"], proxy.fired
+
+
+@pytest.fixture
+def own_server() -> Iterator[SeaweedS3]:
+    """A server of this test's own, to kill and start again."""
+    pytest.importorskip("boto3")
+    if (reason := weed_runs()) is not None:
+        pytest.skip(reason)
+    with tempfile.TemporaryDirectory(prefix="zs-s3-kill-") as tmp, SeaweedS3(tmp) as server:
+        yield server
+
+
+def big_state(seed: int) -> dict[str, Any]:
+    return {"w": torch.randn(4 * MIB, generator=torch.Generator().manual_seed(seed)), "step": seed}
+
+
+def test_a_server_killed_mid_upload_fails_the_save_and_the_restart_cleans_up(own_server):
+    options = explicit(own_server, part_size=5 * MIB, max_attempts=2, connect_timeout=2, read_timeout=10)
+    storage = FaultyStorage(S3Storage(f"s3://{own_server.bucket}/root", options))
+    mgr = zs.CheckpointManager(storage, threads=1)
+    mgr.save(1, big_state(1))
+    killed = storage.call("write", lambda op, name: own_server.kill(), after_bytes=6 * MIB)
+    with pytest.raises(zs.CheckpointError, match="writing a data file"):
+        mgr.save(2, big_state(2))
+    assert killed.count == 1
+    own_server.start()
+    attempt = storage.inner.child("step_000000002")
+    assert MANIFEST_NAME not in attempt.list()
+    out = zs.load({"w": torch.zeros(4 * MIB), "step": 0}, storage.inner.child("step_000000001"))
+    assert torch.equal(out["w"], big_state(1)["w"])
+    mgr.close()
+    with zs.CheckpointManager(storage.inner) as again:  # the lease holder's clean-up
+        assert uploads(own_server, storage.inner) == [] and not attempt.exists()
+        restored = {"w": torch.zeros(4 * MIB), "step": 0}
+        assert again.restore(restored) == 1 and torch.equal(restored["w"], big_state(1)["w"])
