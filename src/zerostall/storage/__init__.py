@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .base import FileStat, Storage
+from .base import FileStat, FileTooLargeError, Storage, check_name
 from .local import LocalStorage
 
 
@@ -20,4 +20,4 @@ def storage_for(path: str | os.PathLike[str] | Storage, *, fsync: bool = True) -
     return LocalStorage(text.removeprefix("file://"), fsync=fsync)
 
 
-__all__ = ["FileStat", "Storage", "LocalStorage", "storage_for"]
+__all__ = ["FileStat", "FileTooLargeError", "Storage", "LocalStorage", "check_name", "storage_for"]
