@@ -224,8 +224,8 @@ class FaultyStorage(Storage):
     def read_into_many(self, name: str, offset: int, outs: list[memoryview]) -> None:
         self._run("read_into_many", name, lambda: self.inner.read_into_many(name, offset, outs))
 
-    def read_bytes(self, name: str) -> bytes:
-        return self._run("read_bytes", name, lambda: self.inner.read_bytes(name))
+    def read_bytes(self, name: str, limit: int | None = None) -> bytes:
+        return self._run("read_bytes", name, lambda: self.inner.read_bytes(name, limit))
 
     def read_head(self, name: str, n: int) -> bytes:
         return self._run("read_head", name, lambda: self.inner.read_head(name, n))

@@ -62,6 +62,13 @@ def main() -> None:
     report["load_unreadable_data"] = outcome(lambda: zs.load({"w": torch.zeros(N), "step": None}, ckpt))
     report["verify_unreadable_data"] = outcome(lambda: zs.verify(ckpt))
     report["verify_unreadable_data"]["corrupt"] = report["verify_unreadable_data"]["error"] == "CorruptCheckpointError"
+
+    def read() -> None:
+        with zs.open(ckpt) as ck:
+            ck.read("w")
+
+    report["read_unreadable_data"] = outcome(read)
+    report["read_unreadable_data"]["corrupt"] = report["read_unreadable_data"]["error"] == "CorruptCheckpointError"
     report["cli_verify_unreadable_data"] = {"exit_code": CliRunner().invoke(cli, ["verify", ckpt]).exit_code}
     for name in data:
         os.chmod(name, 0o644)

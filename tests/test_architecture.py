@@ -12,6 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "zerostall"
 # Low to high: a module may import only modules before it. A new module must be placed here.
 ORDER = [
     "errors", "memory", "devices", "gcpause", "codec", "checksums", "balance", "boxes", "format", "subclass",
+    "tensor_check", "value_check", "manifest_check",
     "storage.base", "storage.local", "storage.s3client", "storage.s3", "storage", "collectives", "state", "options",
     "opening",
     # saving: collect → plan → write → commit, run in order by saving

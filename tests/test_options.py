@@ -67,6 +67,7 @@ def test_the_options_reference_matches_the_dataclasses():
 
 @pytest.mark.parametrize("cls, field, value", [
     (zs.SaveOptions, "threads", 0), (zs.SaveOptions, "fsync", "yes"), (zs.SaveOptions, "block_size", 0),
+    (zs.SaveOptions, "block_size", (1 << 30) + 1),
     (zs.SaveOptions, "commit_timeout", -1), (zs.SaveOptions, "allow_pickle", 1),
     (zs.LoadOptions, "max_staging_bytes", -1), (zs.LoadOptions, "strict", None), (zs.LoadOptions, "strip", [1]),
     (zs.LoadOptions, "prefix", 3), (zs.LoadOptions, "keys", 5), (zs.LoadOptions, "threads", 1.5),

@@ -61,6 +61,12 @@ def test_an_unreadable_data_file_is_named_and_is_not_called_corrupt(report):
     assert report["readable_again"]["holds"] == 1
 
 
+def test_reading_an_unreadable_data_file_raises_a_typed_error(report):
+    """``Checkpoint.read`` maps the file: the PermissionError of opening it was let through."""
+    _refused(report["read_unreadable_data"], ".safetensors")
+    assert not report["read_unreadable_data"]["corrupt"]
+
+
 def test_an_unreadable_manifest_is_named(report):
     _refused(report["load_unreadable_manifest"], "manifest.json")
 

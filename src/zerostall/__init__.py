@@ -20,7 +20,7 @@ __all__ = [
     "rank_local", "RankLocal", "Stateful", "FlattenedTensor", "FORMAT_VERSION", "S3Storage", "S3Options",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "SharedMemoryError", "StateChangedError", "StateMismatchError",
-    "UnsupportedValueError", "StorageError", "ConcurrentWriteError",
+    "UnsafeFileError", "UnsupportedValueError", "StorageError", "ConcurrentWriteError",
 ]
 
 # Each public name and the module that defines it (tests/test_lazy_import.py keeps __all__, this and
@@ -36,8 +36,8 @@ _EXPORTS = {
     "CheckpointError": "errors", "CheckpointExistsError": "errors", "CheckpointNotFoundError": "errors",
     "CommitError": "errors",
     "CorruptCheckpointError": "errors", "IncompleteCheckpointError": "errors", "SharedMemoryError": "errors",
-    "StateChangedError": "errors", "StateMismatchError": "errors", "UnsupportedValueError": "errors",
-    "StorageError": "errors", "ConcurrentWriteError": "errors",
+    "StateChangedError": "errors", "StateMismatchError": "errors", "UnsafeFileError": "errors",
+    "UnsupportedValueError": "errors", "StorageError": "errors", "ConcurrentWriteError": "errors",
 }
 
 if TYPE_CHECKING:  # what type checkers and editors see
@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .checkpoint import Checkpoint
     from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CommitError,
                          ConcurrentWriteError, CorruptCheckpointError, IncompleteCheckpointError, SharedMemoryError,
-                         StateChangedError, StateMismatchError, StorageError, UnsupportedValueError)
+                         StateChangedError, StateMismatchError, StorageError, UnsafeFileError, UnsupportedValueError)
     from .format import FORMAT_VERSION
     from .load_plan import Mismatch
     from .manager import CheckpointManager

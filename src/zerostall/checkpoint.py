@@ -135,6 +135,7 @@ class Checkpoint:
                     self._fetcher.check_blocks(entry, chunk, 0, mapped[chunk.offset:chunk.offset + chunk.nbytes])
                 raw = torch.frombuffer(mapped, dtype=torch.uint8, count=chunk.nbytes, offset=chunk.offset)
                 return raw.view(dtype).reshape(shape)
+        self._fetcher.check_sizes(entry)  # before allocating what the manifest says the files hold
         out = torch.empty(shape, dtype=dtype)
         self._fetcher.fill([(out, whole(out), entry)], verify, self.options.max_staging_bytes)
         return out
@@ -229,6 +230,7 @@ class Checkpoint:
                 trusted = (*o.tensor_subclasses, *((type(like),) if like is not None else ()))
                 plan.replacements[path] = self._subclass(entry, trusted, o.verify)
                 continue
+            self._fetcher.check_sizes(entry)
             out = torch.empty(entry.shape or (), dtype=like.dtype if like is not None else entry.torch_dtype)
             if entry.kind == "subclass":
                 self._copy(out, whole(out), entry, ".".join(map(str, path)), o)

@@ -23,6 +23,13 @@ class CorruptCheckpointError(CheckpointError):
     """A checksum, size or structural check failed: the bytes on storage are not what was saved."""
 
 
+class UnsafeFileError(CorruptCheckpointError, OSError):
+    """A checkpoint's file that zerostall refuses to open: a name that is not a plain file name (a
+    path, ``..``, an absolute path), or a file that is not a regular file (a symbolic link, FIFO,
+    device or directory). zerostall never writes such a thing, so a checkpoint holding one is
+    damaged or forged; it is also an ``OSError``, like every other failure of a storage backend."""
+
+
 class StateMismatchError(CheckpointError):
     """The checkpoint and the target state disagree (missing/unexpected keys, shapes, dtypes)."""
 

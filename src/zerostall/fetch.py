@@ -24,7 +24,7 @@ from .balance import balance
 from .boxes import Box, contiguous_strides, element_span, flat_boxes, intersect, region
 from .checksums import CACHE_PIECE
 from .devices import CallerStreams, on_stream
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, StateMismatchError
 from .format import Chunk, Entry, Manifest
 from .memory import tensor_bytes
 from .reader import ChunkReader
@@ -33,6 +33,7 @@ from .storage import Storage
 _PIECE_BYTES = 32 << 20  # the largest single read, in whole blocks
 _STAGE_BYTES = 4 << 20  # a staged read: copied into its target while still in the CPU cache
 _REMOTE_RUN = 8 << 20  # back-to-back direct reads merged into one request on a remote storage (each costs a round trip)
+_MAX_ITEMSIZE = 16  # the largest element (complex128): staged reads are cut at multiples of every element size
 Target = tuple[torch.Tensor, Box, Entry]  # a tensor, the box of the global tensor it holds, its entry
 Piece = tuple[Entry, Chunk, int, memoryview]  # bytes [lo, lo + len(out)) of a chunk, to be read into out
 Staged = tuple[torch.Tensor, Box, Entry, Chunk, Box]  # a target, its box, an entry, a chunk, their overlap
@@ -60,9 +61,9 @@ class Fetcher(ChunkReader):
                                     initializer=None if cuda is None else cuda.enter) as pool:
                 merge = _REMOTE_RUN if self.storage.remote else CACHE_PIECE
                 run_balanced(pool, self.threads, self._read_run, _runs(direct, _piece_span, merge), verify)
-                block = self.manifest.block_size
+                unit = math.lcm(self.manifest.block_size, _MAX_ITEMSIZE)  # whole blocks and whole elements
                 buffers = self.threads * (1 if uploads is None else _Uploads.BUFFERS)
-                step = max(block, min(_STAGE_BYTES, staging // buffers) // block * block)
+                step = max(unit, min(_STAGE_BYTES, staging // buffers) // unit * unit)
                 jobs = [job for item in staged for job in self._stage_jobs(item, step, verify)]
                 stage = functools.partial(self._stage_run, uploads=uploads)
                 run_balanced(pool, self.threads, stage, _runs(jobs, _job_span, CACHE_PIECE), verify)
@@ -77,6 +78,7 @@ class Fetcher(ChunkReader):
         direct: list[Piece] = []
         staged: list[Staged] = []
         for target, box, entry in targets:
+            self.check_sizes(entry)
             covered = 0
             for chunk in entry.chunks:
                 inter = box if box == (chunk.offsets, chunk.sizes) else intersect(box, (chunk.offsets, chunk.sizes))
@@ -111,9 +113,9 @@ class Fetcher(ChunkReader):
             itemsize = entry.torch_dtype.itemsize
             first, last = element_span((chunk.offsets, chunk.sizes), inter)
             lo, hi = first * itemsize, last * itemsize
-            if verify:
-                block = self.manifest.block_size
-                lo, hi = lo // block * block, min(-(-hi // block) * block, chunk.nbytes)
+            if verify:  # whole blocks, which also start and end at whole elements
+                unit = math.lcm(self.manifest.block_size, itemsize)
+                lo, hi = lo // unit * unit, min(-(-hi // unit) * unit, chunk.nbytes)
         return [(target, box, entry, chunk, inter, a, min(a + step, hi)) for a in range(lo, hi, step)]
 
     def _stage_run(self, run: list[StageJob], verify: bool, uploads: _Uploads | None = None) -> None:
@@ -133,13 +135,21 @@ class Fetcher(ChunkReader):
         with torch.no_grad():
             for target, box, entry, chunk, inter, lo, hi in run:
                 data = buf[at:at + hi - lo]
-                if target.is_cuda:
-                    assert uploading is not None
-                    with uploading.on(target.device.index):
-                        data = data.to(target.device, non_blocking=True)
-                        _copy_part(target, box, entry, chunk, inter, lo, data.view(entry.torch_dtype))
-                else:
-                    _copy_part(target, box, entry, chunk, inter, lo, data.view(entry.torch_dtype))
+                dtype = entry.torch_dtype
+                try:
+                    if target.is_cuda:
+                        assert uploading is not None
+                        with uploading.on(target.device.index):
+                            data = data.to(target.device, non_blocking=True)
+                            _copy_part(target, box, entry, chunk, inter, lo, data.view(dtype))
+                    else:
+                        data = data if at % dtype.itemsize == 0 else data.clone()  # elements start at elements
+                        _copy_part(target, box, entry, chunk, inter, lo, data.view(dtype))
+                except (RuntimeError, NotImplementedError, TypeError) as exc:
+                    if target.dtype == dtype or target.is_cuda and type(exc) is RuntimeError:
+                        raise
+                    raise StateMismatchError(f"entry {entry.fqn} of {self.path}: its {entry.dtype} values cannot be "
+                                             f"converted to the target's {target.dtype}: {exc}") from exc
                 at += hi - lo
         if uploading is not None:
             uploading.queued()

@@ -252,21 +252,15 @@ class Manifest:
         return b'{"checksum":"%s","manifest":%s}\n' % (checksum(body).encode(), body)
 
     @classmethod
-    def from_bytes(cls, raw: bytes, where: str) -> "Manifest":
-        try:
-            d = load_json(_checked_body(raw, where))
-        except (ValueError, RecursionError) as exc:  # nesting deeper than any parser goes
-            raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
-        _check_format(d, where)
-        try:
-            return cls(
-                generation=d["generation"], entries=[Entry.from_json(e) for e in d["entries"]],
-                files=dict(d["files"]), tree=d["tree"], world_size=d["world_size"],
-                block_size=d["block_size"], step=d["step"], metadata=d["metadata"],
-                created=d["created"], version=d["version"], headers=dict(d.get("headers", {})),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CorruptCheckpointError(f"manifest {where} is malformed: {exc!r}") from exc
+    def from_json(cls, d: dict[str, Any]) -> "Manifest":
+        """The manifest of a body already checked (``zerostall.manifest_check.parse_manifest``: the
+        one place a manifest read from storage becomes a ``Manifest``)."""
+        return cls(
+            generation=d["generation"], entries=[Entry.from_json(e) for e in d["entries"]],
+            files=dict(d["files"]), tree=d["tree"], world_size=d["world_size"],
+            block_size=d["block_size"], step=d["step"], metadata=d["metadata"],
+            created=d["created"], version=d["version"], headers=dict(d.get("headers", {})),
+        )
 
 
 def version_needed(entries: Iterable[Entry]) -> int:
@@ -295,19 +289,34 @@ class ManifestHead:
         return sum(self.files.values())
 
     @classmethod
-    def from_bytes(cls, raw: bytes, where: str) -> "ManifestHead":
-        wanted = {"format", *(f.name for f in dataclasses.fields(cls))}
-        try:
-            d = _leading_members(_checked_body(raw, where).decode(), wanted)
-        except (ValueError, RecursionError) as exc:
-            raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
-        _check_format(d, where)
-        try:
-            return cls(generation=d["generation"], files=dict(d["files"]), world_size=d["world_size"],
-                       block_size=d["block_size"], step=d["step"], metadata=d["metadata"], created=d["created"],
-                       version=d["version"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptCheckpointError(f"manifest {where} is malformed: {exc!r}") from exc
+    def from_json(cls, d: dict[str, Any]) -> "ManifestHead":
+        """The head of leading members already checked (``zerostall.manifest_check.parse_head``)."""
+        return cls(generation=d["generation"], files=dict(d["files"]), world_size=d["world_size"],
+                   block_size=d["block_size"], step=d["step"], metadata=d["metadata"], created=d["created"],
+                   version=d["version"])
+
+
+def manifest_body(raw: bytes, where: str) -> Any:
+    """The parsed body of the manifest ``raw`` (read from ``where``), once its checksum matches and
+    it names this format in a version this reader knows; its fields are not checked yet."""
+    try:
+        d = load_json(_checked_body(raw, where))
+    except (ValueError, RecursionError) as exc:  # nesting deeper than any parser goes
+        raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
+    _check_format(d, where)
+    return d
+
+
+def manifest_head_body(raw: bytes, where: str) -> dict[str, Any]:
+    """The leading members of the manifest ``raw`` up to those :class:`ManifestHead` needs (the
+    checksum is still checked over the whole body), as :func:`manifest_body` checks them."""
+    wanted = {"format", *(f.name for f in dataclasses.fields(ManifestHead))}
+    try:
+        d = _leading_members(_checked_body(raw, where).decode(), wanted)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
+    _check_format(d, where)
+    return d
 
 
 def _checked_body(raw: bytes, where: str) -> bytes:
@@ -325,7 +334,7 @@ def _checked_body(raw: bytes, where: str) -> bytes:
 def _check_format(d: Any, where: str) -> None:
     if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where} is not a zerostall manifest")
-    if not isinstance(d.get("version"), int) or d["version"] > FORMAT_VERSION:
+    if type(d.get("version")) is not int or not 1 <= d["version"] <= FORMAT_VERSION:
         raise CorruptCheckpointError(
             f"manifest {where} has format version {d.get('version')}; this zerostall reads <= {FORMAT_VERSION}")
 

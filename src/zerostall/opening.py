@@ -10,10 +10,11 @@ import os
 import re
 from typing import TYPE_CHECKING
 
-from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from .format import MANIFEST_NAME, Manifest, ManifestHead, file_generation
 from .gcpause import gc_paused
-from .storage import Storage
+from .manifest_check import MANIFEST_BYTES_ENV, max_manifest_bytes, parse_head, parse_manifest
+from .storage import FileTooLargeError, Storage
 
 if TYPE_CHECKING:  # only passed through: reading a manifest needs no torch (the command line)
     from .collectives import Group
@@ -22,11 +23,19 @@ _GENERATION_RE = re.compile(rb'"generation":"([0-9a-f]+-[0-9a-f]+)"')
 
 
 def read_manifest_bytes(storage: Storage) -> bytes:
-    """The committed manifest's raw bytes at ``storage``, or the precise error for why there is none."""
+    """The committed manifest's raw bytes at ``storage`` (at most :func:`max_manifest_bytes`), or
+    the precise error for why there is none."""
     if not storage.exists():
         raise CheckpointNotFoundError(f"no checkpoint at {storage.location}")
+    limit = max_manifest_bytes()
     try:
-        return storage.read_bytes(MANIFEST_NAME)
+        return storage.read_bytes(MANIFEST_NAME, limit)
+    except FileTooLargeError as exc:
+        raise CorruptCheckpointError(
+            f"the manifest of {storage.location} has {exc.size} bytes, more than the {limit} zerostall reads "
+            f"(if it is genuine, set {MANIFEST_BYTES_ENV} to read it)") from None
+    except CorruptCheckpointError:  # a symbolic link, FIFO, device or directory in its place
+        raise
     except FileNotFoundError:
         data = [n for n in storage.list() if file_generation(n)]
         if not data:
@@ -38,20 +47,20 @@ def read_manifest_bytes(storage: Storage) -> bytes:
         raise CheckpointError(f"cannot read the manifest of {storage.location}: {exc}") from exc
 
 
-def parse_manifest(storage: Storage, raw: bytes) -> Manifest:
-    """The manifest ``raw`` read from ``storage``, checked (see :meth:`Manifest.from_bytes`)."""
+def read_manifest_from(storage: Storage, raw: bytes) -> Manifest:
+    """The manifest ``raw`` read from ``storage``, checked (see :func:`~zerostall.manifest_check.parse_manifest`)."""
     with gc_paused():
-        return Manifest.from_bytes(raw, os.path.join(storage.location, MANIFEST_NAME))
+        return parse_manifest(raw, os.path.join(storage.location, MANIFEST_NAME))
 
 
 def read_manifest(storage: Storage) -> Manifest:
     """The committed manifest at ``storage``."""
-    return parse_manifest(storage, read_manifest_bytes(storage))
+    return read_manifest_from(storage, read_manifest_bytes(storage))
 
 
 def read_manifest_head(storage: Storage) -> ManifestHead:
     """The committed manifest at ``storage`` without its entries (checksum still checked)."""
-    return ManifestHead.from_bytes(read_manifest_bytes(storage), os.path.join(storage.location, MANIFEST_NAME))
+    return parse_head(read_manifest_bytes(storage), os.path.join(storage.location, MANIFEST_NAME))
 
 
 def agreed_manifest(storage: Storage, group: Group) -> Manifest:
@@ -64,11 +73,11 @@ def agreed_manifest(storage: Storage, group: Group) -> Manifest:
     def read() -> bytes:
         nonlocal manifest
         raw = read_manifest_bytes(storage)
-        manifest = parse_manifest(storage, raw)
+        manifest = read_manifest_from(storage, raw)
         return raw
 
     raw = group.agree(read)
-    return manifest if manifest is not None else parse_manifest(storage, raw)
+    return manifest if manifest is not None else read_manifest_from(storage, raw)
 
 
 def manifest_generation(storage: Storage) -> str | None:

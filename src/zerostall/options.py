@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from .format import DEFAULT_BLOCK_SIZE
+from .manifest_check import MAX_BLOCK_SIZE
 
 KeyFilter = Callable[[str], bool] | Iterable[str] | None
 T = TypeVar("T", bound="_Options")
@@ -77,8 +78,8 @@ class SaveOptions(_Options):
     to load, too); without it such a value fails the save with an error naming its key."""
 
     block_size: int = DEFAULT_BLOCK_SIZE
-    """Bytes per checksum block: a load verifies whole blocks, so smaller blocks make partial
-    (resharded) reads cheaper and the manifest larger."""
+    """Bytes per checksum block (1 to 1 GiB): a load verifies whole blocks, so smaller blocks make
+    partial (resharded) reads cheaper and the manifest larger."""
 
     overwrite: bool = False
     """Replace a committed checkpoint already at the path (it stays readable until the new manifest
@@ -100,7 +101,8 @@ class SaveOptions(_Options):
         self._check_threads()
         self._check_bools("fsync", "allow_pickle", "overwrite")
         self._check("before_commit", self.before_commit is None or callable(self.before_commit), "None or a callable")
-        self._check("block_size", _is_int(self.block_size) and self.block_size >= 1, "an int >= 1")
+        self._check("block_size", _is_int(self.block_size) and 1 <= self.block_size <= MAX_BLOCK_SIZE,
+                    f"an int from 1 to {MAX_BLOCK_SIZE} (1 GiB)")
         self._check("commit_timeout", isinstance(self.commit_timeout, (int, float))
                     and not isinstance(self.commit_timeout, bool) and self.commit_timeout > 0, "a number > 0")
 

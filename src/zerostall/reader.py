@@ -40,6 +40,7 @@ class ChunkReader:
         self.threads = threads
         self._maps: dict[str, memoryview | None] = {}
         self._scratch = threading.local()
+        self._sizes: dict[str, int] = {}  # the actual sizes of the data files looked at
 
     def close(self) -> None:
         """Release file handles and maps; what was read from a map stays valid."""
@@ -53,7 +54,30 @@ class ChunkReader:
                 self._maps[name] = self.storage.memory_map(name)
             except FileNotFoundError:
                 raise self.missing(name) from None
+            except CheckpointError:  # not a regular file (UnsafeFileError)
+                raise
+            except OSError as exc:
+                raise CheckpointError(f"reading {name} of {self.path} failed: {exc}") from exc
         return self._maps[name]
+
+    def check_sizes(self, entry: Entry) -> None:
+        """Check that the chunks of ``entry`` lie inside their data files as they are (a file's
+        size is looked up once per session), before memory is set aside for what the manifest
+        claims they hold: a manifest may list any size."""
+        for chunk in entry.chunks:
+            size = self._sizes.get(chunk.file)
+            if size is None:
+                try:
+                    size = self._sizes[chunk.file] = self.storage.size(chunk.file)
+                except FileNotFoundError:
+                    raise self.missing(chunk.file, entry) from None
+                except CheckpointError:
+                    raise
+                except OSError as exc:
+                    raise CheckpointError(f"reading {chunk.file} of {self.path} failed: {exc}") from exc
+            if chunk.offset + chunk.nbytes > size:
+                raise CorruptCheckpointError(f"data file {chunk.file} of {self.path} is truncated: entry {entry.fqn} "
+                                             "lies past its end")
 
     def read_piece(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview, verify: bool) -> None:
         """Read chunk bytes ``[lo, lo+len(out))``; when verifying (``lo`` is then block-aligned),
@@ -80,6 +104,8 @@ class ChunkReader:
         except EOFError:
             raise CorruptCheckpointError(
                 f"data file {chunk.file} of {self.path} is truncated: entry {entry.fqn} lies past its end") from None
+        except CheckpointError:  # not a regular file (UnsafeFileError)
+            raise
         except OSError as exc:
             raise CheckpointError(f"reading {chunk.file} of {self.path} (entry {entry.fqn}) failed: {exc}") from exc
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, UnsafeFileError
 from .format import MANIFEST_NAME, ManifestHead, file_generation
 from .opening import read_manifest_head
 from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
@@ -91,8 +91,16 @@ def describe(storage: Storage, name: str) -> CheckpointInfo:
         info = CheckpointInfo(name, storage.location, CORRUPT, error=str(exc))
     else:
         return _committed(name, storage, head)
-    info.bytes = sum(storage.size(n) for n in storage.list() if file_generation(n))
+    info.bytes = sum(_size(storage, n) for n in storage.list() if file_generation(n))
     return info
+
+
+def _size(storage: Storage, name: str) -> int:
+    """The size of file ``name``; 0 if it vanished meanwhile or is not a regular file."""
+    try:
+        return storage.size(name)
+    except OSError:
+        return 0
 
 
 def _committed(name: str, storage: Storage, head: ManifestHead) -> CheckpointInfo:
@@ -107,6 +115,8 @@ def _has_manifest(storage: Storage) -> bool:
         storage.size(MANIFEST_NAME)
     except (FileNotFoundError, NotADirectoryError):
         return False
+    except UnsafeFileError:  # something other than a file is in its place: not for a clean-up to judge
+        pass
     return True
 
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from .codec import Ref
+from .codec import MAX_DEPTH, Ref  # MAX_DEPTH: containers nested in a state, as deep as a saved value may nest
 from .errors import UnsupportedValueError
 
 Path = tuple[Any, ...]
@@ -46,7 +46,6 @@ def rank_local(value: Any) -> RankLocal:
     return value if isinstance(value, RankLocal) else RankLocal(value)
 
 
-MAX_DEPTH = 256  # containers nested in a state: deeper ones are refused with a typed error, not a RecursionError
 _PLAIN = frozenset((dict, list, tuple, str, int, float, bool, type(None), torch.Tensor, torch.nn.Parameter))
 
 

@@ -33,15 +33,19 @@ def verify_all(fetcher: ChunkReader, *, allow_pickle: bool, progress: Callable[[
     data_start: dict[str, int] = {}  # where each file's data section begins: its header ends there
     for _, chunk in jobs:
         data_start[chunk.file] = min(chunk.offset, data_start.get(chunk.file, chunk.offset))
+    sizes: dict[str, int] = {}  # the actual size of each data file found
     for name, size in manifest.files.items():
         try:
-            actual = fetcher.storage.size(name)
+            actual = sizes[name] = fetcher.storage.size(name)
             header_fault = _header_fault(fetcher, name, data_start.get(name))
         except FileNotFoundError:
             missing = fetcher.missing(name)
             if not isinstance(missing, CorruptCheckpointError):
                 raise missing from None
             faults.append(f"data file {name} is missing")
+            continue
+        except CorruptCheckpointError as exc:  # not a regular file (UnsafeFileError)
+            faults.append(str(exc))
             continue
         except OSError as exc:
             faults.append(f"reading the header of data file {name} failed: {exc}")
@@ -65,6 +69,11 @@ def verify_all(fetcher: ChunkReader, *, allow_pickle: bool, progress: Callable[[
 
     def check(entry: Entry, chunk: Chunk) -> None:
         nonlocal unreadable
+        if chunk.offset + chunk.nbytes > sizes.get(chunk.file, chunk.offset + chunk.nbytes):
+            with lock:  # nothing to read (or to allocate for) past the end of what is there
+                faults.append(f"data file {chunk.file} of {fetcher.path} is truncated: entry {entry.fqn} lies past "
+                              "its end")
+            return
         try:
             step = manifest.block_size  # the scratch stays in the CPU cache: nothing keeps these bytes
             for piece in range(0, max(chunk.nbytes, 1), step):

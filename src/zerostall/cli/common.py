@@ -9,7 +9,9 @@ a traceback.
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -80,6 +82,9 @@ def clip(text: str, width: int = _REPR_WIDTH) -> str:
 @click.version_option(zs.__version__, prog_name="zerostall")
 def cli() -> None:
     """zerostall: list, inspect, verify, compare and prune checkpoints."""
+    for stream in (sys.stdout, sys.stderr):  # a key may hold any string (a lone surrogate): shown escaped
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
 
 
 def open_checkpoint(ckpt: str) -> tuple[Storage, Manifest]:

@@ -7,6 +7,26 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from ..errors import UnsafeFileError
+
+
+class FileTooLargeError(OSError):
+    """A file is longer than the limit its reader set (:meth:`Storage.read_bytes`)."""
+
+    def __init__(self, name: str, size: int, limit: int) -> None:
+        super().__init__(f"{name} has {size} bytes, more than the {limit} it may have")
+        self.size = size
+        self.limit = limit
+
+
+def check_name(name: str) -> str:
+    """``name`` if it is a plain file name (not empty, no ``/`` or NUL, not ``.`` or ``..``): the
+    only names a backend opens, so no name can reach outside the location; else
+    :class:`~zerostall.errors.UnsafeFileError`. Every backend checks the names it is given."""
+    if type(name) is not str or not name or "/" in name or "\0" in name or name in (".", ".."):
+        raise UnsafeFileError(f"{name!r} is not a plain file name: a checkpoint's files lie inside it")
+    return name
+
 
 @dataclass(frozen=True)
 class FileStat:
@@ -25,6 +45,10 @@ class Storage(ABC):
     manifest is published with one atomic operation, the commit point of a checkpoint.
     A location holds files and sub-locations (:meth:`child`): a checkpoint root holds one
     sub-location per checkpoint. Only :meth:`move` needs a rename (an object store copies instead).
+
+    File names are plain names (:func:`check_name`; others raise ``UnsafeFileError``), and only
+    regular files are read: a symbolic link, FIFO, device or directory in a file's place raises
+    ``UnsafeFileError`` (an ``OSError``) instead of being followed or blocking the reader.
     """
 
     location: str
@@ -55,7 +79,7 @@ class Storage(ABC):
 
     @abstractmethod
     def size(self, name: str) -> int:
-        """Size in bytes of one file; FileNotFoundError if it is absent."""
+        """Size in bytes of one (regular) file; FileNotFoundError if it is absent."""
 
     @abstractmethod
     def stat(self, name: str) -> FileStat:
@@ -77,8 +101,9 @@ class Storage(ABC):
             offset += len(out)
 
     @abstractmethod
-    def read_bytes(self, name: str) -> bytes:
-        """The whole content of a small file (the manifest)."""
+    def read_bytes(self, name: str, limit: int | None = None) -> bytes:
+        """The whole content of a small file (the manifest); a file of more than ``limit`` bytes
+        raises :class:`FileTooLargeError` without being read whole."""
 
     def read_head(self, name: str, n: int) -> bytes:
         """Up to the first ``n`` bytes of a file (to peek at a manifest's generation)."""

@@ -11,15 +11,51 @@ import os
 import resource
 import secrets
 import shutil
+import stat
 import threading
 from typing import Callable, Iterable, Iterator
 
-from .base import FileStat, Storage
+from ..errors import UnsafeFileError
+from .base import FileStat, FileTooLargeError, Storage, check_name
 
 log = logging.getLogger(__name__)
 
 _WRITEV_BYTES = 1 << 20  # small, so bytes hashed just before are still in cache when written
 _IOV_PARTS = 512  # buffers per writev/preadv call (the kernel takes at most 1024)
+# never through a symbolic link, never blocking on a FIFO with no writer, never taking a terminal
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+def open_regular(path: str) -> tuple[int, int]:
+    """A read descriptor of the regular file ``path`` and its size. A symbolic link is not
+    followed, and a FIFO, device or directory is refused after opening (checked on the open
+    descriptor: nothing can be swapped in between a check and the open), as
+    :class:`~zerostall.errors.UnsafeFileError`; the descriptor then blocks as usual."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeFileError(f"{path} is a symbolic link, not a regular file: refused") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFileError(f"{path} is {_file_type(st.st_mode)}, not a regular file: refused")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def _file_type(mode: int) -> str:
+    for test, what in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
 
 
 def fsync_dir(path: str) -> None:
@@ -68,6 +104,10 @@ class LocalStorage(Storage):
     def _path(self, name: str) -> str:
         return os.path.join(self.location, name)
 
+    def _file(self, name: str) -> str:
+        """The path of file ``name``, a plain name (else ``UnsafeFileError``): nothing outside the directory."""
+        return os.path.join(self.location, check_name(name))
+
     def create(self) -> None:
         if os.path.isdir(self.location):
             return
@@ -97,15 +137,21 @@ class LocalStorage(Storage):
             return []
 
     def size(self, name: str) -> int:
-        return os.stat(self._path(name)).st_size
+        """The size of the regular file ``name`` (a symbolic link is not followed; anything but a
+        regular file raises ``UnsafeFileError``, as reading it would)."""
+        path = self._file(name)
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFileError(f"{path} is {_file_type(st.st_mode)}, not a regular file: refused")
+        return st.st_size
 
     def stat(self, name: str) -> FileStat:
-        st = os.stat(self._path(name))
+        st = os.lstat(self._file(name))
         return FileStat(st.st_size, st.st_mtime, f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}")
 
     def write(self, name: str, parts: Iterable[memoryview]) -> int:
-        path = self._path(name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        path = self._file(name)
+        fd = os.open(path, _WRITE_FLAGS | os.O_EXCL, 0o644)
         try:
             written = 0
             batch: list[memoryview] = []
@@ -145,7 +191,7 @@ class LocalStorage(Storage):
         if fd is None:
             if len(cache) >= self._fds_per_thread:
                 os.close(cache.pop(next(iter(cache))))  # the one opened first: reads go file by file
-            fd = cache[name] = os.open(self._path(name), os.O_RDONLY | os.O_CLOEXEC)
+            fd = cache[name] = open_regular(self._file(name))[0]
         return fd
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
@@ -160,27 +206,35 @@ class LocalStorage(Storage):
         if done < total:
             raise EOFError(f"{self._path(name)} ends at byte {offset + done}, expected {offset + total}")
 
-    def read_bytes(self, name: str) -> bytes:
-        with open(self._path(name), "rb") as f:
-            return f.read()
+    def read_bytes(self, name: str, limit: int | None = None) -> bytes:
+        fd, size = open_regular(self._file(name))
+        with os.fdopen(fd, "rb") as f:
+            if limit is None:
+                return f.read()
+            if size > limit:
+                raise FileTooLargeError(f.name, size, limit)
+            data = f.read(limit + 1)  # it may have grown since
+        if len(data) > limit:
+            raise FileTooLargeError(self._file(name), len(data), limit)
+        return data
 
     def read_head(self, name: str, n: int) -> bytes:
-        with open(self._path(name), "rb") as f:
+        with os.fdopen(open_regular(self._file(name))[0], "rb") as f:
             return f.read(n)
 
     def publish(self, name: str, tmp_name: str, data: bytes,
                 before_replace: Callable[[], None] | None = None) -> None:
-        tmp = self._path(tmp_name)
+        tmp = self._file(tmp_name)
         self._write_small(tmp, data, os.O_TRUNC)  # e.g. the disk filled up: it leaves no half-written temp file
         try:
             if self.fsync:
                 fsync_dir(self.location)  # the data files' directory entries are durable before the commit
             if before_replace is None:
-                os.replace(tmp, self._path(name))
+                os.replace(tmp, self._file(name))
             else:
                 with _directory_lock(self.location):
                     before_replace()
-                    os.replace(tmp, self._path(name))
+                    os.replace(tmp, self._file(name))
         except BaseException:
             _remove(tmp)
             raise
@@ -191,17 +245,17 @@ class LocalStorage(Storage):
         """Written to a temp file (``name.*.tmp``), then hard-linked into place, which fails if
         ``name`` exists: a reader never sees it empty or partly written. File systems without hard
         links get an ``O_EXCL`` create, which a reader may see before it holds ``data``."""
-        tmp = self._path(f"{name}.{secrets.token_hex(4)}.tmp")
+        tmp = self._file(f"{check_name(name)}.{secrets.token_hex(4)}.tmp")
         self._write_small(tmp, data, os.O_EXCL)
         try:
-            os.link(tmp, self._path(name))
+            os.link(tmp, self._file(name))
         except FileExistsError:
             return False
         except OSError as exc:
             if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
                 raise
             try:
-                self._write_small(self._path(name), data, os.O_EXCL)
+                self._write_small(self._file(name), data, os.O_EXCL)
             except FileExistsError:
                 return False
         finally:
@@ -212,7 +266,7 @@ class LocalStorage(Storage):
 
     def _write_small(self, path: str, data: bytes, flags: int) -> None:
         """Write ``path`` whole (durably unless ``fsync=False``); nothing is left if that fails."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, 0o644)
+        fd = os.open(path, _WRITE_FLAGS | flags, 0o644)
         try:
             try:
                 _writev_all(fd, [memoryview(data)])
@@ -230,7 +284,7 @@ class LocalStorage(Storage):
         for fd in fds:
             os.close(fd)
         try:
-            os.unlink(self._path(name))
+            os.unlink(self._file(name))
         except FileNotFoundError:
             pass
 
@@ -251,10 +305,13 @@ class LocalStorage(Storage):
             if self._maps_left <= 0:
                 return None
             self._maps_left -= 1
-        with open(self._path(name), "rb") as f:
-            if os.fstat(f.fileno()).st_size == 0:
+        fd, size = open_regular(self._file(name))
+        try:
+            if size == 0:
                 return None
-            return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY))
+            return memoryview(mmap.mmap(fd, 0, access=mmap.ACCESS_COPY))
+        finally:
+            os.close(fd)  # the map keeps its own reference to the file
 
     def close(self) -> None:
         with self._lock:

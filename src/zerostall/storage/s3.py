@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 from ..errors import ConcurrentWriteError, StorageError
 from ..format import MANIFEST_NAME
-from .base import FileStat, Storage
+from .base import FileStat, FileTooLargeError, Storage
 from .s3client import Connection, S3Options, Views, error_code
 
 log = logging.getLogger(__name__)
@@ -296,7 +296,9 @@ class S3Storage(Storage):
             self._call(key, "deleting", self._client.delete_object, Key=key)
 
     # -- reading -------------------------------------------------------------------------------
-    def read_bytes(self, name: str) -> bytes:
+    def read_bytes(self, name: str, limit: int | None = None) -> bytes:
+        if limit is not None and (size := self.size(name)) > limit:
+            raise FileTooLargeError(name, size, limit)
         return self._fetch(name, None)
 
     def read_head(self, name: str, n: int) -> bytes:
