@@ -20,8 +20,9 @@ import torch
 import xxhash
 
 import zerostall as zs
-from hostile import (MANIFEST, cli_outcome, data_files, entry, opened, read_body, under, within,
+from hostile import (MANIFEST, cli_outcome, data_files, entry, envelope, opened, read_body, under, within,
                      write_body)
+from zerostall.format import dump_json, load_json
 from zerostall.root import CORRUPT, CheckpointRoot
 from zerostall.storage import LocalStorage
 
@@ -78,8 +79,8 @@ def assert_refused(path, *words: str, at_open: bool = True, away=(), fifos=()) -
     """Every way of reading ``path`` raises CorruptCheckpointError (whose message holds ``words``)
     within WAIT seconds, without opening anything under ``away``: ``open`` itself when the
     manifest is at fault (``at_open``), else every read of the data. The CLI exits 1 with a
-    message and no traceback (verify; inspect too when the manifest is at fault), and ls lists it
-    lists, reading only its head)."""
+    message and no traceback (verify; inspect too when the manifest is at fault), and ls lists the
+    root without failing (it reads only the head of a manifest)."""
     with opened() as paths:
         for how, call in ways(path).items():
             hung, outcome = within(WAIT, call, fifos)
@@ -157,6 +158,34 @@ def test_the_storage_opens_plain_names_only(ck, name):
             call()
 
 
+def test_an_object_store_reads_plain_names_only_and_caps_the_manifest(s3_url, monkeypatch):
+    """On S3 too: a file name is never a path out of the prefix, a manifest over the cap is refused
+    by the size its GET answers with, unread, and a manifest naming a file outside is refused."""
+    from zerostall.storage import FileTooLargeError, storage_for
+
+    path = f"{s3_url}/ck"
+    zs.save(state(0), path)
+    storage = storage_for(path)
+    for name in ("../x", "a/b", "", ".."):
+        for call in (lambda: storage.read_bytes(name), lambda: storage.size(name), lambda: storage.delete(name)):
+            with pytest.raises(zs.UnsafeFileError, match="not a plain file name"):
+                call()
+    size = len(storage.read_bytes(MANIFEST))
+    assert len(storage.read_bytes(MANIFEST, size)) == size
+    with pytest.raises(FileTooLargeError):
+        storage.read_bytes(MANIFEST, size - 1)
+    monkeypatch.setenv("ZEROSTALL_MAX_MANIFEST_BYTES", str(size - 1))
+    with pytest.raises(zs.CorruptCheckpointError, match=f"has {size} bytes, more than the {size - 1}"):
+        zs.open(path)
+    monkeypatch.delenv("ZEROSTALL_MAX_MANIFEST_BYTES")
+    body = load_json(storage.read_bytes(MANIFEST))["manifest"]
+    body["files"]["../other/x"] = 1 << 20
+    entry(body, "w")["chunks"][0]["file"] = "../other/x"
+    storage.put(MANIFEST, envelope(dump_json(body)))
+    with pytest.raises(zs.CorruptCheckpointError, match="files"):
+        zs.load(target(), path)
+
+
 # -- hangs ------------------------------------------------------------------------------------------
 
 def test_a_fifo_in_place_of_a_data_file_fails_at_once(ck):
@@ -196,6 +225,29 @@ def test_listing_a_root_with_a_fifo_manifest_does_not_hang(tmp_path):
     assert [(r.name, r.status) for r in rows] == [("step_000000001", "committed"), ("step_000000002", CORRUPT)]
     hung, (code, err, escaped) = within(WAIT, lambda: cli_outcome("ls", root), (str(fifo),))
     assert not hung and escaped is None and code == 0, (code, err)
+
+
+@pytest.mark.parametrize("latest", ["deep", "huge", "fifo"])
+def test_listing_a_root_whose_latest_file_lies_does_not_fail(tmp_path, latest):
+    """``latest`` is only a mirror for other tools: nested deeper than a parser goes, bigger than a
+    pointer can be, or a FIFO, it is ignored (it raised RecursionError, read 2 GiB, or hung)."""
+    root = tmp_path / "root"
+    with zs.CheckpointManager(root) as manager:
+        manager.save(1, state(0))
+    pointer = root / "latest"
+    pointer.unlink()
+    if latest == "deep":
+        pointer.write_text("[" * 100_000 + "]" * 100_000)
+    elif latest == "huge":
+        pointer.write_bytes(b'{"tag": "step_000000001"}')
+        os.truncate(pointer, 2 << 30)
+    else:
+        os.mkfifo(pointer)
+    fifos = (str(pointer),) if latest == "fifo" else ()
+    hung, outcome = within(WAIT, lambda: CheckpointRoot(LocalStorage(str(root))).read_latest(), fifos)
+    assert not hung and outcome is None, outcome
+    hung, (code, err, escaped) = within(WAIT, lambda: cli_outcome("ls", root), fifos)
+    assert not hung and escaped is None and code == 0, (code, err, escaped)
 
 
 # -- no size cap ------------------------------------------------------------------------------------
@@ -402,6 +454,23 @@ def test_a_malformed_manifest_is_refused_at_open_naming_the_field(ck, case):
     change, named = HOSTILE[case]
     rewrite(ck, change)
     assert_refused(ck, named)
+
+
+def test_a_tensor_subclass_whose_inner_tensor_is_another_attributes_is_refused(tmp_path):
+    """A TwoTensor whose ``a`` refers to the entry stored for ``b``: every checksum holds, and a
+    load filled ``a`` with ``b``'s values (found by the fuzzer)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    two = TwoTensor(torch.arange(6.0).reshape(2, 3), -torch.arange(6.0).reshape(2, 3))
+    zs.save({"two": two}, tmp_path / "ck")
+
+    def change(body):
+        b = next(i for i, e in enumerate(body["entries"]) if e["fqn"] == "two.b")
+        entry(body, "two")["shards"][0]["inner"]["a"]["entry"] = b
+
+    rewrite(tmp_path / "ck", change)
+    with pytest.raises(zs.CorruptCheckpointError, match="stored for another attribute"):
+        zs.open(tmp_path / "ck")
 
 
 def test_reading_a_directory_in_place_of_a_data_file_is_refused(ck):

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from .errors import CheckpointError, ConcurrentWriteError
 from .root import LEASE_NAME
-from .storage import Storage, storage_for
+from .storage import SMALL_FILE_BYTES, Storage, storage_for
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +140,8 @@ class WriterLease:
 def read_lease(storage: Storage) -> dict[str, Any] | None:
     """The lease of the root at ``storage`` as it is now; None when there is none (or it cannot be read)."""
     try:
-        lease = json.loads(storage.read_bytes(LEASE_NAME))
-    except (OSError, ValueError):
+        lease = json.loads(storage.read_bytes(LEASE_NAME, SMALL_FILE_BYTES))
+    except (OSError, ValueError, RecursionError):  # absent, unreadable, too big (a few hundred bytes) or not JSON
         return None
     return lease if isinstance(lease, dict) else None
 

@@ -249,21 +249,31 @@ def _check_tree(tree: Any, entries: list[Entry]) -> None:
         tag = key if kind is dict and len(node) == 1 and (key := next(iter(node))).startswith("$") else ""
         body = node[tag] if tag else node
         if tag == "$ref":
-            if type(body) is not int or not 0 <= body < len(entries):
-                raise FieldError(f"tree at {clip(list(path))}", f"{clip(body)} is not the index of an entry")
-            if entries[body].path != path:
-                raise FieldError(f"tree at {clip(list(path))}", f"refers to entry {body}, whose key path is "
-                                                                f"{clip(list(entries[body].path))}")
-        elif len(path) >= codec.MAX_DEPTH:
+            _check_ref(body, path, entries)
+            continue
+        if len(path) >= codec.MAX_DEPTH:
             raise FieldError(f"tree at {clip(list(path[:4]))}…", f"nests more than {codec.MAX_DEPTH} containers deep")
-        elif (kind is list or tag == "$tuple") and type(body) is list:
-            stack.extend((v, path + (k,)) for k, v in enumerate(body))
+        if (kind is list or tag == "$tuple") and type(body) is list:
+            items: Any = enumerate(body)
         elif tag == "$dict" and type(body) is list and all(type(p) is list and len(p) == 2 for p in body):
-            for k, v in body:
+            for k, _ in body:
                 check_value(k, f"tree at {clip(list(path))}: a key", key=True)
-                stack.append((v, path + (codec.decode(k, where="tree"),)))
+            items = ((codec.decode(k, where="tree"), v) for k, v in body)
         elif kind is dict and not tag and not any(k.startswith("$") for k in node):
-            stack.extend((v, path + (k,)) for k, v in node.items())
+            items = node.items()
         else:
             raise FieldError(f"tree at {clip(list(path))}", f"{clip(node)}: the tree holds containers (dicts, "
                                                             "lists, tuples) and references to entries only")
+        for k, v in items:
+            if type(v) is dict and len(v) == 1 and "$ref" in v:  # a leaf: checked here, the common case
+                _check_ref(v["$ref"], path + (k,), entries)
+            else:
+                stack.append((v, path + (k,)))
+
+
+def _check_ref(index: Any, path: tuple[Any, ...], entries: list[Entry]) -> None:
+    if type(index) is not int or not 0 <= index < len(entries):
+        raise FieldError(f"tree at {clip(list(path))}", f"{clip(index)} is not the index of an entry")
+    if entries[index].path != path:
+        raise FieldError(f"tree at {clip(list(path))}", f"refers to entry {index}, whose key path is "
+                                                        f"{clip(list(entries[index].path))}")

@@ -20,7 +20,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpoi
 from .format import MANIFEST_NAME, ManifestHead, file_generation
 from .opening import read_manifest_head
 from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
-from .storage import Storage
+from .storage import SMALL_FILE_BYTES, Storage
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +195,8 @@ class CheckpointRoot:
     def read_latest(self) -> str | None:
         """The tag that the ``latest`` file names (a mirror of :meth:`latest` for other tools), or None."""
         try:
-            pointer = json.loads(self.storage.read_bytes(LATEST_NAME))
-        except (OSError, ValueError):
+            pointer = json.loads(self.storage.read_bytes(LATEST_NAME, SMALL_FILE_BYTES))
+        except (OSError, ValueError, RecursionError):  # absent, unreadable, too big or not JSON
             return None
         tag = pointer.get("tag") if isinstance(pointer, dict) else None
         return tag if isinstance(tag, str) else None

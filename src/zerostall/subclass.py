@@ -180,7 +180,7 @@ def shards(entries: Sequence[Entry], index: int, where: str) -> list[Shard]:
         out = []
         for d in entry.shards or ():
             offsets = tuple(int(o) for o in d["offsets"])
-            node = _node(entries, index, entry, d, entry.cls or "", entry.dtype or "")
+            node = _node(entries, index, entry, d, entry.cls or "", entry.dtype or "", offsets)
             if len(offsets) != len(entry.shape or ()) or len(node.sizes) != len(offsets):
                 raise ValueError(f"a box of {len(offsets)} dimensions in a tensor of {len(entry.shape or ())}")
             out.append(Shard(offsets, node))
@@ -191,7 +191,8 @@ def shards(entries: Sequence[Entry], index: int, where: str) -> list[Shard]:
         raise CorruptCheckpointError(f"subclass entry {entry.fqn} of {where} is malformed: {exc!r}") from None
 
 
-def _node(entries: Sequence[Entry], index: int, entry: Entry, d: dict[str, Any], cls: str, dtype: str) -> Node:
+def _node(entries: Sequence[Entry], index: int, entry: Entry, d: dict[str, Any], cls: str, dtype: str,
+          offsets: tuple[int, ...], attrs: Attrs = ()) -> Node:
     context = d["context"]
     codec.decode(context, where=f"{entry.fqn} (flatten context)")  # no pickle: a $pickle tag raises
     node = Node(str(cls), str(dtype), tuple(int(s) for s in d["sizes"]), tuple(int(s) for s in d["stride"]), context)
@@ -199,7 +200,8 @@ def _node(entries: Sequence[Entry], index: int, entry: Entry, d: dict[str, Any],
         raise ValueError("inner is not an object")
     for attr, value in d["inner"].items():
         if "inner" in value:
-            node.inner[attr] = _node(entries, index, entry, value, value["class"], value["dtype"])
+            node.inner[attr] = _node(entries, index, entry, value, value["class"], value["dtype"], offsets,
+                                     attrs + (attr,))
             continue
         ref = Ref(value["entry"], bool(value["box"]))
         if type(ref.entry) is not int or not 0 <= ref.entry < len(entries):
@@ -209,6 +211,8 @@ def _node(entries: Sequence[Entry], index: int, entry: Entry, d: dict[str, Any],
             raise ValueError(f"inner tensor {attr!r} refers to entry {target.fqn}, not one of its inner tensors")
         if ref.box and target.shape != entry.shape:
             raise ValueError(f"inner tensor {attr!r} is stored by box in a tensor of shape {list(target.shape or ())}")
+        if target.path not in {inner_path(entry.path, attrs + (attr,), ref.box, at) for at in (None, offsets)}:
+            raise ValueError(f"inner tensor {attr!r} refers to entry {target.fqn}, stored for another attribute")
         node.inner[attr] = ref
     return node
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .base import FileStat, FileTooLargeError, Storage, check_name
+from .base import SMALL_FILE_BYTES, FileStat, FileTooLargeError, Storage, check_name
 from .local import LocalStorage
 from .s3 import S3Storage
 from .s3client import S3Options
@@ -26,5 +26,5 @@ def storage_for(path: str | os.PathLike[str] | Storage, *, fsync: bool = True) -
     return LocalStorage(text.removeprefix("file://"), fsync=fsync)
 
 
-__all__ = ["FileStat", "FileTooLargeError", "Storage", "LocalStorage", "S3Options", "S3Storage", "check_name",
-           "storage_for"]
+__all__ = ["SMALL_FILE_BYTES", "FileStat", "FileTooLargeError", "Storage", "LocalStorage", "S3Options", "S3Storage",
+           "check_name", "storage_for"]

@@ -10,6 +10,9 @@ from typing import Callable, Iterable
 from ..errors import UnsafeFileError
 
 
+SMALL_FILE_BYTES = 1 << 16  # what a small file of a root (``latest``, the writer lease) may hold when read
+
+
 class FileTooLargeError(OSError):
     """A file is longer than the limit its reader set (:meth:`Storage.read_bytes`)."""
 

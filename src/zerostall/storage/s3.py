@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 from ..errors import ConcurrentWriteError, StorageError
 from ..format import MANIFEST_NAME
-from .base import FileStat, FileTooLargeError, Storage
+from .base import FileStat, FileTooLargeError, Storage, check_name
 from .s3client import Connection, S3Options, Views, error_code
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,12 @@ class S3Storage(Storage):
         return self._conn.client
 
     def _key(self, name: str) -> str:
-        return self.prefix + name
+        """The key of file ``name``, a plain name (else ``UnsafeFileError``): nothing outside the prefix."""
+        return self.prefix + check_name(name)
+
+    def _prefix(self, path: str) -> str:
+        """The key prefix of sub-location ``path`` (names joined by ``/``)."""
+        return f"{self.prefix}{path.strip('/')}/"
 
     def _error(self, exc: Exception, key: str, doing: str) -> OSError:
         """The OSError for a failed request on ``key``: FileNotFoundError for an absent object."""
@@ -260,7 +265,7 @@ class S3Storage(Storage):
 
     def delete_tree(self, name: str) -> None:
         """Every object under ``name/`` (in batches), and the multipart uploads left there."""
-        prefix = f"{self._key(name.strip('/'))}/"
+        prefix = self._prefix(name)
         keys = [o["Key"] for page in self._pages(prefix) for o in page.get("Contents", ())]
         for lo in range(0, len(keys), _DELETE_BATCH):
             batch = {"Objects": [{"Key": k} for k in keys[lo:lo + _DELETE_BATCH]], "Quiet": True}
@@ -272,7 +277,7 @@ class S3Storage(Storage):
 
     def abort_uploads(self, name: str = "") -> int:
         """Abort the unfinished multipart uploads under ``name/`` (all of the location's by default)."""
-        prefix = f"{self._key(name.strip('/'))}/" if name else self.prefix
+        prefix = self._prefix(name) if name else self.prefix
         uploads = [(u["Key"], u["UploadId"]) for page in self._pages(prefix, what="list_multipart_uploads")
                    for u in page.get("Uploads", ())]
         for key, upload in uploads:
@@ -284,7 +289,7 @@ class S3Storage(Storage):
         ever holds a manifest without its data files. Uploads still open under ``src`` are aborted
         first, so a writer still writing there fails to complete its files."""
         self.abort_uploads(src)
-        src_prefix, dst_prefix = f"{self._key(src.strip('/'))}/", f"{self._key(dst.strip('/'))}/"
+        src_prefix, dst_prefix = self._prefix(src), self._prefix(dst)
         keys = [o["Key"] for page in self._pages(src_prefix) for o in page.get("Contents", ())]
         if not keys:
             raise FileNotFoundError(2, f"nothing under {self.location}/{src} to move", f"{self.location}/{src}")
@@ -297,9 +302,14 @@ class S3Storage(Storage):
 
     # -- reading -------------------------------------------------------------------------------
     def read_bytes(self, name: str, limit: int | None = None) -> bytes:
-        if limit is not None and (size := self.size(name)) > limit:
-            raise FileTooLargeError(name, size, limit)
-        return self._fetch(name, None)
+        """The whole object; with ``limit``, one GET of at most ``limit + 1`` bytes whose answer
+        says the object's size, refused (``FileTooLargeError``) before its body is read."""
+        if limit is None:
+            return self._fetch(name, None)
+        try:
+            return self._fetch(name, f"bytes=0-{limit}", limit)
+        except EOFError:
+            return b""  # an empty object has no byte 0
 
     def read_head(self, name: str, n: int) -> bytes:
         try:
@@ -331,24 +341,30 @@ class S3Storage(Storage):
     def read_into_many(self, name: str, offset: int, outs: list[memoryview]) -> None:
         self._get_into(name, offset, outs)
 
-    def _open(self, name: str, byte_range: str | None) -> Any:
-        """The body of a GET of ``name`` (of ``byte_range``); EOFError if the range starts past its end."""
+    def _open(self, name: str, byte_range: str | None, limit: int | None = None) -> Any:
+        """The body of a GET of ``name`` (of ``byte_range``); EOFError if the range starts past its
+        end, ``FileTooLargeError`` (unread) if the object is larger than ``limit``."""
         extra = {"Range": byte_range} if byte_range else {}
         try:
-            return self._call(self._key(name), "reading", self._client.get_object, Key=self._key(name),
-                              **extra)["Body"]
+            answer = self._call(self._key(name), "reading", self._client.get_object, Key=self._key(name), **extra)
         except StorageError as exc:
             if error_code(exc.__cause__) in ("InvalidRange", "416"):
                 raise EOFError(f"{self.location}/{name} ends before {byte_range}") from None
             raise
+        if limit is not None:
+            size = int(str(answer.get("ContentRange", "")).rpartition("/")[2] or answer.get("ContentLength", 0))
+            if size > limit:
+                answer["Body"].close()
+                raise FileTooLargeError(f"{self.location}/{name}", size, limit)
+        return answer["Body"]
 
-    def _fetch(self, name: str, byte_range: str | None) -> bytes:
+    def _fetch(self, name: str, byte_range: str | None, limit: int | None = None) -> bytes:
         """A whole (small) body, asked again if the connection breaks in the middle."""
         from botocore.exceptions import BotoCoreError
 
         attempt = 0
         while True:
-            body = self._open(name, byte_range)
+            body = self._open(name, byte_range, limit)
             try:
                 return body.read()
             except (BotoCoreError, ConnectionError, TimeoutError) as exc:
