@@ -12,13 +12,14 @@ from __future__ import annotations
 import io
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
 import click
 from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 import zerostall as zs
 from zerostall.format import Manifest
@@ -64,6 +65,18 @@ def console(*, stderr: bool = False) -> Console:
 def print_json(obj: Any) -> None:
     """Print ``obj`` as one JSON document on stdout."""
     click.echo(json.dumps(obj, indent=2))
+
+
+@contextmanager
+def progress_bar(total: int, label: str, *, quiet: bool) -> Iterator[Callable[[int], None]]:
+    """A byte progress bar on stderr, shown only on a terminal and never with ``quiet`` (``--json``);
+    yields ``advance(nbytes)``, safe to call from worker threads."""
+    bar = Progress(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TimeRemainingColumn(), console=Console(stderr=True),
+                   disable=quiet or not sys.stderr.isatty(), transient=True)
+    with bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
 
 
 def format_time(created: float | None) -> str:

@@ -6,13 +6,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import click
 from rich.console import Console
 from rich.filesize import decimal as human_bytes
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Column, Table
 
 import zerostall as zs
@@ -24,7 +22,7 @@ from zerostall.storage import storage_for
 from zerostall.verification import verify_all
 
 from .common import (FAILED, UNVERIFIED, USAGE, cli, clip, console, format_time, open_checkpoint, print_json,
-                     reported_errors)
+                     progress_bar, reported_errors)
 
 
 def entry_row(manifest: Manifest, entry: Entry) -> dict[str, Any]:
@@ -127,7 +125,7 @@ def run_verify(ckpt: str, *, quiet: bool) -> tuple[str, int, list[str], int]:
         total = sum(c.nbytes for e in manifest.entries if e.kind == "tensor" for c in e.chunks)
         reader = ChunkReader(storage, manifest, default_threads())
         try:
-            with progress_bar(total, quiet=quiet) as advance:
+            with progress_bar(total, "verifying", quiet=quiet) as advance:
                 verify_all(reader, allow_pickle=False, progress=count)
                 return path, checked, [], 0
         finally:
@@ -138,14 +136,3 @@ def run_verify(ckpt: str, *, quiet: bool) -> tuple[str, int, list[str], int]:
             return path, checked, faults, USAGE
         damaged = isinstance(exc, (zs.CorruptCheckpointError, zs.IncompleteCheckpointError))
         return path, checked, faults, FAILED if damaged else UNVERIFIED
-
-
-@contextmanager
-def progress_bar(total: int, *, quiet: bool) -> Iterator[Callable[[int], None]]:
-    """A byte progress bar on stderr (off with ``quiet`` or off a terminal); yields ``advance(n)``."""
-    bar = Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                   TimeRemainingColumn(), console=Console(stderr=True),
-                   disable=quiet or not sys.stderr.isatty(), transient=True)
-    with bar:
-        task = bar.add_task("verify", total=total)
-        yield lambda n: bar.advance(task, n)
