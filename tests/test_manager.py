@@ -429,3 +429,42 @@ def test_a_step_or_metrics_listing_could_not_rank_are_refused_at_save(tmp_path, 
             zs.save({"w": torch.ones(2)}, tmp_path / "ckpt" / "other", step="2")
         m.save(np.int64(4), {"w": torch.ones(2)}, metrics={"loss": 1})
         assert m.latest() == "step_000000004" and [r.step for _, r in m.checkpoints()] == [1, 4]
+
+
+def start_then_roll_back_without_the_lease(root: str) -> list[str]:
+    """Rank 0's lease is taken by another writer, then every rank saves an earlier step (a rollback,
+    which sets later steps aside on rank 0 first); also a second manager on the held root. Returns
+    what each attempt raised on this rank."""
+    seen = []
+    mgr = zs.CheckpointManager(root, lease_ttl=60.0)
+    try:
+        for step in (1, 2):
+            mgr.save(step, part(step))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            lease = json.loads((Path(root) / LEASE_NAME).read_text())
+            (Path(root) / LEASE_NAME).write_text(json.dumps({**lease, "token": "another-writer"}))
+        dist.barrier()
+        try:
+            mgr.save(1, part(1))
+        except zs.CheckpointError as exc:
+            seen.append(str(exc))
+        try:
+            zs.CheckpointManager(root)
+        except zs.CheckpointError as exc:
+            seen.append(str(exc))
+    finally:
+        mgr.close()
+    return seen
+
+
+def test_a_refusal_on_rank_0_before_a_save_is_raised_on_every_rank(ranks, tmp_path):
+    """Setting steps aside and taking the lease happen on rank 0 only; when rank 0 refuses (the lease
+    was taken over, the root is held), every rank raises at once instead of waiting in the save's
+    first collective for a rank that will never come."""
+    seen = ranks(2).run(start_then_roll_back_without_the_lease, str(tmp_path / "root"), timeout=60)
+    for rank_seen in seen:
+        assert len(rank_seen) == 2, seen
+        assert "no longer holds the writer lease" in rank_seen[0]
+        assert "is being written by" in rank_seen[1]
+    assert steps_on_disk(tmp_path / "root") == [1, 2]  # nothing was set aside or saved over

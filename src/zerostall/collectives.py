@@ -101,17 +101,24 @@ class Group:
 
     def agree(self, decide: Callable[[], bytes]) -> bytes:
         """What ``decide()`` returns on the coordinator, on every rank (one broadcast of bytes); a
-        :class:`CheckpointError` it raises is raised on every rank, with its type. Ranks deciding
-        for themselves could see different things (a save committing in between)."""
+        :class:`CheckpointError` it raises is raised on every rank, with its type (any other error
+        as a :class:`CheckpointError` naming it, so no rank is left waiting in a collective).
+        Ranks deciding for themselves could see different things (a save committing in between)."""
         if self.pg is None:
             return decide()
         payload = None
+        failed: Exception | None = None
         if self.is_coordinator:
             try:
                 payload = b"V" + decide()
             except CheckpointError as exc:
                 payload = b"E" + json.dumps([type(exc).__name__, str(exc)]).encode()
+            except Exception as exc:
+                failed = exc
+                payload = b"E" + json.dumps(["CheckpointError", f"rank 0 failed: {type(exc).__name__}: {exc}"]).encode()
         data = self.broadcast_bytes(payload)
+        if failed is not None:
+            raise failed
         if data[:1] == b"E":
             kind, message = json.loads(data[1:])
             raise getattr(errors, kind, CheckpointError)(message)

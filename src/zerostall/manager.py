@@ -76,17 +76,21 @@ class CheckpointManager:
         self._committing: Future[None] | None = None
         self.lease: WriterLease | None = None
         self._save_options = self.save_options
-        if self.group.is_coordinator:
-            try:
-                self.checkpoint_root.storage.create()
-                self.lease = WriterLease(self.checkpoint_root.storage, lease_ttl)
-                self.lease.acquire()
-                # every commit first checks that the lease is still this manager's
-                self._save_options = dataclasses.replace(self.save_options,
-                                                         before_commit=self.lease.fence(self.save_options.before_commit))
-                self.checkpoint_root.clean_stale_attempts(temp_age=lease_ttl)
-            except OSError as exc:
-                raise CheckpointError(f"cannot write checkpoints under {self.root}: {exc}") from exc
+        self.group.agree(functools.partial(self._take_root, lease_ttl))  # a refusal is raised on every rank
+
+    def _take_root(self, lease_ttl: float) -> bytes:
+        """On the coordinator: create the root, take its writer lease, clean up a dead writer's attempt."""
+        try:
+            self.checkpoint_root.storage.create()
+            self.lease = WriterLease(self.checkpoint_root.storage, lease_ttl)
+            self.lease.acquire()
+            # every commit first checks that the lease is still this manager's
+            self._save_options = dataclasses.replace(self.save_options,
+                                                     before_commit=self.lease.fence(self.save_options.before_commit))
+            self.checkpoint_root.clean_stale_attempts(temp_age=lease_ttl)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write checkpoints under {self.root}: {exc}") from exc
+        return b""
 
     # -- deciding and saving -------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -131,13 +135,21 @@ class CheckpointManager:
         the run (a rollback to an earlier checkpoint, or a new run in the same root): move those
         into ``.superseded/``, so that restore, ``latest`` and retention follow the run being
         written (they pick by step, and would resume the abandoned run or delete the new one's
-        checkpoints) and no committed checkpoint is lost by being saved over."""
-        if not self.group.is_coordinator:
-            return
-        later = [name for name, record in self.checkpoints() if record.step > step or name == tag]
-        if later:  # not while retention deletes
-            self._still_the_writer()
-            self._deleter.submit(self.checkpoint_root.set_aside, later, step).result()
+        checkpoints) and no committed checkpoint is lost by being saved over. The coordinator
+        moves them; its failure (a lost lease) is raised on every rank, before the save starts."""
+
+        def set_aside() -> bytes:
+            later = [name for name, record in self.checkpoints() if record.step > step or name == tag]
+            if later:  # not while retention deletes
+                self._still_the_writer()
+                try:
+                    self._deleter.submit(self.checkpoint_root.set_aside, later, step).result()
+                except OSError as exc:
+                    raise CheckpointError(f"cannot set {', '.join(later)} aside under {self.root} before saving "
+                                          f"step {step}: {exc}") from exc
+            return b""
+
+        self.group.agree(set_aside)
 
     def _committed_async(self, fut: Future, tag: str, step: int, committing: Future) -> None:
         """Runs when an asynchronous save is done: commit it (latest, retention) if it succeeded."""
