@@ -132,3 +132,32 @@ def test_close_removes_the_step_hooks(tmp_path):
     assert len(optimizer._optimizer_step_pre_hooks) == hooks + 1  # once per optimizer, not per save
     saver.close()
     assert len(optimizer._optimizer_step_pre_hooks) == hooks
+
+
+def torn_on_rank_1(path: str) -> str:
+    """Both ranks save asynchronously; rank 1 changes its rank-local tensor before its capture.
+    Returns what each rank's save raised."""
+    import torch.distributed as dist
+    state = {"w": torch.ones(64), "mine": zs.rank_local(torch.full((8,), float(dist.get_rank())))}
+    saver = zs.AsyncSaver()
+    release = hold_worker(saver)
+    handle = saver.save(state, path, commit_timeout=300.0)
+    if dist.get_rank() == 1:
+        state["mine"].value.add_(1)
+    release.set()
+    try:
+        handle.result()
+    except zs.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        saver.close()  # the failure was raised by the handle: not again
+    return "committed"
+
+
+def test_a_capture_failing_on_one_rank_fails_the_others_at_once(ranks, tmp_path):
+    """A rank whose capture fails tells the others at once (a ``failed`` record), so the
+    coordinator aborts instead of waiting ``commit_timeout`` for a rank that will never write."""
+    rank0, rank1 = ranks(2).run(torn_on_rank_1, str(tmp_path / "ck"), timeout=60)
+    assert rank1.startswith("StateChangedError") and "mine" in rank1, rank1
+    assert rank0.startswith("CommitError") and "rank 1: StateChangedError" in rank0, rank0
+    assert not (tmp_path / "ck" / "manifest.json").exists()

@@ -35,7 +35,7 @@ from .capture import BufferPool, capture, record_caller_stream, versions
 from .collectives import Group
 from .errors import CheckpointError
 from .options import SaveOptions
-from .saving import Prepared, SaveInfo, for_writer_process, persist, prepare
+from .saving import Prepared, SaveInfo, abandon, for_writer_process, persist, prepare
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -133,8 +133,12 @@ class AsyncSaver:
         prepared = prepare(state, path, options, process_group=process_group, step=step, metadata=metadata)
         self._hold_steps(prepared.collected.optimizers)
         recorded = versions(prepared.items)
-        ready = record_caller_stream(prepared.items)
-        buffers = self.pool.buffers(prepared.items)
+        try:
+            ready = record_caller_stream(prepared.items)
+            buffers = self.pool.buffers(prepared.items)
+        except BaseException as exc:
+            abandon(prepared, exc)
+            raise
         handle = SaveHandle(prepared.storage.location, prepared.step)
         self._current = handle
         self._worker.submit(self._run, prepared, buffers, ready, recorded, handle)
@@ -182,6 +186,7 @@ class AsyncSaver:
         try:
             capture(prepared.items, buffers, ready, recorded)
         except BaseException as exc:
+            abandon(prepared, exc)
             self._fail(handle, exc, staged=True)
             return
         try:

@@ -115,6 +115,18 @@ def for_writer_process(prepared: Prepared) -> Prepared:
     return dataclasses.replace(prepared, group=prepared.group.detached(), collected=collected)
 
 
+def abandon(prepared: Prepared, exc: BaseException) -> None:
+    """This rank gives up a planned save before writing (its capture failed): tell the other ranks
+    now, so that they stop waiting for it instead of waiting out ``commit_timeout``."""
+    if prepared.group.size > 1:
+        try:
+            create(prepared.storage)
+        except OSError:
+            pass  # report_failure says so
+        report_failure(prepared.storage, prepared.generation, prepared.group, exc)
+        prepared.storage.close()
+
+
 def persist(prepared: Prepared) -> SaveInfo:
     """Write this rank's items and take part in the commit (see :mod:`zerostall.commit`)."""
     p, group, storage, generation = prepared, prepared.group, prepared.storage, prepared.generation
