@@ -333,7 +333,7 @@ import zerostall as zs
 from faults import CommitHeldByLock
 
 if __name__ == "__main__":
-    path, lock, die = sys.argv[1], sys.argv[2], sys.argv[3] == "die"
+    path, lock, how = sys.argv[1], sys.argv[2], sys.argv[3]
     held = open(lock, "wb")
     fcntl.flock(held, fcntl.LOCK_EX)  # the writer process's commit waits for this lock: until the kill
     state = {{"w": torch.full((1 << 20,), 1.0), "step": 1}}
@@ -341,24 +341,30 @@ if __name__ == "__main__":
     handle = saver.save(state, CommitHeldByLock(path, lock=lock), step=1)
     handle.wait_staged()
     state["w"].fill_(2.0)
-    if die:
+    if how != "live":
         print("manifest before the kill:", os.path.exists(os.path.join(path, "manifest.json")), flush=True)
+    if how == "die":
         os.kill(os.getpid(), signal.SIGKILL)
+    if how == "term":  # as Slurm's scancel or a terminal's kill: the trainer's whole process group
+        os.killpg(os.getpgid(0), signal.SIGTERM)
     fcntl.flock(held, fcntl.LOCK_UN)
     print("committed", handle.result().step, flush=True)
     saver.close()
 """
 
 
-@pytest.mark.parametrize("die", [False, True], ids=["normal", "trainer-killed-after-staged"])
-def test_process_writer_commits_even_if_the_trainer_dies(tmp_path, die):
+@pytest.mark.parametrize("how", ["live", "die", "term"],
+                         ids=["normal", "trainer-killed-after-staged", "process-group-terminated"])
+def test_process_writer_commits_even_if_the_trainer_dies(tmp_path, how):
+    """The writer process finishes the save handed over when the trainer is killed, or when SIGTERM
+    reaches the whole process group (the writer ignores it, then exits with the trainer gone)."""
     script = tmp_path / "train.py"
     script.write_text(PROCESS_WRITER)
     path = tmp_path / "ck"
-    proc = subprocess.run([sys.executable, str(script), str(path), str(tmp_path / "lock"), "die" if die else "live"],
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == (-9 if die else 0), proc.stderr
-    if die:  # the trainer died before the commit (held until then): the writer process finished it alone
+    proc = subprocess.run([sys.executable, str(script), str(path), str(tmp_path / "lock"), how],
+                          capture_output=True, text=True, timeout=180, start_new_session=True)
+    assert proc.returncode == {"live": 0, "die": -9, "term": -15}[how], proc.stderr
+    if how != "live":  # the trainer died before the commit (held until then): the writer process finished it alone
         assert "manifest before the kill: False" in proc.stdout
     deadline = time.monotonic() + 60  # for the orphaned writer process to commit (not a timing bound)
     while not (path / "manifest.json").exists() and time.monotonic() < deadline:

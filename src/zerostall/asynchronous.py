@@ -365,9 +365,11 @@ class _WriterProcess:
 def _writer_main(conn: Any) -> None:
     """The writer process: persist each job received, answer (ok, SaveInfo | exception).
 
-    It ignores SIGINT: Ctrl-C in a terminal reaches the whole process group, and the save handed
-    over must still commit; the writer stops when the training process closes the pipe or dies."""
+    It ignores SIGINT and SIGTERM: Ctrl-C in a terminal, ``kill`` of a job or Slurm's ``scancel``
+    reach the whole process group, and the save handed over must still commit; the writer stops
+    when the training process closes the pipe or dies (SIGKILL still ends it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     while True:
         try:
             job = conn.recv()
