@@ -163,8 +163,10 @@ class _Copy:
                 self.target.delete(name)
             self._check_source_size(name, size)
             written = self.target.write(name, self._stream(name, runs))
-        except BaseException:
+        except BaseException as exc:
             self.stop.set()
+            if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+                raise CheckpointError(f"copying data file {name} to {self.target.location} failed: {exc}") from exc
             raise
         if written != size:
             raise CheckpointError(f"wrote {written} bytes to {name} of {self.target.location}, expected {size}")
