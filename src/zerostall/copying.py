@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -145,6 +145,13 @@ class _Copy:
         files = sorted(self.manifest.files.items(), key=lambda item: -item[1])
         with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-copy") as pool:
             futures = [pool.submit(self._file, name, size, name in present) for name, size in files]
+            try:
+                wait(futures)
+            except BaseException:  # Ctrl-C: the threads stop at their next run; the files done stay
+                self.stop.set()
+                for future in futures:
+                    future.cancel()
+                raise
         cause = next((e for e in map(Future.exception, futures) if e is not None and not isinstance(e, _Stopped)),
                      None)
         if cause is not None:
@@ -154,6 +161,8 @@ class _Copy:
 
     def _file(self, name: str, size: int, present: bool) -> tuple[int, bool]:
         """Copy one data file (or keep it, complete at the destination); returns its size and whether it was kept."""
+        if self.stop.is_set():
+            raise _Stopped("another copying thread failed")
         try:
             runs = list(_runs(self.segments.get(name, []), name, size, self.manifest, self.source.location))
             if present:
