@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "async_save", "load", "open", "open_latest", "verify", "SaveOptions", "LoadOptions",
+    "save", "async_save", "load", "open", "open_latest", "verify", "copy", "CopyInfo", "SaveOptions", "LoadOptions",
     "AsyncSaver", "SaveHandle", "SaveInfo", "Checkpoint", "Mismatch", "CheckpointManager", "RetentionPolicy",
     "rank_local", "RankLocal", "Stateful", "FlattenedTensor", "FORMAT_VERSION", "S3Storage", "S3Options",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError",
@@ -27,7 +27,7 @@ __all__ = [
 # the imports below naming the same objects).
 _EXPORTS = {
     "save": "api", "async_save": "api", "load": "api", "open": "api", "open_latest": "api", "verify": "api",
-    "SaveOptions": "options", "LoadOptions": "options",
+    "copy": "copying", "CopyInfo": "copying", "SaveOptions": "options", "LoadOptions": "options",
     "AsyncSaver": "asynchronous", "SaveHandle": "asynchronous", "SaveInfo": "saving",
     "Checkpoint": "checkpoint", "Mismatch": "load_plan", "CheckpointManager": "manager",
     "RetentionPolicy": "retention",
@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .api import async_save, load, open, open_latest, save, verify
     from .asynchronous import AsyncSaver, SaveHandle
     from .checkpoint import Checkpoint
+    from .copying import CopyInfo, copy
     from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CommitError,
                          ConcurrentWriteError, CorruptCheckpointError, IncompleteCheckpointError, SharedMemoryError,
                          StateChangedError, StateMismatchError, StorageError, UnsafeFileError, UnsupportedValueError)

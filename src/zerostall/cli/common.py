@@ -1,10 +1,9 @@
 """What every ``zerostall`` command shares: the command group, exit statuses, errors as one line,
-the console, JSON and formatting helpers, and opening a checkpoint.
+the console, JSON and formatting helpers, progress bars, and opening a checkpoint.
 
 Every command prints a human table by default and one JSON object with ``--json``. Errors are a
-one-line message on stderr and an exit status (1: the checkpoint is incomplete or corrupt, or the
-root is being written; 2: bad usage or nothing found; 3: verify could not read some bytes), never
-a traceback.
+one-line message on stderr and an exit status (:data:`EXIT_STATUSES`, shown in every command's
+``--help``), never a traceback.
 """
 
 from __future__ import annotations
@@ -27,9 +26,17 @@ from zerostall.opening import read_manifest
 from zerostall.root import CheckpointRoot
 from zerostall.storage import Storage, storage_for
 
-FAILED = 1
-USAGE = 2
+FAILED = 1  # a checkpoint is incomplete or corrupt, an operation failed, or the root is being written
+USAGE = 2  # bad usage, nothing found, or a destination that holds a checkpoint already
 UNVERIFIED = 3  # verify could not read some bytes (I/O error, permissions, changed meanwhile): not known damaged
+EXIT_STATUSES = """\b
+Exit status (every zerostall command):
+  0  success (diff: the checkpoints are equal)
+  1  a checkpoint is incomplete or corrupt, or the work failed (an I/O
+     error, a root being written); diff: the checkpoints differ
+  2  bad usage, nothing found, or a destination that already holds a
+     checkpoint (no --overwrite); diff: any trouble at all
+  3  verify could not read some bytes (not known to be damaged)"""
 _REPR_WIDTH = 60
 
 
@@ -46,7 +53,7 @@ def reported_errors() -> Iterator[None]:
     """Turn library and file-system errors into a :class:`Failure` (a message, not a traceback)."""
     try:
         yield
-    except zs.CheckpointNotFoundError as exc:
+    except (zs.CheckpointNotFoundError, zs.CheckpointExistsError) as exc:
         raise Failure(str(exc), USAGE) from exc
     except (zs.CheckpointError, OSError) as exc:
         raise Failure(str(exc) or type(exc).__name__) from exc
@@ -94,7 +101,7 @@ def clip(text: str, width: int = _REPR_WIDTH) -> str:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(zs.__version__, prog_name="zerostall")
 def cli() -> None:
-    """zerostall: list, inspect, verify, compare and prune checkpoints."""
+    """zerostall: list, inspect, verify, compare, copy and prune checkpoints."""
     for stream in (sys.stdout, sys.stderr):  # a key may hold any string (a lone surrogate): shown escaped
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="backslashreplace")

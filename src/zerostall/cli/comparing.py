@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,8 @@ from zerostall import codec
 from zerostall.format import Entry, Manifest
 from zerostall.reader import resolve
 
-from .common import Failure, USAGE, cli, clip, console, open_checkpoint, print_json, reported_errors
+from .common import (EXIT_STATUSES, Failure, USAGE, cli, clip, console, open_checkpoint, print_json, progress_bar,
+                     reported_errors)
 
 DIFFERENT = 1
 SLAB_BYTES = 64 << 20  # of each side's tensor read and compared at a time
@@ -60,14 +62,27 @@ def keyed(manifest: Manifest) -> dict[str, Entry]:
     return {entry.fqn if entry.rank is None else f"{entry.fqn}@rank{entry.rank}": entry for entry in manifest.entries}
 
 
-def compare(a: zs.Checkpoint, b: zs.Checkpoint, atol: float, rtol: float) -> Report:
-    """Compare checkpoint ``a`` with ``b``, entry by entry."""
+def _common(a: zs.Checkpoint, b: zs.Checkpoint) -> Iterator[tuple[str, Entry, Entry]]:
+    """The entries under a name in both checkpoints (what an alias stands for), in ``a``'s order."""
+    left, right = keyed(a.manifest), keyed(b.manifest)
+    for key in [k for k in left if k in right]:
+        yield key, resolve(a.manifest, left[key], a.path), resolve(b.manifest, right[key], b.path)
+
+
+def tensor_bytes(a: zs.Checkpoint, b: zs.Checkpoint) -> int:
+    """The bytes :func:`compare` reads: both sides of every common tensor of one shape."""
+    return sum(x.nbytes + y.nbytes for _, x, y in _common(a, b)
+               if x.kind == y.kind == "tensor" and tuple(x.shape or ()) == tuple(y.shape or ()))
+
+
+def compare(a: zs.Checkpoint, b: zs.Checkpoint, atol: float, rtol: float,
+            progress: Callable[[int], None] | None = None) -> Report:
+    """Compare checkpoint ``a`` with ``b``, entry by entry; ``progress(nbytes)`` as tensor bytes are read."""
     report = Report()
     left, right = keyed(a.manifest), keyed(b.manifest)
     report.only_in_a = sorted(set(left) - set(right))
     report.only_in_b = sorted(set(right) - set(left))
-    for key in [k for k in left if k in right]:
-        x, y = resolve(a.manifest, left[key], a.path), resolve(b.manifest, right[key], b.path)
+    for key, x, y in _common(a, b):
         report.compared += 1
         if x.kind != y.kind:
             report.differences.append(Difference(key, "kind", x.kind, y.kind))
@@ -78,7 +93,7 @@ def compare(a: zs.Checkpoint, b: zs.Checkpoint, atol: float, rtol: float) -> Rep
                 report.differences.append(Difference(key, "subclass", f"{x.cls} {x.dtype} {list(x.shape or ())}",
                                                      f"{y.cls} {y.dtype} {list(y.shape or ())}"))
         else:
-            _compare_tensors(report, key, a, b, x, y, atol, rtol)
+            _compare_tensors(report, key, a, b, x, y, atol, rtol, progress)
     return report
 
 
@@ -95,7 +110,7 @@ def _compare_values(report: Report, key: str, x: Entry, y: Entry) -> None:
 
 
 def _compare_tensors(report: Report, key: str, a: zs.Checkpoint, b: zs.Checkpoint, x: Entry, y: Entry,
-                     atol: float, rtol: float) -> None:
+                     atol: float, rtol: float, progress: Callable[[int], None] | None) -> None:
     shape_x, shape_y = tuple(x.shape or ()), tuple(y.shape or ())
     if shape_x != shape_y:
         report.differences.append(Difference(key, "shape", f"{x.dtype} {list(shape_x)}", f"{y.dtype} {list(shape_y)}"))
@@ -113,6 +128,8 @@ def _compare_tensors(report: Report, key: str, a: zs.Checkpoint, b: zs.Checkpoin
         for box in flat_boxes(shape_x, first, min(numel, first + step)):
             u, v = a.read(x.path if x.rank is None else key, box=box), b.read(y.path if y.rank is None else key, box=box)
             report.bytes_compared += u.nbytes + v.nbytes
+            if progress is not None:
+                progress(u.nbytes + v.nbytes)
             same, d_abs, d_rel = _slab_difference(torch, u, v, atol, rtol)
             close &= same
             worst_abs, worst_rel = max(worst_abs, d_abs), max(worst_rel, d_rel)
@@ -145,7 +162,7 @@ def _slab_difference(torch: Any, u: Any, v: Any, atol: float, rtol: float) -> tu
     return same, d_abs, d_rel
 
 
-@cli.command()
+@cli.command(epilog=EXIT_STATUSES)
 @click.argument("a")
 @click.argument("b")
 @click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance of tensor values.")
@@ -155,17 +172,19 @@ def _slab_difference(torch: Any, u: Any, v: Any, atol: float, rtol: float) -> tu
 def diff(a: str, b: str, atol: float, rtol: float, as_json: bool) -> None:
     """Compare checkpoints A and B (each a checkpoint, a root, ROOT/latest or ROOT/<step>): entries
     only in one, kind, dtype and shape changes, python values, and tensor values (largest absolute
-    and relative difference), reading a slab at a time.
+    and relative difference), reading a slab at a time. A progress bar shows the bytes read (on a
+    terminal, without --json).
 
-    Exit status: 0 equal within the tolerance, 1 different, 2 trouble (a checkpoint not found,
-    unreadable or corrupt)."""
+    Exit status as for diff(1): 0 equal within the tolerance, 1 different, 2 trouble (a checkpoint
+    not found, unreadable or corrupt)."""
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise Failure("--atol and --rtol must be numbers >= 0", USAGE)
     try:
         with reported_errors():
             (left, _), (right, _) = open_checkpoint(a), open_checkpoint(b)
-            with zs.open(left) as ck_a, zs.open(right) as ck_b:
-                report = compare(ck_a, ck_b, atol, rtol)
+            with zs.open(left) as ck_a, zs.open(right) as ck_b, \
+                    progress_bar(tensor_bytes(ck_a, ck_b), "comparing", quiet=as_json) as advance:
+                report = compare(ck_a, ck_b, atol, rtol, advance)
     except Failure as exc:
         exc.exit_code = USAGE  # trouble, as for diff(1): never mistaken for "different"
         raise

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.filesize import decimal as human_bytes
 from rich.table import Column, Table
 
@@ -21,8 +18,8 @@ from zerostall.reader import ChunkReader
 from zerostall.storage import storage_for
 from zerostall.verification import verify_all
 
-from .common import (FAILED, UNVERIFIED, USAGE, cli, clip, console, format_time, open_checkpoint, print_json,
-                     progress_bar, reported_errors)
+from .common import (EXIT_STATUSES, FAILED, UNVERIFIED, USAGE, cli, clip, console, format_time, open_checkpoint,
+                     print_json, progress_bar, reported_errors)
 
 
 def entry_row(manifest: Manifest, entry: Entry) -> dict[str, Any]:
@@ -46,7 +43,7 @@ def entry_row(manifest: Manifest, entry: Entry) -> dict[str, Any]:
     return row
 
 
-@cli.command()
+@cli.command(epilog=EXIT_STATUSES)
 @click.argument("ckpt")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def inspect(ckpt: str, as_json: bool) -> None:
@@ -81,7 +78,7 @@ def inspect(ckpt: str, as_json: bool) -> None:
     out.print(table)
 
 
-@cli.command()
+@cli.command(epilog=EXIT_STATUSES)
 @click.argument("ckpt")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def verify(ckpt: str, as_json: bool) -> None:

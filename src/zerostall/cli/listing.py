@@ -19,7 +19,7 @@ from zerostall.retention import RetentionPolicy, numeric_metrics
 from zerostall.root import COMMITTED, LEASE_NAME, CheckpointInfo, CheckpointRoot, looks_like_checkpoint, retained
 from zerostall.storage import storage_for
 
-from .common import FAILED, USAGE, Failure, cli, clip, console, format_time, print_json, reported_errors
+from .common import EXIT_STATUSES, FAILED, USAGE, Failure, cli, clip, console, format_time, print_json, reported_errors
 
 
 @dataclass
@@ -118,7 +118,7 @@ def scan(root: CheckpointRoot, policy: RetentionPolicy, *, include_root: bool) -
     return rows
 
 
-@cli.command()
+@cli.command(epilog=EXIT_STATUSES)
 @click.argument("root")
 @retention_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
@@ -156,7 +156,7 @@ def ls(root: str, keep_last: int | None, keep_every: int | None, keep_best: int 
     console().print(table)
 
 
-@cli.command()
+@cli.command(epilog=EXIT_STATUSES)
 @click.argument("root")
 @retention_options
 @click.option("--dry-run", "-n", is_flag=True, help="Report what would be deleted; delete nothing.")

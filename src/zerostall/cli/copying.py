@@ -1,0 +1,47 @@
+"""``zerostall cp``: copy one checkpoint between local paths and ``s3://`` (any direction), every
+block checked as it is read, the manifest written last; run again, it resumes."""
+
+from __future__ import annotations
+
+import click
+from rich.filesize import decimal as human_bytes
+
+from zerostall.copying import copy
+
+from .common import EXIT_STATUSES, cli, console, open_checkpoint, print_json, progress_bar, reported_errors
+
+
+@cli.command(epilog=EXIT_STATUSES)
+@click.argument("src")
+@click.argument("dst")
+@click.option("--overwrite", is_flag=True,
+              help="Replace a committed checkpoint at DST (it stays readable until the copy commits).")
+@click.option("--threads", type=click.IntRange(1, 64), default=None,
+              help="Data files copied at once (default: one per core, 2 to 8).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def cp(src: str, dst: str, overwrite: bool, threads: int | None, as_json: bool) -> None:
+    """Copy the checkpoint SRC (a checkpoint, a root: its newest committed checkpoint, ROOT/latest
+    or ROOT/<step>) to the checkpoint path DST; either may be local or s3://bucket/prefix.
+
+    Every block is checked against the manifest's checksums as it is read, before it is written,
+    and the manifest is written last: a copy stopped at any point leaves no checkpoint at DST.
+    Run the same command again to resume: a data file already at DST is kept when its size, its
+    header's checksum and every block's checksum verify (read back from DST); any other file is
+    copied again, and files of other checkpoints there are removed once the copy commits. A
+    committed checkpoint at DST is refused unless --overwrite. One checkpoint at a time: copy the
+    steps of a root one by one (ROOT/<step> to DST_ROOT/<name>). A progress bar shows the bytes
+    copied (on a terminal, without --json)."""
+    with reported_errors():
+        source, manifest = open_checkpoint(src)
+        with progress_bar(sum(manifest.files.values()), "copying", quiet=as_json) as advance:
+            info = copy(source, dst, overwrite=overwrite, threads=threads, progress=advance)
+    if as_json:
+        print_json({"source": info.source, "destination": info.destination, "generation": info.generation,
+                    "files": info.files, "bytes": info.bytes, "skipped_files": info.skipped_files,
+                    "skipped_bytes": info.skipped_bytes, "seconds": round(info.seconds, 6),
+                    "gb_per_s": round(info.gb_per_s, 3)})
+        return
+    kept = f"; {info.skipped_files} file(s), {human_bytes(info.skipped_bytes)}, already complete at the " \
+        "destination, kept" if info.skipped_files else ""
+    console().print(f"copied {info.source} -> {info.destination}: {info.files} file(s), "
+                    f"{human_bytes(info.bytes)} in {info.seconds:.2f} s ({info.gb_per_s:.2f} GB/s){kept}")
