@@ -416,7 +416,7 @@ def test_saving_over_a_checkpoint_needs_overwrite_and_keeps_it_otherwise(tmp_pat
     zs.save({"w": torch.ones(3)}, path, step=1)
     before = {p.name: p.read_bytes() for p in path.iterdir()}
     with pytest.raises(zs.CheckpointExistsError, match=r"ck already holds a committed checkpoint; nothing was "
-                                                       r"written: pass overwrite=True"):
+                                                       r"written: save with overwrite=True"):
         zs.save({"w": torch.full((3,), 2.0)}, path, step=2)
     with pytest.raises(zs.CheckpointExistsError):
         zs.async_save({"w": torch.full((3,), 2.0)}, path, step=2)  # refused at the call, before any capture

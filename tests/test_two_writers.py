@@ -78,7 +78,7 @@ def test_a_second_writer_cannot_commit_between_the_first_ones_check_and_switch(t
     out_b, err_b = b.communicate(timeout=WAIT)
     assert a.returncode == 0 and b.returncode == 0, err_a + err_b
     assert out_a.strip() == "committed", out_a + err_a
-    assert out_b.startswith("refused:") and "another save" in out_b, out_b + err_b
+    assert out_b.startswith("refused:") and "another checkpoint" in out_b, out_b + err_b
     zs.verify(path)
     got = zs.load({"w": torch.empty(1 << 16), "b": torch.empty(64)}, path)
     assert torch.equal(got["w"], torch.full((1 << 16,), 1.0)) and torch.equal(got["b"], torch.full((64,), 1.0))

@@ -21,9 +21,10 @@ from typing import Any, Callable
 from . import codec, subclass
 from .collect import Collected, WriteItem, path_key
 from .collectives import Group
-from .errors import CheckpointError, CommitError
-from .format import (MANIFEST_NAME, Chunk, Entry, Manifest, abort_name, dump_json, file_generation, generation_time,
-                     load_json, manifest_tmp_name, parse_record, record_name)
+from .errors import CommitError
+from .format import (Chunk, Entry, Manifest, abort_name, dump_json, file_generation, generation_time,
+                     load_json, parse_record, record_name)
+from .location import publish_manifest
 from .opening import manifest_generation
 from .plan import SavePlan
 from .state import fqn
@@ -184,25 +185,8 @@ def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], header
 
 def publish(storage: Storage, manifest: Manifest, previous: str | None,
             before_commit: Callable[[], None] | None = None) -> None:
-    """Publish the manifest: the single atomic step that makes the checkpoint exist. Refused at the
-    last moment if the manifest in place is no longer ``previous`` (the generation this save
-    found when it began writing): another save committed into the path meanwhile (two writers on
-    one path), its clean-up may have removed this save's data files, and its checkpoint stays; or
-    if ``before_commit`` (an outside fence, such as a writer lease) raises."""
-    def last_checks() -> None:
-        current = manifest_generation(storage)
-        if current != previous:
-            raise CheckpointError(f"the save {manifest.generation} into {storage.location} was not committed: "
-                                  f"another save ({current}) committed there while it was in flight (two writers "
-                                  "on one path?); that checkpoint is kept")
-        if before_commit is not None:
-            before_commit()
-
-    try:
-        storage.publish(MANIFEST_NAME, manifest_tmp_name(manifest.generation), manifest.to_bytes(),
-                        before_replace=last_checks)
-    except OSError as exc:
-        raise CheckpointError(f"committing the manifest in {storage.location} failed: {exc}") from exc
+    """Publish the assembled manifest (see :func:`zerostall.location.publish_manifest`)."""
+    publish_manifest(storage, manifest.generation, manifest.to_bytes(), previous, before_commit=before_commit)
 
 
 def delete_generation(storage: Storage, generation: str, rank: int) -> None:

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from .checksums import checksum
-from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
-from .format import MANIFEST_NAME, Chunk, Entry, Manifest, file_generation, manifest_tmp_name
+from .errors import CheckpointError, CorruptCheckpointError
+from .format import MANIFEST_NAME, Chunk, Entry, Manifest, file_generation
 from .opening import manifest_generation, read_manifest_bytes, read_manifest_from
+from .location import check_location, publish_manifest
 from .options import default_threads
 from .reader import ChunkReader
 from .storage import Storage, storage_for
@@ -92,7 +93,8 @@ def copy(src: str | os.PathLike[str] | Storage, dst: str | os.PathLike[str] | St
     source, target = storage_for(src), storage_for(dst)
     raw = read_manifest_bytes(source)
     manifest = read_manifest_from(source, raw)
-    found = _check_destination(target, overwrite)
+    check_location(target, overwrite, what="copy")
+    found = manifest_generation(target)  # the checkpoint the copy replaces: still there at its commit?
     present = set(target.list())
     try:
         target.create()
@@ -103,25 +105,10 @@ def copy(src: str | os.PathLike[str] | Storage, dst: str | os.PathLike[str] | St
         copied, skipped = job.run(present)
     finally:
         job.close()
-    _publish(target, manifest.generation, raw, found)
+    publish_manifest(target, manifest.generation, raw, found, what="copy")
     _clean_up(target, manifest)
     return CopyInfo(source.location, target.location, manifest.generation, len(copied), sum(copied),
                     len(skipped), sum(skipped), time.perf_counter() - start)
-
-
-def _check_destination(storage: Storage, overwrite: bool) -> str | None:
-    """Refuse a destination holding a committed checkpoint (unless ``overwrite``) or files that are
-    not a checkpoint's (a root, a model directory); returns the generation committed there, if any."""
-    names = storage.list()
-    if MANIFEST_NAME in names and not overwrite:
-        raise CheckpointExistsError(f"{storage.location} already holds a committed checkpoint; nothing was copied: "
-                                    "copy with overwrite (--overwrite) to replace it, or into a new location")
-    foreign = [n for n in names if n != MANIFEST_NAME and file_generation(n) is None]
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f", … ({len(foreign) - 5} more)" if len(foreign) > 5 else "")
-        raise CheckpointError(f"{storage.location} holds files that are not part of a zerostall checkpoint "
-                              f"({shown}); nothing was copied: copy into a new or empty location")
-    return manifest_generation(storage) if MANIFEST_NAME in names else None
 
 
 class _Copy:
@@ -294,21 +281,6 @@ def _read_checked(storage: Storage, reader: ChunkReader, name: str, run: _Run) -
         else:
             reader.check_blocks(check.entry, check.chunk, check.chunk_lo, data)  # type: ignore[arg-type]
     return out
-
-
-def _publish(storage: Storage, generation: str, raw: bytes, found: str | None) -> None:
-    """Publish the source's manifest bytes at the destination, the commit of the copy; refused at the
-    last moment if another writer committed there since the copy began."""
-    def last_check() -> None:
-        current = manifest_generation(storage)
-        if current != found:
-            raise CheckpointError(f"the copy into {storage.location} was not committed: another checkpoint "
-                                  f"({current}) was committed there while it was in flight; that one is kept")
-
-    try:
-        storage.publish(MANIFEST_NAME, manifest_tmp_name(generation), raw, before_replace=last_check)
-    except OSError as exc:
-        raise CheckpointError(f"committing the manifest in {storage.location} failed: {exc}") from exc
 
 
 def _clean_up(storage: Storage, manifest: Manifest) -> None:

@@ -23,11 +23,12 @@ from .commit import (assemble, await_commit, await_records, clean_up_after_commi
 from .errors import CheckpointError, UnsupportedValueError
 from .format import manifest_tmp_name
 from .gcpause import gc_paused
+from .location import check_location
 from .opening import manifest_generation
 from .options import SaveOptions, default_threads
 from .plan import SavePlan, SavePlanner
 from .storage import LocalStorage, S3Storage, Storage, storage_for
-from .write import check_location, create, write_data
+from .write import create, write_data
 
 _PLANNER = SavePlanner()
 

@@ -18,8 +18,8 @@ from .balance import balance
 from .checksums import CACHE_PIECE, BlockHasher, block_checksums, checksum, pieces
 from .collect import WriteItem
 from .devices import CallerStreams
-from .errors import CheckpointError, CheckpointExistsError
-from .format import MANIFEST_NAME, Chunk, FileItem, data_file_name, file_generation, safetensors_header
+from .errors import CheckpointError
+from .format import Chunk, FileItem, data_file_name, safetensors_header
 from .gcpause import gc_paused
 from .memory import owned_bytes, tensor_bytes
 from .storage import Storage
@@ -40,23 +40,6 @@ def assign_files(items: Sequence[WriteItem], n_files: int) -> list[list[WriteIte
     for i, f in enumerate(where):
         files[f].append(i)
     return [[items[i] for i in sorted(f, key=lambda i: (-items[i].tensor.element_size(), i))] for f in files if f]
-
-
-def check_location(storage: Storage, overwrite: bool) -> None:
-    """Refuse a location holding files that are not a checkpoint's (a checkpoint root, a model
-    directory): saving there would mix a checkpoint into them; and one holding a committed
-    checkpoint unless ``overwrite``. Run by the coordinator before any rank writes."""
-    names = storage.list()
-    if MANIFEST_NAME in names and not overwrite:
-        raise CheckpointExistsError(f"{storage.location} already holds a committed checkpoint; nothing was written: "
-                                    "pass overwrite=True to replace it (it stays readable until the new one "
-                                    "commits), or save into a new directory")
-    foreign = [n for n in names if n != MANIFEST_NAME and file_generation(n) is None]
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f", … ({len(foreign) - 5} more)" if len(foreign) > 5 else "")
-        raise CheckpointError(f"{storage.location} holds files that are not part of a zerostall checkpoint "
-                              f"({shown}); nothing was written: save into a new or empty directory, or into an "
-                              "existing checkpoint to replace it")
 
 
 def create(storage: Storage) -> None:
