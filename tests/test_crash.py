@@ -337,7 +337,7 @@ def test_an_older_save_does_not_commit_over_a_newer_one(tmp_path, when):
     else:  # A has written its data and is about to commit: B runs and commits now (B cannot commit
         # between A's last-moment check and A's switch: see tests/test_two_writers.py)
         b_saved = storage.call("publish", save_b, name="manifest.json", at="before")
-    with pytest.raises(zs.CheckpointError, match="another save .* committed there while it was in flight"):
+    with pytest.raises(zs.CheckpointError, match="another checkpoint .* was committed there while it was in flight"):
         zs.save(make_state(2), storage, overwrite=True)
     assert b_saved.count == 1 and storage.names("write")
     assert_is_state(load_fresh(path), 3)
