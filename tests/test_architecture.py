@@ -21,7 +21,7 @@ ORDER = [
     # behind the Checkpoint front
     "reader", "load_plan", "fetch", "broadcast", "verification", "checkpoint",
     # asynchronous saving; checkpoints by step under a root; then the public functions
-    "capture", "asynchronous", "retention", "root", "torch_file", "exporting", "api", "schedule", "lease", "manager",
+    "capture", "asynchronous", "retention", "root", "tensor_stream", "torch_file", "exporting", "api", "schedule", "lease", "manager",
     "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.exporting", "cli", "__main__", "__init__",
 ]
 MAX_LINES = 400

@@ -18,29 +18,28 @@ import math
 import os
 import re
 import secrets
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from . import codec
-from .boxes import flat_boxes
 from .checkpoint import Checkpoint
 from .errors import CheckpointExistsError, CheckpointNotFoundError, ExportError
 from .format import Entry, FileItem, Manifest, safetensors_dtype, safetensors_header
-from .memory import owned_bytes
-from .options import LoadOptions, _Options
+from .options import LoadOptions, _Options, default_threads
 from .reader import resolve
 from .root import CheckpointRoot
-from .storage import LocalStorage, Storage, storage_for
+from .storage import Storage, storage_for
+from .storage.local import fsync_dir
+from .tensor_stream import TensorStream
 from .torch_file import write_torch_file
 
 log = logging.getLogger(__name__)
 
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
-SLAB_BYTES = 32 << 20  # of a tensor read (and cast) at a time
+SLAB_BYTES = 16 << 20  # of a tensor read (and cast) at a time, into one of two reused buffers
 _HF_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
 _TEMP = re.compile(r"^\.model.*\.[0-9a-f]{8}\.tmp$")  # what an interrupted export left
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -236,7 +235,12 @@ def export_checkpoint(ckpt: str | os.PathLike[str] | Storage | Checkpoint, out: 
             log.warning("export of %s skips %d entries that are not model weights (rank-local, python values, "
                         "tensor subclasses): %s", ck.path, len(skipped), ", ".join(skipped))
         write = _write_hf if options.format == "hf" else _write_torch
-        files = write(ck, items, target, options, progress or (lambda n: None))
+        stream = TensorStream(ck.storage, ck.manifest, options.threads or ck.options.threads or default_threads(), SLAB_BYTES,
+                              ck.options.max_staging_bytes)
+        try:
+            files = write(stream, items, target, options, progress or (lambda n: None))
+        finally:
+            stream.close()
     return ExportInfo(options.format, target, files, [i.key for i in items], sum(i.nbytes for i in items), skipped)
 
 
@@ -275,98 +279,97 @@ def _check_out(path: str, options: ExportOptions) -> None:
         raise CheckpointExistsError(f"{path} exists: pass overwrite=True (--overwrite) to replace it")
 
 
-def _parts(ck: Checkpoint, item: Item) -> Iterator[torch.Tensor]:
-    """The values of ``item`` in row-major order, a slab of at most SLAB_BYTES at a time, cast."""
-    shape = item.shape
-    numel = math.prod(shape)
-    step = max(1, SLAB_BYTES // max(item.entry.torch_dtype.itemsize, item.dtype.itemsize))
-    for first in range(0, numel, step):
-        for box in flat_boxes(shape, first, min(numel, first + step)):
-            part = ck.read(item.entry.path, verify=True, box=box)
-            yield part if part.dtype == item.dtype else part.to(item.dtype)
+def _write_file(path: str, parts: Iterable[memoryview]) -> None:
+    """Create ``path`` (it must not exist) holding ``parts``, durably; nothing is left if that fails."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        for part in parts:
+            while len(part):
+                part = part[os.write(fd, part):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
 
 
-_END = object()
-
-
-def _read_ahead(parts: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """``parts``, each read by a helper thread while the one before is consumed."""
-    with ThreadPoolExecutor(1, thread_name_prefix="zerostall-export") as pool:
-        pending = pool.submit(next, parts, _END)
-        while True:
-            part = pending.result()
-            if part is _END:
-                return
-            pending = pool.submit(next, parts, _END)
-            yield part
-
-
-def _file_bytes(ck: Checkpoint, items: list[Item], progress: Callable[[int], None]) -> Iterator[memoryview]:
+def _file_parts(stream: TensorStream, items: list[Item], progress: Callable[[int], None]) -> Iterator[memoryview]:
     """A safetensors file of ``items``: its header, then every tensor's bytes as they are read."""
     items = sorted(items, key=lambda i: -i.dtype.itemsize)  # stable: save order within an itemsize
     header, _ = safetensors_header((FileItem(i.key, i.dtype, i.shape, i.nbytes) for i in items), {"format": "pt"})
     yield memoryview(header)
-    for part in _read_ahead(part for item in items for part in _parts(ck, item)):
-        yield owned_bytes(part)
-        progress(part.nbytes)
+    for part in stream.parts((i.entry, i.dtype) for i in items):
+        yield part
+        progress(len(part))
 
 
-def _write_hf(ck: Checkpoint, items: list[Item], path: str, options: ExportOptions,
+def _replace(directory: str, temp: str, name: str) -> None:
+    os.replace(os.path.join(directory, temp), os.path.join(directory, name))
+
+
+def _write_hf(stream: TensorStream, items: list[Item], path: str, options: ExportOptions,
               progress: Callable[[int], None]) -> list[str]:
-    """Write the safetensors files (and the index, when more than one) into directory ``path``."""
+    """Write the safetensors files (and the index, when more than one) into directory ``path``:
+    under temporary names, then renamed, the index last, so an interrupted export never leaves a
+    directory that looks complete."""
     shards = shard(items, options.max_shard_size)
     names = [HF_WEIGHTS] if len(shards) == 1 else \
         [f"model-{n:05d}-of-{len(shards):05d}.safetensors" for n in range(1, len(shards) + 1)]
-    out = LocalStorage(path)
-    out.create()
+    os.makedirs(path, exist_ok=True)
     token = secrets.token_hex(4)
-    temps = [f".{name}.{token}.tmp" for name in names]
+    temps = [f".{name}.{token}.tmp" for name in [*names, HF_INDEX]]
     try:
         for temp, files in zip(temps, shards):
-            out.write(temp, _file_bytes(ck, files, progress))
-        stale = [n for n in out.list() if (_HF_FILE.match(n) and n not in names) or (_TEMP.match(n) and n not in temps)]
+            _write_file(os.path.join(path, temp), _file_parts(stream, files, progress))
+        stale = [n for n in os.listdir(path) if (_HF_FILE.match(n) and n not in names) or (_TEMP.match(n) and
+                                                                                          n not in temps)]
         for name in sorted(stale, key=lambda n: n != HF_INDEX):  # the old index first: never one naming new files
-            out.delete(name)
+            os.unlink(os.path.join(path, name))
         for temp, name in zip(temps, names):
-            out.move(temp, name)
+            _replace(path, temp, name)
+        if len(shards) > 1:
+            weight_map = {item.key: name for name, files in zip(names, shards) for item in files}
+            index = {"metadata": {"total_size": sum(i.nbytes for i in items)}, "weight_map": weight_map}
+            _write_file(os.path.join(path, temps[-1]), [memoryview(json.dumps(index, indent=2, sort_keys=True)
+                                                                   .encode() + b"\n")])
+            _replace(path, temps[-1], HF_INDEX)
+        fsync_dir(path)
     except BaseException:
         for temp in temps:
-            out.delete(temp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(path, temp))
         raise
-    files = [os.path.join(path, name) for name in names]
-    if len(shards) > 1:
-        weight_map = {item.key: name for name, files_ in zip(names, shards) for item in files_}
-        index = {"metadata": {"total_size": sum(i.nbytes for i in items)}, "weight_map": weight_map}
-        out.put(HF_INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-        files.append(os.path.join(path, HF_INDEX))
-    return files
+    return [os.path.join(path, name) for name in names] + ([os.path.join(path, HF_INDEX)] if len(shards) > 1 else [])
 
 
-def _write_torch(ck: Checkpoint, items: list[Item], path: str, options: ExportOptions,
+def _write_torch(stream: TensorStream, items: list[Item], path: str, options: ExportOptions,
                  progress: Callable[[int], None]) -> list[str]:
-    """Write one ``torch.save`` file at ``path``, one tensor in memory at a time."""
+    """Write one ``torch.save`` file at ``path`` (under a temporary name, then renamed), holding one
+    tensor in memory at a time, in a buffer reused for every tensor."""
     directory, name = os.path.split(path)
-    out = LocalStorage(directory)
-    out.create()
-    temp = f".{name}.{secrets.token_hex(4)}.tmp"
+    os.makedirs(directory, exist_ok=True)
+    temp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
+    buf = torch.empty(max(i.nbytes for i in items), dtype=torch.uint8)
 
-    def data(i: int) -> torch.Tensor:
-        item = items[i]
-        values = ck.read(item.entry.path, verify=True, box=((0,) * len(item.shape), item.shape))
-        values = values if values.dtype == item.dtype else values.to(item.dtype)
-        progress(values.nbytes)
-        return values
+    def data(n: int) -> torch.Tensor:
+        item = items[n]
+        for first, last in stream.steps(item.entry, item.dtype):
+            stream.read(item.entry, item.dtype, first, last, buf[first * item.dtype.itemsize:])
+        progress(item.nbytes)
+        return buf[:item.nbytes]
 
     try:
-        write_torch_file(os.path.join(directory, temp), [(i.key, i.dtype, i.shape) for i in items], data)
-        fd = os.open(os.path.join(directory, temp), os.O_RDONLY)
+        write_torch_file(temp, [(i.key, i.dtype, i.shape) for i in items], data)
+        fd = os.open(temp, os.O_RDONLY | os.O_CLOEXEC)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-        out.move(temp, name)
+        os.replace(temp, path)
+        fsync_dir(directory)
     except BaseException:
-        out.delete(temp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
         raise
     return [path]
-

@@ -57,8 +57,8 @@ class _Pickler(pickle.Pickler):
 def write_torch_file(path: str, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
                      data: Callable[[int], torch.Tensor]) -> None:
     """Write ``path`` as ``torch.save`` would write the dict of ``tensors`` (key, dtype, shape);
-    ``data(i)`` gives the values of the ``i``-th tensor (contiguous, in host memory) when its record
-    is written, and is then dropped."""
+    ``data(i)`` gives the values of the ``i``-th tensor (contiguous, in host memory; its storage may
+    be longer, a reused buffer) when its record is written, and is then dropped."""
     structure = {}
     sizes = []
     for i, (key, dtype, shape) in enumerate(tensors):
@@ -76,8 +76,8 @@ def write_torch_file(path: str, tensors: list[tuple[str, torch.dtype, tuple[int,
         tensor = data(i)
         if tensor.nbytes != nbytes or not tensor.is_contiguous() or tensor.device.type != "cpu":
             raise ValueError(f"tensor {tensors[i][0]} is not {nbytes} contiguous bytes in host memory")
-        if tensor.storage_offset() or tensor.untyped_storage().nbytes() != nbytes:
-            tensor = tensor.clone()  # a view: its record holds its own bytes only
+        if tensor.storage_offset():
+            tensor = tensor.clone()  # the record is written from the start of the storage
         writer.write_record(f"data/{i}", tensor.untyped_storage(), nbytes)
         del tensor
     writer.write_end_of_file()
