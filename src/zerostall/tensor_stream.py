@@ -32,6 +32,8 @@ class TensorStream:
 
     def __init__(self, storage: Storage, manifest: Manifest, threads: int, slab_bytes: int, staging: int) -> None:
         self.fetcher = Fetcher(storage, manifest, threads)
+        self.block, self.threads = manifest.block_size, threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="zerostall-read")
         self.unit = math.lcm(manifest.block_size, _MAX_ITEMSIZE)  # slabs start at whole blocks: checked reads
         self.slab = max(self.unit, slab_bytes // self.unit * self.unit)
         self.staging = staging
@@ -39,6 +41,7 @@ class TensorStream:
         self._ring = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
 
     def close(self) -> None:
+        self._pool.shutdown()
         self.fetcher.close()
 
     def steps(self, entry: Entry, dtype: torch.dtype) -> list[tuple[int, int]]:
@@ -57,7 +60,7 @@ class TensorStream:
         dest = out[:n * stored.itemsize] if dtype == stored else self._scratch_bytes(n * stored.itemsize)
         shape = tuple(entry.shape or ())
         if len(entry.chunks) == 1 and entry.chunks[0].sizes == shape:  # one chunk: a byte range of it
-            self.fetcher.read_piece(entry, entry.chunks[0], first * stored.itemsize, tensor_bytes(dest), True)
+            self._read_range(entry, first * stored.itemsize, tensor_bytes(dest))
         else:  # stored by several ranks: the boxes of this range, from every chunk they meet
             targets, at = [], 0
             for box in flat_boxes(shape, first, last):
@@ -70,6 +73,15 @@ class TensorStream:
         result = out[:n * dtype.itemsize]
         result.view(dtype).copy_(dest.view(stored))
         return result
+
+    def _read_range(self, entry: Entry, lo: int, out: memoryview) -> None:
+        """Bytes ``[lo, lo + len(out))`` of the one chunk of ``entry``, checked, read in parallel in
+        whole blocks (``lo`` starts a block)."""
+        blocks = -(-len(out) // self.block)
+        per = -(-blocks // min(blocks, self.threads)) * self.block
+        chunk = entry.chunks[0]
+        list(self._pool.map(lambda a: self.fetcher.read_piece(entry, chunk, lo + a, out[a:a + per], True),
+                            range(0, len(out), per)))
 
     def parts(self, tensors: Iterable[tuple[Entry, torch.dtype]]) -> Iterator[memoryview]:
         """The bytes of each ``(entry, dtype)`` in order, a slab at a time, each read by a helper
