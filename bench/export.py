@@ -86,6 +86,11 @@ def run_child(which: str, ckpt: str, out: str, shard_bytes: int) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+def open_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def same_output(a: str, b: str) -> bool:
     """Whether two exported directories hold the same files, index and tensors."""
     from safetensors.torch import load_file
@@ -95,8 +100,9 @@ def same_output(a: str, b: str) -> bool:
         return False
     index = "model.safetensors.index.json"
     if os.path.exists(os.path.join(a, index)):
-        left, right = (json.load(open(os.path.join(d, index))) for d in (a, b))
-        if left["weight_map"] != right["weight_map"] or left["metadata"]["total_size"] != right["metadata"]["total_size"]:
+        left, right = (json.loads(open_text(os.path.join(d, index))) for d in (a, b))
+        if (left["weight_map"], left["metadata"]["total_size"]) != (right["weight_map"],
+                                                                    right["metadata"]["total_size"]):
             return False
     for name in names:
         x, y = load_file(os.path.join(a, name)), load_file(os.path.join(b, name))
@@ -145,7 +151,7 @@ def main() -> None:
         return statistics.median(r[key] for r in runs[name])
 
     result = {
-        "bench": "export", "bytes": nbytes, "shard_bytes": shard_bytes, "reps": args.reps, "dir": args.dir,
+        "bench": "export", "bytes": nbytes, "runs": runs, "shard_bytes": shard_bytes, "reps": args.reps, "dir": args.dir,
         "threads": default_threads(), "outputs_equal": checked,
         "zerostall": {"seconds": med("zerostall", "seconds"), "gb_s": nbytes / med("zerostall", "seconds") / 1e9,
                       "peak_rss_growth_mb": med("zerostall", "peak_rss_growth") / MB,

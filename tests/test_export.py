@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -28,12 +29,14 @@ from zerostall.cli import cli
 from zerostall.exporting import HF_INDEX, HF_WEIGHTS, parse_size
 
 SRC = Path(__file__).resolve().parent.parent / "src"
+TESTS = Path(__file__).resolve().parent
 
 
 def model_state(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"embed.weight": torch.randn(32, 16, generator=g), "layers.0.w": torch.randn(16, 16, generator=g),
-            "layers.0.b": torch.randn(16, generator=g).to(torch.bfloat16), "layers.1.w": torch.randn(16, 16, generator=g),
+            "layers.0.b": torch.randn(16, generator=g).to(torch.bfloat16),
+            "layers.1.w": torch.randn(16, 16, generator=g),
             "norm.scale": torch.tensor(2.5), "ids": torch.arange(10, dtype=torch.int64),
             "mask": torch.tensor([True, False, True]), "empty": torch.zeros(0, 4)}
 
@@ -230,6 +233,33 @@ def test_a_corrupt_block_fails_the_export_and_leaves_no_model_files(tmp_path):
         with pytest.raises(zs.CorruptCheckpointError, match="checksum mismatch"):
             zs.export(path, out, format=fmt, max_shard_size=1100)
         assert os.listdir(out if fmt == "hf" else out.parent) == []
+
+
+def test_an_export_killed_midway_leaves_no_model_file_and_a_rerun_completes(tmp_path):
+    state = {f"w{i}": torch.full((64 << 10,), float(i)) for i in range(8)}  # 256 KiB each: 2 a file
+    zs.save(state, tmp_path / "ck")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        import zerostall as zs
+        from faults import FaultyStorage
+        from zerostall.storage import LocalStorage
+
+        storage = FaultyStorage(LocalStorage({str(tmp_path / "ck")!r}))
+        storage.crash("read_into", name="*.safetensors", from_call=6)  # the third file's tensors
+        zs.export(storage, {str(tmp_path / "hf")!r}, max_shard_size=600_000)
+    """)
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == -9 and "SIGKILL" in done.stderr, done.stderr
+    left = os.listdir(tmp_path / "hf")
+    assert left and all(name.startswith(".model-") and name.endswith(".tmp") for name in left)  # hidden, never named
+    with pytest.raises(zs.CheckpointExistsError):
+        zs.export(tmp_path / "ck", tmp_path / "hf", max_shard_size=600_000)
+    info = zs.export(tmp_path / "ck", tmp_path / "hf", max_shard_size=600_000, overwrite=True)
+    assert sorted(os.listdir(tmp_path / "hf")) == sorted(os.path.basename(f) for f in info.files)  # temps gone
+    assert len(info.files) == 5
+    assert_same(read_hf(tmp_path / "hf"), state)
 
 
 def test_safetensors_cannot_hold_complex_but_torch_can(tmp_path):

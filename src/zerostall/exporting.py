@@ -235,8 +235,8 @@ def export_checkpoint(ckpt: str | os.PathLike[str] | Storage | Checkpoint, out: 
             log.warning("export of %s skips %d entries that are not model weights (rank-local, python values, "
                         "tensor subclasses): %s", ck.path, len(skipped), ", ".join(skipped))
         write = _write_hf if options.format == "hf" else _write_torch
-        stream = TensorStream(ck.storage, ck.manifest, options.threads or ck.options.threads or default_threads(), SLAB_BYTES,
-                              ck.options.max_staging_bytes)
+        threads = options.threads or ck.options.threads or default_threads()
+        stream = TensorStream(ck.storage, ck.manifest, threads, SLAB_BYTES, ck.options.max_staging_bytes)
         try:
             files = write(stream, items, target, options, progress or (lambda n: None))
         finally:
