@@ -167,6 +167,26 @@ def test_dtensor_shards_of_two_ranks_export_consolidated(ranks, tmp_path):
     assert sorted(zs.export(tmp_path / "ck", tmp_path / "all").skipped) == ["seen@rank0", "seen@rank1"]
 
 
+def export_on_rank_0(path: str, out: str) -> str:
+    """A path is refused on every rank (opening it is collective); a checkpoint every rank opened
+    exports on one."""
+    try:
+        zs.export(path, out)
+    except zs.ExportError as exc:
+        refused = str(exc)
+    with zs.open(path) as ck:
+        if dist.get_rank() == 0:
+            zs.export(ck, out, prefix="model.")
+    return refused
+
+
+def test_in_a_distributed_job_one_rank_exports_a_checkpoint_every_rank_opened(ranks, tmp_path):
+    ranks(2).run(save_dtensor_model, str(tmp_path / "ck"))
+    messages = ranks(2).run(export_on_rank_0, str(tmp_path / "ck"), str(tmp_path / "hf"))
+    assert all("open it with zs.open(...) on every rank" in m for m in messages)
+    assert torch.equal(read_hf(tmp_path / "hf")["w"], full_value((10, 6), 1))
+
+
 def test_a_root_gives_its_newest_and_an_open_checkpoint_is_used_as_is(tmp_path):
     root = tmp_path / "root"
     zs.save({"model": {"w": torch.zeros(3)}}, root / "step-1", step=1)

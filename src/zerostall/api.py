@@ -91,7 +91,8 @@ def export(ckpt: str | os.PathLike[str] | Storage | Checkpoint, out: str | os.Pa
     max_shard_size, overwrite, threads). Entries that are not model weights (rank-local, python
     values, tensor subclasses) are skipped with a warning and listed in the returned
     :class:`ExportInfo`. Streams: memory holds a few slabs (``torch``: one tensor), never the
-    model; every block's checksum is verified as it is read. Runs in one process: no collective."""
+    model; every block's checksum is verified as it is read. Not collective: where ``torch.distributed`` is
+    initialized, pass a checkpoint every rank opened (``zs.open``) on one rank."""
     return export_checkpoint(ckpt, out, ExportOptions.of(options, overrides), progress)
 
 

@@ -251,6 +251,11 @@ def _opened(ckpt: str | os.PathLike[str] | Storage | Checkpoint, options: Export
     if isinstance(ckpt, Checkpoint):
         yield ckpt
         return
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:  # opening by path would wait for every rank
+        raise ExportError(f"export reads {os.fspath(ckpt)} in one process, but torch.distributed is initialized "
+                          f"with {torch.distributed.get_world_size()} ranks: open it with zs.open(...) on every "
+                          "rank and pass that checkpoint to zs.export on one rank")
     storage = storage_for(ckpt)
     load = LoadOptions(threads=options.threads)
     try:
