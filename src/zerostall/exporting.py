@@ -3,10 +3,11 @@ ranks and streamed (``zs.export``, ``zerostall export``).
 
 ``hf``: the Hugging Face layout (``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
 shards and ``model.safetensors.index.json``); ``torch``: one file that ``torch.load`` reads as a
-flat ``{key: tensor}`` dict. Tensors are read a slab at a time by the same checked byte-range
-reads loads use (``Checkpoint.read(key, box=...)``, every block's checksum verified), the next slab
-while the last is written, so memory holds a few slabs (a whole tensor for ``torch``), never the
-model. Files are written under temporary names and renamed at the end, the index last.
+flat ``{key: tensor}`` dict. Tensors are read a slab at a time by the checked byte-range reads
+loads use (:mod:`zerostall.tensor_stream` over a ``Fetcher``: every block's checksum verified),
+the next slab while the last is written, so memory holds two slabs (for ``torch``, the largest
+tensor), never the model. Files are written under temporary names and renamed at the end, the
+index last.
 """
 
 from __future__ import annotations
