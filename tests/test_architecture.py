@@ -21,8 +21,10 @@ ORDER = [
     # behind the Checkpoint front
     "reader", "load_plan", "fetch", "broadcast", "verification", "checkpoint",
     # asynchronous saving; checkpoints by step under a root; then the public functions
-    "capture", "asynchronous", "retention", "root", "copying", "api", "schedule", "lease", "manager",
-    "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.copying", "cli", "__main__", "__init__",
+    "capture", "writer_process", "asynchronous", "retention", "root", "copying", "tensor_stream", "torch_file", "exporting", "api",
+    "schedule", "lease", "manager",
+    "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.copying", "cli.exporting", "cli", "__main__",
+    "__init__",
 ]
 MAX_LINES = 400
 

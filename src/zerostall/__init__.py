@@ -15,19 +15,21 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "async_save", "load", "open", "open_latest", "verify", "copy", "CopyInfo", "SaveOptions", "LoadOptions",
+    "save", "async_save", "load", "open", "open_latest", "verify", "export", "copy", "CopyInfo", "SaveOptions",
+    "LoadOptions", "ExportOptions", "ExportInfo",
     "AsyncSaver", "SaveHandle", "SaveInfo", "Checkpoint", "Mismatch", "CheckpointManager", "RetentionPolicy",
     "rank_local", "RankLocal", "Stateful", "FlattenedTensor", "FORMAT_VERSION", "S3Storage", "S3Options",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "SharedMemoryError", "StateChangedError", "StateMismatchError",
-    "UnsafeFileError", "UnsupportedValueError", "StorageError", "ConcurrentWriteError",
+    "UnsafeFileError", "UnsupportedValueError", "StorageError", "ConcurrentWriteError", "ExportError",
 ]
 
 # Each public name and the module that defines it (tests/test_lazy_import.py keeps __all__, this and
 # the imports below naming the same objects).
 _EXPORTS = {
     "save": "api", "async_save": "api", "load": "api", "open": "api", "open_latest": "api", "verify": "api",
-    "copy": "copying", "CopyInfo": "copying", "SaveOptions": "options", "LoadOptions": "options",
+    "copy": "copying", "CopyInfo": "copying", "export": "api", "SaveOptions": "options", "LoadOptions": "options",
+    "ExportOptions": "exporting", "ExportInfo": "exporting",
     "AsyncSaver": "asynchronous", "SaveHandle": "asynchronous", "SaveInfo": "saving",
     "Checkpoint": "checkpoint", "Mismatch": "load_plan", "CheckpointManager": "manager",
     "RetentionPolicy": "retention",
@@ -38,16 +40,19 @@ _EXPORTS = {
     "CorruptCheckpointError": "errors", "IncompleteCheckpointError": "errors", "SharedMemoryError": "errors",
     "StateChangedError": "errors", "StateMismatchError": "errors", "UnsafeFileError": "errors",
     "UnsupportedValueError": "errors", "StorageError": "errors", "ConcurrentWriteError": "errors",
+    "ExportError": "errors",
 }
 
 if TYPE_CHECKING:  # what type checkers and editors see
-    from .api import async_save, load, open, open_latest, save, verify
+    from .api import async_save, export, load, open, open_latest, save, verify
     from .asynchronous import AsyncSaver, SaveHandle
     from .checkpoint import Checkpoint
     from .copying import CopyInfo, copy
     from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CommitError,
-                         ConcurrentWriteError, CorruptCheckpointError, IncompleteCheckpointError, SharedMemoryError,
+                         ConcurrentWriteError, CorruptCheckpointError, ExportError, IncompleteCheckpointError,
+                         SharedMemoryError,
                          StateChangedError, StateMismatchError, StorageError, UnsafeFileError, UnsupportedValueError)
+    from .exporting import ExportInfo, ExportOptions
     from .format import FORMAT_VERSION
     from .load_plan import Mismatch
     from .manager import CheckpointManager

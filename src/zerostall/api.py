@@ -1,4 +1,4 @@
-"""The public functions: save, async_save, load, open, open_latest, verify; and the process-wide saver.
+"""The public functions: save, async_save, load, open, open_latest, verify, export; and the process-wide saver.
 
 Each takes a path (or a :class:`~zerostall.storage.Storage`), an optional options object and, as
 shorthand, that object's fields as keywords. Every call is collective when ``torch.distributed`` is
@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 from .asynchronous import AsyncSaver, SaveHandle
 from .checkpoint import Checkpoint
 from .collectives import Group
+from .exporting import ExportInfo, ExportOptions, export_checkpoint
 from .gcpause import gc_paused
 from .options import LoadOptions, SaveOptions
 from .root import CheckpointRoot
@@ -77,6 +78,22 @@ def verify(path: str | os.PathLike[str] | Storage, *, threads: int | None = None
     :class:`CheckpointError` when some bytes could not be read (not known to be damaged)."""
     with open(path, threads=threads) as ck:
         return ck.verify(progress=progress)
+
+
+def export(ckpt: str | os.PathLike[str] | Storage | Checkpoint, out: str | os.PathLike[str],
+           options: ExportOptions | None = None, *, progress: Callable[[int], None] | None = None,
+           **overrides: Any) -> ExportInfo:
+    """Export the model weights of ``ckpt`` (a checkpoint path or URL, a root: its newest committed
+    checkpoint, or an open :class:`Checkpoint`) to the local path ``out``, consolidated from every
+    rank that saved them: Hugging Face safetensors files (``format="hf"``, sharded with an index
+    beyond ``max_shard_size``) or one ``torch.load``-able file (``format="torch"``). ``options`` and
+    keyword overrides are :class:`ExportOptions` fields (format, prefix, rename, dtype,
+    max_shard_size, overwrite, threads). Entries that are not model weights (rank-local, python
+    values, tensor subclasses) are skipped with a warning and listed in the returned
+    :class:`ExportInfo`. Streams: memory holds a few slabs (``torch``: one tensor), never the
+    model; every block's checksum is verified as it is read. Not collective: where ``torch.distributed`` is
+    initialized, pass a checkpoint every rank opened (``zs.open``) on one rank."""
+    return export_checkpoint(ckpt, out, ExportOptions.of(options, overrides), progress)
 
 
 _default: AsyncSaver | None = None

@@ -37,6 +37,7 @@ from .errors import CheckpointError
 from .options import SaveOptions
 from .saving import Prepared, SaveInfo, abandon, for_writer_process, persist, prepare
 from .storage import Storage
+from .writer_process import WriterProcess
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class AsyncSaver:
         if writer not in ("thread", "process"):
             raise ValueError(f"writer must be 'thread' or 'process', not {writer!r}")
         self.pool = BufferPool(pin_memory=pin_memory, shared_memory=shared_memory or writer == "process")
-        self._process = _WriterProcess() if writer == "process" else None
+        self._process = WriterProcess() if writer == "process" else None
         self.if_busy = if_busy
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerostall-async")
         self._current: SaveHandle | None = None
@@ -208,7 +209,7 @@ class AsyncSaver:
         if not self._process.alive:
             log.warning("the writer process died (exit code %s); starting a new one", self._process.exitcode)
             self._process.close()
-            self._process = _WriterProcess()
+            self._process = WriterProcess()
 
     def _fail(self, handle: SaveHandle, exc: BaseException, *, staged: bool) -> None:
         log.error("asynchronous save to %s failed: %s", handle.path, exc)
@@ -295,109 +296,3 @@ def _before_step(saver: weakref.ref[AsyncSaver], optimizer: torch.optim.Optimize
     live = saver()
     if live is not None:
         live._await_capture()
-
-
-class _WriterProcess:
-    """A persistent spawned process that persists captured saves sent to it, one at a time.
-
-    It is not a daemon: when the training process dies after handing over a save, the writer
-    still completes the commit, then exits when it finds its pipe closed.
-    """
-
-    def __init__(self) -> None:
-        import torch.multiprocessing as tmp
-
-        ctx = tmp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_writer_main, args=(child,), name="zerostall-writer", daemon=False)
-        self._proc.start()
-        child.close()
-
-    @property
-    def alive(self) -> bool:
-        return self._proc.is_alive()
-
-    @property
-    def exitcode(self) -> int | None:
-        return self._proc.exitcode
-
-    def submit(self, job: Prepared) -> None:
-        """Hand a save over; returns once the writer holds the shared buffers (they travel as file
-        descriptors served by this process, so it must be alive until then)."""
-        try:
-            self._conn.send(job)
-        except OSError:
-            raise self._died() from None
-        self._expect_ack()
-
-    def _died(self) -> CheckpointError:
-        self._proc.join(timeout=5)
-        return CheckpointError(f"the writer process died (exit code {self._proc.exitcode})")
-
-    def _expect_ack(self) -> None:
-        try:
-            ack = self._conn.recv()
-        except (EOFError, OSError):
-            raise self._died() from None
-        if ack != "received":
-            raise CheckpointError(f"unexpected answer from the writer process: {ack!r}")
-
-    def result(self) -> SaveInfo:
-        try:
-            ok, value = self._conn.recv()
-        except (EOFError, OSError):
-            raise self._died() from None
-        if not ok:
-            raise value
-        return value
-
-    def close(self) -> None:
-        try:
-            self._conn.send(None)
-        except OSError:
-            pass
-        self._proc.join(timeout=60)
-        if self._proc.is_alive():
-            self._proc.kill()
-        self._conn.close()
-
-
-def _writer_main(conn: Any) -> None:
-    """The writer process: persist each job received, answer (ok, SaveInfo | exception).
-
-    It ignores SIGINT and SIGTERM: Ctrl-C in a terminal, ``kill`` of a job or Slurm's ``scancel``
-    reach the whole process group, and the save handed over must still commit; the writer stops
-    when the training process closes the pipe or dies (SIGKILL still ends it)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
-        try:
-            conn.send("received")
-        except OSError:
-            pass  # the training process is gone: commit what it handed over all the same
-        try:
-            reply = (True, persist(job))
-        except BaseException as exc:  # the caller re-raises it
-            reply = (False, exc if _picklable(exc) else CheckpointError(f"{type(exc).__name__}: {exc}"))
-        try:
-            conn.send(reply)
-        except OSError:
-            return  # the training process is gone; the checkpoint is committed (or failed) anyway
-        finally:  # unmap the shared buffers now, not at the next job: a larger pool may need the room
-            del job, reply  # (a failure's traceback holds them too)
-
-
-def _picklable(exc: BaseException) -> bool:
-    import pickle
-
-    try:
-        pickle.dumps(exc)
-    except Exception:
-        return False
-    return True

@@ -60,3 +60,9 @@ class StorageError(CheckpointError, OSError):
 class ConcurrentWriteError(CheckpointError):
     """Another writer replaced or created a file between this writer's check and its conditional
     write (an object store's If-Match / If-None-Match failed): this write did not take effect."""
+
+
+class ExportError(CheckpointError, ValueError):
+    """An export cannot be done as asked (a prefix that selects nothing, two keys renamed onto one
+    name, a dtype the output format cannot hold); the message says which keys and what to do. Nothing
+    was written."""

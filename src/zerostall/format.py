@@ -375,18 +375,21 @@ class FileItem:
     nbytes: int
 
 
-def safetensors_header(items: Iterable[FileItem], generation: str) -> tuple[bytes, list[int]]:
-    """Build a safetensors header whose data section starts 4 KiB-aligned.
+def safetensors_dtype(dtype: torch.dtype) -> str | None:
+    """The safetensors name of ``dtype`` (``BF16``); None for a dtype safetensors lacks."""
+    return _SAFETENSORS_DTYPES.get(dtype_name(dtype))
 
-    Returns the header bytes (length prefix included, padded with spaces) and each item's
-    absolute byte offset in the file. Items must already be ordered by descending itemsize so
-    that packing with no gaps keeps every tensor at its natural alignment.
-    """
-    header: dict[str, Any] = {"__metadata__": {"format": FORMAT_NAME, "generation": generation}}
+
+def safetensors_header(items: Iterable[FileItem], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
+    """A safetensors header holding ``metadata``, padded with spaces so that the data section starts
+    4 KiB-aligned (length prefix included), and each item's absolute byte offset in the file. Items
+    come ordered by descending itemsize, so packing with no gaps keeps each at its natural alignment;
+    a dtype safetensors lacks is stored as U8 bytes."""
+    header: dict[str, Any] = {"__metadata__": metadata}
     relative = []
     pos = 0
     for item in items:
-        st_dtype = _SAFETENSORS_DTYPES.get(dtype_name(item.dtype))
+        st_dtype = safetensors_dtype(item.dtype)
         shape = list(item.shape) if st_dtype else [item.nbytes]
         header[item.name] = {"dtype": st_dtype or "U8", "shape": shape, "data_offsets": [pos, pos + item.nbytes]}
         relative.append(pos)

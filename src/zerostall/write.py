@@ -19,7 +19,7 @@ from .checksums import CACHE_PIECE, BlockHasher, block_checksums, checksum, piec
 from .collect import WriteItem
 from .devices import CallerStreams
 from .errors import CheckpointError
-from .format import Chunk, FileItem, data_file_name, safetensors_header
+from .format import FORMAT_NAME, Chunk, FileItem, data_file_name, safetensors_header
 from .gcpause import gc_paused
 from .memory import owned_bytes, tensor_bytes
 from .storage import Storage
@@ -93,7 +93,8 @@ def _write_file(storage: Storage, name: str, items: list[WriteItem], generation:
     ``stop``, so the save's other writers give up too."""
     with gc_paused():
         header, offsets = safetensors_header(
-            (FileItem(i.name, i.tensor.dtype, tuple(i.tensor.shape), i.nbytes) for i in items), generation)
+            (FileItem(i.name, i.tensor.dtype, tuple(i.tensor.shape), i.nbytes) for i in items),
+            {"format": FORMAT_NAME, "generation": generation})
         chunks = [Chunk(i.offsets, tuple(i.tensor.shape), name, off, i.nbytes) for i, off in zip(items, offsets)]
     try:
         size = storage.write(name, _file_parts(header, items, chunks, block_size, stop))

@@ -1,8 +1,8 @@
-"""The ``zerostall`` command line (also ``python -m zerostall``): ls, inspect, verify, prune, diff, cp."""
+"""The ``zerostall`` command line (also ``python -m zerostall``): ls, inspect, verify, prune, diff, cp, export."""
 
 from __future__ import annotations
 
-from . import comparing, copying, inspecting, listing  # noqa: F401  (each registers its commands on the group)
+from . import comparing, copying, exporting, inspecting, listing  # noqa: F401  (each registers its commands on the group)
 from .common import cli
 
 __all__ = ["cli", "main"]

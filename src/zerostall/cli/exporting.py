@@ -1,0 +1,86 @@
+"""``zerostall export``: a checkpoint's model weights as Hugging Face safetensors files or one
+``torch.load``-able file, consolidated from every rank and streamed (see ``zs.export``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import click
+
+import zerostall as zs
+
+from .common import Failure, USAGE, cli, console, open_checkpoint, print_json, progress_bar, reported_errors
+
+
+@cli.command("export")
+@click.argument("ckpt")
+@click.argument("out")
+@click.option("--format", "fmt", type=click.Choice(["hf", "torch"]), default="hf", show_default=True,
+              help="hf: safetensors files in directory OUT (model.safetensors, or shards with "
+                   "model.safetensors.index.json); torch: one file OUT for torch.load(OUT, weights_only=True).")
+@click.option("--prefix", default=None, help="Export only the entries under this dotted prefix, with it stripped "
+                                             "(model. exports the state_dict keys of a module saved as 'model').")
+@click.option("--rename", multiple=True, metavar="REGEX=REPLACEMENT",
+              help="Rename keys by re.sub, after the prefix; repeatable, applied in order (split at the last '=').")
+@click.option("--dtype", default=None, help="Cast floating tensors to this dtype (bfloat16, float16, float32).")
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="The most bytes of one hf file (5GB = 5*10^9, 256MiB = 256*2^20); a larger tensor gets its own.")
+@click.option("--overwrite", is_flag=True, help="Write into a non-empty OUT, replacing its model files (or the file).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a summary (and no bar).")
+def export(ckpt: str, out: str, fmt: str, prefix: str | None, rename: tuple[str, ...], dtype: str | None,
+           max_shard_size: str, overwrite: bool, as_json: bool) -> None:
+    """Export the tensors of CKPT (a checkpoint, a root: its newest, ROOT/latest or ROOT/<step>)
+    to OUT, a local directory (--format hf) or file (--format torch). Entries that are not model
+    weights (rank-local, python values, tensor subclasses) are skipped and listed. Every block's
+    checksum is verified as it is read; files appear under their names only once complete.
+
+    Exit status: 0 exported; 1 the checkpoint is incomplete, corrupt or unreadable, or writing
+    failed; 2 bad usage (nothing found, a prefix that selects nothing, a rename collision, a
+    non-empty OUT without --overwrite)."""
+    from zerostall.exporting import ExportOptions, select  # torch: only this command needs it
+
+    try:
+        options = ExportOptions(format=fmt, prefix=prefix, rename=rename, dtype=dtype, max_shard_size=max_shard_size,
+                                overwrite=overwrite)
+    except ValueError as exc:
+        raise Failure(str(exc), USAGE) from exc
+    try:
+        with reported_errors():
+            storage, _ = open_checkpoint(ckpt)
+            with zs.open(storage) as ck:
+                items, _ = select(ck.manifest, ck.path, options)
+                with progress_bar(sum(i.nbytes for i in items), "export", quiet=as_json) as advance, \
+                        _skips_reported_here():
+                    info = zs.export(ck, out, options, progress=advance)
+    except Failure as exc:
+        if isinstance(exc.__cause__, (zs.ExportError, zs.CheckpointExistsError)):
+            exc.exit_code = USAGE
+        raise
+    _report(info, storage.location, as_json)
+
+
+@contextmanager
+def _skips_reported_here() -> Iterator[None]:
+    """Quiet the library's warning about skipped entries: the command reports them itself."""
+    logger = logging.getLogger("zerostall.exporting")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _report(info: Any, source: str, as_json: bool) -> None:
+    if as_json:
+        print_json({"checkpoint": source, "out": info.path, "format": info.format, "files": info.files,
+                    "tensors": len(info.keys), "bytes": info.bytes, "keys": info.keys, "skipped": info.skipped})
+        return
+    out = console()
+    out.print(f"exported {len(info.keys)} tensors ({info.bytes} bytes) from {source} to {info.path}: "
+              f"{len(info.files)} file(s)")
+    if info.skipped:
+        out.print(f"skipped {len(info.skipped)} entries that are not model weights: {', '.join(info.skipped)}")

@@ -1,0 +1,398 @@
+"""Export (``zs.export``, ``zerostall export``): Hugging Face safetensors files (sharded as
+``save_pretrained`` shards, with its index) and one ``torch.load`` file, read back by the
+``safetensors`` library, ``torch.load(weights_only=True)`` and ``transformers``, bit-exact; DTensor
+shards of several ranks consolidated; prefix, renames and casts; the entries skipped; errors; the
+command line; and memory bounded by a few slabs, measured in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from click.testing import CliRunner, Result
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch.distributed.tensor import Replicate, Shard
+
+import zerostall as zs
+from test_distributed import dtensor, full_value
+from test_subclass import two
+from zerostall.cli import cli
+from zerostall.exporting import HF_INDEX, HF_WEIGHTS, parse_size
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+TESTS = Path(__file__).resolve().parent
+
+
+def model_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"embed.weight": torch.randn(32, 16, generator=g), "layers.0.w": torch.randn(16, 16, generator=g),
+            "layers.0.b": torch.randn(16, generator=g).to(torch.bfloat16),
+            "layers.1.w": torch.randn(16, 16, generator=g),
+            "norm.scale": torch.tensor(2.5), "ids": torch.arange(10, dtype=torch.int64),
+            "mask": torch.tensor([True, False, True]), "empty": torch.zeros(0, 4)}
+
+
+def saved(tmp_path: Path, extra: dict | None = None) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A checkpoint of {"model": model_state(), "step": 7, ...extra}, and the model state."""
+    model = model_state()
+    path = tmp_path / "ck"
+    zs.save({"model": dict(model), "step": 7, **(extra or {})}, path)
+    return path, model
+
+
+def read_hf(out: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an exported directory, read by the safetensors library."""
+    files = sorted(out.glob("*.safetensors"))
+    found: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            assert st.metadata() == {"format": "pt"}
+        part = load_file(f)
+        assert not set(part) & set(found)
+        found.update(part)
+    return found
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(sorted(got)) == list(sorted(want))
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+        assert torch.equal(got[key], value), key
+
+
+def test_one_file_when_it_fits_no_index_bit_exact(tmp_path):
+    path, model = saved(tmp_path)
+    info = zs.export(path, tmp_path / "hf", prefix="model.")
+    assert sorted(os.listdir(tmp_path / "hf")) == [HF_WEIGHTS]
+    assert info.files == [str(tmp_path / "hf" / HF_WEIGHTS)] and info.keys == list(model)
+    assert info.bytes == sum(t.nbytes for t in model.values()) and info.skipped == []
+    assert_same(read_hf(tmp_path / "hf"), model)
+
+
+def test_shards_and_index_as_save_pretrained_makes_them(tmp_path):
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    path, model = saved(tmp_path)
+    info = zs.export(path, tmp_path / "hf", prefix="model.", max_shard_size=1100)
+    split = split_torch_state_dict_into_shards(model, max_shard_size=1100)
+    names = sorted(split.filename_to_tensors)
+    assert len(names) > 2 and names[0] == f"model-00001-of-{len(names):05d}.safetensors"
+    assert sorted(os.listdir(tmp_path / "hf")) == sorted([*names, HF_INDEX])
+    index = json.loads((tmp_path / "hf" / HF_INDEX).read_text())
+    assert index == {"metadata": {"total_size": sum(t.nbytes for t in model.values())},
+                     "weight_map": split.tensor_to_filename}
+    for name, keys in split.filename_to_tensors.items():
+        assert sorted(load_file(tmp_path / "hf" / name)) == sorted(keys)
+    assert info.files == [str(tmp_path / "hf" / n) for n in [*names, HF_INDEX]]
+    assert_same(read_hf(tmp_path / "hf"), model)
+
+
+def test_a_tensor_larger_than_a_shard_gets_a_file_of_its_own(tmp_path):
+    path, model = saved(tmp_path)
+    zs.export(path, tmp_path / "hf", prefix="model.", max_shard_size="1KB")
+    index = json.loads((tmp_path / "hf" / HF_INDEX).read_text())
+    alone = [f for f in set(index["weight_map"].values()) if list(index["weight_map"].values()).count(f) == 1]
+    assert index["weight_map"]["embed.weight"] in alone  # 2048 bytes > 1000
+    assert_same(read_hf(tmp_path / "hf"), model)
+
+
+def test_prefix_rename_and_dtype(tmp_path):
+    path, model = saved(tmp_path)
+    rules = [r"^layers\.(\d+)\.=blocks.\1.", ("scale$", "weight")]
+    info = zs.export(path, tmp_path / "hf", prefix="model", rename=rules, dtype="bfloat16")
+    renamed = {"embed.weight": "embed.weight", "layers.0.w": "blocks.0.w", "layers.0.b": "blocks.0.b",
+               "layers.1.w": "blocks.1.w", "norm.scale": "norm.weight", "ids": "ids", "mask": "mask", "empty": "empty"}
+    want = {renamed[k]: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in model.items()}
+    assert info.keys == list(want)
+    assert_same(read_hf(tmp_path / "hf"), want)
+    zs.export(path, tmp_path / "whole", overwrite=True)  # no prefix: every tensor under its full name
+    assert_same(read_hf(tmp_path / "whole"), {f"model.{k}": v for k, v in model.items()})
+
+
+def test_torch_format_loads_with_weights_only_and_mmap(tmp_path):
+    path, model = saved(tmp_path)
+    info = zs.export(path, tmp_path / "out" / "model.pt", format="torch", prefix="model.", dtype=torch.float16)
+    assert os.listdir(tmp_path / "out") == ["model.pt"] and info.files == [str(tmp_path / "out" / "model.pt")]
+    want = {k: v.to(torch.float16) if v.is_floating_point() else v for k, v in model.items()}
+    for mmap in (False, True):
+        got = torch.load(tmp_path / "out" / "model.pt", weights_only=True, mmap=mmap)
+        assert list(got) == list(want)
+        assert_same(got, want)
+
+
+def test_aliases_export_as_their_own_keys_and_skipped_entries_are_listed(tmp_path, caplog):
+    weight = torch.randn(4, 4)
+    state = {"model": {"embed": weight, "head": weight, "flat": two((2, 3))}, "step": 3,
+             "rng": zs.rank_local(torch.ones(2)), "note": "hello"}
+    zs.save(state, tmp_path / "ck")
+    with caplog.at_level(logging.WARNING, logger="zerostall.exporting"):
+        info = zs.export(tmp_path / "ck", tmp_path / "hf")
+    assert info.keys == ["model.embed", "model.head"]
+    assert sorted(info.skipped) == ["model.flat", "note", "rng@rank0", "step"]
+    assert "model.flat" in caplog.text and "rng@rank0" in caplog.text
+    got = read_hf(tmp_path / "hf")
+    assert torch.equal(got["model.embed"], weight) and torch.equal(got["model.head"], weight)
+
+
+def save_dtensor_model(path: str) -> None:
+    """Columns split across ranks (so every row is assembled from both), an odd-length vector, a
+    replicated tensor, and a rank-local value."""
+    state = {"model": {"w": dtensor(full_value((10, 6), 1), (2,), [Shard(1)]),
+                       "v": dtensor(full_value((7,), 2), (2,), [Shard(0)]),
+                       "r": dtensor(full_value((3, 3), 3), (2,), [Replicate()]),
+                       "plain": full_value((5,), 4)},
+             "seen": zs.rank_local(torch.tensor(dist.get_rank()))}
+    zs.save(state, path)
+
+
+def test_dtensor_shards_of_two_ranks_export_consolidated(ranks, tmp_path):
+    ranks(2).run(save_dtensor_model, str(tmp_path / "ck"))
+    info = zs.export(tmp_path / "ck", tmp_path / "hf", prefix="model.", max_shard_size=200)
+    want = {"w": full_value((10, 6), 1), "v": full_value((7,), 2), "r": full_value((3, 3), 3),
+            "plain": full_value((5,), 4)}
+    assert len(info.files) > 2  # shards and the index
+    assert_same(read_hf(tmp_path / "hf"), want)
+    zs.export(tmp_path / "ck", tmp_path / "m.pt", format="torch")
+    got = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert_same(got, {f"model.{k}": v for k, v in want.items()})
+    assert sorted(zs.export(tmp_path / "ck", tmp_path / "all").skipped) == ["seen@rank0", "seen@rank1"]
+
+
+def export_on_rank_0(path: str, out: str) -> str:
+    """A path is refused on every rank (opening it is collective); a checkpoint every rank opened
+    exports on one."""
+    try:
+        zs.export(path, out)
+    except zs.ExportError as exc:
+        refused = str(exc)
+    with zs.open(path) as ck:
+        if dist.get_rank() == 0:
+            zs.export(ck, out, prefix="model.")
+    return refused
+
+
+def test_in_a_distributed_job_one_rank_exports_a_checkpoint_every_rank_opened(ranks, tmp_path):
+    ranks(2).run(save_dtensor_model, str(tmp_path / "ck"))
+    messages = ranks(2).run(export_on_rank_0, str(tmp_path / "ck"), str(tmp_path / "hf"))
+    assert all("open it with zs.open(...) on every rank" in m for m in messages)
+    assert torch.equal(read_hf(tmp_path / "hf")["w"], full_value((10, 6), 1))
+
+
+def test_a_root_gives_its_newest_and_an_open_checkpoint_is_used_as_is(tmp_path):
+    root = tmp_path / "root"
+    zs.save({"model": {"w": torch.zeros(3)}}, root / "step-1", step=1)
+    zs.save({"model": {"w": torch.ones(3)}}, root / "step-2", step=2)
+    zs.export(root, tmp_path / "a", prefix="model.")
+    assert torch.equal(read_hf(tmp_path / "a")["w"], torch.ones(3))
+    with zs.open(root / "step-1") as ck:
+        zs.export(ck, tmp_path / "b", prefix="model.")
+        assert torch.equal(ck.read("model.w"), torch.zeros(3))  # still open
+    assert torch.equal(read_hf(tmp_path / "b")["w"], torch.zeros(3))
+
+
+def test_a_checkpoint_on_s3_exports(s3_url, tmp_path):
+    model = model_state()
+    zs.save({"model": model}, s3_url)
+    zs.export(s3_url, tmp_path / "hf", prefix="model.", max_shard_size=2000)
+    assert_same(read_hf(tmp_path / "hf"), model)
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+def test_a_prefix_that_selects_nothing_names_the_top_level_keys(tmp_path):
+    path, _ = saved(tmp_path, {"optim": {"lr": torch.ones(1)}})
+    with pytest.raises(zs.ExportError, match=r"prefix 'modle\.' selects no entry .*: model, optim, step"):
+        zs.export(path, tmp_path / "hf", prefix="modle.")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_two_keys_renamed_onto_one_name_are_named(tmp_path):
+    path, _ = saved(tmp_path)
+    with pytest.raises(zs.ExportError, match=r"model\.layers\.0\.w and model\.layers\.1\.w .* both exported as "
+                                             r"'layers\.w'"):
+        zs.export(path, tmp_path / "hf", prefix="model.", rename=[(r"\.\d+\.", ".")])
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_non_empty_out_is_refused_unless_overwrite_which_replaces_the_model_files(tmp_path):
+    path, model = saved(tmp_path)
+    out = tmp_path / "hf"
+    zs.export(path, out, prefix="model.", max_shard_size=1100)
+    (out / "config.json").write_text("{}")
+    before = sorted(os.listdir(out))
+    with pytest.raises(zs.CheckpointExistsError, match="is not empty"):
+        zs.export(path, out, prefix="model.")
+    assert sorted(os.listdir(out)) == before
+    zs.export(path, out, prefix="model.", overwrite=True)  # one file now: the old shards and index go
+    assert sorted(os.listdir(out)) == ["config.json", HF_WEIGHTS]
+    assert_same(read_hf(out), model)
+    (tmp_path / "m.pt").write_bytes(b"x")
+    with pytest.raises(zs.CheckpointExistsError):
+        zs.export(path, tmp_path / "m.pt", format="torch")
+    with pytest.raises(zs.ExportError, match="is a directory"):
+        zs.export(path, out, format="torch", overwrite=True)
+
+
+def test_a_corrupt_block_fails_the_export_and_leaves_no_model_files(tmp_path):
+    path, _ = saved(tmp_path)
+    data = next(path.glob("*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-10] ^= 0xFF  # the last tensor's bytes
+    data.write_bytes(bytes(raw))
+    for fmt, out in (("hf", tmp_path / "hf"), ("torch", tmp_path / "t" / "m.pt")):
+        with pytest.raises(zs.CorruptCheckpointError, match="checksum mismatch"):
+            zs.export(path, out, format=fmt, max_shard_size=1100)
+        assert os.listdir(out if fmt == "hf" else out.parent) == []
+
+
+def test_an_export_killed_midway_leaves_no_model_file_and_a_rerun_completes(tmp_path):
+    state = {f"w{i}": torch.full((64 << 10,), float(i)) for i in range(8)}  # 256 KiB each: 2 a file
+    zs.save(state, tmp_path / "ck")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        import zerostall as zs
+        from faults import FaultyStorage
+        from zerostall.storage import LocalStorage
+
+        storage = FaultyStorage(LocalStorage({str(tmp_path / "ck")!r}))
+        storage.crash("read_into", name="*.safetensors", from_call=6)  # the third file's tensors
+        zs.export(storage, {str(tmp_path / "hf")!r}, max_shard_size=600_000)
+    """)
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == -9 and "SIGKILL" in done.stderr, done.stderr
+    left = os.listdir(tmp_path / "hf")
+    assert left and all(name.startswith(".model-") and name.endswith(".tmp") for name in left)  # hidden, never named
+    with pytest.raises(zs.CheckpointExistsError):
+        zs.export(tmp_path / "ck", tmp_path / "hf", max_shard_size=600_000)
+    info = zs.export(tmp_path / "ck", tmp_path / "hf", max_shard_size=600_000, overwrite=True)
+    assert sorted(os.listdir(tmp_path / "hf")) == sorted(os.path.basename(f) for f in info.files)  # temps gone
+    assert len(info.files) == 5
+    assert_same(read_hf(tmp_path / "hf"), state)
+
+
+def test_safetensors_cannot_hold_complex_but_torch_can(tmp_path):
+    zs.save({"z": torch.randn(3, dtype=torch.complex64)}, tmp_path / "ck")
+    with pytest.raises(zs.ExportError, match=r"safetensors cannot hold the dtype of z \(torch.complex64\)"):
+        zs.export(tmp_path / "ck", tmp_path / "hf")
+    zs.export(tmp_path / "ck", tmp_path / "z.pt", format="torch")
+    assert torch.load(tmp_path / "z.pt", weights_only=True)["z"].dtype == torch.complex64
+
+
+@pytest.mark.parametrize("field, value", [("format", "gguf"), ("dtype", "int8"), ("dtype", torch.int32),
+                                          ("max_shard_size", 0), ("rename", ["no-equals-sign"]),
+                                          ("overwrite", "yes"), ("threads", 0), ("prefix", 3)])
+def test_bad_options_fail_when_built_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"ExportOptions\.{field} must be"):
+        zs.ExportOptions(**{field: value})
+
+
+def test_sizes_read_as_save_pretrained_reads_them():
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("256MiB") == 256 << 20 and parse_size("10kb") == 10_000
+    assert parse_size(123) == 123 and zs.ExportOptions().max_shard_size == 5 * 10**9
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("5 parsecs")
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+def run(*args: object) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_cli_json_and_exit_codes(tmp_path):
+    path, model = saved(tmp_path)
+    result = run("export", path, tmp_path / "hf", "--prefix", "model.", "--max-shard-size", "1100", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["format"] == "hf" and report["keys"] == list(model) and report["skipped"] == []
+    assert report["files"][-1].endswith(HF_INDEX) and report["bytes"] == sum(t.nbytes for t in model.values())
+    assert_same(read_hf(tmp_path / "hf"), model)
+    text = run("export", path, tmp_path / "m.pt", "--format", "torch", "--rename", "^model\\.=", "--dtype", "bfloat16")
+    assert text.exit_code == 0 and "skipped 1 entries that are not model weights: step" in text.output
+    assert torch.load(tmp_path / "m.pt", weights_only=True)["embed.weight"].dtype == torch.bfloat16
+    assert run("export", path, tmp_path / "hf").exit_code == 2  # not empty
+    assert "selects no entry" in (bad := run("export", path, tmp_path / "x", "--prefix", "nope")).output
+    assert bad.exit_code == 2
+    assert run("export", tmp_path / "missing", tmp_path / "y").exit_code == 2
+    assert run("export", path, tmp_path / "z", "--max-shard-size", "big").exit_code == 2
+    data = next(path.glob("*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    corrupt = run("export", path, tmp_path / "w")
+    assert corrupt.exit_code == 1 and "checksum mismatch" in corrupt.output
+
+
+def test_export_help_documents_the_exit_statuses():
+    assert "Exit status: 0 exported; 1" in run("export", "--help").output
+
+
+# -- acceptance: a transformers model ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_llama_model_exported_loads_in_transformers_with_the_same_logits(tmp_path, tied):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      max_position_embeddings=64, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    zs.save({"model": model, "step": 1}, tmp_path / "ck")
+    zs.export(tmp_path / "ck", tmp_path / "hf", prefix="model.", max_shard_size="100KB")
+    config.save_pretrained(tmp_path / "hf")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
+
+
+# -- memory ----------------------------------------------------------------------------------------
+
+
+MEASURE = """
+import sys
+import torch, zerostall as zs, zerostall.exporting, safetensors  # imports first: the baseline
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+base = status("VmRSS")
+zs.export(sys.argv[1], sys.argv[2], max_shard_size=int(sys.argv[3]))
+print(status("VmHWM") - base)
+"""
+
+
+def test_peak_memory_stays_under_two_shards(tmp_path):
+    """A checkpoint of ~290 MB (one tensor larger than a shard) exported with 64 MB shards: the
+    peak resident memory of a fresh process grows by less than two shards."""
+    g = torch.Generator().manual_seed(0)
+    state = {f"layer{i}": torch.randn(1024, 4096, generator=g) for i in range(12)}  # 16 MiB each
+    state["big"] = torch.randn(24 << 20, generator=g)  # 96 MiB: more than a shard
+    zs.save(state, tmp_path / "ck")
+    shard = 64 << 20
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path / "ck"), str(tmp_path / "hf"), str(shard)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    growth = int(done.stdout.split()[-1])
+    assert growth < 2 * shard, f"peak RSS grew by {growth >> 20} MiB"
+    index = json.loads((tmp_path / "hf" / HF_INDEX).read_text())
+    assert len(set(index["weight_map"].values())) == 4  # 4 layers a shard, then the big one alone
+    assert torch.equal(load_file(tmp_path / "hf" / index["weight_map"]["big"])["big"], state["big"])
