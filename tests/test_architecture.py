@@ -14,15 +14,15 @@ ORDER = [
     "errors", "memory", "devices", "gcpause", "codec", "checksums", "balance", "boxes", "format", "subclass",
     "tensor_check", "value_check", "manifest_check",
     "storage.base", "storage.local", "storage.s3client", "storage.s3", "storage", "collectives", "state", "options",
-    "opening",
+    "sources.safetensors", "sources.dcp", "sources", "opening",
     # saving: collect → plan → write → commit, run in order by saving
     "collect", "plan", "write", "commit", "saving",
     # reading: opening → reader (bytes, checked) → load plan → fetch (and broadcast) → verification,
     # behind the Checkpoint front
-    "reader", "load_plan", "fetch", "broadcast", "verification", "checkpoint",
+    "reader", "sources.optimizers", "load_plan", "fetch", "broadcast", "verification", "checkpoint",
     # asynchronous saving; checkpoints by step under a root; then the public functions
     "capture", "asynchronous", "retention", "root", "api", "schedule", "lease", "manager",
-    "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli", "__main__", "__init__",
+    "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.importing", "cli", "__main__", "__init__",
 ]
 MAX_LINES = 400
 

@@ -234,6 +234,7 @@ class Manifest:
     created: float = field(default_factory=time.time)
     version: int = 1  # as read; written as at least what the entries need (see version_needed)
     headers: dict[str, str] = field(default_factory=dict)  # file -> xxh3-64 of its safetensors header
+    foreign: str | None = None  # read in place of ours ("dcp", "safetensors"): no checksums; never written
 
     @property
     def total_bytes(self) -> int:

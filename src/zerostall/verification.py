@@ -27,6 +27,10 @@ def verify_all(fetcher: ChunkReader, *, allow_pickle: bool, progress: Callable[[
     I/O errors): such a checkpoint is unverified, not known to be damaged.
     """
     manifest = fetcher.manifest
+    if manifest.foreign:
+        raise CheckpointError(f"{fetcher.path} is a {manifest.foreign} checkpoint: it carries no checksums, so "
+                              "nothing can be verified (`zerostall import` converts it into a zerostall checkpoint "
+                              "with checksums, checking every value)")
     faults: list[str] = []
     unreadable = False
     jobs = [(e, c) for e in manifest.entries if e.kind == "tensor" for c in e.chunks]

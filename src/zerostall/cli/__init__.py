@@ -1,8 +1,8 @@
-"""The ``zerostall`` command line (also ``python -m zerostall``): ls, inspect, verify, prune, diff."""
+"""The ``zerostall`` command line (also ``python -m zerostall``): ls, inspect, verify, prune, diff, import."""
 
 from __future__ import annotations
 
-from . import comparing, inspecting, listing  # noqa: F401  (each registers its commands on the group)
+from . import comparing, importing, inspecting, listing  # noqa: F401  (each registers its commands on the group)
 from .common import cli
 
 __all__ = ["cli", "main"]
