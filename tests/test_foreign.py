@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import struct
 
 import pytest
@@ -345,3 +346,20 @@ def test_hostile_index_and_duplicates_are_refused(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["one.safetensors"]}))
     with pytest.raises(zs.CorruptCheckpointError, match="weight_map"):
         zs.open(tmp_path)
+
+
+def test_hf_and_dcp_load_from_s3(hf_dirs, dcp_fsdp, s3_url):
+    from zerostall.storage import storage_for
+
+    root, refs = hf_dirs
+    dcp_path, ref = dcp_fsdp
+    for local, url in ((root / "llama", f"{s3_url}/llama"), (pathlib.Path(dcp_path), f"{s3_url}/dcp")):
+        remote = storage_for(url)
+        for name in os.listdir(local):
+            remote.write(name, [memoryview((local / name).read_bytes())])
+    model = llama(2)
+    zs.load(model, f"{s3_url}/llama")
+    assert all(same_bits(v, refs["llama"][k]) for k, v in model.state_dict().items())
+    model = mlp(2)
+    zs.load({"model": model}, f"{s3_url}/dcp", allow_pickle=True, strict=False)
+    assert all(same_bits(v, ref["model"][k]) for k, v in model.state_dict().items())
