@@ -153,6 +153,9 @@ def test_dcp_reads_only_the_bytes_of_the_box(dcp_fsdp):
     path, ref = dcp_fsdp
     storage = CountingStorage(path)
     with zs.open(storage, allow_pickle=True) as ck:
+        chunks = sum(len(e.chunks) for e in ck.manifest.entries)
+        values = sum(e.kind == "object" for e in ck.manifest.entries)
+        assert storage.calls <= 3 * chunks + values + 2  # an archive's head and tail windows, not its bytes
         entry = ck.entries["model.0.weight"]
         assert len(entry.chunks) == 2  # one per FSDP2 rank
         storage.read = 0
@@ -175,15 +178,17 @@ def test_dcp_non_contiguous_items_are_refused_by_name(tmp_path):
 class CountingStorage(LocalStorage):
     """A local storage that counts the bytes read from its files' byte ranges."""
 
-    read = 0
+    read = calls = 0
 
     def read_into(self, name, offset, out):
         super().read_into(name, offset, out)
         self.read += len(out)
+        self.calls += 1
 
     def read_into_many(self, name, offset, outs):
         super().read_into_many(name, offset, outs)
         self.read += sum(len(out) for out in outs)
+        self.calls += 1
 
 
 def llama_config():
@@ -271,6 +276,18 @@ def test_hf_reads_only_the_bytes_of_the_box(hf_dirs):
         part = ck.read("model.embed_tokens.weight", box=((10, 0), (7, 32)))
         assert storage.read == 7 * 32 * 4
     assert same_bits(part, refs["llama"]["model.embed_tokens.weight"][10:17])
+
+
+def test_hf_tensors_at_unaligned_offsets_read_exactly(tmp_path):
+    values = torch.arange(4, dtype=torch.float32)
+    forged(tmp_path / "model.safetensors", {"a": F32, "b": {**F32, "data_offsets": [16, 32]}},
+           data=values.numpy().tobytes() + (values + 4).numpy().tobytes(), length=None)
+    assert (8 + len(json.dumps({"a": F32, "b": {**F32, "data_offsets": [16, 32]}}))) % 4  # misaligned
+    with zs.open(tmp_path) as ck:
+        assert same_bits(ck.read("a"), values) and same_bits(ck.read("b"), values + 4)
+    target = {"a": torch.zeros(4, dtype=torch.float64), "b": torch.zeros(4)}
+    zs.load(target, tmp_path)
+    assert torch.equal(target["a"], values.double()) and same_bits(target["b"], values + 4)
 
 
 def test_hf_import_then_verify(hf_dirs, tmp_path):

@@ -16,6 +16,7 @@ from .checksums import checksum
 from .errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 from .format import Chunk, Entry
 from .reader import ChunkReader, resolve
+from .sources import describe
 
 
 def verify_all(fetcher: ChunkReader, *, allow_pickle: bool, progress: Callable[[int], None] | None = None) -> int:
@@ -28,7 +29,7 @@ def verify_all(fetcher: ChunkReader, *, allow_pickle: bool, progress: Callable[[
     """
     manifest = fetcher.manifest
     if manifest.foreign:
-        raise CheckpointError(f"{fetcher.path} is a {manifest.foreign} checkpoint: it carries no checksums, so "
+        raise CheckpointError(f"{fetcher.path} is {describe(manifest.foreign)}: it carries no checksums, so "
                               "nothing can be verified (`zerostall import` converts it into a zerostall checkpoint "
                               "with checksums, checking every value)")
     faults: list[str] = []

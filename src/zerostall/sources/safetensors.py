@@ -29,6 +29,7 @@ DTYPES = {
     "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
     "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1), "BOOL": ("bool", 1),
     "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1), "F8_E8M0": ("float8_e8m0fnu", 1),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1), "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
     "C64": ("complex64", 8),
 }
 SUB_BYTE = frozenset({"F4", "F6_E2M3", "F6_E3M2", "I4", "U4", "I2", "U2", "I1", "U1"})
