@@ -252,6 +252,13 @@ def test_hf_single_file_and_bare_module(hf_dirs, tmp_path):
         model = mlp(8)
         zs.load(model, source)
         assert all(same_bits(v, refs["mlp"][k]) for k, v in model.state_dict().items())
+    os.makedirs(tmp_path / "snapshot")
+    os.symlink(tmp_path / "model.safetensors", tmp_path / "snapshot" / "model.safetensors")  # a HF cache's
+    model = mlp(8)
+    zs.load(model, tmp_path / "snapshot" / "model.safetensors")  # the file named is followed
+    assert all(same_bits(v, refs["mlp"][k]) for k, v in model.state_dict().items())
+    with pytest.raises(zs.UnsafeFileError):
+        zs.open(tmp_path / "snapshot")  # links inside a checkpoint are not
     with zs.open(tmp_path / "model.safetensors") as ck:
         assert sorted(ck.entries) == sorted(refs["mlp"])
         assert same_bits(ck.state()["2.bias"], refs["mlp"]["2.bias"])

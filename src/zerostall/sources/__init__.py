@@ -26,11 +26,15 @@ _DCP_METADATA = ".metadata"  # sources.dcp.METADATA_NAME, without importing torc
 
 def split_file(path: Any) -> tuple[Storage, str | None]:
     """The storage of ``path`` and, where ``path`` names a single ``.safetensors`` file rather
-    than a directory (or prefix), that file's name in its parent's storage."""
+    than a directory (or prefix), that file's name in its parent's storage. A local file named so
+    is followed if it is a symbolic link (a Hugging Face cache's snapshots are links to its blobs):
+    the caller named it; links inside a checkpoint are never followed."""
     if isinstance(path, Storage):
         return path, None
     text = os.fspath(path).rstrip("/")
     if text.endswith(".safetensors") and not (os.path.isdir(text) and "://" not in text):
+        if "://" not in text and os.path.islink(text):
+            text = os.path.realpath(text)
         parent, _, name = text.rpartition("/")
         return storage_for(parent or "."), name
     return storage_for(path), None
