@@ -126,6 +126,24 @@ def test_dcp_from_fsdp2_loads_into_four_fsdp2_ranks_bit_exactly(dcp_fsdp, ranks)
     assert ranks(4).run(dcp_load_fsdp, path, ref) == [[]] * 4
 
 
+def test_optimizer_state_saved_by_name_loads_into_an_optimizer_object(tmp_path):
+    """The same for a zerostall checkpoint of get_state_dict's dicts (keyed by parameter name)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = mlp(0)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 16)).sum().backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    zs.save({"model": msd, "optim": osd}, tmp_path / "ck")
+    ref = {"model": msd, "state": osd["state"], "param_groups": osd["param_groups"]}
+    fresh = mlp(1)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    zs.load({"model": fresh, "optim": fresh_optim}, tmp_path / "ck")
+    assert differences(fresh.state_dict(), fresh_optim.state_dict(), ref) == []
+    assert fresh_optim.param_groups[0]["lr"] == 1e-2 and fresh_optim.param_groups[0]["params"][0] is fresh[0].weight
+
+
 def test_dcp_needs_allow_pickle(dcp_fsdp):
     path, _ = dcp_fsdp
     for call in (lambda: zs.open(path), lambda: zs.load({"model": mlp(1)}, path)):

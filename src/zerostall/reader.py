@@ -116,7 +116,8 @@ class ChunkReader:
         session (a save into the same path replaced it, or it was deleted) - then it is not corrupt,
         and a script that deletes corrupt checkpoints must not delete the new one."""
         of = f" (entry {entry.fqn})" if entry is not None else ""
-        current = manifest_generation(self.storage) if self.manifest.foreign is None else self.manifest.generation
+        foreign = self.manifest.foreign is not None  # no manifest of ours in place to compare with
+        current = self.manifest.generation if foreign else manifest_generation(self.storage)
         if current != self.manifest.generation:
             now = f"another save ({current}) replaced it" if current else "it was deleted: pruned by retention, or by hand"
             return CheckpointError(f"{self.path} changed while this read session was open ({now}): data file "
