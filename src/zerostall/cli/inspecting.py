@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.filesize import decimal as human_bytes
 from rich.table import Column, Table
 
