@@ -410,3 +410,16 @@ def test_hf_and_dcp_load_from_s3(hf_dirs, dcp_fsdp, s3_url):
     model = mlp(2)
     zs.load({"model": model}, f"{s3_url}/dcp", allow_pickle=True, strict=False)
     assert all(same_bits(v, ref["model"][k]) for k, v in model.state_dict().items())
+
+
+def test_a_truncated_dcp_file_is_refused_naming_the_item(dcp_fsdp, tmp_path):
+    import shutil
+
+    path, _ = dcp_fsdp
+    shutil.copytree(path, tmp_path / "ck")
+    data = sorted(n for n in os.listdir(tmp_path / "ck") if n.endswith(".distcp"))[0]
+    os.truncate(tmp_path / "ck" / data, 100)
+    with pytest.raises(zs.CorruptCheckpointError, match=rf"item '[^']+'.* outside {data}"):
+        zs.open(tmp_path / "ck", allow_pickle=True)
+    result = CliRunner().invoke(cli, ["import", str(tmp_path / "ck"), str(tmp_path / "out"), "--allow-pickle"])
+    assert result.exit_code == 1 and "outside" in result.output and not (tmp_path / "out").exists()
