@@ -423,3 +423,13 @@ def test_a_truncated_dcp_file_is_refused_naming_the_item(dcp_fsdp, tmp_path):
         zs.open(tmp_path / "ck", allow_pickle=True)
     result = CliRunner().invoke(cli, ["import", str(tmp_path / "ck"), str(tmp_path / "out"), "--allow-pickle"])
     assert result.exit_code == 1 and "outside" in result.output and not (tmp_path / "out").exists()
+
+
+def test_a_shard_missing_from_an_index_is_named(hf_dirs, tmp_path):
+    import shutil
+
+    root, _ = hf_dirs
+    shutil.copytree(root / "mlp", tmp_path / "hf")
+    os.remove(tmp_path / "hf" / "model-00002-of-00002.safetensors")
+    with pytest.raises(zs.CorruptCheckpointError, match="model-00002-of-00002.safetensors"):
+        zs.open(tmp_path / "hf")

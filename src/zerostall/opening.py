@@ -10,8 +10,8 @@ import os
 import re
 from typing import TYPE_CHECKING
 
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from . import sources
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from .format import MANIFEST_NAME, Manifest, ManifestHead, file_generation, manifest_body
 from .gcpause import gc_paused
 from .manifest_check import MANIFEST_BYTES_ENV, max_manifest_bytes, parse_head, parse_manifest
@@ -104,7 +104,15 @@ def read_source(storage: Storage, *, allow_pickle: bool = False, file: str | Non
                 raise
     else:
         kind = sources.SAFETENSORS
-    manifest = sources.foreign_manifest(storage, kind, allow_pickle=allow_pickle, file=file)
+    try:
+        manifest = sources.foreign_manifest(storage, kind, allow_pickle=allow_pickle, file=file)
+    except FileNotFoundError as exc:  # one its index names
+        raise CorruptCheckpointError(f"{storage.location} is {sources.describe(kind)} with a file missing: "
+                                     f"{exc}") from None
+    except OSError as exc:  # a CheckpointError, which every rank then raises (a rank that saw none would hang)
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"cannot read {sources.describe(kind)} at {storage.location}: {exc}") from exc
     return kind.encode() + b"\n" + manifest.to_bytes(), manifest
 
 
