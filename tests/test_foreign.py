@@ -182,12 +182,17 @@ def test_dcp_reads_only_the_bytes_of_the_box(dcp_fsdp):
     assert same_bits(part, ref["model"]["0.weight"][3:8])
 
 
-def test_dcp_non_contiguous_items_are_refused_by_name(tmp_path):
+def test_dcp_items_zerostall_cannot_locate_are_refused_by_name(tmp_path):
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
 
     dcp.save({"t": torch.arange(6.0).reshape(2, 3).t()}, checkpoint_id=str(tmp_path / "ck"))
     with pytest.raises(zs.UnsupportedValueError, match="'t' is stored non-contiguous"):
         zs.open(tmp_path / "ck", allow_pickle=True)
+    writer = FileSystemWriter(str(tmp_path / "st"), serialization_format=SerializationFormat.SAFETENSORS)
+    dcp.save({"t": torch.arange(6.0)}, storage_writer=writer)
+    with pytest.raises(zs.UnsupportedValueError, match="'t' is not a torch.save archive"):
+        zs.open(tmp_path / "st", allow_pickle=True)
 
 
 # -- Hugging Face safetensors ---------------------------------------------------------------------
