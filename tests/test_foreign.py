@@ -296,6 +296,9 @@ def test_hf_prefixes_are_stripped_by_load_options(hf_dirs):
     _, mismatch = zs.load(bare, root / "llama", strip="model", strict=False)
     assert mismatch.unexpected == ["lm_head.weight"] and not mismatch.missing
     assert all(same_bits(v, refs["llama"]["model." + k]) for k, v in bare.state_dict().items())
+    compiled = torch.compile(mlp(3))  # its keys start with "_orig_mod." (nothing is compiled before a call)
+    zs.load(compiled, root / "mlp", strip="_orig_mod")
+    assert all(same_bits(v, refs["mlp"][k.removeprefix("_orig_mod.")]) for k, v in compiled.state_dict().items())
 
 
 def test_hf_reads_only_the_bytes_of_the_box(hf_dirs):
