@@ -14,17 +14,17 @@ ORDER = [
     "errors", "memory", "devices", "gcpause", "codec", "checksums", "balance", "boxes", "format", "subclass",
     "tensor_check", "value_check", "manifest_check",
     "storage.base", "storage.local", "storage.s3client", "storage.s3", "storage", "collectives", "state", "options",
-    "opening", "location",
+    "sources.safetensors", "sources.dcp", "sources", "opening", "location",
     # saving: collect → plan → write → commit, run in order by saving
     "collect", "plan", "write", "commit", "saving",
     # reading: opening → reader (bytes, checked) → load plan → fetch (and broadcast) → verification,
     # behind the Checkpoint front
-    "reader", "load_plan", "fetch", "broadcast", "verification", "checkpoint",
+    "reader", "sources.optimizers", "load_plan", "fetch", "broadcast", "verification", "checkpoint",
     # asynchronous saving; checkpoints by step under a root; then the public functions
     "capture", "writer_process", "asynchronous", "retention", "root", "copying", "tensor_stream", "torch_file", "exporting", "api",
     "schedule", "lease", "manager",
-    "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.copying", "cli.exporting", "cli", "__main__",
-    "__init__",
+    "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.copying", "cli.exporting", "cli.importing",
+    "cli", "__main__", "__init__",
 ]
 MAX_LINES = 400
 

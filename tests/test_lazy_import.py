@@ -57,7 +57,7 @@ def root(tmp_path: Path) -> Path:
     ["--help"], ["--version"], ["ls", "{root}"], ["ls", "{root}", "--keep-last", "1", "--json"],
     ["prune", "{root}", "--keep-last", "1", "--dry-run"], ["prune", "{root}", "--keep-last", "1", "--json"],
     ["inspect", "{root}/plain"], ["inspect", "{root}/step_000000010", "--json"], ["inspect", "{root}/latest"],
-    ["verify", "{root}/plain"], ["verify", "{root}", "--json"], ["verify", "{root}/10"],
+    ["verify", "{root}/plain"], ["verify", "{root}", "--json"], ["verify", "{root}/10"], ["import", "--help"],
 ], ids=" ".join)
 def test_commands_never_import_torch(root: Path, args: list[str]) -> None:
     done = run_cli(*(a.format(root=root) for a in args))

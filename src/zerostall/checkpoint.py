@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import codec, subclass
+from . import codec, sources, subclass
 from .boxes import Box, intersect, region, whole
 from .broadcast import broadcast_fill
 from .collectives import Group
@@ -24,11 +24,11 @@ from .fetch import Fetcher
 from .format import Entry
 from .gcpause import gc_paused
 from .load_plan import LoadPlan, LoadPlanner
-from .opening import agreed_manifest
+from .opening import agreed_source
 from .options import LoadOptions, default_threads
 from .reader import resolve
 from .state import Path, rebuild
-from .storage import Storage, storage_for
+from .storage import Storage
 from .verification import verify_all
 
 log = logging.getLogger(__name__)
@@ -41,11 +41,11 @@ class Checkpoint:
     def __init__(self, path: str | os.PathLike[str] | Storage, options: LoadOptions, *,
                  process_group: Any = None) -> None:
         self.group = Group(process_group)
-        self.storage = storage_for(path)
+        self.storage, file = sources.split_file(path)  # a single safetensors file: its directory's storage
         self.path = self.storage.location
         self.tag = os.path.basename(self.path.rstrip("/"))
         self.options = options
-        self.manifest = agreed_manifest(self.storage, self.group)
+        self.manifest = agreed_source(self.storage, self.group, allow_pickle=options.allow_pickle, file=file)
         self._fetcher = Fetcher(self.storage, self.manifest, options.threads or default_threads())
 
     # -- what is in it -------------------------------------------------------------------------
@@ -126,7 +126,7 @@ class Checkpoint:
             return out
         shape, dtype = entry.shape or (), entry.torch_dtype
         chunk = entry.chunks[0] if len(entry.chunks) == 1 else None
-        if chunk is not None and chunk.sizes == shape and chunk.nbytes > 0:
+        if chunk is not None and chunk.sizes == shape and chunk.nbytes > 0 and chunk.offset % dtype.itemsize == 0:
             mapped = self._fetcher.map(chunk.file)
             if mapped is not None:
                 if chunk.offset + chunk.nbytes > len(mapped):

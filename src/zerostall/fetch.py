@@ -52,7 +52,9 @@ class Fetcher(ChunkReader):
         """Copy into each target (a tensor holding ``box`` of its entry) the bytes of every chunk
         that intersects it, reading in parallel: straight into the target when a chunk is exactly
         the target's box and layouts match, through staging buffers otherwise. Chunks whose
-        ``id`` is in ``skip`` were already delivered (by broadcast)."""
+        ``id`` is in ``skip`` were already delivered (by broadcast). A foreign checkpoint has no
+        checksums to verify: reads then take only the bytes needed, not whole blocks."""
+        verify = verify and self.manifest.foreign is None
         direct, staged = self._route(targets, skip)
         cuda = CallerStreams.of(item[0] for item in staged)  # a GPU target is never read into directly
         uploads = None if cuda is None else _Uploads(cuda)

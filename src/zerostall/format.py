@@ -234,6 +234,7 @@ class Manifest:
     created: float = field(default_factory=time.time)
     version: int = 1  # as read; written as at least what the entries need (see version_needed)
     headers: dict[str, str] = field(default_factory=dict)  # file -> xxh3-64 of its safetensors header
+    foreign: str | None = None  # read in place of ours ("dcp", "safetensors"): no checksums; never written
 
     @property
     def total_bytes(self) -> int:
@@ -386,8 +387,7 @@ def safetensors_header(items: Iterable[FileItem], metadata: dict[str, str]) -> t
     come ordered by descending itemsize, so packing with no gaps keeps each at its natural alignment;
     a dtype safetensors lacks is stored as U8 bytes."""
     header: dict[str, Any] = {"__metadata__": metadata}
-    relative = []
-    pos = 0
+    relative, pos = [], 0
     for item in items:
         st_dtype = safetensors_dtype(item.dtype)
         shape = list(item.shape) if st_dtype else [item.nbytes]

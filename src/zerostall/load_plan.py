@@ -23,6 +23,7 @@ from .errors import StateMismatchError
 from .format import INTERNAL_KEYS, Entry, Manifest
 from .options import KeyFilter, LoadOptions
 from .reader import resolve
+from .sources.optimizers import key_by_name
 from .state import Flat, Path, flatten, fqn, init_optimizer_state
 
 
@@ -89,12 +90,16 @@ class LoadPlanner:
         select = _key_filter(o.keys)
         source = self._source_index(prefix_path, strip, select)
         under = {rel[:i] for rel in source for i in range(len(rel))}
+        optimizers: list[Path] = []
 
         def prepare(path: Path, obj: Any) -> None:
             if isinstance(obj, torch.optim.Optimizer) and _normalize(path + ("state",), strip) in under:
                 init_optimizer_state(obj)
+                optimizers.append(path)
 
         flat = flatten(state, prepare=prepare)
+        for path in optimizers:  # state saved by parameter name (DCP's get_state_dict) into an optimizer
+            key_by_name(flat, path, source, lambda p: _normalize(p, strip), o.allow_pickle)
         plan = LoadPlan()
         seen_targets = ViewIndex()
         world_changed = self.manifest.world_size != self.world

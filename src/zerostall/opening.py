@@ -10,8 +10,9 @@ import os
 import re
 from typing import TYPE_CHECKING
 
+from . import sources
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
-from .format import MANIFEST_NAME, Manifest, ManifestHead, file_generation
+from .format import MANIFEST_NAME, Manifest, ManifestHead, file_generation, manifest_body
 from .gcpause import gc_paused
 from .manifest_check import MANIFEST_BYTES_ENV, max_manifest_bytes, parse_head, parse_manifest
 from .storage import FileTooLargeError, Storage
@@ -37,9 +38,18 @@ def read_manifest_bytes(storage: Storage) -> bytes:
     except CorruptCheckpointError:  # a symbolic link, FIFO, device or directory in its place
         raise
     except FileNotFoundError:
-        data = [n for n in storage.list() if file_generation(n)]
+        names = storage.list()
+        data = [n for n in names if file_generation(n)]
         if not data:
-            raise CheckpointNotFoundError(f"no checkpoint at {storage.location} (no manifest, no data files)") from None
+            kind = sources.kind_of(storage, names)
+            if kind is not None:
+                raise CheckpointNotFoundError(
+                    f"{storage.location} is {sources.describe(kind)}, not a zerostall checkpoint: open it with "
+                    "zs.open / zs.load (it carries no checksums), or convert it with `zerostall import`") from None
+            found = f"; it holds {', '.join(names[:5])}" + (", …" if len(names) > 5 else "") if names else ""
+            raise CheckpointNotFoundError(
+                f"no checkpoint at {storage.location} (no manifest, no data files: neither a zerostall manifest.json, "
+                f"a DCP .metadata nor *.safetensors files{found})") from None
         raise IncompleteCheckpointError(
             f"{storage.location} has no manifest: its save never committed "
             f"({len(data)} uncommitted data file(s) present)") from None
@@ -78,6 +88,55 @@ def agreed_manifest(storage: Storage, group: Group) -> Manifest:
 
     raw = group.agree(read)
     return manifest if manifest is not None else read_manifest_from(storage, raw)
+
+
+def read_source(storage: Storage, *, allow_pickle: bool = False, file: str | None = None) -> tuple[bytes, Manifest]:
+    """The manifest of the checkpoint at ``storage``: its committed zerostall manifest, else one
+    translated from the foreign checkpoint found there (``file``: a single safetensors file), with
+    the bytes that carry it to other ranks (:func:`agreed_source`)."""
+    if file is None:
+        try:
+            raw = read_manifest_bytes(storage)
+            return raw, read_manifest_from(storage, raw)
+        except CheckpointNotFoundError:
+            kind = sources.kind_of(storage, storage.list()) if storage.exists() else None
+            if kind is None:
+                raise
+    else:
+        kind = sources.SAFETENSORS
+    try:
+        manifest = sources.foreign_manifest(storage, kind, allow_pickle=allow_pickle, file=file)
+    except FileNotFoundError as exc:  # one its index names
+        raise CorruptCheckpointError(f"{storage.location} is {sources.describe(kind)} with a file missing: "
+                                     f"{exc}") from None
+    except OSError as exc:  # a CheckpointError, which every rank then raises (a rank that saw none would hang)
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"cannot read {sources.describe(kind)} at {storage.location}: {exc}") from exc
+    return kind.encode() + b"\n" + manifest.to_bytes(), manifest
+
+
+def agreed_source(storage: Storage, group: Group, *, allow_pickle: bool = False, file: str | None = None) -> Manifest:
+    """:func:`read_source` on rank 0, the same manifest on every rank (as :func:`agreed_manifest`;
+    a foreign one is translated once, by rank 0, and sent as a manifest of ours)."""
+    if group.size == 1:
+        return read_source(storage, allow_pickle=allow_pickle, file=file)[1]
+    manifest = None
+
+    def read() -> bytes:
+        nonlocal manifest
+        raw, manifest = read_source(storage, allow_pickle=allow_pickle, file=file)
+        return raw
+
+    raw = group.agree(read)
+    if manifest is not None:
+        return manifest
+    if raw.startswith(b"{"):
+        return read_manifest_from(storage, raw)
+    kind, _, body = raw.partition(b"\n")
+    manifest = Manifest.from_json(manifest_body(body, storage.location))
+    manifest.foreign = kind.decode()
+    return manifest
 
 
 def manifest_generation(storage: Storage) -> str | None:

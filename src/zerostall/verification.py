@@ -16,6 +16,7 @@ from .checksums import checksum
 from .errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 from .format import Chunk, Entry
 from .reader import ChunkReader, resolve
+from .sources import describe
 
 
 def verify_all(fetcher: ChunkReader, *, allow_pickle: bool, progress: Callable[[int], None] | None = None) -> int:
@@ -27,6 +28,10 @@ def verify_all(fetcher: ChunkReader, *, allow_pickle: bool, progress: Callable[[
     I/O errors): such a checkpoint is unverified, not known to be damaged.
     """
     manifest = fetcher.manifest
+    if manifest.foreign:
+        raise CheckpointError(f"{fetcher.path} is {describe(manifest.foreign)}: it carries no checksums, so "
+                              "nothing can be verified (`zerostall import` converts it into a zerostall checkpoint "
+                              "with checksums, checking every value)")
     faults: list[str] = []
     unreadable = False
     jobs = [(e, c) for e in manifest.entries if e.kind == "tensor" for c in e.chunks]
