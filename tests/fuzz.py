@@ -303,9 +303,13 @@ def targeted(rng: random.Random, body: dict[str, Any], other: dict[str, Any], pa
 
 
 def file_bytes(path: str, name: str, offset: int, n: int) -> bytes:
+    """Up to ``n`` bytes of data file ``name`` from ``offset`` (an earlier mutation of the same case
+    may have made either anything: then what lies there, or nothing)."""
+    if not (type(name) is str and type(offset) is int and type(n) is int and offset >= 0 and n >= 0):
+        return b""
     with open(os.path.join(path, os.path.basename(name)), "rb") as f:
         f.seek(offset)
-        return f.read(n)
+        return f.read(max(0, min(n, os.fstat(f.fileno()).st_size - offset)))
 
 
 def damage_file(rng: random.Random, path: str, others: str, fifos: list[str]) -> str:

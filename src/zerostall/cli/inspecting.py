@@ -95,7 +95,8 @@ def verify(ckpt: str, as_json: bool) -> None:
                     "seconds": round(seconds, 6), "gb_per_s": round(rate, 3), "faults": faults})
     elif faults:
         err = console(stderr=True)
-        err.print(f"{'COULD NOT VERIFY' if code == UNVERIFIED else 'FAILED'} {path}: {len(faults)} fault(s) "
+        label = {UNVERIFIED: "COULD NOT VERIFY", USAGE: "NOT VERIFIED"}.get(code, "FAILED")
+        err.print(f"{label} {path}: {len(faults)} fault(s) "
                   f"({human_bytes(checked)} checked)")
         for fault in faults:
             err.print(f"  - {fault}")
