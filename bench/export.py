@@ -14,8 +14,8 @@ software overhead shows), then exported to HF safetensors files of at most S MB 
   written with ``safetensors.torch.save_file`` per shard (``write_s``; not fsync'd, its default).
 
 Each contender runs in a fresh process (a child of this script), so its peak resident memory
-(VmHWM) is its own: ``peak_rss_growth_mb`` is the peak over the process's resident memory after
-its imports. The outputs are checked equal (file names, index, every tensor) once. Reps are
+(VmHWM) is its own: ``peak_rss_mb`` is that peak, ``peak_rss_growth_mb`` the peak over the
+process's resident memory after its imports. The outputs are checked equal (file names, index, every tensor) once. Reps are
 interleaved, their order rotated; figures are medians. GB/s = tensor bytes / seconds / 1e9.
 Progress goes to stderr, a table to stdout; with --json the last line is one JSON object.
 """
@@ -74,7 +74,8 @@ def child(which: str, ckpt: str, out: str, shard_bytes: int) -> dict:
                 json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
         result["write_s"] = time.perf_counter() - start
         result["seconds"] = result["load_s"] + result["write_s"]
-    result["peak_rss_growth"] = status("VmHWM") - base
+    result["peak_rss"] = status("VmHWM")
+    result["peak_rss_growth"] = result["peak_rss"] - base
     return result
 
 
@@ -155,11 +156,13 @@ def main() -> None:
         "threads": default_threads(), "outputs_equal": checked,
         "zerostall": {"seconds": med("zerostall", "seconds"), "gb_s": nbytes / med("zerostall", "seconds") / 1e9,
                       "peak_rss_growth_mb": med("zerostall", "peak_rss_growth") / MB,
+                      "peak_rss_mb": med("zerostall", "peak_rss") / MB,
                       "peak_vs_two_shards": med("zerostall", "peak_rss_growth") / (2 * shard_bytes)},
         "anchor_save_file": {"seconds": med("anchor", "seconds"), "load_s": med("anchor", "load_s"),
                              "write_s": med("anchor", "write_s"),
                              "write_gb_s": nbytes / med("anchor", "write_s") / 1e9,
-                             "peak_rss_growth_mb": med("anchor", "peak_rss_growth") / MB},
+                             "peak_rss_growth_mb": med("anchor", "peak_rss_growth") / MB,
+                             "peak_rss_mb": med("anchor", "peak_rss") / MB},
     }
     result["time_vs_anchor_write"] = result["zerostall"]["seconds"] / result["anchor_save_file"]["write_s"]
     result["time_vs_anchor_load_and_write"] = result["zerostall"]["seconds"] / result["anchor_save_file"]["seconds"]
