@@ -345,7 +345,8 @@ def test_export_help_documents_the_exit_statuses():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_llama_model_exported_loads_in_transformers_with_the_same_logits(tmp_path, tied):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                       max_position_embeddings=64, tie_word_embeddings=tied)
