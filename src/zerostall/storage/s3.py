@@ -20,12 +20,11 @@ from typing import Any, Callable, Iterable
 from ..errors import ConcurrentWriteError, StorageError
 from ..format import MANIFEST_NAME
 from .base import FileStat, FileTooLargeError, Storage, check_name
-from .s3client import Connection, S3Options, Views, error_code
+from .s3client import Connection, S3Options, Views, error_code, runs_of
 
 log = logging.getLogger(__name__)
 
 _MAX_PARTS = 10_000
-_MIN_RANGE = 8 << 20  # a read is split into parallel GETs of at least this many bytes (each request costs client CPU)
 _DELETE_BATCH = 1000  # keys per DeleteObjects request
 _CONFLICT = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")  # a condition did not hold
 
@@ -318,16 +317,18 @@ class S3Storage(Storage):
             return b""  # an empty object has no byte 0
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        """Parallel ranged GETs (``concurrency`` at most, of at least 8 MiB) straight into ``out``."""
-        n = len(out)
-        if n == 0:
-            return
-        step = max(_MIN_RANGE, -(-n // self.options.concurrency))
+        self.read_into_many(name, offset, [out])
+
+    def read_into_many(self, name: str, offset: int, outs: list[memoryview]) -> None:
+        """Parallel ranged GETs (``concurrency`` at most, of ``part_size`` at least) straight into ``outs``,
+        which lie back to back from ``offset``."""
+        n = sum(len(o) for o in outs)
+        step = max(self.options.part_size, -(-n // self.options.concurrency))  # each request costs client CPU
         if step >= n:
-            self._get_into(name, offset, [out])
+            self._get_into(name, offset, outs)
             return
-        futures = [self._conn.pool.submit(self._get_into, name, offset + lo, [out[lo:lo + step]])
-                   for lo in range(0, n, step)]
+        futures = [self._conn.pool.submit(self._get_into, name, offset + lo, views)
+                   for lo, views in runs_of(outs, step)]
         try:
             for f in futures:
                 f.result()
@@ -336,10 +337,7 @@ class S3Storage(Storage):
                 f.cancel()
             for f in futures:
                 if not f.cancelled():
-                    f.exception()  # no GET may write into ``out`` after this returns
-
-    def read_into_many(self, name: str, offset: int, outs: list[memoryview]) -> None:
-        self._get_into(name, offset, outs)
+                    f.exception()  # no GET may write into ``outs`` after this returns
 
     def _open(self, name: str, byte_range: str | None, limit: int | None = None) -> Any:
         """The body of a GET of ``name`` (of ``byte_range``); EOFError if the range starts past its
