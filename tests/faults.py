@@ -260,8 +260,8 @@ class FaultyStorage(Storage):
     def move(self, src: str, dst: str) -> None:
         self._run("move", src, lambda: self.inner.move(src, dst))
 
-    def abort_uploads(self, name: str = "") -> int:
-        return self._run("abort_uploads", name, lambda: self.inner.abort_uploads(name))
+    def abort_uploads(self, name: str = "", which: Callable[[str], bool] | None = None) -> int:
+        return self._run("abort_uploads", name, lambda: self.inner.abort_uploads(name, which))
 
     def memory_map(self, name: str) -> memoryview | None:
         return self._run("memory_map", name, lambda: self.inner.memory_map(name))

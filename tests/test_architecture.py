@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "zerostall"
 ORDER = [
     "errors", "memory", "devices", "gcpause", "codec", "checksums", "balance", "boxes", "format", "subclass",
     "tensor_check", "value_check", "manifest_check",
-    "storage.base", "storage.local", "storage.s3client", "storage.s3", "storage", "doorbell", "collectives", "state", "options",
+    "storage.base", "storage.local", "storage.s3client", "storage.s3reads", "storage.s3", "storage", "doorbell", "collectives", "state", "options",
     "opening",
     # saving: collect → plan → write → commit, run in order by saving
     "collect", "plan", "write", "commit", "saving",

@@ -22,7 +22,7 @@ import zerostall as zs
 from s3server import SeaweedS3
 from test_distributed import full_value, load_sharded, save_sharded
 from zerostall.cli import cli
-from zerostall.format import MANIFEST_NAME
+from zerostall.format import MANIFEST_NAME, data_file_name, generation_id
 from zerostall.storage import S3Options, S3Storage, storage_for
 
 MIB = 1 << 20
@@ -211,6 +211,18 @@ def test_unfinished_uploads_are_aborted_by_the_clean_up(s3_server, s3_url):
     storage.delete_tree("step_000000002")  # deleting a location aborts what is open there
     assert uploads(s3_server, storage) == [storage.prefix + "step_000000001/a.safetensors"]
     assert storage.abort_uploads() == 1 and uploads(s3_server, storage) == []
+
+
+def test_a_save_aborts_the_uploads_earlier_saves_left_open(s3_server, s3_url):
+    storage = S3Storage(s3_url, explicit(s3_server))
+    client = raw(s3_server)
+    crashed = data_file_name(generation_id(1, 0), 0, 0)  # a save that died mid-upload: an older generation
+    in_flight = data_file_name(generation_id(1 << 62, 0), 1, 0)  # a newer generation: a save still writing
+    nested = "step_000000001/" + crashed  # another location's
+    for name in (crashed, in_flight, nested):
+        client.create_multipart_upload(Bucket=s3_server.bucket, Key=storage.prefix + name)
+    zs.save({"w": torch.ones(3)}, storage)
+    assert sorted(uploads(s3_server, storage)) == sorted(storage.prefix + n for n in (in_flight, nested))
 
 
 # -- checkpoints on s3:// ----------------------------------------------------------------------

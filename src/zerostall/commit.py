@@ -328,13 +328,22 @@ def delete_generation(storage: Storage, generation: str, rank: int) -> None:
 def clean_up_after_commit(storage: Storage, keep: str, replaced: str | None) -> None:
     """After a commit, remove the files of older generations (no manifest references them any
     more), of the generation the commit ``replaced`` (whatever its date: a writer's clock may
-    have run ahead) and the commit records of this one. Other newer generations may belong to
-    a save still in flight, so they stay."""
-    for name in storage.list():
+    have run ahead) and the commit records of this one, and abort the unfinished uploads of
+    those generations (a save that crashed, or one still in flight, whose commit will be refused:
+    the manifest it found has changed). Other newer generations may belong to a save still in
+    flight, so they stay."""
+    def stale(name: str) -> bool:
         gen = file_generation(name)
-        older = gen is not None and gen != keep and (gen == replaced or generation_time(gen) <= generation_time(keep))
-        if older or (gen == keep and parse_record(name) is not None):
+        return gen is not None and gen != keep and (gen == replaced or generation_time(gen) <= generation_time(keep))
+
+    for name in storage.list():
+        if stale(name) or (file_generation(name) == keep and parse_record(name) is not None):
             try:
                 storage.delete(name)
             except OSError as exc:
                 log.warning("could not remove stale %s in %s: %s", name, storage.location, exc)
+    try:
+        if storage.abort_uploads(which=stale):
+            log.info("aborted the unfinished uploads of earlier saves in %s", storage.location)
+    except OSError as exc:
+        log.warning("could not abort the unfinished uploads of earlier saves in %s: %s", storage.location, exc)

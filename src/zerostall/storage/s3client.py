@@ -158,3 +158,10 @@ def error_code(exc: BaseException | None) -> str:
     response = getattr(exc, "response", None) or {}
     return str(response.get("Error", {}).get("Code", "")) or str(response.get("ResponseMetadata", {}).get(
         "HTTPStatusCode", ""))
+
+
+def retried(exc: BaseException | None) -> bool:
+    """Whether botocore sent the request of this failure more than once: an earlier attempt whose
+    answer was lost may have taken effect."""
+    response = getattr(exc, "response", None) or {}
+    return bool(response.get("ResponseMetadata", {}).get("RetryAttempts"))
