@@ -1,8 +1,10 @@
 """zerostall on S3 against the raw parallel transfer, DCP through fsspec/s3fs and s3torchconnector's DCP.
 
-    python bench/s3.py [--mib 256] [--ranks 4] [--reps 5] [--part-mib 16] [--concurrency 8] [--slow-s 2] [--json]
+    python bench/s3.py [--mib 256] [--ranks 4] [--reps 5] [--part-mib 16] [--concurrency 8] [--slow-s 2] [--dir D] [--json]
 
-One SeaweedFS server on loopback (tests/s3server.py) serves every contender. Two phases: one process
+One SeaweedFS server on loopback (tests/s3server.py), its data in ``--dir`` (memory by default, so
+the disk's noise is not measured; the space of deleted objects is freed between reps), serves every
+contender. Two phases: one process
 saving and loading a ``--mib`` state, then ``--ranks`` gloo ranks saving and loading a ``--mib``
 state sharded over them (DTensor, ``Shard(0)``). Contenders, each into a fresh prefix per rep:
 
@@ -49,7 +51,7 @@ import torch.multiprocessing as mp
 
 from common import build_state, describe, free_port, init_group, median, print_json, progress, rnd, rotated
 from s3_clients import Boto3Client
-from s3server import SeaweedS3  # s3_clients put tests/ on sys.path
+from s3server import SeaweedS3, vacuum  # s3_clients put tests/ on sys.path
 
 import zerostall as zs
 from zerostall.options import default_threads
@@ -241,7 +243,7 @@ def summed(calls: Counter[str]) -> dict[str, int]:
 
 
 def clear(server: Any, prefix: str) -> None:
-    """Delete every object under ``prefix`` (rank 0, between barriers), so the server's disk stays small."""
+    """Delete every object under ``prefix`` and free their space (rank 0, between barriers): the server's data stays small."""
     barrier()
     if not dist.is_initialized() or dist.get_rank() == 0:
         client = Connection.get(S3Options()).client
@@ -249,6 +251,7 @@ def clear(server: Any, prefix: str) -> None:
             keys = [{"Key": o["Key"]} for o in page.get("Contents", ())]
             if keys:
                 client.delete_objects(Bucket=server.bucket, Delete={"Objects": keys, "Quiet": True})
+        vacuum(server.master)
     barrier()
 
 
@@ -368,7 +371,7 @@ def report(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> dict
         out |= {f"{k}{sfx}": v for k, v in {"errors": r["errors"], "seconds": r["seconds"]}.items()}
     out |= {"bytes": args.mib << 20, "ranks": args.ranks, "part_bytes": args.part_mib << 20,
             "concurrency": args.concurrency, "dcp_threads": args.dcp_threads, "reps": args.reps,
-            "slow_s": args.slow_s, "loadavg": os.getloadavg()[0], "torch_version": torch.__version__}
+            "slow_s": args.slow_s, "dir": args.dir, "loadavg": os.getloadavg()[0], "torch_version": torch.__version__}
     return out
 
 
@@ -381,6 +384,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=8, help="requests in flight per process (zerostall's default)")
     ap.add_argument("--dcp-threads", type=int, default=1, help="DCP writer threads (files per rank; DCP's default)")
     ap.add_argument("--slow-s", type=float, default=2.0, help="delay of the slow rank's writes")
+    ap.add_argument("--dir", default="/dev/shm", help="where the server keeps its data (memory: no disk noise)")
     ap.add_argument("--json", action="store_true", help="(always) print the JSON result line last")
     return ap.parse_args()
 
@@ -388,13 +392,14 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
-    tmp = tempfile.mkdtemp(prefix="zs-s3bench-")
+    tmp = tempfile.mkdtemp(prefix="zs-s3bench-", dir=args.dir)
     results: dict[int, dict[str, Any]] = {}
     try:
         with SeaweedS3(tmp) as server:
             os.environ.update(server.env())  # zerostall (and s3torchconnector's credentials) read it; spawned ranks too
             info = types.SimpleNamespace(endpoint=server.endpoint, bucket=server.bucket, region=server.region,
-                                         access_key=server.access_key, secret_key=server.secret_key)
+                                         access_key=server.access_key, secret_key=server.secret_key,
+                                         master=server.master)
             progress(f"SeaweedFS at {server.endpoint}; {args.mib} MiB, {args.reps} reps")
             for world in (1, args.ranks) if args.ranks > 1 else (1,):
                 out = os.path.join(tmp, f"w{world}-{RESULT_FILE}")

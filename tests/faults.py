@@ -206,6 +206,9 @@ class FaultyStorage(Storage):
     def size(self, name: str) -> int:
         return self._run("size", name, lambda: self.inner.size(name))
 
+    def sizes(self) -> dict[str, int] | None:
+        return self._run("sizes", "", self.inner.sizes)
+
     def stat(self, name: str) -> FileStat:
         return self._run("stat", name, lambda: self.inner.stat(name))
 

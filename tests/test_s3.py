@@ -282,6 +282,15 @@ def test_small_tensors_back_to_back_are_read_in_one_request(s3_url):
     assert all(torch.equal(out[k], state[k]) for k in state)
 
 
+def test_a_load_takes_the_data_files_sizes_from_one_listing(s3_url):
+    zs.save(state_of(1), s3_url, threads=4)  # four data files
+    storage = FaultyStorage(storage_for(s3_url))
+    out = zs.load(zeros_like_state(), storage)
+    ops = [op for op, _ in storage.calls]
+    assert ops.count("sizes") == 1 and "size" not in ops and "stat" not in ops, ops
+    assert same(out, state_of(1))
+
+
 def test_explicit_options_need_no_environment(s3_server, s3_url, monkeypatch):
     for name in s3_server.env():
         monkeypatch.delenv(name)

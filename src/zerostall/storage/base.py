@@ -84,6 +84,12 @@ class Storage(ABC):
     def size(self, name: str) -> int:
         """Size in bytes of one (regular) file; FileNotFoundError if it is absent."""
 
+    def sizes(self) -> dict[str, int] | None:
+        """The size of every file directly in the location from one listing, where a listing gives
+        sizes (an object store: one request instead of one per file); None where looking each file
+        up is as cheap (a local directory)."""
+        return None
+
     @abstractmethod
     def stat(self, name: str) -> FileStat:
         """Size, modification time and version of one file; FileNotFoundError if it is absent."""

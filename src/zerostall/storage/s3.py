@@ -133,6 +133,11 @@ class S3Storage(S3Reads, Storage):
         return sorted(o["Key"][skip:] for page in self._pages(self.prefix, "/") for o in page.get("Contents", ())
                       if not o["Key"].endswith("/"))
 
+    def sizes(self) -> dict[str, int]:
+        skip = len(self.prefix)
+        return {o["Key"][skip:]: o["Size"] for page in self._pages(self.prefix, "/") for o in page.get("Contents", ())
+                if not o["Key"].endswith("/")}
+
     def child(self, name: str) -> S3Storage:
         return S3Storage(f"{self.location}/{name.strip('/')}", self.options)
 
