@@ -88,7 +88,7 @@ class _Waiting:
     def __init__(self, storage: Storage, bell: Doorbell | None, timeout: float) -> None:
         self.bell, self.deadline = bell, time.monotonic() + timeout
         self.delay, self.slice = _FIRST_POLL, _FIRST_CHECK
-        self.cap = _MAX_REMOTE_POLL if getattr(storage, "remote", False) else _MAX_POLL
+        self.cap = _MAX_REMOTE_POLL if storage.remote else _MAX_POLL
 
     def ring(self, key: str) -> bool:
         """Wait on the doorbell for ``key`` for the next slice; False once it is time to look at the storage."""
