@@ -206,6 +206,9 @@ class FaultyStorage(Storage):
     def size(self, name: str) -> int:
         return self._run("size", name, lambda: self.inner.size(name))
 
+    def sizes(self) -> dict[str, int] | None:
+        return self._run("sizes", "", self.inner.sizes)
+
     def stat(self, name: str) -> FileStat:
         return self._run("stat", name, lambda: self.inner.stat(name))
 
@@ -260,8 +263,8 @@ class FaultyStorage(Storage):
     def move(self, src: str, dst: str) -> None:
         self._run("move", src, lambda: self.inner.move(src, dst))
 
-    def abort_uploads(self, name: str = "") -> int:
-        return self._run("abort_uploads", name, lambda: self.inner.abort_uploads(name))
+    def abort_uploads(self, name: str = "", which: Callable[[str], bool] | None = None) -> int:
+        return self._run("abort_uploads", name, lambda: self.inner.abort_uploads(name, which))
 
     def memory_map(self, name: str) -> memoryview | None:
         return self._run("memory_map", name, lambda: self.inner.memory_map(name))

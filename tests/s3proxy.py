@@ -9,6 +9,9 @@ and headers as sent, so signatures hold):
 - ``"reset"``: the connection reset (RST) once the request is read, not forwarded;
 - ``"cut"``: a GET forwarded, then its answer cut off half-way through the body and the connection
   reset (another request's fault is a ``"reset"`` instead: only reads are safe to repeat blindly).
+- ``"lost"``: forwarded (it takes effect), then the connection reset instead of the answer.
+
+``when(method, path, headers)``, if given, picks the requests the schedule counts; the others always pass.
 
 ``fired`` counts the faults of each kind that happened; the deterministic schedule makes every
 retry of a failed request pass (it is not the ``N``-th).
@@ -21,7 +24,9 @@ import socket
 import struct
 import threading
 from collections import Counter
+from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
 from urllib.parse import urlsplit
 
 _ERRORS = {"slowdown": (503, "SlowDown", "Please reduce your request rate."),
@@ -32,9 +37,10 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection"}
 class FaultProxy:
     """A fault-injecting proxy in front of ``upstream`` (``http://host:port``); a context manager."""
 
-    def __init__(self, upstream: str, every: int, kinds: tuple[str, ...] = ("slowdown", "error", "reset", "cut")) -> None:
+    def __init__(self, upstream: str, every: int, kinds: tuple[str, ...] = ("slowdown", "error", "reset", "cut"),
+                 when: Callable[[str, str, Message], bool] | None = None) -> None:
         self.upstream = urlsplit(upstream).netloc
-        self.every, self.kinds = every, kinds
+        self.every, self.kinds, self.when = every, kinds, when
         self.fired: Counter[str] = Counter()
         self.requests = 0
         self._lock = threading.Lock()
@@ -65,7 +71,9 @@ class FaultProxy:
         self.server.server_close()
         self._thread.join(10)
 
-    def _next_fault(self, method: str) -> str | None:
+    def _next_fault(self, method: str, path: str, headers: Message) -> str | None:
+        if self.when is not None and not self.when(method, path, headers):
+            return None
         with self._lock:
             self.requests += 1
             if self.requests % self.every:
@@ -78,7 +86,7 @@ class FaultProxy:
 
     def _handle(self, h: BaseHTTPRequestHandler) -> None:
         body = h.rfile.read(int(h.headers.get("Content-Length") or 0))
-        fault = self._next_fault(h.command)
+        fault = self._next_fault(h.command, h.path, h.headers)
         if fault in _ERRORS:
             status, code, message = _ERRORS[fault]
             xml = f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>{message}</Message></Error>"
@@ -99,6 +107,9 @@ class FaultProxy:
             headers = [(k, v) for k, v in answer.getheaders() if k.lower() not in _HOP]
         finally:
             conn.close()
+        if fault == "lost":
+            _reset(h)
+            return
         if fault == "cut" and len(data) > 1:
             _respond(h, answer.status, headers, data[:len(data) // 2])  # Content-Length says all of it
             _reset(h)

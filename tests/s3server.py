@@ -165,6 +165,11 @@ class SeaweedS3:
         raise RuntimeError(f"SeaweedFS at {self.endpoint} not ready after {START_TIMEOUT:.0f} s ({last}):\n"
                            f"{self.log_tail()}")
 
+    @property
+    def master(self) -> str:
+        """The master's HTTP address (``vacuum`` takes it)."""
+        return f"http://127.0.0.1:{self.ports[0]}"
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             with open(self.log_path, errors="replace") as f:
@@ -201,3 +206,9 @@ class SeaweedS3:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def vacuum(master: str) -> None:
+    """Compact the volumes of the server whose master is at ``master`` now, so the space of deleted
+    objects is freed (it is otherwise freed only when a volume is mostly garbage, now and then)."""
+    urllib.request.urlopen(f"{master}/vol/vacuum?garbageThreshold=0.0001", timeout=300).close()

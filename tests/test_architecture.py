@@ -13,8 +13,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "zerostall"
 ORDER = [
     "errors", "memory", "devices", "gcpause", "codec", "checksums", "balance", "boxes", "format", "subclass",
     "tensor_check", "value_check", "manifest_check",
-    "storage.base", "storage.local", "storage.s3client", "storage.s3", "storage", "collectives", "state", "options",
-    "sources.safetensors", "sources.dcp", "sources", "opening", "location",
+    "storage.base", "storage.local", "storage.s3client", "storage.s3reads", "storage.s3", "storage", "doorbell",
+    "collectives", "state", "options", "sources.safetensors", "sources.dcp", "sources", "opening", "location",
     # saving: collect → plan → write → commit, run in order by saving
     "collect", "plan", "write", "commit", "saving",
     # reading: opening → reader (bytes, checked) → load plan → fetch (and broadcast) → verification,

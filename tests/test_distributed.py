@@ -248,6 +248,20 @@ def test_resharding_load(ranks, tmp_path, world, save_mesh, save_pl, load_world,
     assert torch.equal(single["w"], full_value((10, 6), 1)) and torch.equal(single["v"], full_value((7,), 2))
 
 
+def save_and_load_empty_shards(path: str) -> bool:
+    """Two DTensors of one row over two ranks: rank 1 holds two empty shards of equal shape (both at data pointer 0)."""
+    zs.save({"a": dtensor(full_value((1, 4), 1), (2,), [Shard(0)]),
+             "b": dtensor(full_value((1, 4), 2), (2,), [Shard(0)])}, path)
+    out = zs.load({"a": dtensor(torch.zeros(1, 4), (2,), [Shard(0)]), "b": dtensor(torch.zeros(1, 4), (2,), [Shard(0)])},
+                  path)
+    return torch.equal(out["a"].full_tensor(), full_value((1, 4), 1)) and torch.equal(out["b"].full_tensor(),
+                                                                                      full_value((1, 4), 2))
+
+
+def test_empty_shards_of_equal_shape_are_not_aliases(ranks, tmp_path):
+    assert all(ranks(2).run(save_and_load_empty_shards, str(tmp_path / "ck")))
+
+
 def test_single_process_checkpoint_loads_sharded(ranks, tmp_path):
     path = str(tmp_path / "ck")
     zs.save({"w": full_value((10, 6), 1), "v": full_value((7,), 2), "tiny": full_value((2,), 4), "step": 3}, path)

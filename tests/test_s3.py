@@ -22,7 +22,7 @@ import zerostall as zs
 from s3server import SeaweedS3
 from test_distributed import full_value, load_sharded, save_sharded
 from zerostall.cli import cli
-from zerostall.format import MANIFEST_NAME
+from zerostall.format import MANIFEST_NAME, data_file_name, generation_id
 from zerostall.storage import S3Options, S3Storage, storage_for
 
 MIB = 1 << 20
@@ -213,6 +213,18 @@ def test_unfinished_uploads_are_aborted_by_the_clean_up(s3_server, s3_url):
     assert storage.abort_uploads() == 1 and uploads(s3_server, storage) == []
 
 
+def test_a_save_aborts_the_uploads_earlier_saves_left_open(s3_server, s3_url):
+    storage = S3Storage(s3_url, explicit(s3_server))
+    client = raw(s3_server)
+    crashed = data_file_name(generation_id(1, 0), 0, 0)  # a save that died mid-upload: an older generation
+    in_flight = data_file_name(generation_id(1 << 62, 0), 1, 0)  # a newer generation: a save still writing
+    nested = "step_000000001/" + crashed  # another location's
+    for name in (crashed, in_flight, nested):
+        client.create_multipart_upload(Bucket=s3_server.bucket, Key=storage.prefix + name)
+    zs.save({"w": torch.ones(3)}, storage)
+    assert sorted(uploads(s3_server, storage)) == sorted(storage.prefix + n for n in (in_flight, nested))
+
+
 # -- checkpoints on s3:// ----------------------------------------------------------------------
 
 
@@ -268,6 +280,15 @@ def test_small_tensors_back_to_back_are_read_in_one_request(s3_url):
     out = zs.load({k: torch.zeros(4096) for k in state}, storage)
     assert [op for op, _ in storage.calls if op.startswith("read_into")] == ["read_into_many"]
     assert all(torch.equal(out[k], state[k]) for k in state)
+
+
+def test_a_load_takes_the_data_files_sizes_from_one_listing(s3_url):
+    zs.save(state_of(1), s3_url, threads=4)  # four data files
+    storage = FaultyStorage(storage_for(s3_url))
+    out = zs.load(zeros_like_state(), storage)
+    ops = [op for op, _ in storage.calls]
+    assert ops.count("sizes") == 1 and "size" not in ops and "stat" not in ops, ops
+    assert same(out, state_of(1))
 
 
 def test_explicit_options_need_no_environment(s3_server, s3_url, monkeypatch):

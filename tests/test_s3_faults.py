@@ -87,3 +87,35 @@ def test_a_server_killed_mid_upload_fails_the_save_and_the_restart_cleans_up(own
         assert uploads(own_server, storage.inner) == [] and not attempt.exists()
         restored = {"w": torch.zeros(4 * MIB), "step": 0}
         assert again.restore(restored) == 1 and torch.equal(restored["w"], big_state(1)["w"])
+
+
+def conditional_put(method: str, path: str, headers: Any) -> bool:
+    return method == "PUT" and ("If-Match" in headers or "If-None-Match" in headers)
+
+
+def test_a_conditional_put_whose_answer_is_lost_is_no_false_conflict(s3_server, s3_url):
+    with FaultProxy(s3_server.endpoint, every=2, kinds=("lost",), when=conditional_put) as proxy:
+        storage = S3Storage(s3_url, zs.S3Options(**{**explicit(s3_server).__dict__, "endpoint_url": proxy.endpoint}))
+        storage.publish(MANIFEST_NAME, "tmp", b"one", before_replace=lambda: None)  # If-None-Match: passes
+        storage.publish(MANIFEST_NAME, "tmp", b"two", before_replace=lambda: None)  # If-Match: lost, then 412
+        assert proxy.fired["lost"] == 1 and storage.read_bytes(MANIFEST_NAME) == b"two"
+        other = S3Storage(s3_url, explicit(s3_server))
+        with pytest.raises(zs.ConcurrentWriteError):  # lost, then 412: and the object is another writer's
+            storage.publish(MANIFEST_NAME, "tmp", b"three",
+                            before_replace=lambda: other.publish(MANIFEST_NAME, "tmp", b"other's"))
+        assert proxy.fired["lost"] == 2 and storage.read_bytes(MANIFEST_NAME) == b"other's"
+
+
+def completion(method: str, path: str, headers: Any) -> bool:
+    return method == "POST" and "uploadId=" in path
+
+
+def test_a_completed_upload_whose_answer_is_lost_is_no_failure(s3_server, s3_url):
+    with FaultProxy(s3_server.endpoint, every=2, kinds=("lost",), when=completion) as proxy:
+        options = explicit(s3_server, part_size=5 * MIB)
+        storage = S3Storage(s3_url, zs.S3Options(**{**options.__dict__, "endpoint_url": proxy.endpoint}))
+        data = bytes(range(256)) * (24 * 1024)  # 6 MiB: two parts
+        storage.write("a.safetensors", [memoryview(data)])  # its completion passes
+        storage.write("b.safetensors", [memoryview(data)])  # its completion lost, then asked again
+        assert proxy.fired["lost"] == 1
+        assert storage.read_bytes("b.safetensors") == data and uploads(s3_server, storage) == []

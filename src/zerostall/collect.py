@@ -208,7 +208,7 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
                 _collect_subclass(out, names, path, key, value, piece, offsets, sizes, rank if local else None)
             continue
         check_tensor(piece, name)
-        first = None if local else seen.first(piece, key)
+        first = None if local or not piece.numel() else seen.first(piece, key)  # empty ones share pointer 0
         if first is not None:
             out.rows.append(Row(key, "alias", alias_of=first))
             continue

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import errors
+from .doorbell import store_address
 from .errors import CheckpointError
 from .memory import owned_bytes
 
@@ -28,6 +29,7 @@ class Group:
         self.pg = (process_group or dist.group.WORLD) if active else None
         self.rank = dist.get_rank(self.pg) if self.pg is not None else 0
         self.size = dist.get_world_size(self.pg) if self.pg is not None else 1
+        self.store = store_address(self.pg) if self.size > 1 else None  # where the commit's doorbell rings
         self.device = torch.device("cpu")
         if self.pg is not None and dist.get_backend(self.pg) == "nccl":
             self.device = self._nccl_device()
@@ -43,6 +45,7 @@ class Group:
         background commit needs, since it never runs a collective."""
         copy = object.__new__(Group)
         copy.pg, copy.rank, copy.size, copy.device = None, self.rank, self.size, torch.device("cpu")
+        copy.store = self.store
         return copy
 
     @property

@@ -32,7 +32,7 @@ from .storage import Storage
 
 _PIECE_BYTES = 32 << 20  # the largest single read, in whole blocks
 _STAGE_BYTES = 4 << 20  # a staged read: copied into its target while still in the CPU cache
-_REMOTE_RUN = 8 << 20  # back-to-back direct reads merged into one request on a remote storage (each costs a round trip)
+_REMOTE_RUN = 32 << 20  # back-to-back direct reads merged into one request on a remote storage (each costs a round trip)
 _MAX_ITEMSIZE = 16  # the largest element (complex128): staged reads are cut at multiples of every element size
 Target = tuple[torch.Tensor, Box, Entry]  # a tensor, the box of the global tensor it holds, its entry
 Piece = tuple[Entry, Chunk, int, memoryview]  # bytes [lo, lo + len(out)) of a chunk, to be read into out

@@ -41,6 +41,7 @@ class ChunkReader:
         self._maps: dict[str, memoryview | None] = {}
         self._scratch = threading.local()
         self._sizes: dict[str, int] = {}  # the actual sizes of the data files looked at
+        self._listed = False  # whether _sizes holds the storage's listing (where a listing gives sizes)
 
     def close(self) -> None:
         """Release file handles and maps; what was read from a map stays valid."""
@@ -68,7 +69,12 @@ class ChunkReader:
             size = self._sizes.get(chunk.file)
             if size is None:
                 try:
-                    size = self._sizes[chunk.file] = self.storage.size(chunk.file)
+                    if not self._listed:  # an object store lists every size in one request: no HEAD per file
+                        self._listed = True
+                        self._sizes.update(self.storage.sizes() or {})
+                    size = self._sizes.get(chunk.file)
+                    if size is None:
+                        size = self._sizes[chunk.file] = self.storage.size(chunk.file)
                 except FileNotFoundError:
                     raise self.missing(chunk.file, entry) from None
                 except CheckpointError:

@@ -18,8 +18,8 @@ from typing import Any, Mapping
 from . import codec
 from .collect import Collected, WriteItem, collect
 from .collectives import Group
-from .commit import (assemble, await_commit, await_records, clean_up_after_commit, delete_generation, publish,
-                     record, report_failure, write_abort, write_record)
+from .commit import (announce, assemble, await_commit, await_records, clean_up_after_commit, delete_generation,
+                     open_doorbell, publish, record, report_failure, write_abort, write_record)
 from .errors import CheckpointError, UnsupportedValueError
 from .format import manifest_tmp_name
 from .gcpause import gc_paused
@@ -134,33 +134,35 @@ def persist(prepared: Prepared) -> SaveInfo:
     threads = p.options.threads or default_threads()
     t0 = time.perf_counter()
     previous = manifest_generation(storage) if group.is_coordinator else None  # see commit.publish
+    bell = open_doorbell(group, storage, generation)
     try:
         create(storage)
         files, headers = write_data(storage, p.items, generation, group.rank, threads, p.options.block_size)
         if not group.is_coordinator:
             with gc_paused():
                 done = record(p.collected, p.plan, group.rank, files, headers, p.items)
-            write_record(storage, generation, group.rank, "done", done)
+            write_record(storage, generation, group.rank, "done", done, bell)
     except BaseException as exc:
         delete_generation(storage, generation, group.rank)
         if group.size > 1:
-            report_failure(storage, generation, group, exc)
+            report_failure(storage, generation, group, exc, bell)
         storage.close()
         raise
     t_write = time.perf_counter()
     try:
         if group.is_coordinator:
-            others = await_records(storage, generation, list(range(1, group.size)), p.options.commit_timeout)
+            others = await_records(storage, generation, list(range(1, group.size)), p.options.commit_timeout, bell)
             with gc_paused():
                 manifest = assemble(p.collected, p.plan, files, headers, others, generation, group.size, p.step,
                                     p.metadata, p.options.block_size)
                 publish(storage, manifest, previous, p.options.before_commit)
+            announce(bell, "ok")
         else:
-            await_commit(storage, generation, p.options.commit_timeout)
+            await_commit(storage, generation, p.options.commit_timeout, bell)
     except BaseException as exc:
         if group.is_coordinator and manifest_generation(storage) != generation:
             if group.size > 1:
-                write_abort(storage, generation, f"{type(exc).__name__}: {exc}")
+                write_abort(storage, generation, f"{type(exc).__name__}: {exc}", bell)
             delete_generation(storage, generation, group.rank)
             storage.delete(manifest_tmp_name(generation))
         storage.close()

@@ -84,6 +84,12 @@ class Storage(ABC):
     def size(self, name: str) -> int:
         """Size in bytes of one (regular) file; FileNotFoundError if it is absent."""
 
+    def sizes(self) -> dict[str, int] | None:
+        """The size of every file directly in the location from one listing, where a listing gives
+        sizes (an object store: one request instead of one per file); None where looking each file
+        up is as cheap (a local directory)."""
+        return None
+
     @abstractmethod
     def stat(self, name: str) -> FileStat:
         """Size, modification time and version of one file; FileNotFoundError if it is absent."""
@@ -148,11 +154,13 @@ class Storage(ABC):
         deletes, object by object: readers may see both or a part of each meanwhile, and a writer
         still writing into ``src`` is not fenced off."""
 
-    def abort_uploads(self, name: str = "") -> int:
+    def abort_uploads(self, name: str = "", which: Callable[[str], bool] | None = None) -> int:
         """Abandon the files left half-written under sub-location ``name`` (the whole location by
         default) by writers that died: an object store's unfinished multipart uploads, which no
-        listing shows. Returns how many. Only where no live writer writes (the lease holder's
-        clean-up); a local directory has none (a half-written file is listed and deleted as any)."""
+        listing shows. With ``which``, only those of the location's own files whose names it
+        accepts. Returns how many. Only where no live writer writes (the lease holder's clean-up,
+        or the files of generations a commit made stale); a local directory has none (a
+        half-written file is listed and deleted as any)."""
         return 0
 
     def memory_map(self, name: str) -> memoryview | None:

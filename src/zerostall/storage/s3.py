@@ -19,18 +19,25 @@ from typing import Any, Callable, Iterable
 
 from ..errors import ConcurrentWriteError, StorageError
 from ..format import MANIFEST_NAME
-from .base import FileStat, FileTooLargeError, Storage, check_name
-from .s3client import Connection, S3Options, Views, error_code
+from .base import FileStat, Storage, check_name
+from .s3client import Connection, S3Options, Views, error_code, retried
+from .s3reads import S3Reads
 
 log = logging.getLogger(__name__)
 
 _MAX_PARTS = 10_000
-_MIN_RANGE = 8 << 20  # a read is split into parallel GETs of at least this many bytes (each request costs client CPU)
 _DELETE_BATCH = 1000  # keys per DeleteObjects request
 _CONFLICT = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")  # a condition did not hold
 
 
-class S3Storage(Storage):
+def _holds(landed: Callable[[], bool]) -> bool:
+    try:
+        return landed()
+    except OSError:
+        return False
+
+
+class S3Storage(S3Reads, Storage):
     """The objects under ``s3://bucket/prefix``. Picklable (as its URL and options), so a writer
     process reaches the same place."""
 
@@ -126,6 +133,11 @@ class S3Storage(Storage):
         return sorted(o["Key"][skip:] for page in self._pages(self.prefix, "/") for o in page.get("Contents", ())
                       if not o["Key"].endswith("/"))
 
+    def sizes(self) -> dict[str, int]:
+        skip = len(self.prefix)
+        return {o["Key"][skip:]: o["Size"] for page in self._pages(self.prefix, "/") for o in page.get("Contents", ())
+                if not o["Key"].endswith("/")}
+
     def child(self, name: str) -> S3Storage:
         return S3Storage(f"{self.location}/{name.strip('/')}", self.options)
 
@@ -176,7 +188,12 @@ class S3Storage(Storage):
             if batch:
                 pending.append(self._submit_part(name, upload, len(pending) + 1, batch))
             done = [f.result() for f in pending]
-            self._conditional(key, "completing the upload of", self._client.complete_multipart_upload, True,
+
+            def landed() -> bool:  # the object a completion makes: this size, an ETag of this many parts
+                head = self._head(name)
+                return head["ContentLength"] == written and head["ETag"].strip('"').endswith(f"-{len(done)}")
+
+            self._conditional(key, "completing the upload of", self._client.complete_multipart_upload, True, landed,
                               Key=key, UploadId=upload, MultipartUpload={"Parts": done})
         except BaseException:
             for f in pending:
@@ -212,11 +229,15 @@ class S3Storage(Storage):
         kwargs: dict[str, Any] = {"Key": self._key(name), "Body": Views(views)}
         if if_match is not None:
             kwargs["IfMatch"] = if_match
-        self._conditional(self._key(name), "writing", self._client.put_object, exclusive, **kwargs)
+        self._conditional(self._key(name), "writing", self._client.put_object, exclusive,
+                          lambda: self._fetch(name, None) == b"".join(views), **kwargs)
 
-    def _conditional(self, key: str, doing: str, fn: Callable[..., Any], exclusive: bool, **kwargs: Any) -> Any:
+    def _conditional(self, key: str, doing: str, fn: Callable[..., Any], exclusive: bool,
+                     landed: Callable[[], bool] | None = None, **kwargs: Any) -> Any:
         """``fn`` with ``If-None-Match: *`` when ``exclusive`` (and conditional writes are on);
-        a failed condition is a :class:`ConcurrentWriteError`."""
+        a failed condition is a :class:`ConcurrentWriteError`, unless the request was sent again
+        and ``landed()`` says the object is what this write makes: an earlier attempt took effect
+        and its answer was lost (a completed upload is then gone: the retry fails as well)."""
         conditional = self.options.conditional_writes and (exclusive or "IfMatch" in kwargs)
         if exclusive and self.options.conditional_writes:
             kwargs["IfNoneMatch"] = "*"
@@ -225,6 +246,10 @@ class S3Storage(Storage):
         try:
             return self._call(key, doing, fn, **kwargs)
         except StorageError as exc:
+            lost = retried(exc.__cause__) and error_code(exc.__cause__) in (*_CONFLICT, "NoSuchUpload", "404")
+            if lost and landed is not None and _holds(landed):
+                log.info("%s s3://%s/%s: an earlier attempt took effect, its answer was lost", doing, self.bucket, key)
+                return None
             if conditional and error_code(exc.__cause__) in _CONFLICT:
                 raise ConcurrentWriteError(f"s3://{self.bucket}/{key} was written by another writer meanwhile; "
                                            "this write did not take effect") from exc
@@ -275,11 +300,12 @@ class S3Storage(Storage):
                             errors[0])
         self.abort_uploads(name)
 
-    def abort_uploads(self, name: str = "") -> int:
-        """Abort the unfinished multipart uploads under ``name/`` (all of the location's by default)."""
+    def abort_uploads(self, name: str = "", which: Callable[[str], bool] | None = None) -> int:
+        """Abort the unfinished multipart uploads under ``name/`` (all of the location's by default);
+        with ``which``, only those of the location's own files whose names it accepts."""
         prefix = self._prefix(name) if name else self.prefix
-        uploads = [(u["Key"], u["UploadId"]) for page in self._pages(prefix, what="list_multipart_uploads")
-                   for u in page.get("Uploads", ())]
+        uploads = [(u["Key"], u["UploadId"]) for page in self._pages(prefix, "/" if which else "", "list_multipart_uploads")
+                   for u in page.get("Uploads", ()) if which is None or which(u["Key"][len(prefix):])]
         for key, upload in uploads:
             self._abort(key, upload)
         return len(uploads)
@@ -299,102 +325,3 @@ class S3Storage(Storage):
             self._call(key, "copying", self._client.copy, CopySource={"Bucket": self.bucket, "Key": key}, Key=target)
         for key in reversed(keys):
             self._call(key, "deleting", self._client.delete_object, Key=key)
-
-    # -- reading -------------------------------------------------------------------------------
-    def read_bytes(self, name: str, limit: int | None = None) -> bytes:
-        """The whole object; with ``limit``, one GET of at most ``limit + 1`` bytes whose answer
-        says the object's size, refused (``FileTooLargeError``) before its body is read."""
-        if limit is None:
-            return self._fetch(name, None)
-        try:
-            return self._fetch(name, f"bytes=0-{limit}", limit)
-        except EOFError:
-            return b""  # an empty object has no byte 0
-
-    def read_head(self, name: str, n: int) -> bytes:
-        try:
-            return self._fetch(name, f"bytes=0-{n - 1}") if n > 0 else b""
-        except EOFError:
-            return b""  # an empty object has no byte 0
-
-    def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        """Parallel ranged GETs (``concurrency`` at most, of at least 8 MiB) straight into ``out``."""
-        n = len(out)
-        if n == 0:
-            return
-        step = max(_MIN_RANGE, -(-n // self.options.concurrency))
-        if step >= n:
-            self._get_into(name, offset, [out])
-            return
-        futures = [self._conn.pool.submit(self._get_into, name, offset + lo, [out[lo:lo + step]])
-                   for lo in range(0, n, step)]
-        try:
-            for f in futures:
-                f.result()
-        finally:
-            for f in futures:
-                f.cancel()
-            for f in futures:
-                if not f.cancelled():
-                    f.exception()  # no GET may write into ``out`` after this returns
-
-    def read_into_many(self, name: str, offset: int, outs: list[memoryview]) -> None:
-        self._get_into(name, offset, outs)
-
-    def _open(self, name: str, byte_range: str | None, limit: int | None = None) -> Any:
-        """The body of a GET of ``name`` (of ``byte_range``); EOFError if the range starts past its
-        end, ``FileTooLargeError`` (unread) if the object is larger than ``limit``."""
-        extra = {"Range": byte_range} if byte_range else {}
-        try:
-            answer = self._call(self._key(name), "reading", self._client.get_object, Key=self._key(name), **extra)
-        except StorageError as exc:
-            if error_code(exc.__cause__) in ("InvalidRange", "416"):
-                raise EOFError(f"{self.location}/{name} ends before {byte_range}") from None
-            raise
-        if limit is not None:
-            size = int(str(answer.get("ContentRange", "")).rpartition("/")[2] or answer.get("ContentLength", 0))
-            if size > limit:
-                answer["Body"].close()
-                raise FileTooLargeError(f"{self.location}/{name}", size, limit)
-        return answer["Body"]
-
-    def _fetch(self, name: str, byte_range: str | None, limit: int | None = None) -> bytes:
-        """A whole (small) body, asked again if the connection breaks in the middle."""
-        from botocore.exceptions import BotoCoreError
-
-        attempt = 0
-        while True:
-            body = self._open(name, byte_range, limit)
-            try:
-                return body.read()
-            except (BotoCoreError, ConnectionError, TimeoutError) as exc:
-                attempt += 1
-                self._again_or_fail(f"reading {self.location}/{name}", attempt, exc)
-            finally:
-                body.close()
-
-    def _get_into(self, name: str, offset: int, outs: list[memoryview]) -> None:
-        """One ranged GET read into ``outs`` in order; a connection that breaks mid-body is asked
-        again for the rest."""
-        from botocore.exceptions import BotoCoreError
-
-        total = sum(len(o) for o in outs)
-        pending = [o for o in outs if len(o)]
-        done = attempt = 0
-        while pending:
-            body = self._open(name, f"bytes={offset + done}-{offset + total - 1}")
-            try:
-                while pending:
-                    got = body.readinto(pending[0])
-                    if not got:
-                        raise EOFError(f"{self.location}/{name} ends at byte {offset + done}, "
-                                       f"expected {offset + total}")
-                    done += got
-                    pending[0] = pending[0][got:]
-                    if not len(pending[0]):
-                        pending.pop(0)
-            except (BotoCoreError, ConnectionError, TimeoutError) as exc:
-                attempt += 1
-                self._again_or_fail(f"reading {self.location}/{name}", attempt, exc)
-            finally:
-                body.close()

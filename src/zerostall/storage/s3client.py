@@ -41,8 +41,9 @@ class S3Options:
     or "auto"; None: the profile's ``s3.addressing_style``, else botocore's choice."""
 
     part_size: int = 16 << 20
-    """Bytes per multipart part of a data file (at least 5 MiB: S3's minimum); a file may have
-    10,000 parts, so this also bounds a data file's size."""
+    """Bytes per multipart part of a data file (at least 5 MiB: S3's minimum), and the smallest
+    ranged GET a large read is split into; a file may have 10,000 parts, so this also bounds a
+    data file's size."""
 
     concurrency: int = 8
     """Requests in flight per process for part uploads and ranged reads (shared by the files a
@@ -98,6 +99,22 @@ class Views:
         return 0  # botocore rewinds a body before a retry: iterating again starts over
 
 
+def runs_of(outs: list[memoryview], step: int) -> list[tuple[int, list[memoryview]]]:
+    """``outs`` (back to back) cut into runs of ``step`` bytes (the last shorter): each run's
+    offset and the views (or parts of views) it fills."""
+    runs: list[tuple[int, list[memoryview]]] = []
+    at, room = 0, 0
+    for view in outs:
+        while len(view):
+            if not room:
+                runs.append((at, []))
+                room = step
+            take = min(room, len(view))
+            runs[-1][1].append(view[:take])
+            view, at, room = view[take:], at + take, room - take
+    return runs
+
+
 class Connection:
     """A boto3 client and the thread pool of part uploads and ranged reads, shared by every
     storage with the same options in this process."""
@@ -141,3 +158,10 @@ def error_code(exc: BaseException | None) -> str:
     response = getattr(exc, "response", None) or {}
     return str(response.get("Error", {}).get("Code", "")) or str(response.get("ResponseMetadata", {}).get(
         "HTTPStatusCode", ""))
+
+
+def retried(exc: BaseException | None) -> bool:
+    """Whether botocore sent the request of this failure more than once: an earlier attempt whose
+    answer was lost may have taken effect."""
+    response = getattr(exc, "response", None) or {}
+    return bool(response.get("ResponseMetadata", {}).get("RetryAttempts"))
