@@ -58,11 +58,12 @@ class Fetcher(ChunkReader):
         direct, staged = self._route(targets, skip)
         cuda = CallerStreams.of(item[0] for item in staged)  # a GPU target is never read into directly
         uploads = None if cuda is None else _Uploads(cuda)
+        readers = max(self.threads, self.storage.requests_in_flight)  # waiting on requests costs no core
         try:
-            with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-read",
+            with ThreadPoolExecutor(readers, thread_name_prefix="zerostall-read",
                                     initializer=None if cuda is None else cuda.enter) as pool:
                 merge = _REMOTE_RUN if self.storage.remote else CACHE_PIECE
-                run_balanced(pool, self.threads, self._read_run, _runs(direct, _piece_span, merge), verify)
+                run_balanced(pool, readers, self._read_run, _runs(direct, _piece_span, merge), verify)
                 unit = math.lcm(self.manifest.block_size, _MAX_ITEMSIZE)  # whole blocks and whole elements
                 buffers = self.threads * (1 if uploads is None else _Uploads.BUFFERS)
                 step = max(unit, min(_STAGE_BYTES, staging // buffers) // unit * unit)

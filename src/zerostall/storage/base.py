@@ -58,6 +58,9 @@ class Storage(ABC):
     remote = False
     """Whether every request pays a round trip (an object store): readers then fetch a whole
     piece in one call and check its blocks after, instead of cache-sized reads."""
+    requests_in_flight = 1
+    """How many requests of a reader this storage serves at once to best effect: a reader keeps at
+    least this many runs of reads going (an object store's connections; a file system: its threads)."""
 
     @abstractmethod
     def create(self) -> None:

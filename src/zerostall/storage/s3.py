@@ -47,6 +47,7 @@ class S3Storage(S3Reads, Storage):
         if not url.startswith("s3://") or not url[5:].split("/", 1)[0]:
             raise ValueError(f"an S3 location is s3://bucket[/prefix], not {url!r}")
         self.options = options or S3Options()
+        self.requests_in_flight = self.options.concurrency
         self.bucket, _, prefix = url[5:].partition("/")
         prefix = prefix.strip("/")
         self.prefix = f"{prefix}/" if prefix else ""
