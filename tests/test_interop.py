@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file
 from test_foreign import fsdp_mlp, full, mlp, same_bits
 
 import zerostall as zs
@@ -44,3 +46,26 @@ def test_zerostall_to_hf_to_zerostall_is_bit_exact(ranks, tmp_path):
         zs.load(model, source)
         assert all(same_bits(v, ref[k]) for k, v in model.state_dict().items()), source
         assert ranks(2).run(load_fsdp2, str(source), ref) == [[], []]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process
+def test_the_command_line_exports_and_diffs_foreign_checkpoints(tmp_path):
+    """DCP → HF in one command (`export --allow-pickle`), then `diff` between the HF export and its
+    import: the read-only commands take DCP and safetensors checkpoints as they are."""
+    import torch.distributed.checkpoint as dcp
+
+    model = mlp(seed=4)
+    dcp.save({"model": model.state_dict(), "step": 7}, checkpoint_id=str(tmp_path / "dcp"))
+    refused = CliRunner().invoke(cli, ["export", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--prefix", "model."])
+    assert refused.exit_code == 2 and "--allow-pickle" in refused.output and not (tmp_path / "hf").exists()
+    done = CliRunner().invoke(cli, ["export", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--prefix", "model.",
+                                    "--allow-pickle", "--json"])
+    assert done.exit_code == 0, done.output
+    assert sorted(json.loads(done.output)["keys"]) == sorted(model.state_dict())
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert all(same_bits(got[k], v) for k, v in model.state_dict().items())
+    assert CliRunner().invoke(cli, ["import", str(tmp_path / "hf"), str(tmp_path / "zs")]).exit_code == 0
+    same = CliRunner().invoke(cli, ["diff", str(tmp_path / "hf" / "model.safetensors"), str(tmp_path / "zs"), "--json"])
+    assert same.exit_code == 0 and json.loads(same.output)["equal"], same.output
+    other = CliRunner().invoke(cli, ["diff", str(tmp_path / "dcp"), str(tmp_path / "zs"), "--allow-pickle", "--json"])
+    assert other.exit_code == 1 and "step" in json.loads(other.output)["only_in_a"], other.output

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 import zerostall as zs
+from zerostall import sources
 from zerostall.format import Manifest
 from zerostall.opening import read_manifest
 from zerostall.root import CheckpointRoot
@@ -105,6 +106,17 @@ def cli() -> None:
     for stream in (sys.stdout, sys.stderr):  # a key may hold any string (a lone surrogate): shown escaped
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(errors="backslashreplace")
+
+
+def foreign_source(ckpt: str, allow_pickle: bool) -> str | None:
+    """CKPT itself when it names a foreign checkpoint that ``zs.open`` reads as it is (a PyTorch DCP
+    directory, Hugging Face safetensors), else None; a DCP one only with ``--allow-pickle``."""
+    storage, file = sources.split_file(ckpt)
+    kind = sources.SAFETENSORS if file else sources.kind_of(storage, storage.list()) if storage.exists() else None
+    if kind == sources.DCP and not allow_pickle:
+        raise Failure(f"{ckpt} is a PyTorch DCP checkpoint: its .metadata and non-tensor items are pickles, "
+                      "which can run code when read; pass --allow-pickle if you trust it", USAGE)
+    return ckpt if kind else None
 
 
 def open_checkpoint(ckpt: str) -> tuple[Storage, Manifest]:

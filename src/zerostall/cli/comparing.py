@@ -21,8 +21,8 @@ from zerostall import codec
 from zerostall.format import Entry, Manifest
 from zerostall.reader import resolve
 
-from .common import (EXIT_STATUSES, Failure, USAGE, cli, clip, console, open_checkpoint, print_json, progress_bar,
-                     reported_errors)
+from .common import (EXIT_STATUSES, Failure, USAGE, cli, clip, console, foreign_source, open_checkpoint, print_json,
+                     progress_bar, reported_errors)
 
 DIFFERENT = 1
 SLAB_BYTES = 64 << 20  # of each side's tensor read and compared at a time
@@ -168,9 +168,12 @@ def _slab_difference(torch: Any, u: Any, v: Any, atol: float, rtol: float) -> tu
 @click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance of tensor values.")
 @click.option("--rtol", type=float, default=0.0, show_default=True,
               help="Relative tolerance: values differ where |a - b| > atol + rtol * |b|.")
+@click.option("--allow-pickle", is_flag=True, help="Read a PyTorch DCP checkpoint (its .metadata is a pickle, which "
+                                                   "can run code: only one you trust).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-def diff(a: str, b: str, atol: float, rtol: float, as_json: bool) -> None:
-    """Compare checkpoints A and B (each a checkpoint, a root, ROOT/latest or ROOT/<step>): entries
+def diff(a: str, b: str, atol: float, rtol: float, allow_pickle: bool, as_json: bool) -> None:
+    """Compare checkpoints A and B (each a checkpoint, a root, ROOT/latest or ROOT/<step>, or a PyTorch
+    DCP or Hugging Face safetensors checkpoint, read as it is): entries
     only in one, kind, dtype and shape changes, python values, and tensor values (largest absolute
     and relative difference), reading a slab at a time. A progress bar shows the bytes read (on a
     terminal, without --json).
@@ -181,20 +184,20 @@ def diff(a: str, b: str, atol: float, rtol: float, as_json: bool) -> None:
         raise Failure("--atol and --rtol must be numbers >= 0", USAGE)
     try:
         with reported_errors():
-            (left, _), (right, _) = open_checkpoint(a), open_checkpoint(b)
-            with zs.open(left) as ck_a, zs.open(right) as ck_b, \
+            left, right = (foreign_source(x, allow_pickle) or open_checkpoint(x)[0] for x in (a, b))
+            with zs.open(left, allow_pickle=allow_pickle) as ck_a, zs.open(right, allow_pickle=allow_pickle) as ck_b, \
                     progress_bar(tensor_bytes(ck_a, ck_b), "comparing", quiet=as_json) as advance:
                 report = compare(ck_a, ck_b, atol, rtol, advance)
     except Failure as exc:
         exc.exit_code = USAGE  # trouble, as for diff(1): never mistaken for "different"
         raise
     if as_json:
-        print_json({"a": left.location, "b": right.location, "equal": report.equal, "atol": atol, "rtol": rtol,
+        print_json({"a": ck_a.path, "b": ck_b.path, "equal": report.equal, "atol": atol, "rtol": rtol,
                     "compared": report.compared, "bytes_compared": report.bytes_compared,
                     "only_in_a": report.only_in_a, "only_in_b": report.only_in_b,
                     "differences": [vars(d) for d in report.differences]})
     else:
-        _print(report, left.location, right.location)
+        _print(report, ck_a.path, ck_b.path)
     if not report.equal:
         sys.exit(DIFFERENT)
 

@@ -12,7 +12,8 @@ import click
 
 import zerostall as zs
 
-from .common import Failure, USAGE, cli, console, open_checkpoint, print_json, progress_bar, reported_errors
+from .common import (Failure, USAGE, cli, console, foreign_source, open_checkpoint, print_json, progress_bar,
+                     reported_errors)
 
 
 @cli.command("export")
@@ -29,11 +30,13 @@ from .common import Failure, USAGE, cli, console, open_checkpoint, print_json, p
 @click.option("--max-shard-size", default="5GB", show_default=True,
               help="The most bytes of one hf file (5GB = 5*10^9, 256MiB = 256*2^20); a larger tensor gets its own.")
 @click.option("--overwrite", is_flag=True, help="Write into a non-empty OUT, replacing its model files (or the file).")
+@click.option("--allow-pickle", is_flag=True, help="Read a PyTorch DCP checkpoint (its .metadata is a pickle, which "
+                                                   "can run code: only one you trust).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a summary (and no bar).")
 def export(ckpt: str, out: str, fmt: str, prefix: str | None, rename: tuple[str, ...], dtype: str | None,
-           max_shard_size: str, overwrite: bool, as_json: bool) -> None:
-    """Export the tensors of CKPT (a checkpoint, a root: its newest, ROOT/latest or ROOT/<step>)
-    to OUT, a local directory (--format hf) or file (--format torch). Entries that are not model
+           max_shard_size: str, overwrite: bool, allow_pickle: bool, as_json: bool) -> None:
+    """Export the tensors of CKPT (a checkpoint, a root: its newest, ROOT/latest or ROOT/<step>; or a
+    PyTorch DCP or Hugging Face safetensors checkpoint, read as it is) to OUT, a local directory (--format hf) or file (--format torch). Entries that are not model
     weights (rank-local, python values, tensor subclasses) are skipped and listed. Every block's
     checksum is verified as it is read; files appear under their names only once complete.
 
@@ -49,8 +52,9 @@ def export(ckpt: str, out: str, fmt: str, prefix: str | None, rename: tuple[str,
         raise Failure(str(exc), USAGE) from exc
     try:
         with reported_errors():
-            storage, _ = open_checkpoint(ckpt)
-            with zs.open(storage) as ck:
+            source = foreign_source(ckpt, allow_pickle) or open_checkpoint(ckpt)[0]
+            with zs.open(source, allow_pickle=allow_pickle) as ck:
+                location = ck.path
                 items, _ = select(ck.manifest, ck.path, options)
                 with progress_bar(sum(i.nbytes for i in items), "export", quiet=as_json) as advance, \
                         _skips_reported_here():
@@ -59,7 +63,7 @@ def export(ckpt: str, out: str, fmt: str, prefix: str | None, rename: tuple[str,
         if isinstance(exc.__cause__, (zs.ExportError, zs.CheckpointExistsError)):
             exc.exit_code = USAGE
         raise
-    _report(info, storage.location, as_json)
+    _report(info, location, as_json)
 
 
 @contextmanager

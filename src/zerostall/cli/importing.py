@@ -10,9 +10,9 @@ import click
 from rich.filesize import decimal as human_bytes
 
 import zerostall as zs
-from zerostall import codec, sources
+from zerostall import codec
 
-from .common import FAILED, USAGE, Failure, cli, console, print_json, progress_bar, reported_errors
+from .common import FAILED, USAGE, Failure, cli, console, foreign_source, print_json, progress_bar, reported_errors
 
 
 @cli.command(name="import")
@@ -36,11 +36,7 @@ def import_(src: str, out: str, allow_pickle: bool, overwrite: bool, as_json: bo
     without --allow-pickle, a checkpoint at OUT without --overwrite)."""
     start = time.perf_counter()
     with reported_errors():
-        storage, file = sources.split_file(src)
-        if file is None and storage.exists() and sources.kind_of(storage, storage.list()) == sources.DCP \
-                and not allow_pickle:
-            raise Failure(f"{src} is a PyTorch DCP checkpoint: its .metadata and non-tensor items are pickles, "
-                          "which can run code when read; pass --allow-pickle if you trust it", USAGE)
+        foreign_source(src, allow_pickle)  # a DCP checkpoint needs --allow-pickle
         try:
             report = convert(src, out, allow_pickle=allow_pickle, overwrite=overwrite, quiet=as_json)
         except zs.CheckpointExistsError as exc:
