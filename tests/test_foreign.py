@@ -182,17 +182,27 @@ def test_dcp_reads_only_the_bytes_of_the_box(dcp_fsdp):
     assert same_bits(part, ref["model"]["0.weight"][3:8])
 
 
-def test_dcp_items_zerostall_cannot_locate_are_refused_by_name(tmp_path):
+def test_dcp_items_zerostall_cannot_locate_are_named_and_left_out(tmp_path, caplog):
+    """An item zerostall cannot read in place is named in a warning and left out: the rest of the
+    checkpoint loads, and a load that wants that item reports it missing."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
 
-    dcp.save({"t": torch.arange(6.0).reshape(2, 3).t()}, checkpoint_id=str(tmp_path / "ck"))
-    with pytest.raises(zs.UnsupportedValueError, match="'t' is stored non-contiguous"):
-        zs.open(tmp_path / "ck", allow_pickle=True)
+    dcp.save({"t": torch.arange(6.0).reshape(2, 3).t(), "u": torch.ones(3)}, checkpoint_id=str(tmp_path / "ck"))
+    with caplog.at_level("WARNING", logger="zerostall.sources.dcp"):
+        got = zs.load({"u": torch.zeros(3)}, tmp_path / "ck", allow_pickle=True)
+    assert torch.equal(got["u"], torch.ones(3))
+    assert "'t' is stored non-contiguous" in caplog.text and "left out" in caplog.text
+    with pytest.raises(zs.StateMismatchError, match="missing.*t"):
+        zs.load({"t": torch.zeros(3, 2), "u": torch.zeros(3)}, tmp_path / "ck", allow_pickle=True)
+    refused = CliRunner().invoke(cli, ["import", str(tmp_path / "ck"), str(tmp_path / "zs"), "--allow-pickle"])
+    assert refused.exit_code == 1 and "cannot read in place (t;" in refused.output and not (tmp_path / "zs").exists()
     writer = FileSystemWriter(str(tmp_path / "st"), serialization_format=SerializationFormat.SAFETENSORS)
     dcp.save({"t": torch.arange(6.0)}, storage_writer=writer)
-    with pytest.raises(zs.UnsupportedValueError, match="'t' is not a torch.save archive"):
-        zs.open(tmp_path / "st", allow_pickle=True)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="zerostall.sources.dcp"), zs.open(tmp_path / "st", allow_pickle=True) as ck:
+        assert not ck.entries
+    assert "'t' is not a torch.save archive" in caplog.text
 
 
 # -- Hugging Face safetensors ---------------------------------------------------------------------

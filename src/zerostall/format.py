@@ -235,6 +235,7 @@ class Manifest:
     version: int = 1  # as read; written as at least what the entries need (see version_needed)
     headers: dict[str, str] = field(default_factory=dict)  # file -> xxh3-64 of its safetensors header
     foreign: str | None = None  # read in place of ours ("dcp", "safetensors"): no checksums; never written
+    left_out: list[str] = field(default_factory=list)  # a foreign one's items that cannot be read in place, named
 
     @property
     def total_bytes(self) -> int:
@@ -396,5 +397,4 @@ def safetensors_header(items: Iterable[FileItem], metadata: dict[str, str]) -> t
         pos += item.nbytes
     text = dump_json(header)
     data_start = -(-(8 + len(text)) // DATA_ALIGNMENT) * DATA_ALIGNMENT
-    text = text + b" " * (data_start - 8 - len(text))
-    return struct.pack("<Q", len(text)) + text, [data_start + r for r in relative]
+    return struct.pack("<Q", data_start - 8) + text.ljust(data_start - 8), [data_start + r for r in relative]

@@ -63,6 +63,10 @@ def convert(src: str, out: str, *, allow_pickle: bool, overwrite: bool, quiet: b
 
     with zs.open(src, allow_pickle=allow_pickle) as source:
         kind = source.manifest.foreign or "zerostall"
+        if source.manifest.left_out:  # an import holds the whole source, or nothing
+            names = ", ".join(source.manifest.left_out[:10]) + (", …" if len(source.manifest.left_out) > 10 else "")
+            raise zs.CheckpointError(f"{src} has {len(source.manifest.left_out)} tensor item(s) zerostall cannot read "
+                                     f"in place ({names}; the warnings above say why); nothing was written")
         state = source.state()
         info = zs.save(state, out, allow_pickle=allow_pickle, overwrite=overwrite)
         del state

@@ -58,11 +58,12 @@ def foreign_manifest(storage: Storage, kind: str, *, allow_pickle: bool, file: s
     if kind == DCP:
         from .dcp import dcp_entries  # imports torch
 
-        entries, files = dcp_entries(storage, allow_pickle)
+        entries, files, left_out = dcp_entries(storage, allow_pickle)
     else:
         entries, files = hf_entries(storage, [file] if file is not None else hf_files(storage, storage.list()))
+        left_out = []
     return Manifest(generation=f"{kind}-0", entries=entries, files=files, tree=encode({}),
-                    block_size=DEFAULT_BLOCK_SIZE, created=time.time(), foreign=kind)
+                    block_size=DEFAULT_BLOCK_SIZE, created=time.time(), foreign=kind, left_out=left_out)
 
 
 def describe(kind: str) -> str:

@@ -43,7 +43,7 @@ def pickle_refusal(location: str) -> UnsupportedValueError:
         "allow_pickle=True), zs.open(path, allow_pickle=True), zerostall import --allow-pickle)")
 
 
-def dcp_entries(storage: Storage, allow_pickle: bool) -> tuple[list[Entry], dict[str, int]]:
+def dcp_entries(storage: Storage, allow_pickle: bool) -> tuple[list[Entry], dict[str, int], list[str]]:
     """The entries of the DCP checkpoint at ``storage`` (tensor chunks without checksums, python
     values decoded) and the sizes of the files they lie in."""
     if not allow_pickle:
@@ -66,12 +66,16 @@ def dcp_entries(storage: Storage, allow_pickle: bool) -> tuple[list[Entry], dict
     for key, md in metadata.state_dict_metadata.items():
         path = tuple(paths.get(key) or (key,))
         if isinstance(md, TensorStorageMetadata):
-            tensors.append(items.tensor(key, path, md))
+            try:
+                tensors.append(items.tensor(key, path, md))
+            except UnsupportedValueError as exc:  # one tensor's layout: the rest of the checkpoint still loads
+                log.warning("%s; it is left out: a load that wants it reports it missing", exc)
+                items.left_out.append(key)
         elif isinstance(md, BytesStorageMetadata):
             values.append((path, items.value(key)))
         else:
             raise CorruptCheckpointError(f"{where}: item {key!r} has unknown metadata {type(md).__name__}")
-    return tensors + _values(tensors, values), items.sizes
+    return tensors + _values(tensors, values), items.sizes, items.left_out
 
 
 class _Items:
@@ -81,6 +85,7 @@ class _Items:
         self.storage = storage
         self.by_key = storage_data
         self.sizes: dict[str, int] = {}
+        self.left_out: list[str] = []  # tensor items that cannot be read in place
 
     def _info(self, key: str, offsets: Any = None) -> tuple[str, int, int]:
         """The file, offset and length of the item ``key`` (at chunk ``offsets``), checked."""
