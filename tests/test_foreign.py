@@ -197,6 +197,10 @@ def test_dcp_items_zerostall_cannot_locate_are_named_and_left_out(tmp_path, capl
         zs.load({"t": torch.zeros(3, 2), "u": torch.zeros(3)}, tmp_path / "ck", allow_pickle=True)
     refused = CliRunner().invoke(cli, ["import", str(tmp_path / "ck"), str(tmp_path / "zs"), "--allow-pickle"])
     assert refused.exit_code == 1 and "cannot read in place (t;" in refused.output and not (tmp_path / "zs").exists()
+    with pytest.raises(zs.ExportError, match="cannot read in place under the prefix"), \
+            zs.open(tmp_path / "ck", allow_pickle=True) as ck:
+        zs.export(ck, tmp_path / "hf")  # an export never drops a tensor either
+    assert not (tmp_path / "hf").exists()
     writer = FileSystemWriter(str(tmp_path / "st"), serialization_format=SerializationFormat.SAFETENSORS)
     dcp.save({"t": torch.arange(6.0)}, storage_writer=writer)
     caplog.clear()

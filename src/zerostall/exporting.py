@@ -157,6 +157,10 @@ def select(manifest: Manifest, where: str, options: ExportOptions) -> tuple[list
     prefix = options.prefix or ""
     if prefix and not prefix.endswith("."):
         prefix += "."
+    lost = [key for key in manifest.left_out if key.startswith(prefix)]
+    if lost:  # a foreign checkpoint's tensors that cannot be read in place: an export holds them all, or nothing
+        raise ExportError(f"{where} has {len(lost)} tensor item(s) zerostall cannot read in place under the prefix "
+                          f"({', '.join(lost[:10])}; the warnings logged when it was opened say why)")
     items: list[Item] = []
     skipped: list[str] = []
     names: dict[str, str] = {}
