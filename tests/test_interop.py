@@ -49,9 +49,9 @@ def test_zerostall_to_hf_to_zerostall_is_bit_exact(ranks, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process
-def test_the_command_line_exports_and_diffs_foreign_checkpoints(tmp_path):
+def test_the_command_line_exports_diffs_and_inspects_foreign_checkpoints(tmp_path):
     """DCP → HF in one command (`export --allow-pickle`), then `diff` between the HF export and its
-    import: the read-only commands take DCP and safetensors checkpoints as they are."""
+    import, and `inspect`: the read-only commands take DCP and safetensors checkpoints as they are."""
     import torch.distributed.checkpoint as dcp
 
     model = mlp(seed=4)
@@ -69,3 +69,10 @@ def test_the_command_line_exports_and_diffs_foreign_checkpoints(tmp_path):
     assert same.exit_code == 0 and json.loads(same.output)["equal"], same.output
     other = CliRunner().invoke(cli, ["diff", str(tmp_path / "dcp"), str(tmp_path / "zs"), "--allow-pickle", "--json"])
     assert other.exit_code == 1 and "step" in json.loads(other.output)["only_in_a"], other.output
+    assert CliRunner().invoke(cli, ["inspect", str(tmp_path / "dcp")]).exit_code == 2  # needs --allow-pickle
+    for source, flags in ((tmp_path / "dcp", ["--allow-pickle"]), (tmp_path / "hf" / "model.safetensors", [])):
+        shown = CliRunner().invoke(cli, ["inspect", str(source), "--json", *flags])
+        assert shown.exit_code == 0, shown.output
+        header = json.loads(shown.output)
+        assert header["checksums"] == "none" and header["foreign"] in ("dcp", "safetensors")
+        assert {e["fqn"].removeprefix("model.") for e in header["entries"]} >= set(model.state_dict())

@@ -23,7 +23,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 import zerostall as zs
 from zerostall import sources
 from zerostall.format import Manifest
-from zerostall.opening import read_manifest
+from zerostall.opening import read_manifest, read_source
 from zerostall.root import CheckpointRoot
 from zerostall.storage import Storage, storage_for
 
@@ -117,6 +117,15 @@ def foreign_source(ckpt: str, allow_pickle: bool) -> str | None:
         raise Failure(f"{ckpt} is a PyTorch DCP checkpoint: its .metadata and non-tensor items are pickles, "
                       "which can run code when read; pass --allow-pickle if you trust it", USAGE)
     return ckpt if kind else None
+
+
+def open_any(ckpt: str, allow_pickle: bool) -> tuple[Storage, Manifest]:
+    """:func:`open_checkpoint`, or a foreign checkpoint (see :func:`foreign_source`) as ``zs.open``
+    reads it: its storage and the manifest translated from it (no checksums)."""
+    if foreign_source(ckpt, allow_pickle) is None:
+        return open_checkpoint(ckpt)
+    storage, file = sources.split_file(ckpt)
+    return storage, read_source(storage, allow_pickle=allow_pickle, file=file)[1]
 
 
 def open_checkpoint(ckpt: str) -> tuple[Storage, Manifest]:

@@ -18,7 +18,7 @@ from zerostall.reader import ChunkReader
 from zerostall.storage import storage_for
 from zerostall.verification import verify_all
 
-from .common import (EXIT_STATUSES, FAILED, UNVERIFIED, USAGE, cli, clip, console, format_time, open_checkpoint,
+from .common import (EXIT_STATUSES, FAILED, UNVERIFIED, USAGE, cli, clip, console, format_time, open_any, open_checkpoint,
                      print_json, progress_bar, reported_errors)
 
 
@@ -45,15 +45,21 @@ def entry_row(manifest: Manifest, entry: Entry) -> dict[str, Any]:
 
 @cli.command(epilog=EXIT_STATUSES)
 @click.argument("ckpt")
+@click.option("--allow-pickle", is_flag=True, help="Read a PyTorch DCP checkpoint (its .metadata is a pickle, which "
+                                                   "can run code: only one you trust).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def inspect(ckpt: str, as_json: bool) -> None:
+def inspect(ckpt: str, allow_pickle: bool, as_json: bool) -> None:
     """Show the header and the entries of the checkpoint CKPT (a checkpoint, a root: its newest
-    committed checkpoint, ROOT/latest or ROOT/<step>)."""
+    committed checkpoint, ROOT/latest or ROOT/<step>; or a PyTorch DCP or Hugging Face safetensors
+    checkpoint, as zerostall reads it)."""
     with reported_errors():
-        storage, m = open_checkpoint(ckpt)
+        storage, m = open_any(ckpt, allow_pickle)
         header = {"path": storage.location, "format_version": m.version, "generation": m.generation, "step": m.step,
                   "created": m.created, "world_size": m.world_size, "block_size": m.block_size,
                   "total_bytes": m.total_bytes, "files": len(m.files)}
+        if m.foreign:  # what a foreign checkpoint has: no zerostall version, generation, time or checksums
+            header = {"path": storage.location, "foreign": m.foreign, "checksums": "none",
+                      "total_bytes": m.total_bytes, "files": len(m.files), "left_out": ", ".join(m.left_out) or None}
         entries = [entry_row(m, e) for e in m.entries]
     if as_json:
         print_json({**header, "entries": entries})
