@@ -99,13 +99,24 @@ def _writer_main(conn: Any) -> None:
         try:
             reply = (True, persist(job))
         except BaseException as exc:  # the caller re-raises it
-            reply = (False, exc if _picklable(exc) else CheckpointError(f"{type(exc).__name__}: {exc}"))
+            reply = (False, _bare(exc))
+        del job  # unmap the shared buffers before answering: the training process's next pool may need the room
         try:
             conn.send(reply)
         except OSError:
             return  # the training process is gone; the checkpoint is committed (or failed) anyway
-        finally:  # unmap the shared buffers now, not at the next job: a larger pool may need the room
-            del job, reply  # (a failure's traceback holds them too)
+
+
+def _bare(exc: BaseException) -> BaseException:
+    """``exc`` without the tracebacks of its chain (their frames hold the job's shared buffers; they
+    are not sent anyway), or a :class:`CheckpointError` saying what it was if it cannot be sent."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return exc if _picklable(exc) else CheckpointError(f"{type(exc).__name__}: {exc}")
 
 
 def _picklable(exc: BaseException) -> bool:
