@@ -117,3 +117,24 @@ def test_a_rank_that_cannot_reach_the_store_still_commits(ranks, s3_server, s3_u
     with zs.open(storage) as ck:
         assert ck.manifest.generation == generations[0] == generations[1]
         assert torch.equal(ck.read("w"), full_value((64, 16), 1))
+
+
+def verdicts_left_after_saves(root: str) -> list[bool]:
+    """Three saves into new locations (a manager's steps); then whether each one's verdict is still
+    in the process group's store."""
+    store = distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):  # the doorbell's keys lie in the TCPStore itself
+        store = store.underlying_store
+    keys = []
+    for step in range(3):
+        info = zs.save({"w": torch.full((64,), float(step))}, f"{root}/step_{step}", step=step)
+        with zs.open(f"{root}/step_{step}") as ck:
+            keys.append(f"zerostall/{ck.path}/{info.generation}/verdict")
+    dist.barrier()
+    return [store.check([key]) for key in keys]
+
+
+def test_the_store_keeps_one_verdict_not_one_a_save(ranks, tmp_path):
+    """The coordinator removes the ranks' keys of a save, and its verdict when it announces the next
+    one: a job saving every few minutes for weeks does not grow the store."""
+    assert ranks(3).run(verdicts_left_after_saves, str(tmp_path)) == [[False, False, True]] * 3

@@ -12,7 +12,8 @@ the storage (:mod:`zerostall.commit`).
 Keys, under ``zerostall/<location>/<generation>/``: ``r<rank>`` (``done`` or ``failed:<reason>``),
 ``finished`` (a counter), ``ready`` (set by the last rank to finish, or at once by a failed one)
 and ``verdict`` (``ok``, or ``abort:<reason>``, set by the coordinator). The coordinator removes
-the rank keys once it has read them; the verdict, a few bytes, stays with the store.
+the rank keys once it has read them, and a verdict when it announces the next one on that store
+(every rank read it before the next save could commit): one verdict stays with the store.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class StoreAddress:
 
     host: str
     port: int
+
+
+_last_verdict: dict[StoreAddress, str] = {}  # per store, the verdict key this process announced last
 
 
 def store_address(pg: Any) -> StoreAddress | None:
@@ -61,7 +65,7 @@ class Doorbell:
     def __init__(self, address: StoreAddress, size: int, location: str, generation: str) -> None:
         import torch.distributed as dist
 
-        self.size = size
+        self.size, self.address = size, address
         self.prefix = f"zerostall/{location}/{generation}/"
         try:
             self.store = dist.TCPStore(address.host, address.port, is_master=False, timeout=_CONNECT_TIMEOUT)
@@ -119,8 +123,16 @@ class Doorbell:
                 return
 
     def announce(self, verdict: str) -> None:
-        """The coordinator's word to the waiting ranks: ``ok`` (committed) or ``abort:<reason>``."""
-        self._do(self.store.set, f"{self.prefix}verdict", verdict)
+        """The coordinator's word to the waiting ranks: ``ok`` (committed) or ``abort:<reason>``; the
+        verdict it announced before on this store goes (so a long job does not grow the store)."""
+        key = f"{self.prefix}verdict"
+        self._do(self.store.set, key, verdict)
+        previous, _last_verdict[self.address] = _last_verdict.get(self.address), key
+        if previous is not None and previous != key:
+            try:
+                self.store.delete_key(previous)
+            except (RuntimeError, OSError):
+                pass  # a few bytes left with the store
 
     def verdict(self) -> str:
         return self._do(self.store.get, f"{self.prefix}verdict").decode(errors="replace")
