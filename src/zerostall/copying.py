@@ -19,7 +19,6 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from .checksums import checksum
 from .errors import CheckpointError, CorruptCheckpointError
 from .format import MANIFEST_NAME, Chunk, Entry, Manifest, file_generation
 from .opening import manifest_generation, read_manifest_bytes, read_manifest_from
@@ -185,7 +184,7 @@ class _Copy:
             for run in runs:
                 if self.stop.is_set():
                     raise _Stopped("another copying thread failed")
-                _read_checked(self.target, self.dst_reader, name, run)
+                _read_checked(self.dst_reader, name, run)
                 self.progress(run.length)
         except _Stopped:
             raise
@@ -200,7 +199,7 @@ class _Copy:
         for run in runs:
             if self.stop.is_set():
                 raise _Stopped("another copying thread failed")
-            data = _read_checked(self.source, self.src_reader, name, run)
+            data = _read_checked(self.src_reader, name, run)
             yield data
             self.progress(run.length)
 
@@ -256,28 +255,15 @@ def _runs(chunks: list[tuple[int, Entry, Chunk]], name: str, size: int, manifest
         yield _Run(offset, size - offset, tuple(checks))
 
 
-def _read_checked(storage: Storage, reader: ChunkReader, name: str, run: _Run) -> memoryview:
+def _read_checked(reader: ChunkReader, name: str, run: _Run) -> memoryview:
     """Read ``run`` of data file ``name`` into a new buffer and check it: the header against its
     checksum, every block against the manifest's."""
     out = memoryview(bytearray(run.length))
-    try:
-        storage.read_into(name, run.offset, out)
-    except FileNotFoundError:
-        raise reader.missing(name) from None
-    except EOFError:
-        raise CorruptCheckpointError(f"data file {name} of {reader.path} is truncated: it ends before byte "
-                                     f"{run.offset + run.length}") from None
-    except CheckpointError:
-        raise
-    except OSError as exc:
-        raise CheckpointError(f"reading {name} of {reader.path} failed: {exc}") from exc
+    reader.read_range(name, run.offset, out)
     for check in run.checks:
         data = out[check.lo:check.hi]
         if check.entry is None:
-            expected = reader.manifest.headers.get(name)
-            if expected is not None and checksum(data) != expected:
-                raise CorruptCheckpointError(f"the safetensors header of data file {name} of {reader.path} is "
-                                             "damaged (fails its checksum)")
+            reader.check_header(name, data)
         else:
             reader.check_blocks(check.entry, check.chunk, check.chunk_lo, data)  # type: ignore[arg-type]
     return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from .checksums import BlockHasher, block_checksums, pieces
+from .checksums import BlockHasher, block_checksums, checksum, pieces
 from .errors import CheckpointError, CorruptCheckpointError
 from .format import Chunk, Entry, Manifest
 from .opening import manifest_generation
@@ -105,17 +105,31 @@ class ChunkReader:
         self._check_digests(entry, chunk, lo, len(out), hasher.finish())
 
     def _read_raw(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview) -> None:
+        self.read_range(chunk.file, chunk.offset + lo, out, entry)
+
+    def read_range(self, name: str, offset: int, out: memoryview, entry: Entry | None = None) -> None:
+        """Read bytes ``[offset, offset+len(out))`` of data file ``name`` (holding ``entry``, if
+        given), unchecked; a failure is the error that names the file (and entry) at fault."""
+        of = f" (entry {entry.fqn})" if entry is not None else ""
         try:
-            self.storage.read_into(chunk.file, chunk.offset + lo, out)
+            self.storage.read_into(name, offset, out)
         except FileNotFoundError:
-            raise self.missing(chunk.file, entry) from None
+            raise self.missing(name, entry) from None
         except EOFError:
-            raise CorruptCheckpointError(
-                f"data file {chunk.file} of {self.path} is truncated: entry {entry.fqn} lies past its end") from None
+            raise CorruptCheckpointError(f"data file {name} of {self.path} is truncated: it ends before byte "
+                                         f"{offset + len(out)}{of}") from None
         except CheckpointError:  # not a regular file (UnsafeFileError)
             raise
         except OSError as exc:
-            raise CheckpointError(f"reading {chunk.file} of {self.path} (entry {entry.fqn}) failed: {exc}") from exc
+            raise CheckpointError(f"reading {name} of {self.path}{of} failed: {exc}") from exc
+
+    def check_header(self, name: str, data: bytes | memoryview) -> None:
+        """Check the safetensors header of data file ``name`` (its first bytes, ``data``) against the
+        manifest's checksum (manifests before it had none)."""
+        digest = self.manifest.headers.get(name)
+        if digest is not None and checksum(data) != digest:
+            raise CorruptCheckpointError(f"the safetensors header of data file {name} is damaged (fails its "
+                                         f"checksum) in {self.path}")
 
     def missing(self, name: str, entry: Entry | None = None) -> CheckpointError:
         """The error for a data file that is gone: damage, unless the checkpoint changed under this

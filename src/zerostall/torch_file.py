@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 import pickle
 import sys
 from typing import Any, Callable
@@ -62,7 +63,7 @@ def write_torch_file(path: str, tensors: list[tuple[str, torch.dtype, tuple[int,
     structure = {}
     sizes = []
     for i, (key, dtype, shape) in enumerate(tensors):
-        nbytes = dtype.itemsize * _numel(shape)
+        nbytes = dtype.itemsize * math.prod(shape)
         structure[key] = _Tensor(_Storage(str(i), nbytes), dtype, tuple(shape))
         sizes.append(nbytes)
     buf = io.BytesIO()
@@ -81,10 +82,3 @@ def write_torch_file(path: str, tensors: list[tuple[str, torch.dtype, tuple[int,
         writer.write_record(f"data/{i}", tensor.untyped_storage(), nbytes)
         del tensor
     writer.write_end_of_file()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

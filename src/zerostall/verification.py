@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from . import codec
-from .checksums import checksum
 from .errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 from .format import Chunk, Entry
 from .reader import ChunkReader, resolve
@@ -110,11 +109,12 @@ def _header_fault(fetcher: ChunkReader, name: str, length: int | None) -> str | 
     """What is wrong with the safetensors header of data file ``name`` (its first ``length``
     bytes: length prefix, JSON, padding), checked against the checksum in the manifest
     (manifests before it had none), or None."""
-    digest = fetcher.manifest.headers.get(name)
-    if digest is None or length is None:
+    if name not in fetcher.manifest.headers or length is None:
         return None
-    if checksum(fetcher.storage.read_head(name, length)) != digest:
-        return f"the safetensors header of data file {name} is damaged (fails its checksum)"
+    try:
+        fetcher.check_header(name, fetcher.storage.read_head(name, length))
+    except CorruptCheckpointError as exc:
+        return str(exc)
     return None
 
 
