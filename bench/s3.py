@@ -371,7 +371,7 @@ def report(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> dict
         out |= {f"{k}{sfx}": v for k, v in {"errors": r["errors"], "seconds": r["seconds"]}.items()}
     out |= {"bytes": args.mib << 20, "ranks": args.ranks, "part_bytes": args.part_mib << 20,
             "concurrency": args.concurrency, "dcp_threads": args.dcp_threads, "reps": args.reps,
-            "slow_s": args.slow_s, "dir": args.dir, "loadavg": os.getloadavg()[0], "torch_version": torch.__version__}
+            "slow_s": args.slow_s, "dir": args.dir, "weed_args": args.weed_arg, "loadavg": os.getloadavg()[0], "torch_version": torch.__version__}
     return out
 
 
@@ -385,6 +385,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dcp-threads", type=int, default=1, help="DCP writer threads (files per rank; DCP's default)")
     ap.add_argument("--slow-s", type=float, default=2.0, help="delay of the slow rank's writes")
     ap.add_argument("--dir", default="/dev/shm", help="where the server keeps its data (memory: no disk noise)")
+    ap.add_argument("--weed-arg", action="append", default=[], help="one more `weed server` flag (repeatable)")
     ap.add_argument("--json", action="store_true", help="(always) print the JSON result line last")
     return ap.parse_args()
 
@@ -395,7 +396,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="zs-s3bench-", dir=args.dir)
     results: dict[int, dict[str, Any]] = {}
     try:
-        with SeaweedS3(tmp) as server:
+        with SeaweedS3(tmp, extra_args=args.weed_arg) as server:
             os.environ.update(server.env())  # zerostall (and s3torchconnector's credentials) read it; spawned ranks too
             info = types.SimpleNamespace(endpoint=server.endpoint, bucket=server.bucket, region=server.region,
                                          access_key=server.access_key, secret_key=server.secret_key,

@@ -9,8 +9,8 @@ interleaved (rotated order) and the medians reported. The bytes read are compare
 written once per client. Contenders:
 
 - ``boto3_client``: botocore's client, our own thread pool of part uploads (``upload_part`` from a
-  memoryview, no payload hashing or checksums) and ranged ``get_object`` read with ``readinto``
-  into the target buffer: what a storage backend built on boto3 does;
+  memoryview, no payload hashing or checksums) and ranged ``get_object`` received straight into
+  the target buffer (http.client's ``readinto``, as zerostall reads): what a storage backend built on boto3 does;
 - ``boto3_transfer``: boto3's transfer manager (s3transfer) ``upload_fileobj``/``download_fileobj``;
 - ``obstore``: ``obstore.put`` (multipart, ``max_concurrency`` per object) and ``get_ranges``,
   each range copied into the target buffer;
@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from common import describe, median, print_json, progress, rnd, rotated  # noqa: E402
 from s3server import SeaweedS3  # noqa: E402
+from zerostall.storage.s3reads import release, socket_readinto  # noqa: E402
 
 
 class ViewFile(io.RawIOBase):
@@ -127,11 +128,13 @@ class Boto3Client:
         def get(key: str, lo: int, hi: int) -> None:
             body = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={lo}-{hi - 1}")["Body"]
             out = outs[key][lo:hi]
+            readinto = socket_readinto(body)  # zerostall's read: received straight into ``out``
             while out:
-                n = body.readinto(out)
+                n = readinto(out)
                 if not n:
                     raise EOFError(key)
                 out = out[n:]
+            release(body)
 
         fs = [self.pool.submit(get, key, lo, hi) for key, view in outs.items() for lo, hi in ranges(len(view), self.part)]
         for f in fs:

@@ -80,7 +80,8 @@ class FaultyStorage(Storage):
     def __init__(self, inner: Storage, *, parent: FaultyStorage | None = None, prefix: str = "") -> None:
         self.inner = inner
         self.location = inner.location
-        self.remote = inner.remote
+        self.remote, self.read_grid = inner.remote, inner.read_grid
+        self.requests_in_flight = inner.requests_in_flight
         self._prefix = prefix
         if parent is None:
             self.calls: list[tuple[str, str]] = []

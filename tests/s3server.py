@@ -66,8 +66,9 @@ class SeaweedS3:
     region = "us-east-1"
 
     def __init__(self, data_dir: str, bucket: str = "zerostall-test", access_key: str = "zerostall",
-                 secret_key: str = "zerostall-secret") -> None:
+                 secret_key: str = "zerostall-secret", extra_args: tuple[str, ...] = ()) -> None:
         self.data_dir = data_dir
+        self.extra_args = tuple(extra_args)  # more ``weed server`` flags (a benchmark's server tuning)
         self.bucket, self.access_key, self.secret_key = bucket, access_key, secret_key
         self.proc: subprocess.Popen[bytes] | None = None
         self.ports: list[int] = []  # chosen at the first start, kept for a restart
@@ -114,7 +115,7 @@ class SeaweedS3:
                 f"-filer.localSocket={os.path.join(self.data_dir, 'filer.sock')}",
                 "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.config={config}",
                 "-s3.port.iceberg=0", "-s3.port.lance=0",
-                f"-s3.localSocket={os.path.join(self.data_dir, 's3.sock')}"]
+                f"-s3.localSocket={os.path.join(self.data_dir, 's3.sock')}", *self.extra_args]
         self.endpoint = f"http://127.0.0.1:{s3}"
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -282,13 +282,63 @@ def test_small_tensors_back_to_back_are_read_in_one_request(s3_url):
     assert all(torch.equal(out[k], state[k]) for k in state)
 
 
-def test_a_load_takes_the_data_files_sizes_from_one_listing(s3_url):
+def test_a_load_spends_no_request_on_sizes_and_reads_one_listing(s3_url):
     zs.save(state_of(1), s3_url, threads=4)  # four data files
     storage = FaultyStorage(storage_for(s3_url))
     out = zs.load(zeros_like_state(), storage)
     ops = [op for op, _ in storage.calls]
-    assert ops.count("sizes") == 1 and "size" not in ops and "stat" not in ops, ops
+    assert not {"exists", "list", "sizes", "size", "stat"} & set(ops), ops  # the manifest, then the data
     assert same(out, state_of(1))
+    storage.calls.clear()
+    with zs.open(storage) as ck:  # new tensors: sizes checked before memory is set aside, from one listing
+        assert all(torch.equal(ck.read(f"model.{k}"), v) for k, v in state_of(1)["model"].items())
+    ops = [op for op, _ in storage.calls]
+    assert ops.count("sizes") == 1 and "size" not in ops and "stat" not in ops, ops
+
+
+def test_a_data_file_cut_short_or_gone_is_named_by_a_load(s3_url):
+    zs.save(state_of(1), s3_url, threads=1)
+    storage = storage_for(s3_url)
+    name = next(n for n in storage.list() if n != MANIFEST_NAME)
+    data = storage.read_bytes(name)
+    storage.delete(name)
+    storage.write(name, [memoryview(data[:len(data) // 2])])
+    with pytest.raises(zs.CorruptCheckpointError, match=rf"data file {name} of .* is truncated: .*\(entry model\."):
+        zs.load(zeros_like_state(), s3_url)
+    storage.delete(name)
+    with pytest.raises(zs.CorruptCheckpointError, match=rf"data file {name} of .* is missing \(entry model\."):
+        zs.load(zeros_like_state(), s3_url)
+
+
+def test_reads_are_cut_along_the_upload_parts(s3_server, s3_url):
+    """A ranged GET that starts or ends inside a stored part costs the server that whole part:
+    every GET of a load starts and ends on a part boundary, but where the tensors' bytes begin and end."""
+    part = 5 * MIB
+    storage = S3Storage(s3_url, explicit(s3_server, part_size=part))
+    g = torch.Generator().manual_seed(0)
+    state = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate((333_333, 1_234_567, 777_777, 2_000_003,
+                                                                            55_555, 1_500_001))}
+    zs.save(state, storage, threads=1)  # one data file of ~23 MiB, in 5 MiB parts
+    with zs.open(storage) as ck:
+        chunks = [c for e in ck.manifest.entries if e.kind == "tensor" for c in e.chunks]
+    first, end = min(c.offset for c in chunks), max(c.offset + c.nbytes for c in chunks)
+    ranges: list[tuple[int, int]] = []
+
+    def record(params: dict[str, Any], **_: Any) -> None:
+        if params.get("Key", "").endswith(chunks[0].file) and "Range" in params:
+            lo, hi = map(int, params["Range"].removeprefix("bytes=").split("-"))
+            ranges.append((lo, hi + 1))
+
+    storage._client.meta.events.register("provide-client-params.s3.GetObject", record)
+    try:
+        out = zs.load({k: torch.zeros_like(v) for k, v in state.items()}, storage)
+    finally:
+        storage._client.meta.events.unregister("provide-client-params.s3.GetObject", record)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    ranges.sort()
+    assert ranges[0][0] == first and ranges[-1][1] == end and len(ranges) == -(-end // part), ranges
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), ranges  # back to back, each byte once
+    assert all(lo % part == 0 for lo, _ in ranges[1:]) and all(hi % part == 0 for _, hi in ranges[:-1]), ranges
 
 
 def test_explicit_options_need_no_environment(s3_server, s3_url, monkeypatch):
@@ -435,3 +485,17 @@ def test_a_stale_lease_is_taken_over_by_one_of_two_takers(s3_url):
     assert read_lease(storage)["token"] == second.me["token"]
     second.release()
     assert read_lease(storage) is None
+
+
+def test_reads_received_straight_into_tensors_give_their_connections_back(s3_server, s3_url):
+    storage = S3Storage(s3_url, explicit(s3_server, part_size=5 * MIB))
+    state = {"w": torch.randn(6 * MIB // 4 * 5), "b": torch.randn(3)}  # 30 MiB: six parts
+    zs.save(state, storage, threads=1)
+    pool = storage._client._endpoint.http_session._manager.connection_from_url(s3_server.endpoint)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    zs.load(out, storage)
+    opened = pool.num_connections
+    for _ in range(3):
+        zs.load(out, storage)
+    assert pool.num_connections == opened  # each GET read to its end went back to the pool
+    assert all(torch.equal(out[k], v) for k, v in state.items())

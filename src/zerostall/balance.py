@@ -2,7 +2,7 @@
 
 Deterministic (ties go to the lower bin), so ranks that run it on the same input agree with no
 messages. Used to spread a rank's writes over its data files, replicated chunks over the ranks
-that hold them, reads over reader threads and broadcast reads over ranks.
+that hold them and broadcast reads over ranks.
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@ read straight into the target's memory; any other overlap (resharding, dtype con
 targets) is read into a bounded per-thread staging buffer and copied from there: into a CPU
 target while still in the CPU cache, into a GPU target by an asynchronous upload of the stored
 bytes, converted and placed on the GPU (see :class:`_Uploads`). Reads of small tensors stored
-back to back are merged into one scatter read; work is balanced over reader threads by bytes,
-and the first failure stops the others.
+back to back are merged into one scatter read; reader threads take the largest read left
+when free, and the first failure stops the others.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import math
@@ -20,7 +21,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .balance import balance
 from .boxes import Box, contiguous_strides, element_span, flat_boxes, intersect, region
 from .checksums import CACHE_PIECE
 from .devices import CallerStreams, on_stream
@@ -32,11 +32,11 @@ from .storage import Storage
 
 _PIECE_BYTES = 32 << 20  # the largest single read, in whole blocks
 _STAGE_BYTES = 4 << 20  # a staged read: copied into its target while still in the CPU cache
-_REMOTE_RUN = 32 << 20  # back-to-back direct reads merged into one request on a remote storage (each costs a round trip)
 _MAX_ITEMSIZE = 16  # the largest element (complex128): staged reads are cut at multiples of every element size
 Target = tuple[torch.Tensor, Box, Entry]  # a tensor, the box of the global tensor it holds, its entry
 Piece = tuple[Entry, Chunk, int, memoryview]  # bytes [lo, lo + len(out)) of a chunk, to be read into out
 Staged = tuple[torch.Tensor, Box, Entry, Chunk, Box]  # a target, its box, an entry, a chunk, their overlap
+GridRequest = tuple[str, int, list[tuple[Piece, memoryview]]]  # a file, the offset of one read, the parts it fills
 StageJob = tuple[torch.Tensor, Box, Entry, Chunk, Box, int, int]  # a Staged and chunk bytes [lo, hi) of it
 
 
@@ -62,8 +62,11 @@ class Fetcher(ChunkReader):
         try:
             with ThreadPoolExecutor(readers, thread_name_prefix="zerostall-read",
                                     initializer=None if cuda is None else cuda.enter) as pool:
-                merge = _REMOTE_RUN if self.storage.remote else CACHE_PIECE
-                run_balanced(pool, readers, self._read_run, _runs(direct, _piece_span, merge), verify)
+                if self.storage.read_grid:
+                    grid = _GridReads(self, direct, self.storage.read_grid)
+                    run_balanced(pool, readers, grid.read, grid.requests, verify)
+                else:
+                    run_balanced(pool, readers, self._read_run, _runs(direct, _piece_span, CACHE_PIECE), verify)
                 unit = math.lcm(self.manifest.block_size, _MAX_ITEMSIZE)  # whole blocks and whole elements
                 buffers = self.threads * (1 if uploads is None else _Uploads.BUFFERS)
                 step = max(unit, min(_STAGE_BYTES, staging // buffers) // unit * unit)
@@ -77,11 +80,15 @@ class Fetcher(ChunkReader):
 
     def _route(self, targets: list[Target], skip: set[int]) -> tuple[list[Piece], list[Staged]]:
         """Split the reads for ``targets``: pieces that go straight into a target, and chunk parts
-        that go through staging; raise if some part of a target has no stored bytes."""
+        that go through staging; raise if some part of a target has no stored bytes. Data file
+        sizes are checked first where that costs no request: on an object store a read past an
+        object's end fails with the same error (the targets are the caller's memory, staging is
+        bounded), and a listing of every size would delay the first read."""
         direct: list[Piece] = []
         staged: list[Staged] = []
         for target, box, entry in targets:
-            self.check_sizes(entry)
+            if not self.storage.remote:
+                self.check_sizes(entry)
             covered = 0
             for chunk in entry.chunks:
                 inter = box if box == (chunk.offsets, chunk.sizes) else intersect(box, (chunk.offsets, chunk.sizes))
@@ -272,27 +279,27 @@ def _copy_part(target: torch.Tensor, box: Box, entry: Entry, chunk: Chunk, inter
 
 def run_balanced(pool: ThreadPoolExecutor, threads: int, read: Callable[[list[Any], bool], None],
                  runs: list[tuple[list[Any], int]], verify: bool) -> None:
-    """Call ``read`` on runs of work (with their byte counts) as one task per thread with balanced
-    bytes (largest run first onto the least-loaded thread). Once one thread fails the others
-    stop at their next run, so a bad block is reported without reading the rest of a large
-    checkpoint; the failure is raised when they have stopped."""
-    lanes: list[list[list[Any]]] = [[] for _ in range(threads)]
-    where, _ = balance([nbytes for _, nbytes in runs], threads)
-    for (run, _), lane in sorted(zip(runs, where), key=lambda r: -r[0][1]):
-        lanes[lane].append(run)
+    """Call ``read`` on runs of work (with their byte counts) from ``threads`` threads, each taking
+    the largest run left when it is free: a thread whose reads go slower (a slow request, a busy
+    core) takes fewer, so all finish close together. Once one thread fails the others stop at
+    their next run, so a bad block is reported without reading the rest of a large checkpoint;
+    the failure is raised when they have stopped."""
+    queue = collections.deque(run for run, _ in sorted(runs, key=lambda r: -r[1]))
     failed = threading.Event()
 
-    def drain(lane: list[list[Any]]) -> None:
+    def drain() -> None:
         try:
-            for run in lane:
-                if failed.is_set():
+            while not failed.is_set():
+                try:
+                    run = queue.popleft()
+                except IndexError:
                     return
                 read(run, verify)
         except BaseException:
             failed.set()
             raise
 
-    for fut in [pool.submit(drain, lane) for lane in lanes if lane]:
+    for fut in [pool.submit(drain) for _ in range(min(threads, len(runs)))]:
         fut.result()
 
 
@@ -316,6 +323,60 @@ def _runs(items: list[Any], span: Callable[[Any], tuple[str, int, int]], limit: 
     if run:
         runs.append((run, size))
     return runs
+
+
+class _GridReads:
+    """Direct reads from a storage with a read grid (an object store): the pieces' bytes, file by
+    file, cut into requests along the grid (one request per grid cell the pieces cover back to
+    back), so every request but those at the ends of a span reads whole stored parts. A piece cut
+    over several requests is checked by whichever reads its last part."""
+
+    def __init__(self, fetcher: Fetcher, pieces: list[Piece], grid: int) -> None:
+        self.fetcher = fetcher
+        self.requests: list[tuple[GridRequest, int]] = []
+        self._left: dict[int, int] = {}  # parts of each piece (by id) not yet read
+        self._lock = threading.Lock()
+        parts: list[tuple[Piece, memoryview]] = []
+        file, first, end = "", 0, -1
+        for (name, start, n), piece in sorted(((_piece_span(p), p) for p in pieces), key=lambda s: s[0][:2]):
+            if not n:  # an empty tensor: no bytes to read, its checksum still checked
+                self._left[id(piece)] = 1
+                self.requests.append(((name, start, [(piece, piece[3])]), 0))
+                continue
+            at = 0
+            while at < n:
+                take = min(n - at, grid - (start + at) % grid)  # up to the file's next grid line
+                if parts and (name != file or start + at != end or (start + at) % grid == 0):
+                    self.requests.append(((file, first, parts), end - first))
+                    parts = []
+                if not parts:
+                    first = start + at
+                parts.append((piece, piece[3][at:at + take]))
+                self._left[id(piece)] = self._left.get(id(piece), 0) + 1
+                file, end, at = name, start + at + take, at + take
+        if parts:
+            self.requests.append(((file, first, parts), end - first))
+
+    def read(self, request: GridRequest, verify: bool) -> None:
+        """One request's bytes into its pieces; then check every piece it completed. If the read
+        fails, each part is read alone, so the error names the entry at fault."""
+        reader = self.fetcher
+        file, start, parts = request
+        try:
+            reader.storage.read_into_many(file, start, [view for _, view in parts])
+        except (OSError, EOFError):
+            for (entry, *_), view in parts:
+                reader.read_range(file, start, view, entry)
+                start += len(view)
+        with self._lock:
+            done = []
+            for piece, _ in parts:
+                self._left[id(piece)] -= 1
+                if not self._left[id(piece)]:
+                    done.append(piece)
+        if verify:
+            for piece in done:
+                reader.check_blocks(*piece)
 
 
 def _piece_span(piece: Piece) -> tuple[str, int, int]:

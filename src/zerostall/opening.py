@@ -25,9 +25,8 @@ _GENERATION_RE = re.compile(rb'"generation":"([0-9a-f]+-[0-9a-f]+)"')
 
 def read_manifest_bytes(storage: Storage) -> bytes:
     """The committed manifest's raw bytes at ``storage`` (at most :func:`max_manifest_bytes`), or
-    the precise error for why there is none."""
-    if not storage.exists():
-        raise CheckpointNotFoundError(f"no checkpoint at {storage.location}")
+    the precise error for why there is none (the location is looked up only then: on an object
+    store, each lookup is a request)."""
     limit = max_manifest_bytes()
     try:
         return storage.read_bytes(MANIFEST_NAME, limit)
@@ -37,7 +36,9 @@ def read_manifest_bytes(storage: Storage) -> bytes:
             f"(if it is genuine, set {MANIFEST_BYTES_ENV} to read it)") from None
     except CorruptCheckpointError:  # a symbolic link, FIFO, device or directory in its place
         raise
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
+        if not storage.exists():
+            raise CheckpointNotFoundError(f"no checkpoint at {storage.location}") from None
         names = storage.list()
         data = [n for n in names if file_generation(n)]
         if not data:

@@ -61,6 +61,10 @@ class Storage(ABC):
     requests_in_flight = 1
     """How many requests of a reader this storage serves at once to best effect: a reader keeps at
     least this many runs of reads going (an object store's connections; a file system: its threads)."""
+    read_grid = 0
+    """Bytes of the grid a reader cuts its requests of a file along (an object store's part size:
+    a ranged read that starts or ends inside a stored part costs the server a read of that whole
+    part); 0: no grid."""
 
     @abstractmethod
     def create(self) -> None:

@@ -48,6 +48,7 @@ class S3Storage(S3Reads, Storage):
             raise ValueError(f"an S3 location is s3://bucket[/prefix], not {url!r}")
         self.options = options or S3Options()
         self.requests_in_flight = self.options.concurrency
+        self.read_grid = self.options.part_size  # data files are uploaded in parts of this size
         self.bucket, _, prefix = url[5:].partition("/")
         prefix = prefix.strip("/")
         self.prefix = f"{prefix}/" if prefix else ""

@@ -99,16 +99,16 @@ class Views:
         return 0  # botocore rewinds a body before a retry: iterating again starts over
 
 
-def runs_of(outs: list[memoryview], step: int) -> list[tuple[int, list[memoryview]]]:
-    """``outs`` (back to back) cut into runs of ``step`` bytes (the last shorter): each run's
-    offset and the views (or parts of views) it fills."""
+def runs_of(outs: list[memoryview], offset: int, step: int) -> list[tuple[int, list[memoryview]]]:
+    """``outs`` (back to back from file byte ``offset``) cut at the file's multiples of ``step``:
+    each run's offset from ``offset`` and the views (or parts of views) it fills."""
     runs: list[tuple[int, list[memoryview]]] = []
     at, room = 0, 0
     for view in outs:
         while len(view):
             if not room:
                 runs.append((at, []))
-                room = step
+                room = step - (offset + at) % step
             take = min(room, len(view))
             runs[-1][1].append(view[:take])
             view, at, room = view[take:], at + take, room - take

@@ -3,6 +3,7 @@ buffers, a large read split over parallel requests, a body that breaks off asked
 
 from __future__ import annotations
 
+import http.client
 from typing import Any, Callable
 
 from ..errors import StorageError
@@ -41,15 +42,16 @@ class S3Reads:
         self.read_into_many(name, offset, [out])
 
     def read_into_many(self, name: str, offset: int, outs: list[memoryview]) -> None:
-        """Parallel ranged GETs (``concurrency`` at most, of ``part_size`` at least) straight into ``outs``,
-        which lie back to back from ``offset``."""
+        """Parallel ranged GETs straight into ``outs``, which lie back to back from ``offset``: cut
+        along the grid of whole parts (``read_grid``), at most ``concurrency`` requests' worth."""
         n = sum(len(o) for o in outs)
-        step = max(self.options.part_size, -(-n // self.options.concurrency))  # each request costs client CPU
-        if step >= n:
+        part = self.options.part_size
+        step = part * max(1, -(-n // (part * self.options.concurrency)))  # each request costs client CPU
+        runs = runs_of(outs, offset, step)
+        if len(runs) == 1:
             self._get_into(name, offset, outs)
             return
-        futures = [self._conn.pool.submit(self._get_into, name, offset + lo, views)
-                   for lo, views in runs_of(outs, step)]
+        futures = [self._conn.pool.submit(self._get_into, name, offset + lo, views) for lo, views in runs]
         try:
             for f in futures:
                 f.result()
@@ -102,9 +104,10 @@ class S3Reads:
         done = attempt = 0
         while pending:
             body = self._open(name, f"bytes={offset + done}-{offset + total - 1}")
+            readinto = socket_readinto(body)
             try:
                 while pending:
-                    got = body.readinto(pending[0])
+                    got = readinto(pending[0])
                     if not got:
                         raise EOFError(f"{self.location}/{name} ends at byte {offset + done}, "
                                        f"expected {offset + total}")
@@ -112,8 +115,29 @@ class S3Reads:
                     pending[0] = pending[0][got:]
                     if not len(pending[0]):
                         pending.pop(0)
-            except (BotoCoreError, ConnectionError, TimeoutError) as exc:
+            except (BotoCoreError, ConnectionError, TimeoutError, http.client.HTTPException) as exc:
                 attempt += 1
                 self._again_or_fail(f"reading {self.location}/{name}", attempt, exc)
             finally:
-                body.close()
+                release(body)
+
+
+def socket_readinto(body: Any) -> Callable[[memoryview], int]:
+    """The fastest ``readinto`` of a GET's body: http.client's own, which receives straight into
+    the buffer (urllib3's reads into a new bytes object and copies it), where the body is plain
+    bytes; else the body's."""
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if fp is None or not hasattr(fp, "readinto") or getattr(raw, "_decoder", None) is not None or \
+            raw.headers.get("content-encoding", "identity") != "identity":
+        return body.readinto
+    return fp.readinto
+
+
+def release(body: Any) -> None:
+    """Close a GET's body; a connection whose answer was read to its end goes back to the pool."""
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if fp is not None and fp.isclosed():
+        raw.release_conn()
+    body.close()

@@ -1,0 +1,46 @@
+"""The fetch stage's scheduling of reads over reader threads."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from zerostall.fetch import run_balanced
+
+
+def test_a_reader_free_takes_the_largest_run_left():
+    """A thread held up by one slow read must not keep runs that others could take: the big run
+    here only finishes once every small one is read, which (largest first onto the least-loaded
+    lane, decided before reading) would have left a small run waiting behind it."""
+    small_done = threading.Event()
+    done: list[str] = []
+
+    def read(run: list[str], verify: bool) -> None:
+        if run == ["big"]:
+            assert small_done.wait(10), "the small runs were held behind the slow one"
+        done.append(run[0])
+        if sum(name != "big" for name in done) == 3:
+            small_done.set()
+
+    runs = [(["big"], 100), (["s1"], 60), (["s2"], 60), (["s3"], 60)]
+    with ThreadPoolExecutor(2) as pool:
+        run_balanced(pool, 2, read, runs, verify=True)
+    assert sorted(done) == ["big", "s1", "s2", "s3"] and done[-1] == "big"
+
+
+def test_a_failed_read_stops_the_others_and_is_raised():
+    read_runs: list[int] = []
+    lock = threading.Lock()
+
+    def read(run: list[int], verify: bool) -> None:
+        with lock:
+            read_runs.append(run[0])
+        if run[0] == 0:
+            raise OSError("bad block")
+
+    runs = [([i], 100 - i) for i in range(50)]
+    with ThreadPoolExecutor(1) as pool, pytest.raises(OSError, match="bad block"):
+        run_balanced(pool, 1, read, runs, verify=True)
+    assert read_runs == [0]
