@@ -29,7 +29,8 @@ def local_box(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple
         if any(p.is_partial() for p in value.placements):
             raise UnsupportedValueError("DTensors with Partial placements must be reduced before saving")
         offsets, sizes = _dtensor_box(value.shape, value.device_mesh, value.placements)
-        return value.to_local(), offsets, sizes
+        with torch.no_grad():  # the local tensor itself, not an autograd view of it (which costs a graph node)
+            return value.to_local(), offsets, sizes
     return value, (0,) * value.dim(), tuple(value.shape)
 
 

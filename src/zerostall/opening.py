@@ -74,31 +74,15 @@ def read_manifest_head(storage: Storage) -> ManifestHead:
     return parse_head(read_manifest_bytes(storage), os.path.join(storage.location, MANIFEST_NAME))
 
 
-def agreed_manifest(storage: Storage, group: Group) -> Manifest:
-    """Rank 0 reads the manifest (checked before it is sent) and every rank parses the same bytes,
-    even if a save commits meanwhile; an error on rank 0 is raised on every rank."""
-    if group.size == 1:
-        return read_manifest(storage)
-    manifest = None
-
-    def read() -> bytes:
-        nonlocal manifest
-        raw = read_manifest_bytes(storage)
-        manifest = read_manifest_from(storage, raw)
-        return raw
-
-    raw = group.agree(read)
-    return manifest if manifest is not None else read_manifest_from(storage, raw)
-
-
-def read_source(storage: Storage, *, allow_pickle: bool = False, file: str | None = None) -> tuple[bytes, Manifest]:
-    """The manifest of the checkpoint at ``storage``: its committed zerostall manifest, else one
-    translated from the foreign checkpoint found there (``file``: a single safetensors file), with
-    the bytes that carry it to other ranks (:func:`agreed_source`)."""
+def source_bytes(storage: Storage, *, allow_pickle: bool = False,
+                 file: str | None = None) -> tuple[bytes, Manifest | None]:
+    """The bytes that carry the manifest of the checkpoint at ``storage`` to other ranks: its
+    committed zerostall manifest as stored (parsed by whoever receives it, :func:`manifest_from`),
+    else one translated from the foreign checkpoint found there (``file``: a single safetensors
+    file), with that translation."""
     if file is None:
         try:
-            raw = read_manifest_bytes(storage)
-            return raw, read_manifest_from(storage, raw)
+            return read_manifest_bytes(storage), None
         except CheckpointNotFoundError:
             kind = sources.kind_of(storage, storage.list()) if storage.exists() else None
             if kind is None:
@@ -117,27 +101,39 @@ def read_source(storage: Storage, *, allow_pickle: bool = False, file: str | Non
     return kind.encode() + b"\n" + manifest.to_bytes(), manifest
 
 
-def agreed_source(storage: Storage, group: Group, *, allow_pickle: bool = False, file: str | None = None) -> Manifest:
-    """:func:`read_source` on rank 0, the same manifest on every rank (as :func:`agreed_manifest`;
-    a foreign one is translated once, by rank 0, and sent as a manifest of ours)."""
-    if group.size == 1:
-        return read_source(storage, allow_pickle=allow_pickle, file=file)[1]
-    manifest = None
-
-    def read() -> bytes:
-        nonlocal manifest
-        raw, manifest = read_source(storage, allow_pickle=allow_pickle, file=file)
-        return raw
-
-    raw = group.agree(read)
-    if manifest is not None:
-        return manifest
+def manifest_from(storage: Storage, raw: bytes) -> Manifest:
+    """The manifest that :func:`source_bytes` sent: a stored one checked and parsed, a foreign one
+    as rank 0 translated it."""
     if raw.startswith(b"{"):
         return read_manifest_from(storage, raw)
     kind, _, body = raw.partition(b"\n")
     manifest = Manifest.from_json(manifest_body(body, storage.location))
     manifest.foreign = kind.decode()
     return manifest
+
+
+def read_source(storage: Storage, *, allow_pickle: bool = False, file: str | None = None) -> Manifest:
+    """The manifest of the checkpoint at ``storage`` (see :func:`source_bytes`), in this process alone."""
+    raw, translated = source_bytes(storage, allow_pickle=allow_pickle, file=file)
+    return translated if translated is not None else read_manifest_from(storage, raw)
+
+
+def agreed_source(storage: Storage, group: Group, *, allow_pickle: bool = False, file: str | None = None) -> Manifest:
+    """The same manifest on every rank: rank 0 reads the bytes (an error there is raised on every
+    rank), every rank parses them, rank 0 too once they are sent, so no rank waits on its parse
+    (a foreign checkpoint is translated once, by rank 0, and sent as a manifest of ours). Ranks
+    reading for themselves could see different manifests (a save committing in between)."""
+    if group.size == 1:
+        return read_source(storage, allow_pickle=allow_pickle, file=file)
+    translated = None
+
+    def read() -> bytes:
+        nonlocal translated
+        raw, translated = source_bytes(storage, allow_pickle=allow_pickle, file=file)
+        return raw
+
+    raw = group.agree(read)
+    return translated if translated is not None else manifest_from(storage, raw)
 
 
 def manifest_generation(storage: Storage) -> str | None:

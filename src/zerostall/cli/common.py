@@ -125,7 +125,7 @@ def open_any(ckpt: str, allow_pickle: bool) -> tuple[Storage, Manifest]:
     if foreign_source(ckpt, allow_pickle) is None:
         return open_checkpoint(ckpt)
     storage, file = sources.split_file(ckpt)
-    return storage, read_source(storage, allow_pickle=allow_pickle, file=file)[1]
+    return storage, read_source(storage, allow_pickle=allow_pickle, file=file)
 
 
 def open_checkpoint(ckpt: str) -> tuple[Storage, Manifest]:
