@@ -187,12 +187,16 @@ def test_in_a_distributed_job_one_rank_exports_a_checkpoint_every_rank_opened(ra
     assert torch.equal(read_hf(tmp_path / "hf")["w"], full_value((10, 6), 1))
 
 
-def test_a_root_gives_its_newest_and_an_open_checkpoint_is_used_as_is(tmp_path):
+def test_a_root_or_its_latest_gives_its_newest_a_step_that_one_and_an_open_checkpoint_is_used_as_is(tmp_path):
     root = tmp_path / "root"
     zs.save({"model": {"w": torch.zeros(3)}}, root / "step-1", step=1)
     zs.save({"model": {"w": torch.ones(3)}}, root / "step-2", step=2)
     zs.export(root, tmp_path / "a", prefix="model.")
     assert torch.equal(read_hf(tmp_path / "a")["w"], torch.ones(3))
+    zs.export(f"{root}/latest", tmp_path / "l", prefix="model.")  # as the command line names them
+    zs.export(f"{root}/1", tmp_path / "s", prefix="model.")
+    assert torch.equal(read_hf(tmp_path / "l")["w"], torch.ones(3)) and torch.equal(read_hf(tmp_path / "s")["w"],
+                                                                                 torch.zeros(3))
     with zs.open(root / "step-1") as ck:
         zs.export(ck, tmp_path / "b", prefix="model.")
         assert torch.equal(ck.read("model.w"), torch.zeros(3))  # still open

@@ -83,8 +83,8 @@ def verify(path: str | os.PathLike[str] | Storage, *, threads: int | None = None
 def export(ckpt: str | os.PathLike[str] | Storage | Checkpoint, out: str | os.PathLike[str],
            options: ExportOptions | None = None, *, progress: Callable[[int], None] | None = None,
            **overrides: Any) -> ExportInfo:
-    """Export the model weights of ``ckpt`` (a checkpoint path or URL, a root: its newest committed
-    checkpoint, or an open :class:`Checkpoint`) to the local path ``out``, consolidated from every
+    """Export the model weights of ``ckpt`` (a checkpoint path or URL, a root or ``ROOT/latest``: its
+    newest committed checkpoint, ``ROOT/<step>``: the newest of that step, or an open :class:`Checkpoint`) to the local path ``out``, consolidated from every
     rank that saved them: Hugging Face safetensors files (``format="hf"``, sharded with an index
     beyond ``max_shard_size``) or one ``torch.load``-able file (``format="torch"``). ``options`` and
     keyword overrides are :class:`ExportOptions` fields (format, prefix, rename, dtype,

@@ -30,7 +30,7 @@ from .errors import CheckpointExistsError, CheckpointNotFoundError, ExportError
 from .format import Entry, FileItem, Manifest, safetensors_dtype, safetensors_header
 from .options import LoadOptions, _Options, default_threads
 from .reader import resolve
-from .root import CheckpointRoot
+from .root import named_instead
 from .storage import Storage, storage_for
 from .storage.local import fsync_dir
 from .tensor_stream import TensorStream
@@ -251,8 +251,8 @@ def export_checkpoint(ckpt: str | os.PathLike[str] | Storage | Checkpoint, out: 
 
 @contextlib.contextmanager
 def _opened(ckpt: str | os.PathLike[str] | Storage | Checkpoint, options: ExportOptions) -> Iterator[Checkpoint]:
-    """A read session on ``ckpt`` (a root: its newest committed checkpoint), closed after, unless
-    the caller opened it."""
+    """A read session on ``ckpt`` (a root, ``ROOT/latest`` or ``ROOT/<step>``: see
+    :func:`~zerostall.root.named_instead`), closed after, unless the caller opened it."""
     if isinstance(ckpt, Checkpoint):
         yield ckpt
         return
@@ -266,10 +266,10 @@ def _opened(ckpt: str | os.PathLike[str] | Storage | Checkpoint, options: Export
     try:
         ck = Checkpoint(storage, load)
     except CheckpointNotFoundError:
-        root = CheckpointRoot(storage)
-        if not root.checkpoints():
+        instead = named_instead(ckpt)
+        if instead is None:
             raise
-        ck = Checkpoint(root.child(root.newest()), load)
+        ck = Checkpoint(instead, load)
     with ck:
         yield ck
 

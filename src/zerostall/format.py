@@ -42,14 +42,14 @@ _RECORD_RE = re.compile(rf"^{_GEN}(-r(?P<rank>\d+)\.(?P<kind>done|failed)|\.abor
 _MANIFEST_TMP_RE = re.compile(rf"^manifest\.json\.{_GEN}$")  # after the ".tmp" suffix is removed
 _TMP_SUFFIX = re.compile(r"(\.[0-9a-f]{8})?\.tmp$")  # a temp file's suffix (see Storage.put)
 
-# dtypes safetensors knows, by their manifest names (see dtype_name); every other dtype is stored
-# as U8 with the true dtype in the manifest
-_SAFETENSORS_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
-    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8",
-    "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-}
+# safetensors dtype -> the manifest's dtype name (see dtype_name), for every one zerostall reads
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "C64": "complex64"}
+# those a data file's header names (fixed by the format); every other dtype is stored as U8
+_WRITTEN = {SAFETENSORS_DTYPES[d]: d for d in "F64 F32 F16 BF16 I64 I32 I16 I8 U64 U32 U16 U8 BOOL F8_E4M3 F8_E5M2".split()}
 
 
 def dump_json(obj: Any) -> bytes:
@@ -379,7 +379,7 @@ class FileItem:
 
 def safetensors_dtype(dtype: torch.dtype) -> str | None:
     """The safetensors name of ``dtype`` (``BF16``); None for a dtype safetensors lacks."""
-    return _SAFETENSORS_DTYPES.get(dtype_name(dtype))
+    return _WRITTEN.get(dtype_name(dtype))
 
 
 def safetensors_header(items: Iterable[FileItem], metadata: dict[str, str]) -> tuple[bytes, list[int]]:

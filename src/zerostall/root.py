@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpoi
 from .format import MANIFEST_NAME, ManifestHead, file_generation
 from .opening import read_manifest_head
 from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
-from .storage import SMALL_FILE_BYTES, Storage
+from .storage import SMALL_FILE_BYTES, Storage, storage_for
 
 log = logging.getLogger(__name__)
 
@@ -268,3 +269,16 @@ class CheckpointRoot:
                 self.storage.delete(name)
         except FileNotFoundError:
             pass
+
+
+def named_instead(path: str | os.PathLike[str] | Storage) -> Storage | None:
+    """What ``path``, holding no checkpoint itself, names: ``ROOT/latest`` the newest committed
+    checkpoint under ROOT, ``ROOT/<step>`` the newest of that step, a root its newest; None when
+    it is none of these (a :class:`CheckpointNotFoundError` when the root has no such checkpoint)."""
+    if not isinstance(path, Storage):
+        parent, _, name = os.fspath(path).rstrip("/").rpartition("/")
+        if name == "latest" or name.isdigit():
+            root = CheckpointRoot(storage_for(parent or "."))
+            return root.child(root.newest(None if name == "latest" else int(name)))
+    root = CheckpointRoot(storage_for(path))
+    return root.child(root.newest()) if root.checkpoints() else None

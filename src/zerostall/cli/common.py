@@ -24,7 +24,7 @@ import zerostall as zs
 from zerostall import sources
 from zerostall.format import Manifest
 from zerostall.opening import read_manifest, read_source
-from zerostall.root import CheckpointRoot
+from zerostall.root import named_instead
 from zerostall.storage import Storage, storage_for
 
 FAILED = 1  # a checkpoint is incomplete or corrupt, an operation failed, or the root is being written
@@ -137,16 +137,7 @@ def open_checkpoint(ckpt: str) -> tuple[Storage, Manifest]:
     try:
         return storage, read_manifest(storage)
     except zs.CheckpointNotFoundError:
-        parent, _, name = ckpt.rstrip("/").rpartition("/")
-        if name == "latest" or name.isdigit():
-            return open_newest(parent or ".", None if name == "latest" else int(name))
-        if not CheckpointRoot(storage).checkpoints():
+        instead = named_instead(ckpt)
+        if instead is None:
             raise
-        return open_newest(ckpt, None)
-
-
-def open_newest(root: str, step: int | None) -> tuple[Storage, Manifest]:
-    """The newest committed checkpoint under ``root`` (of ``step``, when given), as :func:`open_checkpoint`."""
-    checkpoints = CheckpointRoot(storage_for(root))
-    storage = checkpoints.child(checkpoints.newest(step))
-    return storage, read_manifest(storage)
+        return instead, read_manifest(instead)

@@ -16,22 +16,16 @@ import struct
 from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedValueError
-from ..format import Chunk, Entry, file_generation
+from ..format import SAFETENSORS_DTYPES, Chunk, Entry, file_generation
 from ..storage import Storage, check_name
+from ..tensor_check import ITEMSIZES
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # what the safetensors library itself reads at most
 MAX_INDEX_BYTES = 64 << 20
 
 # safetensors dtype -> (the manifest's dtype name, bytes per element)
-DTYPES = {
-    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
-    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1),
-    "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1), "BOOL": ("bool", 1),
-    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1), "F8_E8M0": ("float8_e8m0fnu", 1),
-    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1), "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
-    "C64": ("complex64", 8),
-}
+DTYPES = {st: (name, ITEMSIZES[name]) for st, name in SAFETENSORS_DTYPES.items()}
 SUB_BYTE = frozenset({"F4", "F6_E2M3", "F6_E3M2", "I4", "U4", "I2", "U2", "I1", "U1"})
 
 
