@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import struct
 
 import pytest
@@ -299,6 +300,35 @@ def test_hf_single_file_and_bare_module(hf_dirs, tmp_path):
     with zs.open(tmp_path / "model.safetensors") as ck:
         assert sorted(ck.entries) == sorted(refs["mlp"])
         assert same_bits(ck.state()["2.bias"], refs["mlp"]["2.bias"])
+
+
+def hf_cache(source, root):
+    """``source``'s files laid out as the Hugging Face hub cache does (``snapshot_download``
+    returns the snapshot): each file a blob, the snapshot a directory of relative links to them."""
+    repo = root / "models--org--tiny-llama"
+    os.makedirs(repo / "blobs")
+    snapshot = repo / "snapshots" / "0123abcd"
+    os.makedirs(snapshot)
+    for n, name in enumerate(sorted(os.listdir(source))):
+        shutil.copy(source / name, repo / "blobs" / f"{n:040x}")
+        os.symlink(f"../../blobs/{n:040x}", snapshot / name)
+    return snapshot
+
+
+def test_a_hugging_face_cache_snapshot_loads_and_its_links_may_only_reach_its_blobs(hf_dirs, tmp_path):
+    root, refs = hf_dirs
+    snapshot = hf_cache(root / "llama", tmp_path)
+    model = llama(5)
+    zs.load(model, snapshot)
+    assert all(same_bits(v, refs["llama"][k]) for k, v in model.state_dict().items())
+    shard = next(n for n in sorted(os.listdir(snapshot)) if n.endswith(".safetensors"))
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    shutil.copy(snapshot / shard, elsewhere)
+    for target in (elsewhere, f"../../blobs/../../{elsewhere.name}"):  # out of blobs/, directly or by ..
+        os.remove(snapshot / shard)
+        os.symlink(target, snapshot / shard)
+        with pytest.raises(zs.UnsafeFileError, match="symbolic link"):
+            zs.load(llama(5), snapshot)
 
 
 def test_hf_prefixes_are_stripped_by_load_options(hf_dirs):

@@ -49,6 +49,16 @@ def open_regular(path: str) -> tuple[int, int]:
     return fd, st.st_size
 
 
+def _hf_cache_blobs(location: str) -> str | None:
+    """The ``blobs/`` directory (resolved) of the Hugging Face cache repository whose snapshot
+    ``location`` is (``models--org--name/snapshots/<revision>``, a directory of links to blobs), else None."""
+    snapshots = os.path.dirname(location)
+    if os.path.basename(snapshots) != "snapshots":
+        return None
+    blobs = os.path.join(os.path.dirname(snapshots), "blobs")
+    return os.path.realpath(blobs) if os.path.isdir(blobs) else None
+
+
 def _file_type(mode: int) -> str:
     for test, what in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -94,6 +104,7 @@ class LocalStorage(Storage):
         self._maps_left = max(1, limit // 4)  # see memory_map
         self._caches: list[dict[str, int]] = []  # every thread's, so close() can close them all
         self._lock = threading.Lock()
+        self._blobs = _hf_cache_blobs(self.location)
 
     def __getstate__(self) -> dict[str, object]:
         return {"location": self.location, "fsync": self.fsync}
@@ -107,6 +118,17 @@ class LocalStorage(Storage):
     def _file(self, name: str) -> str:
         """The path of file ``name``, a plain name (else ``UnsafeFileError``): nothing outside the directory."""
         return os.path.join(self.location, check_name(name))
+
+    def _readable(self, name: str) -> str:
+        """The path to read file ``name`` at: :meth:`_file`, but in a Hugging Face cache snapshot a
+        link into the repository's ``blobs/`` is read at its target (any other link is refused when
+        opened, as everywhere)."""
+        path = self._file(name)
+        if self._blobs is not None and os.path.islink(path):
+            target = os.path.realpath(path)
+            if os.path.dirname(target) == self._blobs:
+                return target
+        return path
 
     def create(self) -> None:
         if os.path.isdir(self.location):
@@ -139,14 +161,14 @@ class LocalStorage(Storage):
     def size(self, name: str) -> int:
         """The size of the regular file ``name`` (a symbolic link is not followed; anything but a
         regular file raises ``UnsafeFileError``, as reading it would)."""
-        path = self._file(name)
+        path = self._readable(name)
         st = os.lstat(path)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafeFileError(f"{path} is {_file_type(st.st_mode)}, not a regular file: refused")
         return st.st_size
 
     def stat(self, name: str) -> FileStat:
-        st = os.lstat(self._file(name))
+        st = os.lstat(self._readable(name))
         return FileStat(st.st_size, st.st_mtime, f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}")
 
     def write(self, name: str, parts: Iterable[memoryview]) -> int:
@@ -191,7 +213,7 @@ class LocalStorage(Storage):
         if fd is None:
             if len(cache) >= self._fds_per_thread:
                 os.close(cache.pop(next(iter(cache))))  # the one opened first: reads go file by file
-            fd = cache[name] = open_regular(self._file(name))[0]
+            fd = cache[name] = open_regular(self._readable(name))[0]
         return fd
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
@@ -207,7 +229,7 @@ class LocalStorage(Storage):
             raise EOFError(f"{self._path(name)} ends at byte {offset + done}, expected {offset + total}")
 
     def read_bytes(self, name: str, limit: int | None = None) -> bytes:
-        fd, size = open_regular(self._file(name))
+        fd, size = open_regular(self._readable(name))
         with os.fdopen(fd, "rb") as f:
             if limit is None:
                 return f.read()
@@ -215,11 +237,11 @@ class LocalStorage(Storage):
                 raise FileTooLargeError(f.name, size, limit)
             data = f.read(limit + 1)  # it may have grown since
         if len(data) > limit:
-            raise FileTooLargeError(self._file(name), len(data), limit)
+            raise FileTooLargeError(self._readable(name), len(data), limit)
         return data
 
     def read_head(self, name: str, n: int) -> bytes:
-        with os.fdopen(open_regular(self._file(name))[0], "rb") as f:
+        with os.fdopen(open_regular(self._readable(name))[0], "rb") as f:
             return f.read(n)
 
     def publish(self, name: str, tmp_name: str, data: bytes,
@@ -305,7 +327,7 @@ class LocalStorage(Storage):
             if self._maps_left <= 0:
                 return None
             self._maps_left -= 1
-        fd, size = open_regular(self._file(name))
+        fd, size = open_regular(self._readable(name))
         try:
             if size == 0:
                 return None
