@@ -10,6 +10,8 @@ and headers as sent, so signatures hold):
 - ``"cut"``: a GET forwarded, then its answer cut off half-way through the body and the connection
   reset (another request's fault is a ``"reset"`` instead: only reads are safe to repeat blindly).
 - ``"lost"``: forwarded (it takes effect), then the connection reset instead of the answer.
+- ``"whole"``: a ranged GET of a key in ``objects`` answered ``200`` with that object's whole
+  bytes, as a server that ignores ``Range`` does (other requests pass).
 
 ``when(method, path, headers)``, if given, picks the requests the schedule counts; the others always pass.
 
@@ -41,6 +43,7 @@ class FaultProxy:
                  when: Callable[[str, str, Message], bool] | None = None) -> None:
         self.upstream = urlsplit(upstream).netloc
         self.every, self.kinds, self.when = every, kinds, when
+        self.objects: dict[str, bytes] = {}  # request path -> the object's bytes, for "whole"
         self.fired: Counter[str] = Counter()
         self.requests = 0
         self._lock = threading.Lock()
@@ -94,6 +97,9 @@ class FaultProxy:
             return
         if fault == "reset":
             _reset(h)
+            return
+        if fault == "whole" and h.command == "GET" and "Range" in h.headers and h.path in self.objects:
+            _respond(h, 200, [("Content-Type", "binary/octet-stream")], self.objects[h.path])
             return
         conn = http.client.HTTPConnection(self.upstream, timeout=60)
         try:

@@ -119,3 +119,19 @@ def test_a_completed_upload_whose_answer_is_lost_is_no_failure(s3_server, s3_url
         storage.write("b.safetensors", [memoryview(data)])  # its completion lost, then asked again
         assert proxy.fired["lost"] == 1
         assert storage.read_bytes("b.safetensors") == data and uploads(s3_server, storage) == []
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_server_that_ignores_byte_ranges_is_an_error_not_wrong_bytes(s3_server, s3_url, verify):
+    """A server (or gateway) answering a ranged GET with the whole object: without the check a
+    load would read the object's first bytes into every tensor (silently, with ``verify=False``)."""
+    state = {"a": torch.randn(4096), "b": torch.randn(4096)}
+    zs.save(state, s3_url, threads=1)
+    storage = S3Storage(s3_url, explicit(s3_server))
+    name = next(n for n in storage.list() if n != MANIFEST_NAME)
+    with FaultProxy(s3_server.endpoint, every=1, kinds=("whole",)) as proxy:
+        proxy.objects[f"/{storage.bucket}/{storage.prefix}{name}"] = storage.read_bytes(name)
+        through = S3Storage(s3_url, zs.S3Options(**{**explicit(s3_server).__dict__, "endpoint_url": proxy.endpoint}))
+        with pytest.raises(zs.CheckpointError, match=rf"{name}.*does not serve byte ranges"):
+            zs.load({k: torch.zeros(4096) for k in state}, through, verify=verify)
+    assert proxy.fired["whole"], proxy.fired

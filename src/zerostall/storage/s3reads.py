@@ -72,6 +72,11 @@ class S3Reads:
             if error_code(exc.__cause__) in ("InvalidRange", "416"):
                 raise EOFError(f"{self.location}/{name} ends before {byte_range}") from None
             raise
+        if byte_range and not _answers(byte_range, answer):
+            answer["Body"].close()
+            raise StorageError(f"{self.location}/{name}: the server answered a GET of {byte_range} with "
+                               f"{answer.get('ContentRange') or 'the whole object'}: it does not serve byte ranges, "
+                               "which zerostall reads by; use a server (or gateway) that does")
         if limit is not None:
             size = int(str(answer.get("ContentRange", "")).rpartition("/")[2] or answer.get("ContentLength", 0))
             if size > limit:
@@ -120,6 +125,14 @@ class S3Reads:
                 self._again_or_fail(f"reading {self.location}/{name}", attempt, exc)
             finally:
                 release(body)
+
+
+def _answers(byte_range: str, answer: dict[str, Any]) -> bool:
+    """Whether a GET's ``answer`` starts where ``byte_range`` (``bytes=a-b``) asked: its
+    Content-Range does, or it has none and was asked from byte 0 (a whole object is that)."""
+    start = byte_range.removeprefix("bytes=").partition("-")[0]
+    served = str(answer.get("ContentRange") or "")
+    return served.removeprefix("bytes ").partition("-")[0] == start if served else start == "0"
 
 
 def socket_readinto(body: Any) -> Callable[[memoryview], int]:
