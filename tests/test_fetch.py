@@ -44,3 +44,20 @@ def test_a_failed_read_stops_the_others_and_is_raised():
     with ThreadPoolExecutor(1) as pool, pytest.raises(OSError, match="bad block"):
         run_balanced(pool, 1, read, runs, verify=True)
     assert read_runs == [0]
+
+
+def test_a_backend_without_its_own_scatter_read_gets_the_bytes_in_order(tmp_path):
+    """``Storage.read_into_many``'s default (a backend that only implements ``read_into``) reads
+    each buffer from where the one before ended."""
+    import torch
+
+    import zerostall as zs
+    from zerostall.storage import LocalStorage, Storage
+
+    class PlainReads(LocalStorage):
+        read_into_many = Storage.read_into_many
+
+    state = {f"t{i}": torch.full((100,), float(i)) for i in range(20)}  # small, back to back: scatter reads
+    zs.save(state, tmp_path / "ck", threads=1)
+    out = zs.load({k: torch.zeros(100) for k in state}, PlainReads(str(tmp_path / "ck")))
+    assert all(torch.equal(out[k], v) for k, v in state.items())

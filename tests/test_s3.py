@@ -499,3 +499,25 @@ def test_reads_received_straight_into_tensors_give_their_connections_back(s3_ser
         zs.load(out, storage)
     assert pool.num_connections == opened  # each GET read to its end went back to the pool
     assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+def test_a_flip_in_a_block_a_part_boundary_cuts_or_not_is_caught(s3_server, s3_url):
+    """A block whole inside one request, and one that a part boundary cuts over two (checked once
+    both halves are in): a flipped byte in either is caught, naming entry and block."""
+    part, block = 5 * MIB, MIB
+    storage = S3Storage(s3_url, explicit(s3_server, part_size=part))
+    state = {"big": torch.randn(5 * MIB), "small": torch.randn(1000)}  # 20 MiB: cut by three part boundaries
+    zs.save(state, storage, threads=1, block_size=block)
+    with zs.open(storage) as ck:
+        chunk = next(e for e in ck.manifest.entries if e.fqn == "big").chunks[0]
+    blocks = -(-chunk.nbytes // block)
+    cut = [k for k in range(blocks) if (chunk.offset + k * block) // part != (chunk.offset + (k + 1) * block - 1) // part]
+    assert 0 < len(cut) < blocks
+    data = bytearray(storage.read_bytes(chunk.file))
+    for bad in (cut[0], next(k for k in range(blocks) if k not in cut)):
+        flipped = bytearray(data)
+        flipped[chunk.offset + bad * block + 777] ^= 0x40
+        storage.delete(chunk.file)
+        storage.write(chunk.file, [memoryview(flipped)])
+        with pytest.raises(zs.CorruptCheckpointError, match=rf"entry big, block {bad} "):
+            zs.load({k: torch.zeros_like(v) for k, v in state.items()}, storage)
