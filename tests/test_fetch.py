@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from zerostall.fetch import run_balanced
+from zerostall.fetch import run_largest_first
 
 
 def test_a_reader_free_takes_the_largest_run_left():
@@ -26,7 +26,7 @@ def test_a_reader_free_takes_the_largest_run_left():
 
     runs = [(["big"], 100), (["s1"], 60), (["s2"], 60), (["s3"], 60)]
     with ThreadPoolExecutor(2) as pool:
-        run_balanced(pool, 2, read, runs, verify=True)
+        run_largest_first(pool, 2, read, runs, verify=True)
     assert sorted(done) == ["big", "s1", "s2", "s3"] and done[-1] == "big"
 
 
@@ -42,7 +42,7 @@ def test_a_failed_read_stops_the_others_and_is_raised():
 
     runs = [([i], 100 - i) for i in range(50)]
     with ThreadPoolExecutor(1) as pool, pytest.raises(OSError, match="bad block"):
-        run_balanced(pool, 1, read, runs, verify=True)
+        run_largest_first(pool, 1, read, runs, verify=True)
     assert read_runs == [0]
 
 

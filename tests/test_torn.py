@@ -161,3 +161,32 @@ def test_a_capture_failing_on_one_rank_fails_the_others_at_once(ranks, tmp_path)
     assert rank1.startswith("StateChangedError") and "mine" in rank1, rank1
     assert rank0.startswith("CommitError") and "rank 1: StateChangedError" in rank0, rank0
     assert not (tmp_path / "ck" / "manifest.json").exists()
+
+
+def handover_fails_on_rank_1(path: str) -> str:
+    """Both ranks save asynchronously with writer processes; rank 1's handover to its writer fails
+    (the writer unreachable). Returns what each rank's save raised."""
+    import torch.distributed as dist
+
+    from zerostall.writer_process import WriterProcess
+    submit = WriterProcess.submit
+    if dist.get_rank() == 1:
+        def unreachable(self, job):
+            raise BrokenPipeError("the writer process is gone")
+        WriterProcess.submit = unreachable
+    saver = zs.AsyncSaver(writer="process")
+    try:
+        saver.save({"w": torch.ones(64)}, path, commit_timeout=300.0).result()
+    except (zs.CheckpointError, OSError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        saver.close()
+        WriterProcess.submit = submit  # the rank's process serves later tests
+    return "committed"
+
+
+def test_a_handover_to_the_writer_failing_on_one_rank_fails_the_others_at_once(ranks, tmp_path):
+    rank0, rank1 = ranks(2).run(handover_fails_on_rank_1, str(tmp_path / "ck"), timeout=60)
+    assert "the writer process is gone" in rank1, rank1
+    assert rank0.startswith("CommitError") and "rank 1" in rank0, rank0
+    assert not (tmp_path / "ck" / "manifest.json").exists()

@@ -200,6 +200,8 @@ class AsyncSaver:
                 handle.staged.set_result(None)
                 handle.committed.set_result(persist(prepared))
         except BaseException as exc:
+            if not handle.staged.done():  # handed to no writer: this rank's part was never written
+                abandon(prepared, exc)
             self._fail(handle, exc, staged=not handle.staged.done())
 
     def _replace_dead_writer(self) -> None:

@@ -20,7 +20,7 @@ import json
 import logging
 import operator
 import time
-from typing import Any, Callable
+from typing import Any
 
 from . import codec, subclass
 from .collect import Collected, WriteItem, path_key
@@ -29,7 +29,6 @@ from .doorbell import Doorbell, Unreachable
 from .errors import CommitError
 from .format import (Chunk, Entry, Manifest, abort_name, dump_json, file_generation, generation_time,
                      load_json, parse_record, record_name)
-from .location import publish_manifest
 from .opening import manifest_generation
 from .plan import SavePlan
 from .state import fqn
@@ -284,12 +283,6 @@ def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], header
         ref.index = index.get((key, None), index.get((key, 0), -1))
     return Manifest(generation=generation, entries=entries, files=files, tree=codec.encode(collected.skeleton),
                     world_size=world_size, block_size=block_size, step=step, metadata=metadata, headers=headers)
-
-
-def publish(storage: Storage, manifest: Manifest, previous: str | None,
-            before_commit: Callable[[], None] | None = None) -> None:
-    """Publish the assembled manifest (see :func:`zerostall.location.publish_manifest`)."""
-    publish_manifest(storage, manifest.generation, manifest.to_bytes(), previous, before_commit=before_commit)
 
 
 def delete_generation(storage: Storage, generation: str, rank: int) -> None:

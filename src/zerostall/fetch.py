@@ -64,15 +64,15 @@ class Fetcher(ChunkReader):
                                     initializer=None if cuda is None else cuda.enter) as pool:
                 if self.storage.read_grid:
                     grid = _GridReads(self, direct, self.storage.read_grid)
-                    run_balanced(pool, readers, grid.read, grid.requests, verify)
+                    run_largest_first(pool, readers, grid.read, grid.requests, verify)
                 else:
-                    run_balanced(pool, readers, self._read_run, _runs(direct, _piece_span, CACHE_PIECE), verify)
+                    run_largest_first(pool, readers, self._read_run, _runs(direct, _piece_span, CACHE_PIECE), verify)
                 unit = math.lcm(self.manifest.block_size, _MAX_ITEMSIZE)  # whole blocks and whole elements
                 buffers = self.threads * (1 if uploads is None else _Uploads.BUFFERS)
                 step = max(unit, min(_STAGE_BYTES, staging // buffers) // unit * unit)
                 jobs = [job for item in staged for job in self._stage_jobs(item, step, verify)]
                 stage = functools.partial(self._stage_run, uploads=uploads)
-                run_balanced(pool, self.threads, stage, _runs(jobs, _job_span, CACHE_PIECE), verify)
+                run_largest_first(pool, self.threads, stage, _runs(jobs, _job_span, CACHE_PIECE), verify)
         finally:
             if cuda is not None:
                 cuda.synchronize()  # every upload has landed (also after a failure: buffers are freed)
@@ -277,7 +277,7 @@ def _copy_part(target: torch.Tensor, box: Box, entry: Entry, chunk: Chunk, inter
             target[region((tuple(o + c for o, c in zip(sub[0], chunk.offsets)), sub[1]), box)].copy_(src)
 
 
-def run_balanced(pool: ThreadPoolExecutor, threads: int, read: Callable[[list[Any], bool], None],
+def run_largest_first(pool: ThreadPoolExecutor, threads: int, read: Callable[[list[Any], bool], None],
                  runs: list[tuple[list[Any], int]], verify: bool) -> None:
     """Call ``read`` on runs of work (with their byte counts) from ``threads`` threads, each taking
     the largest run left when it is free: a thread whose reads go slower (a slow request, a busy

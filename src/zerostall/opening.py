@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from . import sources
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
-from .format import MANIFEST_NAME, Manifest, ManifestHead, file_generation, manifest_body
+from .format import MANIFEST_NAME, Manifest, ManifestHead, dump_json, file_generation, load_json, manifest_body
 from .gcpause import gc_paused
 from .manifest_check import MANIFEST_BYTES_ENV, max_manifest_bytes, parse_head, parse_manifest
 from .storage import FileTooLargeError, Storage
@@ -20,6 +20,7 @@ from .storage import FileTooLargeError, Storage
 if TYPE_CHECKING:  # only passed through: reading a manifest needs no torch (the command line)
     from .collectives import Group
 
+_FOREIGN = b'{"foreign":'  # how a translated manifest sent to other ranks begins (a stored one: {"checksum":)
 _GENERATION_RE = re.compile(rb'"generation":"([0-9a-f]+-[0-9a-f]+)"')
 
 
@@ -42,7 +43,7 @@ def read_manifest_bytes(storage: Storage) -> bytes:
         names = storage.list()
         data = [n for n in names if file_generation(n)]
         if not data:
-            kind = sources.kind_of(storage, names)
+            kind = sources.kind_of(names)
             if kind is not None:
                 raise CheckpointNotFoundError(
                     f"{storage.location} is {sources.describe(kind)}, not a zerostall checkpoint: open it with "
@@ -74,23 +75,21 @@ def read_manifest_head(storage: Storage) -> ManifestHead:
     return parse_head(read_manifest_bytes(storage), os.path.join(storage.location, MANIFEST_NAME))
 
 
-def source_bytes(storage: Storage, *, allow_pickle: bool = False,
-                 file: str | None = None) -> tuple[bytes, Manifest | None]:
-    """The bytes that carry the manifest of the checkpoint at ``storage`` to other ranks: its
-    committed zerostall manifest as stored (parsed by whoever receives it, :func:`manifest_from`),
-    else one translated from the foreign checkpoint found there (``file``: a single safetensors
-    file), with that translation."""
+def source(storage: Storage, *, allow_pickle: bool = False, file: str | None = None) -> bytes | Manifest:
+    """What the checkpoint at ``storage`` holds: its committed zerostall manifest's bytes as stored
+    (parsed by whoever reads them), else the manifest translated from the foreign checkpoint found
+    there (``file``: a single safetensors file)."""
     if file is None:
         try:
-            return read_manifest_bytes(storage), None
+            return read_manifest_bytes(storage)
         except CheckpointNotFoundError:
-            kind = sources.kind_of(storage, storage.list()) if storage.exists() else None
+            kind = sources.kind_of(storage.list()) if storage.exists() else None
             if kind is None:
                 raise
     else:
         kind = sources.SAFETENSORS
     try:
-        manifest = sources.foreign_manifest(storage, kind, allow_pickle=allow_pickle, file=file)
+        return sources.foreign_manifest(storage, kind, allow_pickle=allow_pickle, file=file)
     except FileNotFoundError as exc:  # one its index names
         raise CorruptCheckpointError(f"{storage.location} is {sources.describe(kind)} with a file missing: "
                                      f"{exc}") from None
@@ -98,42 +97,42 @@ def source_bytes(storage: Storage, *, allow_pickle: bool = False,
         if isinstance(exc, CheckpointError):
             raise
         raise CheckpointError(f"cannot read {sources.describe(kind)} at {storage.location}: {exc}") from exc
-    return kind.encode() + b"\n" + manifest.to_bytes(), manifest
-
-
-def manifest_from(storage: Storage, raw: bytes) -> Manifest:
-    """The manifest that :func:`source_bytes` sent: a stored one checked and parsed, a foreign one
-    as rank 0 translated it."""
-    if raw.startswith(b"{"):
-        return read_manifest_from(storage, raw)
-    kind, _, body = raw.partition(b"\n")
-    manifest = Manifest.from_json(manifest_body(body, storage.location))
-    manifest.foreign = kind.decode()
-    return manifest
 
 
 def read_source(storage: Storage, *, allow_pickle: bool = False, file: str | None = None) -> Manifest:
-    """The manifest of the checkpoint at ``storage`` (see :func:`source_bytes`), in this process alone."""
-    raw, translated = source_bytes(storage, allow_pickle=allow_pickle, file=file)
-    return translated if translated is not None else read_manifest_from(storage, raw)
+    """The manifest of the checkpoint at ``storage`` (see :func:`source`), in this process alone."""
+    found = source(storage, allow_pickle=allow_pickle, file=file)
+    return found if isinstance(found, Manifest) else read_manifest_from(storage, found)
 
 
 def agreed_source(storage: Storage, group: Group, *, allow_pickle: bool = False, file: str | None = None) -> Manifest:
     """The same manifest on every rank: rank 0 reads the bytes (an error there is raised on every
-    rank), every rank parses them, rank 0 too once they are sent, so no rank waits on its parse
-    (a foreign checkpoint is translated once, by rank 0, and sent as a manifest of ours). Ranks
-    reading for themselves could see different manifests (a save committing in between)."""
+    rank), every rank parses them, rank 0 too once they are sent, so no rank waits on its parse.
+    A foreign checkpoint is translated once, by rank 0, and sent as a manifest of ours with what
+    marks it foreign (its kind, the items left out). Ranks reading for themselves could see
+    different manifests (a save committing in between)."""
     if group.size == 1:
         return read_source(storage, allow_pickle=allow_pickle, file=file)
     translated = None
 
     def read() -> bytes:
         nonlocal translated
-        raw, translated = source_bytes(storage, allow_pickle=allow_pickle, file=file)
-        return raw
+        found = source(storage, allow_pickle=allow_pickle, file=file)
+        if isinstance(found, bytes):
+            return found
+        translated = found
+        return dump_json({"foreign": found.foreign, "left_out": found.left_out}) + b"\n" + found.to_bytes()
 
     raw = group.agree(read)
-    return translated if translated is not None else manifest_from(storage, raw)
+    if translated is not None:
+        return translated
+    if not raw.startswith(_FOREIGN):
+        return read_manifest_from(storage, raw)
+    marks, _, body = raw.partition(b"\n")
+    manifest = Manifest.from_json(manifest_body(body, storage.location))
+    marked = load_json(marks)
+    manifest.foreign, manifest.left_out = marked["foreign"], marked["left_out"]
+    return manifest
 
 
 def manifest_generation(storage: Storage) -> str | None:

@@ -281,4 +281,5 @@ def named_instead(path: str | os.PathLike[str] | Storage) -> Storage | None:
             root = CheckpointRoot(storage_for(parent or "."))
             return root.child(root.newest(None if name == "latest" else int(name)))
     root = CheckpointRoot(storage_for(path))
-    return root.child(root.newest()) if root.checkpoints() else None
+    found = root.checkpoints()
+    return root.child(found[-1].name) if found else None

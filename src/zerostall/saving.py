@@ -19,11 +19,11 @@ from . import codec
 from .collect import Collected, WriteItem, collect
 from .collectives import Group
 from .commit import (announce, assemble, await_commit, await_records, clean_up_after_commit, delete_generation,
-                     open_doorbell, publish, record, report_failure, write_abort, write_record)
+                     open_doorbell, record, report_failure, write_abort, write_record)
 from .errors import CheckpointError, UnsupportedValueError
 from .format import manifest_tmp_name
 from .gcpause import gc_paused
-from .location import check_location
+from .location import check_location, publish_manifest
 from .opening import manifest_generation
 from .options import SaveOptions, default_threads
 from .plan import SavePlan, SavePlanner
@@ -117,15 +117,17 @@ def for_writer_process(prepared: Prepared) -> Prepared:
 
 
 def abandon(prepared: Prepared, exc: BaseException) -> None:
-    """This rank gives up a planned save before writing (its capture failed): tell the other ranks
-    now, so that they stop waiting for it instead of waiting out ``commit_timeout``."""
-    if prepared.group.size > 1:
+    """This rank gives up a planned save before writing (its capture, or the handover to its writer
+    process, failed): tell the other ranks now, through the storage and the doorbell they wait on,
+    so that they stop waiting for it instead of waiting out ``commit_timeout``."""
+    p = prepared
+    if p.group.size > 1:
         try:
-            create(prepared.storage)
+            create(p.storage)
         except OSError:
             pass  # report_failure says so
-        report_failure(prepared.storage, prepared.generation, prepared.group, exc)
-        prepared.storage.close()
+        report_failure(p.storage, p.generation, p.group, exc, open_doorbell(p.group, p.storage, p.generation))
+    p.storage.close()
 
 
 def persist(prepared: Prepared) -> SaveInfo:
@@ -133,7 +135,7 @@ def persist(prepared: Prepared) -> SaveInfo:
     p, group, storage, generation = prepared, prepared.group, prepared.storage, prepared.generation
     threads = p.options.threads or default_threads()
     t0 = time.perf_counter()
-    previous = manifest_generation(storage) if group.is_coordinator else None  # see commit.publish
+    previous = manifest_generation(storage) if group.is_coordinator else None  # see location.publish_manifest
     bell = open_doorbell(group, storage, generation)
     try:
         create(storage)
@@ -155,7 +157,8 @@ def persist(prepared: Prepared) -> SaveInfo:
             with gc_paused():
                 manifest = assemble(p.collected, p.plan, files, headers, others, generation, group.size, p.step,
                                     p.metadata, p.options.block_size)
-                publish(storage, manifest, previous, p.options.before_commit)
+                publish_manifest(storage, manifest.generation, manifest.to_bytes(), previous,
+                                 before_commit=p.options.before_commit)
             announce(bell, "ok")
         else:
             await_commit(storage, generation, p.options.commit_timeout, bell)

@@ -112,7 +112,7 @@ def foreign_source(ckpt: str, allow_pickle: bool) -> str | None:
     """CKPT itself when it names a foreign checkpoint that ``zs.open`` reads as it is (a PyTorch DCP
     directory, Hugging Face safetensors), else None; a DCP one only with ``--allow-pickle``."""
     storage, file = sources.split_file(ckpt)
-    kind = sources.SAFETENSORS if file else sources.kind_of(storage, storage.list()) if storage.exists() else None
+    kind = sources.SAFETENSORS if file else sources.kind_of(storage.list()) if storage.exists() else None
     if kind == sources.DCP and not allow_pickle:
         raise Failure(f"{ckpt} is a PyTorch DCP checkpoint: its .metadata and non-tensor items are pickles, "
                       "which can run code when read; pass --allow-pickle if you trust it", USAGE)

@@ -40,10 +40,8 @@ def split_file(path: Any) -> tuple[Storage, str | None]:
     return storage_for(path), None
 
 
-def kind_of(storage: Storage, names: list[str], file: str | None = None) -> str | None:
+def kind_of(names: list[str]) -> str | None:
     """Which foreign checkpoint the location holds (its files are ``names``): DCP, safetensors or none."""
-    if file is not None:
-        return SAFETENSORS
     if MANIFEST_NAME in names:
         return None
     if _DCP_METADATA in names:

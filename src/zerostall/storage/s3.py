@@ -131,9 +131,7 @@ class S3Storage(S3Reads, Storage):
     def list(self) -> list[str]:
         """The objects directly under the prefix; folder markers (keys ending in "/", as consoles
         and some servers make for an emptied folder) are not files."""
-        skip = len(self.prefix)
-        return sorted(o["Key"][skip:] for page in self._pages(self.prefix, "/") for o in page.get("Contents", ())
-                      if not o["Key"].endswith("/"))
+        return sorted(self.sizes())
 
     def sizes(self) -> dict[str, int]:
         skip = len(self.prefix)
@@ -248,7 +246,7 @@ class S3Storage(S3Reads, Storage):
         try:
             return self._call(key, doing, fn, **kwargs)
         except StorageError as exc:
-            lost = retried(exc.__cause__) and error_code(exc.__cause__) in (*_CONFLICT, "NoSuchUpload", "404")
+            lost = retried(exc.__cause__) and error_code(exc.__cause__) in (*_CONFLICT, "NoSuchUpload")
             if lost and landed is not None and _holds(landed):
                 log.info("%s s3://%s/%s: an earlier attempt took effect, its answer was lost", doing, self.bucket, key)
                 return None

@@ -17,6 +17,7 @@ class S3Reads:
 
     options: S3Options
     location: str
+    read_grid: int
     _conn: Connection
     _call: Callable[..., Any]
     _key: Callable[[str], str]
@@ -45,7 +46,7 @@ class S3Reads:
         """Parallel ranged GETs straight into ``outs``, which lie back to back from ``offset``: cut
         along the grid of whole parts (``read_grid``), at most ``concurrency`` requests' worth."""
         n = sum(len(o) for o in outs)
-        part = self.options.part_size
+        part = self.read_grid
         step = part * max(1, -(-n // (part * self.options.concurrency)))  # each request costs client CPU
         runs = runs_of(outs, offset, step)
         if len(runs) == 1:
