@@ -309,7 +309,7 @@ def phase(rank: int, world: int, port: int, server: Any, args: argparse.Namespac
 def slow_save(state: dict[str, Any], server: Any, args: argparse.Namespace, calls: Counter[str],
               world: int) -> dict[str, Any]:
     """One zerostall save whose last rank starts writing ``--slow-s`` seconds late: its control requests."""
-    import zerostall.saving as saving
+    import zerostall.saving.pipeline as saving
 
     write_data = saving.write_data
     if dist.get_rank() == world - 1:

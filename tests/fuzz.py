@@ -49,9 +49,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass  # noqa: 
 
 import zerostall as zs  # noqa: E402
 from hostile import MANIFEST, cli_outcome, data_files, opened, read_body, under, within, write_body  # noqa: E402
-from zerostall.codec import decode_path  # noqa: E402
-from zerostall.format import dump_json  # noqa: E402
-from zerostall.root import CheckpointRoot  # noqa: E402
+from zerostall.format.codec import decode_path  # noqa: E402
+from zerostall.format.layout import dump_json  # noqa: E402
+from zerostall.roots.root import CheckpointRoot  # noqa: E402
 from zerostall.storage import LocalStorage  # noqa: E402
 
 

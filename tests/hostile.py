@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 import zerostall as zs
 from zerostall.cli import cli
-from zerostall.format import dump_json, load_json
+from zerostall.format.layout import dump_json, load_json
 
 MANIFEST = "manifest.json"
 

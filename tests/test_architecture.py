@@ -1,6 +1,6 @@
 """The package's shape: each module imports only modules below it in the pipeline order, none is
 too long to read in one sitting, and the manager and CLI reach a checkpoint root only through
-``zerostall.root`` (so an object-store backend serves them unchanged)."""
+``zerostall.roots.root`` (so an object-store backend serves them unchanged)."""
 
 from __future__ import annotations
 
@@ -9,20 +9,32 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "zerostall"
 
-# Low to high: a module may import only modules before it. A new module must be placed here.
+# Low to high, floor by floor: a module may import only modules before it, and each folder's modules
+# stand together, so a folder imports only from itself and the floors below. A new module must be placed here.
 ORDER = [
-    "errors", "memory", "devices", "gcpause", "codec", "checksums", "balance", "boxes", "format", "subclass",
-    "tensor_check", "value_check", "manifest_check",
-    "storage.base", "storage.local", "storage.s3client", "storage.s3reads", "storage.s3", "storage", "doorbell",
-    "collectives", "state", "options", "sources.safetensors", "sources.dcp", "sources", "opening", "location",
-    # saving: collect → plan → write → commit, run in order by saving
-    "collect", "plan", "write", "commit", "saving",
-    # reading: opening → reader (bytes, checked) → load plan → fetch (and broadcast) → verification,
-    # behind the Checkpoint front
-    "reader", "sources.optimizers", "load_plan", "fetch", "broadcast", "verification", "checkpoint",
-    # asynchronous saving; checkpoints by step under a root; then the public functions
-    "capture", "writer_process", "asynchronous", "retention", "root", "copying", "tensor_stream", "torch_file", "exporting", "api",
-    "schedule", "lease", "manager",
+    # shared basics that import nothing above them
+    "errors", "memory", "devices", "gcpause", "balance",
+    # format/: the on-disk contract, no I/O
+    "format.codec", "format.checksums", "format.boxes", "format.layout", "format.subclass",
+    "format.tensor_check", "format.value_check", "format.manifest_check", "format",
+    # storage/: one backend a module; a checkpoint's location (what may be written, the commit step)
+    "storage.base", "storage.local", "storage.s3client", "storage.s3reads", "storage.s3", "storage", "storage.location",
+    # shared basics over storage: the process group, the state tree, the options
+    "doorbell", "collectives", "state", "options",
+    # saving/: collect → plan → write → commit, run in order by pipeline; the asynchronous saver over it
+    "saving.collect", "saving.plan", "saving.write", "saving.commit", "saving.pipeline",
+    "saving.capture", "saving.writer_process", "saving.asynchronous", "saving",
+    # loading/: open (ours or foreign) → reader (bytes, checked) → load plan → fetch (and broadcast) →
+    # verification, behind the Checkpoint front; tensor streams for exporters
+    "loading.foreign.safetensors", "loading.foreign.dcp", "loading.foreign", "loading.opening", "loading.reader",
+    "loading.optimizers", "loading.load_plan", "loading.fetch", "loading.broadcast", "loading.verification",
+    "loading.checkpoint", "loading.tensor_stream", "loading",
+    # roots/: checkpoints by step under a root
+    "roots.retention", "roots.root", "roots.schedule", "roots.lease", "roots",
+    # interop/: checkpoints leaving zerostall
+    "interop.copying", "interop.torch_file", "interop.exporting", "interop",
+    # the public functions, then the manager over them
+    "api", "manager",
     "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.copying", "cli.exporting", "cli.importing",
     "cli", "__main__", "__init__",
 ]
@@ -78,6 +90,13 @@ def test_modules_import_only_modules_below_them():
             if ORDER.index(target) >= ORDER.index(name):
                 upward.append(f"{name} imports {target}")
     assert not upward, upward
+
+
+def test_each_folder_stands_together_in_the_order():
+    """With the module rule, this makes the folder rule: a folder imports only from folders below it."""
+    folders = [name.split(".")[0] if "." in name or (PACKAGE / name).is_dir() else name for name in ORDER]
+    runs = [f for i, f in enumerate(folders) if i == 0 or folders[i - 1] != f]
+    assert len(runs) == len(set(runs)), f"a folder's modules are split in ORDER: {runs}"
 
 
 def test_no_module_is_too_long_to_read():

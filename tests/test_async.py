@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import zerostall as zs
 from faults import FaultyStorage
-from zerostall.saving import prepare
+from zerostall.saving.pipeline import prepare
 from zerostall.storage import LocalStorage
 
 TESTS = os.path.dirname(os.path.abspath(__file__))  # for child scripts: where faults.py is

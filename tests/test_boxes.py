@@ -8,7 +8,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zerostall.boxes import contiguous_strides, flat_boxes
+from zerostall.format.boxes import contiguous_strides, flat_boxes
 
 
 def flat_indices(box, sizes) -> list[int]:

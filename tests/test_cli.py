@@ -14,7 +14,7 @@ from click.testing import CliRunner, Result
 
 import zerostall as zs
 from zerostall.cli import cli
-from zerostall.lease import WriterLease
+from zerostall.roots.lease import WriterLease
 
 
 def small_state(step: int) -> dict[str, object]:

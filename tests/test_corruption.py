@@ -20,7 +20,7 @@ import xxhash
 
 import zerostall as zs
 from faults import FaultyStorage
-from zerostall.format import Chunk, load_json
+from zerostall.format.layout import Chunk, load_json
 from zerostall.storage import LocalStorage
 
 WEIGHT = "layer.weight"  # fqn of the tensor the byte-level tests damage
@@ -275,7 +275,7 @@ def test_a_forged_manifest_nested_too_deep_is_refused_with_a_typed_error(tmp_pat
     any JSON parser goes: a CorruptCheckpointError, not a RecursionError, from open and from listing."""
     import xxhash
 
-    from zerostall.opening import read_manifest_head
+    from zerostall.loading.opening import read_manifest_head
     from zerostall.storage import LocalStorage
 
     path = tmp_path / "ck"
@@ -531,8 +531,8 @@ def test_a_failed_read_stops_the_other_reader_threads(tmp_path):
 
 def test_the_manifest_head_matches_the_whole_manifest_and_is_checked_whole(tmp_path):
     """Listing reads only a manifest's leading fields, but still checks its checksum over every byte."""
-    from zerostall.format import MANIFEST_NAME, ManifestHead
-    from zerostall.opening import read_manifest, read_manifest_head
+    from zerostall.format.layout import MANIFEST_NAME, ManifestHead
+    from zerostall.loading.opening import read_manifest, read_manifest_head
     from zerostall.storage import LocalStorage
 
     path = tmp_path / "ck"

@@ -21,10 +21,10 @@ from s3server import SeaweedS3
 from test_lazy_import import run_cli
 from test_s3 import explicit, raw
 from zerostall.cli import cli
-from zerostall import copying
-from zerostall.copying import RUN_BYTES, _runs, _segments
-from zerostall.format import MANIFEST_NAME
-from zerostall.opening import read_manifest
+from zerostall.interop import copying
+from zerostall.interop.copying import RUN_BYTES, _runs, _segments
+from zerostall.format.layout import MANIFEST_NAME
+from zerostall.loading.opening import read_manifest
 from zerostall.storage import LocalStorage, S3Storage, storage_for
 
 BLOCK = 64 << 10

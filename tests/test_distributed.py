@@ -71,7 +71,7 @@ def load_replicated(path: str, broadcast: bool) -> dict:
 def load_replicated_staged(path: str, cap: int) -> dict:
     """Broadcast load into bf16 targets (so every chunk goes through a staging buffer); records the
     staging bytes of each broadcast batch."""
-    from zerostall import broadcast
+    from zerostall.loading import broadcast
 
     batches: list[int] = []
     original = broadcast._broadcast_batch

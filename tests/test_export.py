@@ -26,7 +26,7 @@ import zerostall as zs
 from test_distributed import dtensor, full_value
 from test_subclass import two
 from zerostall.cli import cli
-from zerostall.exporting import HF_INDEX, HF_WEIGHTS, parse_size
+from zerostall.interop.exporting import HF_INDEX, HF_WEIGHTS, parse_size
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 TESTS = Path(__file__).resolve().parent
@@ -134,7 +134,7 @@ def test_aliases_export_as_their_own_keys_and_skipped_entries_are_listed(tmp_pat
     state = {"model": {"embed": weight, "head": weight, "flat": two((2, 3))}, "step": 3,
              "rng": zs.rank_local(torch.ones(2)), "note": "hello"}
     zs.save(state, tmp_path / "ck")
-    with caplog.at_level(logging.WARNING, logger="zerostall.exporting"):
+    with caplog.at_level(logging.WARNING, logger="zerostall.interop.exporting"):
         info = zs.export(tmp_path / "ck", tmp_path / "hf")
     assert info.keys == ["model.embed", "model.head"]
     assert sorted(info.skipped) == ["model.flat", "note", "rng@rank0", "step"]
@@ -371,7 +371,7 @@ def test_a_llama_model_exported_loads_in_transformers_with_the_same_logits(tmp_p
 
 MEASURE = """
 import sys
-import torch, zerostall as zs, zerostall.exporting, safetensors  # imports first: the baseline
+import torch, zerostall as zs, zerostall.interop.exporting, safetensors  # imports first: the baseline
 
 def status(field):
     for line in open("/proc/self/status"):

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from zerostall.fetch import run_largest_first
+from zerostall.loading.fetch import run_largest_first
 
 
 def test_a_reader_free_takes_the_largest_run_left():

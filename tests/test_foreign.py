@@ -190,7 +190,7 @@ def test_dcp_items_zerostall_cannot_locate_are_named_and_left_out(tmp_path, capl
     from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
 
     dcp.save({"t": torch.arange(6.0).reshape(2, 3).t(), "u": torch.ones(3)}, checkpoint_id=str(tmp_path / "ck"))
-    with caplog.at_level("WARNING", logger="zerostall.sources.dcp"):
+    with caplog.at_level("WARNING", logger="zerostall.loading.foreign.dcp"):
         got = zs.load({"u": torch.zeros(3)}, tmp_path / "ck", allow_pickle=True)
     assert torch.equal(got["u"], torch.ones(3))
     assert "'t' is stored non-contiguous" in caplog.text and "left out" in caplog.text
@@ -205,7 +205,7 @@ def test_dcp_items_zerostall_cannot_locate_are_named_and_left_out(tmp_path, capl
     writer = FileSystemWriter(str(tmp_path / "st"), serialization_format=SerializationFormat.SAFETENSORS)
     dcp.save({"t": torch.arange(6.0)}, storage_writer=writer)
     caplog.clear()
-    with caplog.at_level("WARNING", logger="zerostall.sources.dcp"), zs.open(tmp_path / "st", allow_pickle=True) as ck:
+    with caplog.at_level("WARNING", logger="zerostall.loading.foreign.dcp"), zs.open(tmp_path / "st", allow_pickle=True) as ck:
         assert not ck.entries
     assert "'t' is not a torch.save archive" in caplog.text
 

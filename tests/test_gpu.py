@@ -21,7 +21,7 @@ import torch
 
 import zerostall as zs
 from zerostall.devices import host_register, host_unregister
-from zerostall.saving import prepare
+from zerostall.saving.pipeline import prepare
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

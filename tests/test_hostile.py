@@ -22,8 +22,8 @@ import xxhash
 import zerostall as zs
 from hostile import (MANIFEST, cli_outcome, data_files, entry, envelope, opened, read_body, under, within,
                      write_body)
-from zerostall.format import dump_json, load_json
-from zerostall.root import CORRUPT, CheckpointRoot
+from zerostall.format.layout import dump_json, load_json
+from zerostall.roots.root import CORRUPT, CheckpointRoot
 from zerostall.storage import LocalStorage
 
 WAIT = 20  # seconds any refusal may take: a call still running then has hung
@@ -483,7 +483,7 @@ def test_reading_a_directory_in_place_of_a_data_file_is_refused(ck):
 
 def test_values_nested_as_deep_as_allowed_round_trip(tmp_path):
     """The depth limit refuses nothing a save accepts: a value and a state nested to the limit."""
-    from zerostall.codec import MAX_DEPTH
+    from zerostall.format.codec import MAX_DEPTH
 
     deep = nested(MAX_DEPTH - 1)  # inside the state's own dict: MAX_DEPTH containers
     zs.save({"t": torch.ones(2), "x": deep}, tmp_path / "ck", metadata={"m": nested(MAX_DEPTH - 1)})
@@ -499,7 +499,7 @@ def test_values_nested_as_deep_as_allowed_round_trip(tmp_path):
 def test_the_dtype_table_knows_every_torch_dtype():
     """The schema knows dtypes without importing torch (the CLI never does): its table must hold
     every dtype of this torch, with its item size."""
-    from zerostall.tensor_check import ITEMSIZES
+    from zerostall.format.tensor_check import ITEMSIZES
 
     for value in vars(torch).values():
         if isinstance(value, torch.dtype) and not str(value).startswith("torch.q"):

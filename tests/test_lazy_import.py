@@ -105,7 +105,7 @@ def test_the_public_api_after_a_plain_import(tmp_path: Path) -> None:
 import sys
 import zerostall as zs
 assert "torch" not in sys.modules
-import zerostall.cli, zerostall.verification  # the module behind verify() must not shadow it
+import zerostall.cli, zerostall.loading.verification  # the module behind verify() must not shadow it
 assert "torch" not in sys.modules
 import torch
 path = {str(tmp_path / "ck")!r}
@@ -122,7 +122,7 @@ from zerostall import CheckpointManager, CorruptCheckpointError, verify
 import zerostall.api, zerostall.errors, zerostall.manager
 assert verify is zs.verify is zerostall.api.verify
 assert CorruptCheckpointError is zerostall.errors.CorruptCheckpointError and CheckpointManager is zerostall.manager.CheckpointManager
-assert zs.format.FORMAT_VERSION == zs.FORMAT_VERSION
+assert zs.format.layout.FORMAT_VERSION == zs.FORMAT_VERSION
 try:
     zs.no_such_name
 except AttributeError:
@@ -153,7 +153,7 @@ def test_every_public_name_is_its_module_s() -> None:
 def test_the_safetensors_dtype_table_names_torch_dtypes() -> None:
     """The table gives the manifest's dtype names (no torch at import): each is a real dtype's, and
     the safetensors name written for it is the one read back."""
-    from zerostall.format import SAFETENSORS_DTYPES, dtype_from_name, dtype_name, safetensors_dtype
+    from zerostall.format.layout import SAFETENSORS_DTYPES, dtype_from_name, dtype_name, safetensors_dtype
 
     assert all(dtype_name(dtype_from_name(name)) == name for name in SAFETENSORS_DTYPES.values())
     assert safetensors_dtype(torch.bfloat16) == "BF16" and safetensors_dtype(torch.complex64) is None

@@ -16,8 +16,8 @@ import torch
 
 import zerostall as zs
 from faults import wait_for
-from zerostall.lease import WriterLease
-from zerostall.root import LEASE_NAME
+from zerostall.roots.lease import WriterLease
+from zerostall.roots.root import LEASE_NAME
 
 WAIT = 120.0  # a condition that never comes fails the test instead of hanging it (not a timing bound)
 TTL = 1.0

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import zerostall as zs
-from zerostall.format import Chunk, Entry, Manifest
-from zerostall.load_plan import LoadPlanner
+from zerostall.format.layout import Chunk, Entry, Manifest
+from zerostall.loading.load_plan import LoadPlanner
 
 
 def manifest(world: int = 1) -> Manifest:

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 import zerostall as zs
 from faults import GATE_TIMEOUT, FaultyStorage
-from zerostall.format import MANIFEST_NAME
-from zerostall.root import LEASE_NAME, step_tag
+from zerostall.format.layout import MANIFEST_NAME
+from zerostall.roots.root import LEASE_NAME, step_tag
 from zerostall.storage import LocalStorage
 
 

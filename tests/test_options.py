@@ -16,8 +16,8 @@ import zerostall as zs
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "options.md"
-SOURCES = {"SaveOptions": "options.py", "LoadOptions": "options.py", "RetentionPolicy": "retention.py",
-           "S3Options": "storage/s3client.py", "ExportOptions": "exporting.py"}
+SOURCES = {"SaveOptions": "options.py", "LoadOptions": "options.py", "RetentionPolicy": "roots/retention.py",
+           "S3Options": "storage/s3client.py", "ExportOptions": "interop/exporting.py"}
 
 
 def field_docs(cls_name: str) -> tuple[str, dict[str, str]]:
@@ -38,7 +38,7 @@ def render() -> str:
     """docs/options.md as the dataclasses say it should be."""
     out = ["# Options reference", "",
            "Generated from the dataclasses' field docstrings (`src/zerostall/options.py`, "
-           "`src/zerostall/retention.py`, `src/zerostall/storage/s3client.py`, `src/zerostall/exporting.py`); "
+           "`src/zerostall/roots/retention.py`, `src/zerostall/storage/s3client.py`, `src/zerostall/interop/exporting.py`); "
            "`tests/test_options.py` checks "
            "that it matches them. Every "
            "function that takes an options object also takes its fields as keywords: "

@@ -1,4 +1,4 @@
-"""Retention rules (``zerostall.retention.kept``): property-based simulations of long training runs
+"""Retention rules (``zerostall.roots.retention.kept``): property-based simulations of long training runs
 plus example-based edge cases.
 
 The simulations play a training run: steps strictly increase (random gaps, step 0 included),
@@ -31,7 +31,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zerostall.retention import CheckpointRecord, RetentionPolicy, kept
+from zerostall.roots.retention import CheckpointRecord, RetentionPolicy, kept
 
 METRIC = "loss"
 REASONS = {"newest", "pinned", "all", "last", "every", "best", "time", "protected"}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zerostall as zs
-from zerostall.format import load_json
+from zerostall.format.layout import load_json
 
 QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 ALL_DTYPES = sorted(

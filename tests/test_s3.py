@@ -22,7 +22,7 @@ import zerostall as zs
 from s3server import SeaweedS3
 from test_distributed import full_value, load_sharded, save_sharded
 from zerostall.cli import cli
-from zerostall.format import MANIFEST_NAME, data_file_name, generation_id
+from zerostall.format.layout import MANIFEST_NAME, data_file_name, generation_id
 from zerostall.storage import S3Options, S3Storage, storage_for
 
 MIB = 1 << 20
@@ -458,7 +458,7 @@ def test_two_committers_on_one_manifest_one_wins(s3_url):
 
 
 def test_a_lease_taken_over_is_never_renewed_over(s3_url):
-    from zerostall.lease import WriterLease, read_lease
+    from zerostall.roots.lease import WriterLease, read_lease
 
     storage = storage_for(s3_url)
     lease = WriterLease(storage, ttl=0.3)  # renewed every 0.1 s
@@ -473,7 +473,7 @@ def test_a_lease_taken_over_is_never_renewed_over(s3_url):
 
 
 def test_a_stale_lease_is_taken_over_by_one_of_two_takers(s3_url):
-    from zerostall.lease import WriterLease, read_lease
+    from zerostall.roots.lease import WriterLease, read_lease
 
     storage = storage_for(s3_url)
     storage.put(".writer-lease", b'{"token": "dead", "host": "gone", "pid": 1, "ttl": 1, "renewed": 0}')

@@ -15,8 +15,8 @@ from torch.distributed import distributed_c10d
 from torch.distributed.tensor import Shard
 
 import zerostall as zs
-import zerostall.commit as commit
-import zerostall.saving as saving
+import zerostall.saving.commit as commit
+import zerostall.saving.pipeline as saving
 from test_distributed import dtensor, full_value
 from test_s3 import explicit
 from zerostall.storage import S3Storage

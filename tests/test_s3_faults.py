@@ -16,7 +16,7 @@ from faults import FaultyStorage
 from s3proxy import FaultProxy
 from s3server import SeaweedS3, weed_runs
 from test_s3 import explicit, same, state_of, uploads, zeros_like_state
-from zerostall.format import MANIFEST_NAME
+from zerostall.format.layout import MANIFEST_NAME
 from zerostall.storage import S3Storage
 
 MIB = 1 << 20

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import zerostall as zs
 from zerostall.collectives import Group
-from zerostall.schedule import SaveSchedule
+from zerostall.roots.schedule import SaveSchedule
 
 
 class Clock:

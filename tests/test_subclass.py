@@ -20,8 +20,8 @@ from torch.utils._pytree import tree_map
 
 import zerostall as zs
 from distributed import RankError
-from zerostall import codec
-from zerostall import format as fmt
+from zerostall.format import codec
+from zerostall.format import layout as fmt
 from zerostall.cli import cli
 
 aten = torch.ops.aten

@@ -168,7 +168,7 @@ def handover_fails_on_rank_1(path: str) -> str:
     (the writer unreachable). Returns what each rank's save raised."""
     import torch.distributed as dist
 
-    from zerostall.writer_process import WriterProcess
+    from zerostall.saving.writer_process import WriterProcess
     submit = WriterProcess.submit
     if dist.get_rank() == 1:
         def unreachable(self, job):

@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from zerostall.checksums import block_checksums, pieces
+from zerostall.format.checksums import block_checksums, pieces
 from zerostall.memory import owned_bytes, tensor_bytes
-from zerostall.write import device_pieces
+from zerostall.saving.write import device_pieces
 
 
 @pytest.mark.parametrize("n, block, window", [(0, 64, 32), (1, 64, 32), (1000, 64, 100), (1 << 20, 4096, 3000),

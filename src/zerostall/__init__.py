@@ -28,13 +28,14 @@ __all__ = [
 # the imports below naming the same objects).
 _EXPORTS = {
     "save": "api", "async_save": "api", "load": "api", "open": "api", "open_latest": "api", "verify": "api",
-    "copy": "copying", "CopyInfo": "copying", "export": "api", "SaveOptions": "options", "LoadOptions": "options",
-    "ExportOptions": "exporting", "ExportInfo": "exporting",
-    "AsyncSaver": "asynchronous", "SaveHandle": "asynchronous", "SaveInfo": "saving",
-    "Checkpoint": "checkpoint", "Mismatch": "load_plan", "CheckpointManager": "manager",
-    "RetentionPolicy": "retention",
-    "rank_local": "state", "RankLocal": "state", "Stateful": "state", "FlattenedTensor": "subclass",
-    "FORMAT_VERSION": "format", "S3Storage": "storage.s3", "S3Options": "storage.s3client",
+    "copy": "interop.copying", "CopyInfo": "interop.copying", "export": "api",
+    "SaveOptions": "options", "LoadOptions": "options",
+    "ExportOptions": "interop.exporting", "ExportInfo": "interop.exporting",
+    "AsyncSaver": "saving.asynchronous", "SaveHandle": "saving.asynchronous", "SaveInfo": "saving.pipeline",
+    "Checkpoint": "loading.checkpoint", "Mismatch": "loading.load_plan", "CheckpointManager": "manager",
+    "RetentionPolicy": "roots.retention",
+    "rank_local": "state", "RankLocal": "state", "Stateful": "state", "FlattenedTensor": "format.subclass",
+    "FORMAT_VERSION": "format.layout", "S3Storage": "storage.s3", "S3Options": "storage.s3client",
     "CheckpointError": "errors", "CheckpointExistsError": "errors", "CheckpointNotFoundError": "errors",
     "CommitError": "errors",
     "CorruptCheckpointError": "errors", "IncompleteCheckpointError": "errors", "SharedMemoryError": "errors",
@@ -45,29 +46,29 @@ _EXPORTS = {
 
 if TYPE_CHECKING:  # what type checkers and editors see
     from .api import async_save, export, load, open, open_latest, save, verify
-    from .asynchronous import AsyncSaver, SaveHandle
-    from .checkpoint import Checkpoint
-    from .copying import CopyInfo, copy
     from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CommitError,
                          ConcurrentWriteError, CorruptCheckpointError, ExportError, IncompleteCheckpointError,
-                         SharedMemoryError,
-                         StateChangedError, StateMismatchError, StorageError, UnsafeFileError, UnsupportedValueError)
-    from .exporting import ExportInfo, ExportOptions
-    from .format import FORMAT_VERSION
-    from .load_plan import Mismatch
+                         SharedMemoryError, StateChangedError, StateMismatchError, StorageError, UnsafeFileError,
+                         UnsupportedValueError)
+    from .format.layout import FORMAT_VERSION
+    from .format.subclass import FlattenedTensor
+    from .interop.copying import CopyInfo, copy
+    from .interop.exporting import ExportInfo, ExportOptions
+    from .loading.checkpoint import Checkpoint
+    from .loading.load_plan import Mismatch
     from .manager import CheckpointManager
     from .options import LoadOptions, SaveOptions
-    from .retention import RetentionPolicy
-    from .saving import SaveInfo
+    from .roots.retention import RetentionPolicy
+    from .saving.asynchronous import AsyncSaver, SaveHandle
+    from .saving.pipeline import SaveInfo
     from .state import RankLocal, Stateful, rank_local
     from .storage.s3 import S3Storage
     from .storage.s3client import S3Options
-    from .subclass import FlattenedTensor
 
 
 def __getattr__(name: str) -> Any:
     """A public name, imported from its module on first use (then kept here); or a submodule, as
-    ``zerostall.format`` after a plain ``import zerostall``."""
+    ``zerostall.format.layout`` after a plain ``import zerostall``."""
     module = _EXPORTS.get(name)
     if module is not None:
         value = globals()[name] = getattr(importlib.import_module(f".{module}", __name__), name)
@@ -87,11 +88,11 @@ def __dir__() -> list[str]:
 
 def _drain_at_exit() -> None:
     """Close every asynchronous saver still open at exit, so its save in flight commits (once
-    ``zerostall.asynchronous`` is loaded there can be one). A threading exit hook, which runs before
+    ``zerostall.saving.asynchronous`` is loaded there can be one). A threading exit hook, which runs before
     ``concurrent.futures`` refuses new work (plain ``atexit`` would run after); registered on
     ``import zerostall``, so hooks a program registers after that import run before it (they run
     last registered first)."""
-    asynchronous = sys.modules.get(f"{__name__}.asynchronous")
+    asynchronous = sys.modules.get(f"{__name__}.saving.asynchronous")
     if asynchronous is not None:
         asynchronous.close_at_exit()
 

@@ -11,14 +11,14 @@ import os
 import threading
 from typing import Any, Callable, Mapping
 
-from .asynchronous import AsyncSaver, SaveHandle
-from .checkpoint import Checkpoint
 from .collectives import Group
-from .exporting import ExportInfo, ExportOptions, export_checkpoint
 from .gcpause import gc_paused
+from .interop.exporting import ExportInfo, ExportOptions, export_checkpoint
+from .loading.checkpoint import Checkpoint
 from .options import LoadOptions, SaveOptions
-from .root import CheckpointRoot
-from .saving import SaveInfo, persist, prepare
+from .roots.root import CheckpointRoot
+from .saving.asynchronous import AsyncSaver, SaveHandle
+from .saving.pipeline import SaveInfo, persist, prepare
 from .storage import Storage, storage_for
 
 

@@ -7,7 +7,7 @@ process (a thread, or a writer process outside the process group) rings and wait
 blocking wait never holds the connection training uses. The storage stays the record: every rank
 still writes its ``done``/``failed`` record there, and a store that cannot be reached (another
 kind of store, or the server gone with its training process) only means falling back to polling
-the storage (:mod:`zerostall.commit`).
+the storage (:mod:`zerostall.saving.commit`).
 
 Keys, under ``zerostall/<location>/<generation>/``: ``r<rank>`` (``done`` or ``failed:<reason>``),
 ``finished`` (a counter), ``ready`` (set by the last rank to finish, or at once by a failed one)

@@ -1,9 +1,9 @@
 """CheckpointManager: checkpoints by step under one root, ``latest``, open/close, resume, retention.
 
-The root (see :mod:`zerostall.root`) holds one checkpoint per step (``step_000000100``) or tag,
-the ``latest`` pointer and the writer lease (see :mod:`zerostall.lease`). A new writer removes
+The root (see :mod:`zerostall.roots.root`) holds one checkpoint per step (``step_000000100``) or tag,
+the ``latest`` pointer and the writer lease (see :mod:`zerostall.roots.lease`). A new writer removes
 what a dead one left uncommitted. Saving a step below committed ones (a rollback), or one that
-exists, moves those into ``.superseded/`` first. Retention (see :mod:`zerostall.retention`) runs on the coordinator after
+exists, moves those into ``.superseded/`` first. Retention (see :mod:`zerostall.roots.retention`) runs on the coordinator after
 each commit, in the background; a checkpoint is deleted manifest first.
 """
 
@@ -22,17 +22,17 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .api import open as open_checkpoint, save
-from .asynchronous import AsyncSaver, SaveHandle
-from .checkpoint import Checkpoint
 from .collectives import Group
 from .errors import CheckpointError, CheckpointNotFoundError, UnsupportedValueError
-from .format import RNG_KEY
-from .lease import DEFAULT_TTL, WriterLease
+from .format.layout import RNG_KEY
+from .loading.checkpoint import Checkpoint
 from .options import LoadOptions, SaveOptions
-from .retention import CheckpointRecord, RetentionPolicy
-from .root import LATEST_NAME, CheckpointRoot, retained, step_tag, validate_tag
-from .saving import SaveInfo, checked_step
-from .schedule import SaveSchedule
+from .roots.lease import DEFAULT_TTL, WriterLease
+from .roots.retention import CheckpointRecord, RetentionPolicy
+from .roots.root import LATEST_NAME, CheckpointRoot, retained, step_tag, validate_tag
+from .roots.schedule import SaveSchedule
+from .saving.asynchronous import AsyncSaver, SaveHandle
+from .saving.pipeline import SaveInfo, checked_step
 from .state import RankLocal, rank_local
 from .storage import Storage, storage_for
 

@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 
-from .format import DEFAULT_BLOCK_SIZE
-from .manifest_check import MAX_BLOCK_SIZE
+from .format.layout import DEFAULT_BLOCK_SIZE
+from .format.manifest_check import MAX_BLOCK_SIZE
 
 KeyFilter = Callable[[str], bool] | Iterable[str] | None
 T = TypeVar("T", bound="_Options")

@@ -21,11 +21,11 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 import zerostall as zs
-from zerostall import sources
-from zerostall.format import Manifest
-from zerostall.opening import read_manifest, read_source
-from zerostall.root import named_instead
-from zerostall.storage import Storage, storage_for
+from ..format.layout import Manifest
+from ..loading import foreign as sources
+from ..loading.opening import read_manifest, read_source
+from ..roots.root import named_instead
+from ..storage import Storage, storage_for
 
 FAILED = 1  # a checkpoint is incomplete or corrupt, an operation failed, or the root is being written
 USAGE = 2  # bad usage, nothing found, or a destination that holds a checkpoint already

@@ -17,9 +17,9 @@ import click
 from rich.table import Table
 
 import zerostall as zs
-from zerostall import codec
-from zerostall.format import Entry, Manifest
-from zerostall.reader import resolve
+from ..format import codec
+from ..format.layout import Entry, Manifest
+from ..loading.reader import resolve
 
 from .common import (EXIT_STATUSES, Failure, USAGE, cli, clip, console, foreign_source, open_checkpoint, print_json,
                      progress_bar, reported_errors)
@@ -117,7 +117,7 @@ def _compare_tensors(report: Report, key: str, a: zs.Checkpoint, b: zs.Checkpoin
         return
     import torch  # here: the other commands start without torch
 
-    from zerostall.boxes import flat_boxes
+    from ..format.boxes import flat_boxes
 
     numel = math.prod(shape_x)
     itemsize = max(x.torch_dtype.itemsize, y.torch_dtype.itemsize)

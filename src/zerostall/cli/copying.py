@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 from rich.filesize import decimal as human_bytes
 
-from zerostall.copying import copy
+from ..interop.copying import copy
 
 from .common import EXIT_STATUSES, cli, console, open_checkpoint, print_json, progress_bar, reported_errors
 

@@ -43,7 +43,7 @@ def export(ckpt: str, out: str, fmt: str, prefix: str | None, rename: tuple[str,
     Exit status: 0 exported; 1 the checkpoint is incomplete, corrupt or unreadable, or writing
     failed; 2 bad usage (nothing found, a prefix that selects nothing, a rename collision, a
     non-empty OUT without --overwrite)."""
-    from zerostall.exporting import ExportOptions, select  # torch: only this command needs it
+    from ..interop.exporting import ExportOptions, select  # torch: only this command needs it
 
     try:
         options = ExportOptions(format=fmt, prefix=prefix, rename=rename, dtype=dtype, max_shard_size=max_shard_size,
@@ -69,7 +69,7 @@ def export(ckpt: str, out: str, fmt: str, prefix: str | None, rename: tuple[str,
 @contextmanager
 def _skips_reported_here() -> Iterator[None]:
     """Quiet the library's warning about skipped entries: the command reports them itself."""
-    logger = logging.getLogger("zerostall.exporting")
+    logger = logging.getLogger("zerostall.interop.exporting")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:

@@ -10,7 +10,7 @@ import click
 from rich.filesize import decimal as human_bytes
 
 import zerostall as zs
-from zerostall import codec
+from ..format import codec
 
 from .common import FAILED, USAGE, Failure, cli, console, foreign_source, print_json, progress_bar, reported_errors
 

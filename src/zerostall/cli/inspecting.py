@@ -11,15 +11,15 @@ from rich.filesize import decimal as human_bytes
 from rich.table import Column, Table
 
 import zerostall as zs
-from zerostall import codec
-from zerostall.format import Entry, Manifest
-from zerostall.options import default_threads
-from zerostall.reader import ChunkReader
-from zerostall.storage import storage_for
-from zerostall.verification import verify_all
+from ..format import codec
+from ..format.layout import Entry, Manifest
+from ..loading.reader import ChunkReader
+from ..loading.verification import verify_all
+from ..options import default_threads
+from ..storage import storage_for
 
-from .common import (EXIT_STATUSES, FAILED, UNVERIFIED, USAGE, cli, clip, console, format_time, open_any, open_checkpoint,
-                     print_json, progress_bar, reported_errors)
+from .common import (EXIT_STATUSES, FAILED, UNVERIFIED, USAGE, cli, clip, console, format_time, open_any,
+                     open_checkpoint, print_json, progress_bar, reported_errors)
 
 
 def entry_row(manifest: Manifest, entry: Entry) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """``zerostall ls`` and ``zerostall prune``: the checkpoints under a root, and retention by hand.
 
-Both read the root through :mod:`zerostall.root` and decide retention with the manager's own
-rules (:func:`zerostall.root.retained`), so what ``ls`` says a rule keeps is what ``prune`` keeps.
+Both read the root through :mod:`zerostall.roots.root` and decide retention with the manager's own
+rules (:func:`zerostall.roots.root.retained`), so what ``ls`` says a rule keeps is what ``prune`` keeps.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import click
 from rich.filesize import decimal as human_bytes
 from rich.table import Column, Table
 
-from zerostall.lease import live_holder
-from zerostall.retention import RetentionPolicy, numeric_metrics
-from zerostall.root import COMMITTED, LEASE_NAME, CheckpointInfo, CheckpointRoot, looks_like_checkpoint, retained
-from zerostall.storage import storage_for
+from ..roots.lease import live_holder
+from ..roots.retention import RetentionPolicy, numeric_metrics
+from ..roots.root import COMMITTED, LEASE_NAME, CheckpointInfo, CheckpointRoot, looks_like_checkpoint, retained
+from ..storage import storage_for
 
 from .common import EXIT_STATUSES, FAILED, USAGE, Failure, cli, clip, console, format_time, print_json, reported_errors
 

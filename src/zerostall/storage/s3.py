@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Iterable
 
 from ..errors import ConcurrentWriteError, StorageError
-from ..format import MANIFEST_NAME
+from ..format.layout import MANIFEST_NAME
 from .base import FileStat, Storage, check_name
 from .s3client import Connection, S3Options, Views, error_code, retried
 from .s3reads import S3Reads

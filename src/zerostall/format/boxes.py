@@ -1,0 +1,108 @@
+"""Box geometry: a box is (offsets, sizes) of a region of a global tensor.
+
+A saved chunk is a box; a load target (a DTensor shard, a whole tensor) is a box; resharding is
+box intersection, and copying part of a stored chunk is a walk over the row-major regions that a
+byte range of it covers.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ..errors import UnsupportedValueError
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def local_box(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """This rank's piece of a tensor and its box (offsets, sizes) in the global tensor.
+
+    For a DTensor the box comes from DTensor itself, which also handles the strided shards that
+    FSDP2 + TP produce; a plain tensor is its own whole box.
+    """
+    if type(value) is not torch.Tensor and isinstance(value, DTensor):
+        if any(p.is_partial() for p in value.placements):
+            raise UnsupportedValueError("DTensors with Partial placements must be reduced before saving")
+        offsets, sizes = _dtensor_box(value.shape, value.device_mesh, value.placements)
+        with torch.no_grad():  # the local tensor itself, not an autograd view of it (which costs a graph node)
+            return value.to_local(), offsets, sizes
+    return value, (0,) * value.dim(), tuple(value.shape)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _dtensor_box(shape: torch.Size, mesh: Any, placements: tuple[Any, ...]) -> Box:
+    """This rank's box of a DTensor layout, cached: a sharded model and its optimizer state hold
+    thousands of DTensors with a few distinct layouts."""
+    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(offsets), tuple(sizes)
+
+
+def whole(t: torch.Tensor) -> Box:
+    """The box of a tensor that is a whole global tensor."""
+    return (0,) * t.dim(), tuple(t.shape)
+
+
+def region(inner: Box, box: Box) -> tuple[slice, ...]:
+    """The slices of a tensor holding ``box`` that cover ``inner`` (a box inside it)."""
+    return tuple(slice(o - b, o - b + s) for o, b, s in zip(inner[0], box[0], inner[1]))
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The overlap of two boxes (offsets, sizes), or None when they do not overlap."""
+    offsets, sizes = [], []
+    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1]):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        sizes.append(hi - lo)
+    return tuple(offsets), tuple(sizes)
+
+
+def contiguous_strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of ``sizes``, in elements."""
+    strides = []
+    acc = 1
+    for s in reversed(sizes):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+def element_span(chunk: Box, inner: Box) -> tuple[int, int]:
+    """First and one-past-last element index, within the row-major chunk, that ``inner`` touches."""
+    strides = contiguous_strides(chunk[1])
+    first = sum((io - co) * st for io, co, st in zip(inner[0], chunk[0], strides))
+    last = sum((io + isz - 1 - co) * st for io, isz, co, st in zip(inner[0], inner[1], chunk[0], strides))
+    return first, last + 1
+
+
+def flat_boxes(sizes: Sequence[int], first: int, end: int) -> list[Box]:
+    """Boxes (offsets, sizes) that tile the elements ``[first, end)`` of a row-major tensor of
+    ``sizes``, in order: a partial row, whole rows, a partial row, each level alike (at most
+    ``2 * ndim - 1`` boxes), so a byte range of stored data can be copied as strided regions."""
+    if first >= end:
+        return []
+    if not sizes:
+        return [((), ())]
+    inner = 1
+    for s in sizes[1:]:
+        inner *= s
+    row, col = divmod(first, inner)
+    last_row, last_col = divmod(end, inner)
+    if row == last_row:
+        return [((row, *o), (1, *s)) for o, s in flat_boxes(sizes[1:], col, last_col)]
+    boxes: list[Box] = []
+    if col:
+        boxes += [((row, *o), (1, *s)) for o, s in flat_boxes(sizes[1:], col, inner)]
+        row += 1
+    if last_row > row:
+        boxes.append(((row, *[0] * (len(sizes) - 1)), (last_row - row, *sizes[1:])))
+    if last_col:
+        boxes += [((last_row, *o), (1, *s)) for o, s in flat_boxes(sizes[1:], 0, last_col)]
+    return boxes

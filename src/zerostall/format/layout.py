@@ -1,0 +1,400 @@
+"""The on-disk format: the manifest (the only commit point) and safetensors-valid data files.
+
+A checkpoint is a directory (or object prefix) holding ``manifest.json`` and data files named
+``<generation>-r<rank>-<n>.safetensors``. The manifest lists every entry (tensor, python value or
+alias) with its chunks: a box in the global tensor, the data file, the byte range and one xxh3-64
+checksum per fixed-size block. See docs/format.md for the full description.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable
+
+import orjson
+import xxhash
+
+from ..errors import CorruptCheckpointError
+from .checksums import checksum
+from .codec import decode_path, encode_path
+
+if TYPE_CHECKING:  # reading a manifest needs no torch: only dtype_from_name imports it
+    import torch
+
+FORMAT_NAME = "zerostall"
+FORMAT_VERSION = 2  # the newest version this zerostall reads; a manifest is written with the oldest that holds it
+SUBCLASS_VERSION = 2  # the first version with "subclass" entries (tensor subclasses stored as their inner tensors)
+MANIFEST_NAME = "manifest.json"
+DATA_ALIGNMENT = 4096
+DEFAULT_BLOCK_SIZE = 4 << 20
+RNG_KEY = "__rng__"  # the top-level key under which a CheckpointManager saves every rank's RNG states
+INTERNAL_KEYS = frozenset({RNG_KEY})  # top-level keys zerostall adds for itself: never a user's unexpected keys
+
+_GEN = r"(?P<gen>[0-9a-f]+-[0-9a-f]+)"
+_DATA_FILE_RE = re.compile(rf"^{_GEN}-r(?P<rank>\d+)-(?P<n>\d+)\.safetensors$")
+_RECORD_RE = re.compile(rf"^{_GEN}(-r(?P<rank>\d+)\.(?P<kind>done|failed)|\.abort)$")
+_MANIFEST_TMP_RE = re.compile(rf"^manifest\.json\.{_GEN}$")  # after the ".tmp" suffix is removed
+_TMP_SUFFIX = re.compile(r"(\.[0-9a-f]{8})?\.tmp$")  # a temp file's suffix (see Storage.put)
+
+# safetensors dtype -> the manifest's dtype name (see dtype_name), for every one zerostall reads
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "C64": "complex64"}
+# those a data file's header names (fixed by the format); every other dtype is stored as U8
+_WRITTEN = {SAFETENSORS_DTYPES[d]: d for d in "F64 F32 F16 BF16 I64 I32 I16 I8 U64 U32 U16 U8 BOOL F8_E4M3 F8_E5M2".split()}
+
+
+def dump_json(obj: Any) -> bytes:
+    """Compact JSON: orjson (much faster than the standard library on a manifest of thousands of
+    entries), the standard library for what orjson refuses (integers beyond 64 bits), so no value
+    ever changes. Non-finite floats never get here: the codec tags them."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+_DIGIT_RUNS = bytes(ord("0") if ord("0") <= i <= ord("9") else ord(" ") for i in range(256))
+
+
+def load_json(data: bytes) -> Any:
+    """Parse JSON exactly like the standard library, faster on a big manifest: orjson, unless
+    ``data`` holds a run of 19 or more digits (possibly an integer beyond 64 bits, which orjson would
+    silently turn into a float) or orjson refuses it (lone surrogates, which the standard library
+    writes as escapes). Raises ``ValueError`` on malformed input."""
+    if b"0" * 19 not in data.translate(_DIGIT_RUNS):
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(data)
+
+
+def generation_time(generation: str) -> int:
+    """The creation time (ns) encoded in a generation id; ids compare by it."""
+    return int(generation.split("-", 1)[0], 16)
+
+
+def generation_id(clock_ns: int, seed: int) -> str:
+    """A per-save id: the coordinator's clock (so ids are time-ordered) and 32 bits mixed from it and
+    the coordinator's random ``seed``, so two saves never share file names."""
+    return f"{clock_ns:x}-{xxhash.xxh3_64_intdigest(clock_ns.to_bytes(8, 'little'), seed) & 0xFFFFFFFF:08x}"
+
+
+def data_file_name(generation: str, rank: int, index: int) -> str:
+    return f"{generation}-r{rank:05d}-{index:03d}.safetensors"
+
+
+def record_name(generation: str, rank: int, kind: str) -> str:
+    """A rank's commit record: ``done`` (its files, sizes and checksums) or ``failed``."""
+    return f"{generation}-r{rank:05d}.{kind}"
+
+
+def abort_name(generation: str) -> str:
+    return f"{generation}.abort"
+
+
+def parse_record(name: str) -> tuple[str, int | None, str] | None:
+    """(generation, rank, kind) of a commit record name; kind "abort" has no rank."""
+    match = _RECORD_RE.match(name)
+    if not match:
+        return None
+    rank = match.group("rank")
+    return match.group("gen"), int(rank) if rank else None, match.group("kind") or "abort"
+
+
+def manifest_tmp_name(generation: str) -> str:
+    return f"{MANIFEST_NAME}.{generation}.tmp"
+
+
+def file_generation(name: str) -> str | None:
+    """The generation a data file or manifest temp file belongs to; None for foreign files."""
+    base = _TMP_SUFFIX.sub("", name)  # temp files of records and manifests belong to their generation
+    match = _DATA_FILE_RE.match(base) or _RECORD_RE.match(base) or _MANIFEST_TMP_RE.match(base)
+    return match.group("gen") if match else None
+
+
+@functools.cache
+def dtype_name(dtype: torch.dtype) -> str:
+    """The manifest's name of ``dtype``: ``float32``."""
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.cache
+def dtype_from_name(name: str) -> torch.dtype:
+    """The dtype a manifest names (the one place torch is imported here, on first use)."""
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in manifest")
+    return dtype
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One stored piece of a tensor: a box of the global tensor and where its bytes live."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    nbytes: int
+    checksums: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"offsets": self.offsets, "sizes": self.sizes, "file": self.file, "offset": self.offset,
+                "nbytes": self.nbytes, "checksums": self.checksums}  # tuples serialize as arrays
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Chunk":
+        return cls(tuple(d["offsets"]), tuple(d["sizes"]), d["file"], d["offset"], d["nbytes"],
+                   list(d["checksums"]))
+
+
+@dataclass(slots=True)
+class Entry:
+    """A leaf of the saved state. ``kind`` is "tensor", "object" (a python value), "alias" or
+    "subclass" (a tensor subclass: ``cls`` names it, ``shards`` describe it box by box and point at
+    the tensor entries holding its inner tensors, whose ``inner_of`` points back)."""
+
+    fqn: str
+    path: tuple[Any, ...]
+    kind: str
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    chunks: list[Chunk] = field(default_factory=list)
+    value: Any = None
+    alias_of: int | None = None
+    rank: int | None = None
+    cls: str | None = None
+    shards: list[dict[str, Any]] | None = None
+    inner_of: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        assert self.dtype is not None
+        return dtype_from_name(self.dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"fqn": self.fqn, "path": encode_path(self.path), "kind": self.kind}
+        if self.rank is not None:
+            d["rank"] = self.rank
+        if self.kind == "tensor":
+            d["dtype"] = self.dtype
+            d["shape"] = self.shape or ()
+            d["chunks"] = [c.to_json() for c in self.chunks]
+            if self.inner_of is not None:
+                d["inner_of"] = self.inner_of
+        elif self.kind == "subclass":
+            d.update({"class": self.cls, "dtype": self.dtype, "shape": self.shape or (), "shards": self.shards or []})
+        elif self.kind == "object":
+            d["value"] = self.value
+        else:
+            d["alias_of"] = self.alias_of
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Entry":
+        get = d.get
+        if d["kind"] == "tensor":  # positional: thousands of entries, keyword matching shows
+            return cls(d["fqn"], decode_path(d["path"]), "tensor", d["dtype"], tuple(d["shape"]),
+                       [Chunk.from_json(c) for c in d["chunks"]], None, None, get("rank"), None, None, get("inner_of"))
+        if d["kind"] == "subclass":
+            return cls(d["fqn"], decode_path(d["path"]), "subclass", d["dtype"], tuple(d["shape"]), rank=get("rank"),
+                       cls=d["class"], shards=list(d["shards"]))
+        return cls(d["fqn"], decode_path(d["path"]), d["kind"], value=get("value"), alias_of=get("alias_of"),
+                   rank=get("rank"))
+
+
+@dataclass
+class Manifest:
+    """Everything needed to read a checkpoint: no process group and no model code required."""
+
+    generation: str
+    entries: list[Entry]
+    files: dict[str, int]
+    tree: Any
+    world_size: int = 1
+    block_size: int = DEFAULT_BLOCK_SIZE
+    step: int | None = None
+    metadata: Any = None
+    created: float = field(default_factory=time.time)
+    version: int = 1  # as read; written as at least what the entries need (see version_needed)
+    headers: dict[str, str] = field(default_factory=dict)  # file -> xxh3-64 of its safetensors header
+    foreign: str | None = None  # read in place of ours ("dcp", "safetensors"): no checksums; never written
+    left_out: list[str] = field(default_factory=list)  # a foreign one's items that cannot be read in place, named
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.files.values())
+
+    def to_bytes(self) -> bytes:
+        """Serialize as ``{"checksum": H, "manifest": BODY}`` where H is the xxh3-64 of BODY."""
+        version = max(self.version, version_needed(self.entries))
+        body = dump_json({
+            "format": FORMAT_NAME, "version": version, "generation": self.generation,
+            "created": self.created, "step": self.step, "world_size": self.world_size,
+            "block_size": self.block_size, "checksum": "xxh3_64", "files": self.files,
+            "headers": self.headers, "metadata": self.metadata, "tree": self.tree,
+            "entries": [e.to_json() for e in self.entries],
+        })
+        return b'{"checksum":"%s","manifest":%s}\n' % (checksum(body).encode(), body)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Manifest":
+        """The manifest of a body already checked (``zerostall.format.manifest_check.parse_manifest``: the
+        one place a manifest read from storage becomes a ``Manifest``)."""
+        return cls(
+            generation=d["generation"], entries=[Entry.from_json(e) for e in d["entries"]],
+            files=dict(d["files"]), tree=d["tree"], world_size=d["world_size"],
+            block_size=d["block_size"], step=d["step"], metadata=d["metadata"],
+            created=d["created"], version=d["version"], headers=dict(d.get("headers", {})),
+        )
+
+
+def version_needed(entries: Iterable[Entry]) -> int:
+    """The oldest format version that holds ``entries``: 1, or 2 once a tensor subclass is among
+    them (so that a reader that knows no "subclass" entries refuses the manifest, never misreads it)."""
+    return SUBCLASS_VERSION if any(e.kind == "subclass" for e in entries) else 1
+
+
+@dataclass
+class ManifestHead:
+    """A manifest without its entries and tree: what listing and ranking checkpoints need, read
+    from the leading fields of the body (whose checksum is still checked whole), so a
+    checkpoint of a hundred thousand entries is listed in milliseconds."""
+
+    generation: str
+    files: dict[str, int]
+    world_size: int
+    block_size: int
+    step: int | None
+    metadata: Any
+    created: float
+    version: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.files.values())
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "ManifestHead":
+        """The head of leading members already checked (``zerostall.format.manifest_check.parse_head``)."""
+        return cls(generation=d["generation"], files=dict(d["files"]), world_size=d["world_size"],
+                   block_size=d["block_size"], step=d["step"], metadata=d["metadata"], created=d["created"],
+                   version=d["version"])
+
+
+def manifest_body(raw: bytes, where: str) -> Any:
+    """The parsed body of the manifest ``raw`` (read from ``where``), once its checksum matches and
+    it names this format in a version this reader knows; its fields are not checked yet."""
+    try:
+        d = load_json(_checked_body(raw, where))
+    except (ValueError, RecursionError) as exc:  # nesting deeper than any parser goes
+        raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
+    _check_format(d, where)
+    return d
+
+
+def manifest_head_body(raw: bytes, where: str) -> dict[str, Any]:
+    """The leading members of the manifest ``raw`` up to those :class:`ManifestHead` needs (the
+    checksum is still checked over the whole body), as :func:`manifest_body` checks them."""
+    wanted = {"format", *(f.name for f in dataclasses.fields(ManifestHead))}
+    try:
+        d = _leading_members(_checked_body(raw, where).decode(), wanted)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
+    _check_format(d, where)
+    return d
+
+
+def _checked_body(raw: bytes, where: str) -> bytes:
+    """The manifest body inside ``{"checksum": H, "manifest": BODY}``, once its xxh3-64 matches H."""
+    prefix, separator, suffix = b'{"checksum":"', b'","manifest":', b"}\n"
+    head = len(prefix) + 16 + len(separator)
+    body = raw[head:-len(suffix)]
+    digest = raw[len(prefix):len(prefix) + 16]
+    if (raw[:len(prefix)] != prefix or raw[len(prefix) + 16:head] != separator or not raw.endswith(suffix)
+            or checksum(body).encode() != digest):
+        raise CorruptCheckpointError(f"manifest {where} fails its checksum (damaged or not a zerostall manifest)")
+    return body
+
+
+def _check_format(d: Any, where: str) -> None:
+    if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where} is not a zerostall manifest")
+    if type(d.get("version")) is not int or not 1 <= d["version"] <= FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"manifest {where} has format version {d.get('version')}; this zerostall reads <= {FORMAT_VERSION}")
+
+
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _leading_members(text: str, wanted: set[str]) -> dict[str, Any]:
+    """The members of the JSON object ``text``, parsed in order until every key of ``wanted`` has
+    been read (the rest is left unparsed). Raises ``ValueError`` on malformed input."""
+    decode = json.JSONDecoder().raw_decode
+    found: dict[str, Any] = {}
+    at = _SPACE.match(text, 0).end()
+    if text[at:at + 1] != "{":
+        raise ValueError("the manifest body is not an object")
+    at = _SPACE.match(text, at + 1).end()
+    while not wanted <= found.keys() and text[at:at + 1] != "}":
+        key, at = decode(text, at)
+        at = _SPACE.match(text, at).end()
+        if not isinstance(key, str) or text[at:at + 1] != ":":
+            raise ValueError(f"expected a member name and ':' at character {at}")
+        found[key], at = decode(text, _SPACE.match(text, at + 1).end())
+        at = _SPACE.match(text, at).end()
+        if text[at:at + 1] == ",":
+            at = _SPACE.match(text, at + 1).end()
+        elif text[at:at + 1] != "}":
+            raise ValueError(f"expected ',' or '}}' at character {at}")
+    return found
+
+
+@dataclass(slots=True)
+class FileItem:
+    """One tensor (or chunk) placed in a data file: its name there, dtype, shape and size."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str | None:
+    """The safetensors name of ``dtype`` (``BF16``); None for a dtype safetensors lacks."""
+    return _WRITTEN.get(dtype_name(dtype))
+
+
+def safetensors_header(items: Iterable[FileItem], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
+    """A safetensors header holding ``metadata``, padded with spaces so that the data section starts
+    4 KiB-aligned (length prefix included), and each item's absolute byte offset in the file. Items
+    come ordered by descending itemsize, so packing with no gaps keeps each at its natural alignment;
+    a dtype safetensors lacks is stored as U8 bytes."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    relative, pos = [], 0
+    for item in items:
+        st_dtype = safetensors_dtype(item.dtype)
+        shape = list(item.shape) if st_dtype else [item.nbytes]
+        header[item.name] = {"dtype": st_dtype or "U8", "shape": shape, "data_offsets": [pos, pos + item.nbytes]}
+        relative.append(pos)
+        pos += item.nbytes
+    text = dump_json(header)
+    data_start = -(-(8 + len(text)) // DATA_ALIGNMENT) * DATA_ALIGNMENT
+    return struct.pack("<Q", data_start - 8) + text.ljust(data_start - 8), [data_start + r for r in relative]

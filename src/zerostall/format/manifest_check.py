@@ -1,0 +1,278 @@
+"""The manifest's schema: what the format allows, checked once, where a manifest is read.
+
+A checkpoint is input from outside (another team, a bucket, a disk that lies). The checksum
+envelope proves that a manifest is intact, not that its numbers are sane. :func:`parse_manifest` is
+the one place where manifest bytes become a :class:`~zerostall.format.layout.Manifest`, and it checks every
+field against what the format allows: plain data-file names of this generation with their sizes,
+known entry kinds and dtypes, non-negative shapes, chunks inside the tensor and inside the files
+the manifest lists, ``nbytes`` = elements × item size, one checksum per block, chunks that tile
+each tensor exactly and each data file back to back (``tensor_check``), aliases of tensor entries,
+tensor subclass descriptions, key paths unique and matching the tree, python values of known tags
+at most :data:`~zerostall.format.codec.MAX_DEPTH` containers deep (``value_check``). Loaders, ``verify``
+and the CLI then trust these numbers. Anything else is a
+:class:`~zerostall.errors.CorruptCheckpointError` naming the field. The limits are documented in
+docs/format.md §10, "What a reader accepts".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from ..errors import CheckpointError, CorruptCheckpointError
+from . import codec
+from .layout import SUBCLASS_VERSION, Entry, Manifest, ManifestHead, data_file_name, manifest_body, manifest_head_body
+from .tensor_check import (HEX16, MAX_INT, FieldError, check_packed, check_shape, check_tensor, clip, dtype_itemsize,
+                           explain_chunk, field, int_field)
+from .value_check import check_value
+
+MAX_MANIFEST_BYTES = 1 << 30
+"""The largest manifest read (1 GiB): ~6 million chunks, e.g. 2,000 sharded tensors of a model
+saved by 3,000 ranks; a 20,000-tensor single-process checkpoint needs ~10 MB. The environment
+variable ``ZEROSTALL_MAX_MANIFEST_BYTES`` raises (or lowers) it."""
+MANIFEST_BYTES_ENV = "ZEROSTALL_MAX_MANIFEST_BYTES"
+MAX_BLOCK_SIZE = 1 << 30  # bytes per checksum block: a reader holds a block (per thread) to check it
+
+_GENERATION = re.compile(r"[0-9a-f]{1,32}-[0-9a-f]{1,32}")
+_DATA_FILE = re.compile(r"(?P<gen>[0-9a-f]+-[0-9a-f]+)-r(?P<rank>\d{5,})-(?P<n>\d{3,})\.safetensors")
+_HEXES = re.compile(r"[0-9a-f]*")
+_YEAR_10000 = 253402300800  # seconds since the epoch
+_INT = {int}
+_STR = {str}
+_TENSORS = ("tensor", "subclass")  # what an alias may stand for
+
+
+def max_manifest_bytes() -> int:
+    """The largest manifest zerostall reads: ``ZEROSTALL_MAX_MANIFEST_BYTES`` or :data:`MAX_MANIFEST_BYTES`."""
+    text = os.environ.get(MANIFEST_BYTES_ENV, "")
+    if not text:
+        return MAX_MANIFEST_BYTES
+    if not text.isdigit() or int(text) <= 0:
+        raise ValueError(f"{MANIFEST_BYTES_ENV}={text!r} is not a positive number of bytes")
+    return int(text)
+
+
+def parse_manifest(raw: bytes, where: str) -> Manifest:
+    """The manifest ``raw`` (read from ``where``): its checksum, then every field checked, then
+    built; :class:`CorruptCheckpointError` naming the first field the format does not allow."""
+    d = manifest_body(raw, where)
+    try:
+        _check_head(d, with_headers=True)
+        entries = field(d, "entries", list)
+        numbers: list[Any] = []  # every int of every chunk, checked at once (and named only when one is wrong)
+        digests: list[Any] = []  # every block checksum, likewise
+        spans: dict[str, list[tuple[int, int]]] = {name: [] for name in d["files"]}  # non-empty chunks, by file
+        kinds = [_check_entry(d, i, e, numbers, digests, spans) for i, e in enumerate(entries)]
+        if not (set(map(type, numbers)) <= _INT and _checksums_are_hex(digests)):
+            _explain_all(d, entries, kinds)
+        check_packed(spans, d["files"])
+        for i, e in enumerate(entries):
+            target = e["alias_of"] if kinds[i] == "alias" else 0
+            if kinds[i] == "alias" and (target >= len(entries) or kinds[target] not in _TENSORS
+                                        or entries[target].get("inner_of") is not None):
+                raise FieldError(_name(i, e, "alias_of"), f"{target} is not the index of a tensor entry")
+        field(d, "tree", object)
+        manifest = Manifest.from_json(d)
+        _check_paths(manifest)
+        if "subclass" in kinds or any(e.inner_of is not None for e in manifest.entries):
+            from . import subclass  # imports torch: only for a checkpoint holding a tensor subclass
+
+            faults = subclass.check(manifest.entries, where)
+            if faults:
+                raise FieldError("entries", faults[0])
+    except (FieldError, CheckpointError) as exc:  # CheckpointError: a python value or key path the codec refuses
+        raise CorruptCheckpointError(f"manifest {where} is malformed: {exc}") from None
+    return manifest
+
+
+def _checksums_are_hex(digests: list[Any]) -> bool:
+    try:
+        joined = "".join(digests)
+    except TypeError:
+        return False
+    return len(joined) == 16 * len(digests) and _HEXES.fullmatch(joined) is not None
+
+
+def _explain_all(d: dict[str, Any], entries: list[Any], kinds: list[str]) -> None:
+    """Name the chunk whose numbers or checksums the checks in bulk found wrong."""
+    for i, e in enumerate(entries):
+        if kinds[i] == "tensor":
+            try:
+                dtype, shape = e["dtype"], e["shape"]
+                for j, c in enumerate(e["chunks"]):
+                    explain_chunk(j, c, shape, dtype, dtype_itemsize(dtype), d["files"], d["block_size"], always=False)
+            except FieldError as exc:
+                raise FieldError(_name(i, e, exc.field), exc.why) from None
+    raise FieldError("entries", "malformed")  # not reached: the bulk checks failed on some chunk
+
+
+def parse_head(raw: bytes, where: str) -> ManifestHead:
+    """The head of the manifest ``raw`` (what listing needs), its fields checked as
+    :func:`parse_manifest` checks them; the checksum is checked over the whole body."""
+    d = manifest_head_body(raw, where)
+    try:
+        _check_head(d, with_headers=False)
+    except (FieldError, CheckpointError) as exc:
+        raise CorruptCheckpointError(f"manifest {where} is malformed: {exc}") from None
+    return ManifestHead.from_json(d)
+
+
+# -- the body's own fields ----------------------------------------------------------------------
+
+def _check_head(d: dict[str, Any], *, with_headers: bool) -> None:
+    """The fields before ``tree`` and ``entries``: what a listing reads."""
+    generation = field(d, "generation", str)
+    if not _GENERATION.fullmatch(generation):
+        raise FieldError("generation", f"{clip(generation)} is not a generation id")
+    created = field(d, "created", (int, float))
+    if not 0 <= created < _YEAR_10000:  # NaN too
+        raise FieldError("created", f"{created!r} is not a time (seconds since 1970, before the year 10000)")
+    step = field(d, "step", (int, type(None)))
+    if step is not None:
+        int_field(step, "step", -MAX_INT)
+    world = int_field(field(d, "world_size", int), "world_size", 1)
+    int_field(field(d, "block_size", int), "block_size", 1, MAX_BLOCK_SIZE)
+    if d.get("checksum", "xxh3_64") != "xxh3_64":
+        raise FieldError("checksum", f"{clip(d['checksum'])} is not the checksum algorithm this zerostall knows "
+                                     "(xxh3_64)")
+    files = field(d, "files", dict)
+    for name, size in files.items():
+        _check_file_name(name, generation, world)
+        int_field(size, f"files[{name!r}]")
+    metadata = field(d, "metadata", dict)
+    check_value(metadata, "metadata")
+    if len(metadata) == 1 and next(iter(metadata)).startswith("$") and "$dict" not in metadata:
+        raise FieldError("metadata", f"{clip(metadata)} is not an encoded dict")
+    if with_headers and "headers" in d:
+        for name, digest in field(d, "headers", dict).items():
+            if name not in files:
+                raise FieldError(f"headers[{clip(name)}]", "not a file of the checkpoint (a key of files)")
+            if type(digest) is not str or not HEX16.fullmatch(digest):
+                raise FieldError(f"headers[{name!r}]", f"{clip(digest)} is not an xxh3-64 checksum (16 hex digits)")
+
+
+def _check_file_name(name: str, generation: str, world: int) -> None:
+    """A data file's name: a plain name, ``<generation>-r<rank>-<index>.safetensors`` of this
+    generation and of a rank of the world that wrote it (so nothing outside the checkpoint, and
+    nothing of it but its data files, is ever read as data)."""
+    match = _DATA_FILE.fullmatch(name)
+    if not match or match["gen"] != generation or int(match["rank"]) >= world \
+            or data_file_name(generation, int(match["rank"]), int(match["n"])) != name:
+        raise FieldError(f"files[{clip(name)}]", f"not the name of a data file of generation {generation} written "
+                                                 f"by one of {world} rank(s) (<generation>-r<rank>-<index>"
+                                                 ".safetensors)")
+
+
+# -- entries ---------------------------------------------------------------------------------------
+
+def _name(i: int, e: Any, field: str = "") -> str:
+    fqn = e.get("fqn") if type(e) is dict else None
+    at = f"entries[{i}]" + (f" ({clip(fqn)})" if type(fqn) is str else "")
+    return f"{at}.{field}" if field else at
+
+
+def _check_entry(d: dict[str, Any], i: int, e: Any, numbers: list[Any], digests: list[Any],
+                 spans: dict[str, list[tuple[int, int]]]) -> str:
+    """Check entry ``i``; returns its kind. Field names are only spelled out for an error. The
+    chunks' ints are added to ``numbers`` and their checksums to ``digests``, checked in bulk."""
+    try:
+        if type(e) is not dict:
+            raise FieldError("", f"{clip(e)} is not an object")
+        if type(e.get("fqn")) is not str:
+            field(e, "fqn", str)
+        path = e.get("path")
+        if type(path) is not list or not set(map(type, path)) <= _STR:
+            for k, key in enumerate(field(e, "path", list)):
+                if type(key) is not str:
+                    check_value(key, f"path[{k}]", key=True)
+        rank = e.get("rank")
+        if rank is not None:
+            int_field(rank, "rank", 0, d["world_size"] - 1)
+        kind = e.get("kind")
+        if kind == "tensor":
+            check_tensor(d, e, numbers, digests, spans)
+            if e.get("inner_of") is not None:
+                int_field(e["inner_of"], "inner_of")
+        elif kind == "object":
+            check_value(field(e, "value", object), "value")
+        elif kind == "alias":
+            int_field(field(e, "alias_of", int), "alias_of")
+        elif kind == "subclass" and d["version"] >= SUBCLASS_VERSION:
+            _check_subclass(e)
+        else:
+            raise FieldError("kind", f"{clip(kind)} is not an entry kind of format version {d['version']} (tensor, "
+                                     "object, alias" + (", subclass)" if d["version"] >= SUBCLASS_VERSION else ")"))
+        return kind
+    except FieldError as exc:
+        raise FieldError(_name(i, e, exc.field), exc.why) from None
+    except CorruptCheckpointError as exc:  # from check_value, which names the field
+        raise FieldError(_name(i, e), str(exc)) from None
+
+
+def _check_subclass(e: dict[str, Any]) -> None:
+    """A tensor subclass entry's own fields (format.md §2.1); how its shards refer to its inner
+    tensor entries is checked by :func:`zerostall.format.subclass.check` once the entries are built."""
+    field(e, "class", str)
+    itemsize = dtype_itemsize(e.get("dtype"))
+    if itemsize is None:
+        raise FieldError("dtype", f"{clip(e.get('dtype'))} is not a torch dtype")
+    check_shape(e, itemsize)
+    for j, shard in enumerate(field(e, "shards", list)):
+        if type(shard) is not dict:
+            raise FieldError(f"shards[{j}]", f"{clip(shard)} is not an object")
+        check_value(shard, f"shards[{j}]")  # plain JSON, the flatten contexts tagged; at most MAX_DEPTH deep
+
+
+# -- key paths and the tree ------------------------------------------------------------------------
+
+def _check_paths(manifest: Manifest) -> None:
+    """Each (key path, rank) names one entry, and the tree puts each entry where its path says:
+    what a load matches by path, ``state()`` rebuilds from the tree."""
+    seen: dict[tuple[Any, int | None], int] = {}
+    for i, entry in enumerate(manifest.entries):
+        first = seen.setdefault((entry.path, entry.rank), i)
+        if first != i:
+            same = "key path" if entry.rank is None else f"key path and rank {entry.rank}"
+            raise FieldError(f"entries[{i}] ({clip(entry.fqn)}).path", f"entry {first} has the same {same}")
+    _check_tree(manifest.tree, manifest.entries)
+
+
+def _check_tree(tree: Any, entries: list[Entry]) -> None:
+    """The tree holds containers (dicts, lists, tuples) and entry references only, at most
+    :data:`~zerostall.format.codec.MAX_DEPTH` deep, each reference at the key path of the entry it names."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(tree, ())]
+    while stack:
+        node, path = stack.pop()
+        kind = type(node)
+        tag = key if kind is dict and len(node) == 1 and (key := next(iter(node))).startswith("$") else ""
+        body = node[tag] if tag else node
+        if tag == "$ref":
+            _check_ref(body, path, entries)
+            continue
+        if len(path) >= codec.MAX_DEPTH:
+            raise FieldError(f"tree at {clip(list(path[:4]))}…", f"nests more than {codec.MAX_DEPTH} containers deep")
+        if (kind is list or tag == "$tuple") and type(body) is list:
+            items: Any = enumerate(body)
+        elif tag == "$dict" and type(body) is list and all(type(p) is list and len(p) == 2 for p in body):
+            for k, _ in body:
+                check_value(k, f"tree at {clip(list(path))}: a key", key=True)
+            items = ((codec.decode(k, where="tree"), v) for k, v in body)
+        elif kind is dict and not tag and not any(k.startswith("$") for k in node):
+            items = node.items()
+        else:
+            raise FieldError(f"tree at {clip(list(path))}", f"{clip(node)}: the tree holds containers (dicts, "
+                                                            "lists, tuples) and references to entries only")
+        for k, v in items:
+            if type(v) is dict and len(v) == 1 and "$ref" in v:  # a leaf: checked here, the common case
+                _check_ref(v["$ref"], path + (k,), entries)
+            else:
+                stack.append((v, path + (k,)))
+
+
+def _check_ref(index: Any, path: tuple[Any, ...], entries: list[Entry]) -> None:
+    if type(index) is not int or not 0 <= index < len(entries):
+        raise FieldError(f"tree at {clip(list(path))}", f"{clip(index)} is not the index of an entry")
+    if entries[index].path != path:
+        raise FieldError(f"tree at {clip(list(path))}", f"refers to entry {index}, whose key path is "
+                                                        f"{clip(list(entries[index].path))}")

@@ -1,0 +1,281 @@
+"""Copy one committed checkpoint to another location (local or S3, in any direction), every byte
+checked against the manifest's checksums as it is read, before it is written.
+
+Data files keep their names (the manifest references them) and are copied in parallel, a run of
+whole checksum blocks at a time, from read buffers straight into the destination's writer (an S3
+multipart upload). The manifest is published last, through the storage's atomic publish, as a save
+commits: a copy interrupted at any point leaves no manifest, so no checkpoint, at the destination.
+Run again, a copy keeps every data file already complete there (its size, header and every block
+verified, read back from the destination) and copies the rest. No torch: the CLI's ``cp`` runs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..format.layout import MANIFEST_NAME, Chunk, Entry, Manifest, file_generation
+from ..loading.opening import read_manifest_bytes, read_manifest_from
+from ..loading.reader import ChunkReader
+from ..options import default_threads
+from ..storage import Storage, storage_for
+from ..storage.location import check_location, manifest_generation, publish_manifest
+
+log = logging.getLogger(__name__)
+
+RUN_BYTES = 16 << 20
+"""Bytes read, checked and handed to the writer at a time (whole checksum blocks, at least one)."""
+
+
+@dataclass(frozen=True)
+class CopyInfo:
+    """What a copy did: the checkpoint's generation, the data files and bytes it copied, those it
+    found complete at the destination and kept (a resumed copy), and how long it took."""
+
+    source: str
+    destination: str
+    generation: str
+    files: int
+    bytes: int
+    skipped_files: int
+    skipped_bytes: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        """Bytes copied per second, in GB/s."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class _Check:
+    """A checked span of a run: bytes ``[lo, hi)`` of the run are chunk bytes from ``chunk_lo`` on
+    (``entry``/``chunk``), or the data file's safetensors header (``entry`` None)."""
+
+    lo: int
+    hi: int
+    entry: Entry | None = None
+    chunk: Chunk | None = None
+    chunk_lo: int = 0
+
+
+@dataclass(frozen=True)
+class _Run:
+    """File bytes ``[offset, offset+length)``, read in one request and checked by ``checks``."""
+
+    offset: int
+    length: int
+    checks: tuple[_Check, ...]
+
+
+class _Stopped(CheckpointError):
+    """A copying thread gave up because another one failed."""
+
+
+def copy(src: str | os.PathLike[str] | Storage, dst: str | os.PathLike[str] | Storage, *, overwrite: bool = False,
+         threads: int | None = None, progress: Callable[[int], None] | None = None) -> CopyInfo:
+    """Copy the committed checkpoint at ``src`` to ``dst`` (paths, ``s3://`` URLs or storages),
+    checking every block as it is read; resumes an interrupted copy into ``dst``.
+
+    A committed checkpoint at ``dst`` raises :class:`CheckpointExistsError` unless ``overwrite``
+    (it stays readable until the copy commits); files there that are not a checkpoint's are
+    refused. A damaged source raises :class:`CorruptCheckpointError` naming the file and block,
+    and nothing is committed. ``threads``: data files copied at once; ``progress(nbytes)`` is
+    called from the copying threads as bytes are copied or found complete at ``dst``."""
+    start = time.perf_counter()
+    source, target = storage_for(src), storage_for(dst)
+    raw = read_manifest_bytes(source)
+    manifest = read_manifest_from(source, raw)
+    check_location(target, overwrite, what="copy")
+    found = manifest_generation(target)  # the checkpoint the copy replaces: still there at its commit?
+    present = set(target.list())
+    try:
+        target.create()
+    except OSError as exc:
+        raise CheckpointError(f"cannot create {target.location}: {exc}") from exc
+    job = _Copy(source, target, manifest, threads or default_threads(), progress or (lambda n: None))
+    try:
+        copied, skipped = job.run(present)
+    finally:
+        job.close()
+    publish_manifest(target, manifest.generation, raw, found, what="copy")
+    _clean_up(target, manifest)
+    return CopyInfo(source.location, target.location, manifest.generation, len(copied), sum(copied),
+                    len(skipped), sum(skipped), time.perf_counter() - start)
+
+
+class _Copy:
+    """The data files of one copy, in parallel threads, each file read and checked a run at a time."""
+
+    def __init__(self, source: Storage, target: Storage, manifest: Manifest, threads: int,
+                 progress: Callable[[int], None]) -> None:
+        self.source, self.target, self.manifest = source, target, manifest
+        self.threads, self.progress = max(1, threads), progress
+        self.src_reader = ChunkReader(source, manifest, threads)
+        self.dst_reader = ChunkReader(target, manifest, threads)
+        self.stop = threading.Event()
+        self.segments = _segments(manifest)
+
+    def close(self) -> None:
+        self.src_reader.close()
+        self.dst_reader.close()
+
+    def run(self, present: set[str]) -> tuple[list[int], list[int]]:
+        """Copy every data file not complete at the destination; the sizes of those copied and kept."""
+        files = sorted(self.manifest.files.items(), key=lambda item: -item[1])
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-copy") as pool:
+            futures = [pool.submit(self._file, name, size, name in present) for name, size in files]
+            try:
+                wait(futures)
+            except BaseException:  # Ctrl-C: the threads stop at their next run; the files done stay
+                self.stop.set()
+                for future in futures:
+                    future.cancel()
+                raise
+        cause = next((e for e in map(Future.exception, futures) if e is not None and not isinstance(e, _Stopped)),
+                     None)
+        if cause is not None:
+            raise cause
+        results = [f.result() for f in futures]
+        return [n for n, kept in results if not kept], [n for n, kept in results if kept]
+
+    def _file(self, name: str, size: int, present: bool) -> tuple[int, bool]:
+        """Copy one data file (or keep it, complete at the destination); returns its size and whether it was kept."""
+        if self.stop.is_set():
+            raise _Stopped("another copying thread failed")
+        try:
+            runs = list(_runs(self.segments.get(name, []), name, size, self.manifest, self.source.location))
+            if present:
+                if self._complete(name, size, runs):
+                    log.info("%s of %s is complete at %s: kept", name, self.source.location, self.target.location)
+                    return size, True
+                self.target.delete(name)
+            self._check_source_size(name, size)
+            written = self.target.write(name, self._stream(name, runs))
+        except BaseException as exc:
+            self.stop.set()
+            if isinstance(exc, OSError) and not isinstance(exc, CheckpointError):
+                raise CheckpointError(f"copying data file {name} to {self.target.location} failed: {exc}") from exc
+            raise
+        if written != size:
+            raise CheckpointError(f"wrote {written} bytes to {name} of {self.target.location}, expected {size}")
+        return size, False
+
+    def _check_source_size(self, name: str, size: int) -> None:
+        try:
+            actual = self.source.size(name)
+        except FileNotFoundError:
+            raise self.src_reader.missing(name) from None
+        if actual != size:
+            raise CorruptCheckpointError(f"data file {name} of {self.source.location} has {actual} bytes, the "
+                                         f"manifest says {size}; nothing was committed at {self.target.location}")
+
+    def _complete(self, name: str, size: int, runs: list[_Run]) -> bool:
+        """Whether data file ``name`` at the destination has its size and passes every check."""
+        try:
+            if self.target.size(name) != size:
+                return False
+            for run in runs:
+                if self.stop.is_set():
+                    raise _Stopped("another copying thread failed")
+                _read_checked(self.dst_reader, name, run)
+                self.progress(run.length)
+        except _Stopped:
+            raise
+        except (CheckpointError, OSError) as exc:
+            log.info("%s at %s is not complete (%s): copied again", name, self.target.location, exc)
+            return False
+        return True
+
+    def _stream(self, name: str, runs: list[_Run]) -> Iterator[memoryview]:
+        """The file's bytes, a fresh buffer a run (the writer may still hold the last ones), each
+        run checked before it is handed on."""
+        for run in runs:
+            if self.stop.is_set():
+                raise _Stopped("another copying thread failed")
+            data = _read_checked(self.src_reader, name, run)
+            yield data
+            self.progress(run.length)
+
+
+def _segments(manifest: Manifest) -> dict[str, list[tuple[int, Entry, Chunk]]]:
+    """Every stored chunk by data file, in file order: (offset, entry, chunk)."""
+    found: dict[str, list[tuple[int, Entry, Chunk]]] = {}
+    for entry in manifest.entries:
+        if entry.kind == "tensor":
+            for chunk in entry.chunks:
+                found.setdefault(chunk.file, []).append((chunk.offset, entry, chunk))
+    for chunks in found.values():
+        chunks.sort(key=lambda item: (item[0], item[2].nbytes))
+    return found
+
+
+def _runs(chunks: list[tuple[int, Entry, Chunk]], name: str, size: int, manifest: Manifest,
+          where: str) -> Iterator[_Run]:
+    """Runs of whole checksum blocks tiling data file ``name``: its header, then its chunks, which
+    must cover the rest exactly (a file zerostall writes has no other bytes); a byte no checksum
+    covers is refused, never copied unchecked."""
+    block = manifest.block_size
+    limit = max(block, RUN_BYTES // block * block)
+    header = chunks[0][0] if chunks else size
+    if header and manifest.headers and name not in manifest.headers:  # (manifests before headers had none)
+        raise CorruptCheckpointError(f"data file {name} of {where}: no checksum for its first {header} bytes "
+                                     "(its header); it cannot be copied checked")
+    checks: list[_Check] = [_Check(0, header)] if header else []
+    offset, at = 0, header  # the run's start in the file; the next byte to cover
+    for start, entry, chunk in chunks:
+        if start != at:
+            raise CorruptCheckpointError(f"data file {name} of {where}: bytes {min(at, start)}-{max(at, start)} "
+                                         f"are {'covered twice' if start < at else 'not covered'} by its chunks "
+                                         f"(entry {entry.fqn}); it cannot be copied checked")
+        lo = 0
+        while True:
+            pos = start + lo
+            rest, room = chunk.nbytes - lo, offset + limit - pos
+            if rest <= room:
+                checks.append(_Check(pos - offset, pos + rest - offset, entry, chunk, lo))
+                break
+            take = max(0, room) // block * block  # a chunk is split at its blocks only
+            if take:
+                checks.append(_Check(pos - offset, pos + take - offset, entry, chunk, lo))
+                lo, pos = lo + take, pos + take
+            yield _Run(offset, pos - offset, tuple(checks))
+            offset, checks = pos, []
+        at = start + chunk.nbytes
+    if at != size:
+        raise CorruptCheckpointError(f"data file {name} of {where}: the manifest gives it {size} bytes but its "
+                                     f"header and chunks cover {at}; it cannot be copied checked")
+    if checks:
+        yield _Run(offset, size - offset, tuple(checks))
+
+
+def _read_checked(reader: ChunkReader, name: str, run: _Run) -> memoryview:
+    """Read ``run`` of data file ``name`` into a new buffer and check it: the header against its
+    checksum, every block against the manifest's."""
+    out = memoryview(bytearray(run.length))
+    reader.read_range(name, run.offset, out)
+    for check in run.checks:
+        data = out[check.lo:check.hi]
+        if check.entry is None:
+            reader.check_header(name, data)
+        else:
+            reader.check_blocks(check.entry, check.chunk, check.chunk_lo, data)  # type: ignore[arg-type]
+    return out
+
+
+def _clean_up(storage: Storage, manifest: Manifest) -> None:
+    """After the commit, remove the destination's files of other generations (a replaced checkpoint,
+    an interrupted copy or save) and the uploads left unfinished there; best effort."""
+    try:
+        for name in storage.list():
+            if name != MANIFEST_NAME and name not in manifest.files and file_generation(name) is not None:
+                storage.delete(name)
+        storage.abort_uploads()
+    except OSError as exc:
+        log.warning("could not remove stale files in %s after the copy: %s", storage.location, exc)

@@ -1,0 +1,143 @@
+"""Hugging Face safetensors files as a source: their headers, checked, become manifest entries.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header naming each tensor's
+dtype, shape and ``data_offsets`` (relative to the data section), then the raw bytes: each tensor
+is one whole chunk at ``8 + header_len + begin``. Every header is treated as hostile: its length is
+bounded, every offset lies inside the file, sizes equal elements x item size, tensors do not
+overlap, dtypes are known (sub-byte ones are refused by name), names are unique across the files.
+No torch here: a header is parsed as plain JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import Any
+
+from ...errors import CorruptCheckpointError, UnsupportedValueError
+from ...format.layout import SAFETENSORS_DTYPES, Chunk, Entry, file_generation
+from ...format.tensor_check import ITEMSIZES
+from ...storage import Storage, check_name
+
+INDEX_NAME = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 << 20  # what the safetensors library itself reads at most
+MAX_INDEX_BYTES = 64 << 20
+
+# safetensors dtype -> (the manifest's dtype name, bytes per element)
+DTYPES = {st: (name, ITEMSIZES[name]) for st, name in SAFETENSORS_DTYPES.items()}
+SUB_BYTE = frozenset({"F4", "F6_E2M3", "F6_E3M2", "I4", "U4", "I2", "U2", "I1", "U1"})
+
+
+def is_hf_file(name: str) -> bool:
+    """A safetensors file of a Hugging Face checkpoint (a zerostall data file is not one)."""
+    return name.endswith(".safetensors") and file_generation(name) is None
+
+
+def hf_files(storage: Storage, names: list[str]) -> list[str]:
+    """The safetensors files of the checkpoint at ``storage`` (whose files are ``names``): those
+    its ``model.safetensors.index.json`` maps keys to, else every ``*.safetensors`` file."""
+    if INDEX_NAME not in names:
+        return [n for n in names if is_hf_file(n)]
+    where = f"{storage.location}/{INDEX_NAME}"
+    index = _json(storage.read_bytes(INDEX_NAME, MAX_INDEX_BYTES), where)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CorruptCheckpointError(f"{where} has no weight_map of key -> file name")
+    files = sorted(set(weight_map.values()))
+    for name in files:
+        if not name.endswith(".safetensors"):
+            raise CorruptCheckpointError(f"{where} maps keys to {name!r}, not a .safetensors file")
+        check_name(name)
+    return files
+
+
+def hf_entries(storage: Storage, files: list[str]) -> tuple[list[Entry], dict[str, int]]:
+    """One tensor entry per tensor of the safetensors ``files`` (each one chunk, without checksums)
+    and the files' sizes; :class:`CorruptCheckpointError` naming the file and key at fault."""
+    entries: list[Entry] = []
+    sizes: dict[str, int] = {}
+    owner: dict[str, str] = {}
+    for name in files:
+        sizes[name] = storage.size(name)
+        for key, dtype, shape, offset, nbytes in read_header(storage, name, sizes[name]):
+            if key in owner:
+                raise CorruptCheckpointError(f"tensor {key!r} is in both {owner[key]} and {name} of "
+                                             f"{storage.location}")
+            owner[key] = name
+            chunk = Chunk((0,) * len(shape), shape, name, offset, nbytes, [])
+            entries.append(Entry(key, (key,), "tensor", dtype, shape, [chunk]))
+    return entries, sizes
+
+
+def read_header(storage: Storage, name: str, size: int) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+    """The tensors of the safetensors file ``name`` (``size`` bytes): key, dtype name, shape,
+    absolute offset and length of its bytes, all checked against the file."""
+    where = f"{storage.location}/{name}"
+    if size < 8:
+        raise CorruptCheckpointError(f"{where} has {size} bytes: too short for a safetensors header")
+    head = bytearray(8)
+    storage.read_into(name, 0, memoryview(head))
+    length = struct.unpack("<Q", head)[0]
+    if length > min(size - 8, MAX_HEADER_BYTES):
+        raise CorruptCheckpointError(f"{where}: its header claims {length} bytes, more than the "
+                                     f"{min(size - 8, MAX_HEADER_BYTES)} it may have")
+    text = bytearray(length)
+    storage.read_into(name, 8, memoryview(text))
+    header = _json(bytes(text), where)
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{where}: its header is not a JSON object")
+    data_start, data_len = 8 + length, size - 8 - length
+    tensors = []
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        dtype, itemsize = _dtype(info, key, where)
+        shape = info.get("shape")
+        offsets = info.get("data_offsets")
+        if (not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2
+                or not all(type(n) is int for n in offsets)):
+            raise CorruptCheckpointError(f"{where}: tensor {key!r} has no valid shape and data_offsets")
+        begin, end = offsets
+        if not 0 <= begin <= end <= data_len:
+            raise CorruptCheckpointError(f"{where}: tensor {key!r} has data_offsets {offsets} outside the "
+                                         f"{data_len} data bytes of the file")
+        if end - begin != math.prod(shape) * itemsize:
+            raise CorruptCheckpointError(f"{where}: tensor {key!r} of shape {shape} and dtype {info['dtype']} "
+                                         f"needs {math.prod(shape) * itemsize} bytes, its data_offsets hold "
+                                         f"{end - begin}")
+        tensors.append((key, dtype, tuple(shape), data_start + begin, end - begin))
+    previous = None
+    for t in sorted(tensors, key=lambda t: (t[3], t[4])):
+        if previous is not None and t[4] and t[3] < previous[3] + previous[4]:
+            raise CorruptCheckpointError(f"{where}: tensors {previous[0]!r} and {t[0]!r} overlap")
+        if t[4]:
+            previous = t
+    return tensors
+
+
+def _dtype(info: Any, key: str, where: str) -> tuple[str, int]:
+    name = info.get("dtype") if isinstance(info, dict) else None
+    if name in DTYPES:
+        return DTYPES[name]
+    if name in SUB_BYTE:
+        raise UnsupportedValueError(f"{where}: tensor {key!r} has the sub-byte dtype {name}, which zerostall "
+                                    "does not load")
+    raise CorruptCheckpointError(f"{where}: tensor {key!r} has an unknown dtype {name!r}")
+
+
+def _json(data: bytes, where: str) -> Any:
+    """JSON with no duplicate keys (a later one would silently win)."""
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        d = dict(pairs)
+        if len(d) != len(pairs):
+            seen: set[str] = set()
+            dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+            raise CorruptCheckpointError(f"{where}: key {dup!r} appears twice")
+        return d
+
+    try:
+        return json.loads(data, object_pairs_hook=unique)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{where} is not valid JSON: {exc}") from None

@@ -1,0 +1,133 @@
+"""Open: read a checkpoint's committed manifest from storage, checked, the same one on every rank.
+
+A checkpoint exists only once its manifest is published; data files without one are an
+incomplete save. Listing reads only the manifest's head (step, time, metadata), never its entries.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from ..format.layout import MANIFEST_NAME, Manifest, ManifestHead, dump_json, file_generation, load_json, manifest_body
+from ..format.manifest_check import MANIFEST_BYTES_ENV, max_manifest_bytes, parse_head, parse_manifest
+from ..gcpause import gc_paused
+from ..storage import FileTooLargeError, Storage
+from . import foreign
+
+if TYPE_CHECKING:  # only passed through: reading a manifest needs no torch (the command line)
+    from ..collectives import Group
+
+_FOREIGN = b'{"foreign":'  # how a translated manifest sent to other ranks begins (a stored one: {"checksum":)
+
+
+def read_manifest_bytes(storage: Storage) -> bytes:
+    """The committed manifest's raw bytes at ``storage`` (at most :func:`max_manifest_bytes`), or
+    the precise error for why there is none (the location is looked up only then: on an object
+    store, each lookup is a request)."""
+    limit = max_manifest_bytes()
+    try:
+        return storage.read_bytes(MANIFEST_NAME, limit)
+    except FileTooLargeError as exc:
+        raise CorruptCheckpointError(
+            f"the manifest of {storage.location} has {exc.size} bytes, more than the {limit} zerostall reads "
+            f"(if it is genuine, set {MANIFEST_BYTES_ENV} to read it)") from None
+    except CorruptCheckpointError:  # a symbolic link, FIFO, device or directory in its place
+        raise
+    except (FileNotFoundError, NotADirectoryError):
+        if not storage.exists():
+            raise CheckpointNotFoundError(f"no checkpoint at {storage.location}") from None
+        names = storage.list()
+        data = [n for n in names if file_generation(n)]
+        if not data:
+            kind = foreign.kind_of(names)
+            if kind is not None:
+                raise CheckpointNotFoundError(
+                    f"{storage.location} is {foreign.describe(kind)}, not a zerostall checkpoint: open it with "
+                    "zs.open / zs.load (it carries no checksums), or convert it with `zerostall import`") from None
+            found = f"; it holds {', '.join(names[:5])}" + (", …" if len(names) > 5 else "") if names else ""
+            raise CheckpointNotFoundError(
+                f"no checkpoint at {storage.location} (no manifest, no data files: neither a zerostall manifest.json, "
+                f"a DCP .metadata nor *.safetensors files{found})") from None
+        raise IncompleteCheckpointError(
+            f"{storage.location} has no manifest: its save never committed "
+            f"({len(data)} uncommitted data file(s) present)") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the manifest of {storage.location}: {exc}") from exc
+
+
+def read_manifest_from(storage: Storage, raw: bytes) -> Manifest:
+    """The manifest ``raw`` read from ``storage``, checked (see :func:`~zerostall.format.manifest_check.parse_manifest`)."""
+    with gc_paused():
+        return parse_manifest(raw, os.path.join(storage.location, MANIFEST_NAME))
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """The committed manifest at ``storage``."""
+    return read_manifest_from(storage, read_manifest_bytes(storage))
+
+
+def read_manifest_head(storage: Storage) -> ManifestHead:
+    """The committed manifest at ``storage`` without its entries (checksum still checked)."""
+    return parse_head(read_manifest_bytes(storage), os.path.join(storage.location, MANIFEST_NAME))
+
+
+def source(storage: Storage, *, allow_pickle: bool = False, file: str | None = None) -> bytes | Manifest:
+    """What the checkpoint at ``storage`` holds: its committed zerostall manifest's bytes as stored
+    (parsed by whoever reads them), else the manifest translated from the foreign checkpoint found
+    there (``file``: a single safetensors file)."""
+    if file is None:
+        try:
+            return read_manifest_bytes(storage)
+        except CheckpointNotFoundError:
+            kind = foreign.kind_of(storage.list()) if storage.exists() else None
+            if kind is None:
+                raise
+    else:
+        kind = foreign.SAFETENSORS
+    try:
+        return foreign.foreign_manifest(storage, kind, allow_pickle=allow_pickle, file=file)
+    except FileNotFoundError as exc:  # one its index names
+        raise CorruptCheckpointError(f"{storage.location} is {foreign.describe(kind)} with a file missing: "
+                                     f"{exc}") from None
+    except OSError as exc:  # a CheckpointError, which every rank then raises (a rank that saw none would hang)
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"cannot read {foreign.describe(kind)} at {storage.location}: {exc}") from exc
+
+
+def read_source(storage: Storage, *, allow_pickle: bool = False, file: str | None = None) -> Manifest:
+    """The manifest of the checkpoint at ``storage`` (see :func:`source`), in this process alone."""
+    found = source(storage, allow_pickle=allow_pickle, file=file)
+    return found if isinstance(found, Manifest) else read_manifest_from(storage, found)
+
+
+def agreed_source(storage: Storage, group: Group, *, allow_pickle: bool = False, file: str | None = None) -> Manifest:
+    """The same manifest on every rank: rank 0 reads the bytes (an error there is raised on every
+    rank), every rank parses them, rank 0 too once they are sent, so no rank waits on its parse.
+    A foreign checkpoint is translated once, by rank 0, and sent as a manifest of ours with what
+    marks it foreign (its kind, the items left out). Ranks reading for themselves could see
+    different manifests (a save committing in between)."""
+    if group.size == 1:
+        return read_source(storage, allow_pickle=allow_pickle, file=file)
+    translated = None
+
+    def read() -> bytes:
+        nonlocal translated
+        found = source(storage, allow_pickle=allow_pickle, file=file)
+        if isinstance(found, bytes):
+            return found
+        translated = found
+        return dump_json({"foreign": found.foreign, "left_out": found.left_out}) + b"\n" + found.to_bytes()
+
+    raw = group.agree(read)
+    if translated is not None:
+        return translated
+    if not raw.startswith(_FOREIGN):
+        return read_manifest_from(storage, raw)
+    marks, _, body = raw.partition(b"\n")
+    manifest = Manifest.from_json(manifest_body(body, storage.location))
+    marked = load_json(marks)
+    manifest.foreign, manifest.left_out = marked["foreign"], marked["left_out"]
+    return manifest

@@ -1,0 +1,68 @@
+"""Optimizer state keyed by parameter name (DCP's ``get_state_dict``) loaded into an optimizer object.
+
+A torch optimizer's ``state_dict()`` keys its state by parameter index; DCP (and zerostall, when
+given ``get_state_dict``'s dicts) saves it by parameter name, with the names listed in order in
+``param_groups``. When a load meets an optimizer object and the checkpoint's ``param_groups`` there
+name the same number of parameters, the target's state is keyed by those names, position for
+position (as ``Optimizer.load_state_dict`` itself maps saved to current parameters), and the
+loaded state is handed back to the optimizer keyed by index again.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from ..format import codec
+from ..format.layout import Entry
+from ..state import Flat, Path
+
+log = logging.getLogger(__name__)
+
+
+class _ByName:
+    """An optimizer whose ``load_state_dict`` takes state keyed by parameter name."""
+
+    def __init__(self, optim: torch.optim.Optimizer, index: dict[str, int]) -> None:
+        self.optim, self.index = optim, index
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        index = self.index
+        groups = [{**g, "params": [index.get(p, p) for p in g["params"]]} for g in sd["param_groups"]]
+        self.optim.load_state_dict({**sd, "state": {index.get(k, k): v for k, v in sd["state"].items()},
+                                    "param_groups": groups})
+
+
+def key_by_name(flat: Flat, path: Path, source: dict[Path, Entry], rel: Callable[[Path], Path],
+                allow_pickle: bool) -> None:
+    """Key the state of the optimizer flattened at ``path`` by the parameter names that the
+    checkpoint's ``param_groups`` there list (``source``: its entries by relative path, ``rel``
+    giving a target path's), if they name as many parameters as the optimizer has."""
+    entry = source.get(rel(path + ("param_groups",)))
+    optim, sd = flat.statefuls[path]
+    if entry is None or entry.kind != "object" or not isinstance(optim, torch.optim.Optimizer):
+        return
+    saved = codec.decode(entry.value, where=entry.fqn, allow_pickle=allow_pickle)
+    names = [p for g in saved if isinstance(g, dict) for p in g.get("params", ())] if isinstance(saved, list) else []
+    ids = [p for g in sd["param_groups"] for p in g["params"]]
+    if not names or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        return
+    if len(names) != len(ids):
+        log.warning("%s: the checkpoint's param_groups name %d parameters, the optimizer has %d: its state is "
+                    "matched by index", entry.fqn, len(names), len(ids))
+        return
+    name_of = dict(zip(ids, names))
+    at = len(path) + 1
+    renamed = {}
+    for leaf, value in flat.leaves.items():
+        if leaf[:at] == path + ("state",) and len(leaf) > at and leaf[at] in name_of:
+            leaf = leaf[:at] + (name_of[leaf[at]],) + leaf[at + 1:]
+        renamed[leaf] = value
+    flat.leaves = renamed
+    sd = {**sd, "state": {name_of.get(k, k): v for k, v in sd["state"].items()}}
+    flat.statefuls[path] = (_ByName(optim, {n: i for i, n in name_of.items()}), sd)

@@ -1,0 +1,285 @@
+"""A checkpoint root: checkpoints by step (or tag) on one :class:`Storage`, and the ``latest`` pointer.
+
+Layout: one sub-location per checkpoint (``step_000000100``, or any tag); ``latest``, JSON naming
+the newest committed tag (replaced atomically, written only after a commit); the writer lease
+``.writer-lease`` (see :mod:`zerostall.roots.lease`); ``.superseded/``, checkpoints that a rollback set
+aside; and, briefly, ``.deleting-*``, uncommitted attempts being removed. A checkpoint is committed
+once its manifest exists, and is deleted manifest first, so a half-deleted one never looks valid.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ..errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, UnsafeFileError
+from ..format.layout import MANIFEST_NAME, ManifestHead, file_generation
+from ..loading.opening import read_manifest_head
+from ..storage import SMALL_FILE_BYTES, Storage, storage_for
+from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
+
+log = logging.getLogger(__name__)
+
+LATEST_NAME = "latest"
+LEASE_NAME = ".writer-lease"
+SUPERSEDED_NAME = ".superseded"
+TRASH_PREFIX = ".deleting-"
+
+COMMITTED = "committed"
+INCOMPLETE = "incomplete"
+CORRUPT = "corrupt"
+
+
+def step_tag(step: int) -> str:
+    """The tag of the checkpoint of ``step``: ``step_000000100``."""
+    return f"step_{step:09d}"
+
+
+def validate_tag(tag: str) -> None:
+    """Refuse a tag that is not a plain name of its own (a path, ``latest``, the lease, a hidden name)."""
+    if "/" in tag or tag in (LATEST_NAME, LEASE_NAME) or tag.startswith("."):
+        raise ValueError(f"invalid checkpoint tag {tag!r}")
+
+
+@dataclass
+class CheckpointInfo:
+    """One checkpoint as a listing shows it. ``status``: committed (its manifest reads and checks),
+    incomplete (data files but no manifest: its save never committed) or corrupt (``error`` says
+    why). Step, created and metrics come from a committed one's manifest; ``bytes``: its data."""
+
+    name: str
+    location: str
+    status: str
+    step: int | None = None
+    bytes: int = 0
+    created: float | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    def record(self) -> CheckpointRecord:
+        """What retention knows of it (a step-less checkpoint counts as step -1)."""
+        return CheckpointRecord(-1 if self.step is None else self.step, self.created or 0.0,
+                                numeric_metrics(self.metrics))
+
+
+def retained(infos: list[CheckpointInfo], policy: RetentionPolicy, pinned: Iterable[int] = ()) -> dict[str, list[str]]:
+    """For each committed checkpoint with a step, the rules that keep it (see
+    :func:`zerostall.roots.retention.kept`); an empty list: retention may delete it. Checkpoints that share
+    a step share its fate; others (incomplete, corrupt, step-less) are not for retention to judge."""
+    ranked = [i for i in infos if i.status == COMMITTED and i.step is not None]
+    records = [i.record() for i in ranked]
+    reasons = kept(records, policy, pinned=sorted(set(pinned)))
+    return {i.name: list(reasons.get(i.step, [])) for i in ranked}
+
+
+def looks_like_checkpoint(storage: Storage) -> bool:
+    """Whether ``storage`` holds a manifest or zerostall data files (committed or not)."""
+    return any(n == MANIFEST_NAME or file_generation(n) for n in storage.list())
+
+
+def describe(storage: Storage, name: str) -> CheckpointInfo:
+    """Read the checkpoint at ``storage`` (called ``name``) and classify it: committed, incomplete or corrupt."""
+    try:
+        head = read_manifest_head(storage)
+    except IncompleteCheckpointError:
+        info = CheckpointInfo(name, storage.location, INCOMPLETE)
+    except CheckpointError as exc:
+        info = CheckpointInfo(name, storage.location, CORRUPT, error=str(exc))
+    else:
+        return _committed(name, storage, head)
+    info.bytes = sum(_size(storage, n) for n in storage.list() if file_generation(n))
+    return info
+
+
+def _size(storage: Storage, name: str) -> int:
+    """The size of file ``name``; 0 if it vanished meanwhile or is not a regular file."""
+    try:
+        return storage.size(name)
+    except OSError:
+        return 0
+
+
+def _committed(name: str, storage: Storage, head: ManifestHead) -> CheckpointInfo:
+    metadata = head.metadata if isinstance(head.metadata, dict) else {}
+    metrics = metadata.get("metrics")
+    return CheckpointInfo(name, storage.location, COMMITTED, head.step, head.total_bytes, head.created,
+                          dict(metrics) if isinstance(metrics, dict) else {})
+
+
+def _has_manifest(storage: Storage) -> bool:
+    try:
+        storage.size(MANIFEST_NAME)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except UnsafeFileError:  # something other than a file is in its place: not for a clean-up to judge
+        pass
+    return True
+
+
+class CheckpointRoot:
+    """The checkpoints under one location: listing (each manifest parsed once while it stays the
+    same), ``latest``, deletion, setting aside, and removing what a dead writer left."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.location = storage.location
+        self._seen: dict[str, tuple[str, CheckpointInfo]] = {}  # name -> (manifest version, info)
+
+    def where(self, name: str) -> str:
+        """The location of ``name`` under the root, for messages."""
+        return f"{self.location.rstrip('/')}/{name}"
+
+    def child(self, tag: str) -> Storage:
+        """The storage of checkpoint ``tag``."""
+        return self.storage.child(tag)
+
+    # -- listing -------------------------------------------------------------------------------
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """The committed checkpoints, oldest step first (step-less ones first), hidden names and
+        unreadable manifests skipped. Only the head of each manifest is parsed, once while it stays
+        the same file: a manager lists after every save."""
+        found = []
+        seen: dict[str, tuple[str, CheckpointInfo]] = {}
+        for name in self.storage.children():
+            if name.startswith("."):
+                continue
+            storage = self.storage.child(name)
+            try:
+                version = storage.stat(MANIFEST_NAME).version
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            cached = self._seen.get(name)
+            if cached is not None and cached[0] == version:
+                info = cached[1]
+            else:
+                try:
+                    info = _committed(name, storage, read_manifest_head(storage))
+                except CheckpointError:
+                    continue
+            seen[name] = (version, info)
+            found.append(info)
+        self._seen = seen
+        return sorted(found, key=lambda info: (-1 if info.step is None else info.step, info.name))
+
+    def latest(self) -> str | None:
+        """The newest committed checkpoint's tag, found by listing, which cannot lag behind a commit."""
+        found = self.checkpoints()
+        return found[-1].name if found else None
+
+    def newest(self, step: int | None = None) -> str:
+        """The tag of the newest committed checkpoint (of ``step``, when given), or a
+        :class:`CheckpointNotFoundError` saying what there is."""
+        found = self.checkpoints()
+        match = [i for i in found if step is None or i.step == step]
+        if match:
+            return match[-1].name
+        steps = ", ".join(str(i.step) for i in found if i.step is not None)
+        raise CheckpointNotFoundError(f"no committed checkpoint{f' of step {step}' if step is not None else ''} under "
+                                      f"{self.location}" + (f" (steps there: {steps})" if steps else ""))
+
+    def scan(self, *, include_self: bool = False) -> list[CheckpointInfo]:
+        """Every checkpoint directly under the root, committed or not (see :func:`describe`), and the
+        root itself when ``include_self`` and it is one; by step, step-less last."""
+        candidates = [(name, self.storage.child(name)) for name in self.storage.children()]
+        if include_self:
+            candidates.insert(0, (self.location.rstrip("/").rsplit("/", 1)[-1], self.storage))
+        rows = [describe(storage, name) for name, storage in candidates if looks_like_checkpoint(storage)]
+        rows.sort(key=lambda r: (r.step is None, r.step or 0, r.name))
+        return rows
+
+    # -- the latest pointer --------------------------------------------------------------------
+    def read_latest(self) -> str | None:
+        """The tag that the ``latest`` file names (a mirror of :meth:`latest` for other tools), or None."""
+        try:
+            pointer = json.loads(self.storage.read_bytes(LATEST_NAME, SMALL_FILE_BYTES))
+        except (OSError, ValueError, RecursionError):  # absent, unreadable, too big or not JSON
+            return None
+        tag = pointer.get("tag") if isinstance(pointer, dict) else None
+        return tag if isinstance(tag, str) else None
+
+    def write_latest(self, tag: str, step: int | None) -> None:
+        """Point ``latest`` at ``tag`` (atomically, once it committed); OSError if it cannot be written."""
+        self.storage.put(LATEST_NAME, json.dumps({"tag": tag, "step": step}).encode())
+
+    # -- removing ------------------------------------------------------------------------------
+    def delete(self, tag: str) -> bool:
+        """Delete checkpoint ``tag`` so that it never looks valid half-way: the manifest goes first.
+        True when nothing of it is left."""
+        self.storage.child(tag).delete(MANIFEST_NAME)
+        self.storage.delete_tree(tag)
+        return not self.storage.child(tag).exists()
+
+    def set_aside(self, tags: list[str], step: int) -> None:
+        """Move ``tags`` into ``.superseded/``, never over one set aside before: saving ``step``
+        below them forks the run (see :meth:`CheckpointManager.save`), and nothing is lost."""
+        aside = self.storage.child(SUPERSEDED_NAME)
+        aside.create()
+        for tag in tags:
+            name = tag
+            while aside.child(name).exists():
+                name = f"{tag}.{secrets.token_hex(4)}"
+            try:
+                self.storage.move(tag, f"{SUPERSEDED_NAME}/{name}")
+            except FileNotFoundError:
+                continue
+            log.warning("step %d is being saved under %s, which holds later steps: %s moved to %s (move it back "
+                        "to resume from it)", step, self.location, tag, aside.child(name).location)
+
+    def clean_stale_attempts(self, temp_age: float) -> None:
+        """Remove ``step_*`` checkpoints that never committed and what an interrupted clean-up left;
+        and temp files of ``latest``/lease updates older than ``temp_age`` seconds (a younger one may
+        be another writer's, in flight). Only for the lease holder: the other writers are dead.
+
+        Each attempt is first moved aside (``.deleting-*``), so a writer that outlived its lease can
+        never commit a manifest into a checkpoint whose data files are being deleted: locally the
+        move is one rename, so its commit then fails, or came first and the attempt is put back.
+        Files a dead writer left half-written (an object store's unfinished uploads) are abandoned."""
+        if self.storage.abort_uploads():
+            log.info("aborted the unfinished uploads a dead writer left under %s", self.location)
+        for name in self.storage.children():
+            if name.startswith(TRASH_PREFIX):
+                self.storage.delete_tree(name)  # a clean-up that a crash interrupted
+            elif name.startswith("step_") and not _has_manifest(self.storage.child(name)):
+                self._remove_attempt(name)
+        for name in self.storage.list():
+            if name.startswith((f"{LATEST_NAME}.", f"{LEASE_NAME}.")) and name.endswith(".tmp"):
+                self._remove_if_older(name, temp_age)  # a publish that a crash interrupted
+
+    def _remove_attempt(self, name: str) -> None:
+        trash = f"{TRASH_PREFIX}{name}.{secrets.token_hex(4)}"
+        try:
+            self.storage.move(name, trash)
+        except FileNotFoundError:
+            return
+        if _has_manifest(self.storage.child(trash)):
+            log.warning("%s committed while it was being cleaned up: a writer outlived its lease", self.where(name))
+            self.storage.move(trash, name)
+            return
+        log.info("removing the uncommitted checkpoint %s left by a dead writer", self.where(name))
+        self.storage.delete_tree(trash)
+
+    def _remove_if_older(self, name: str, seconds: float) -> None:
+        try:
+            if time.time() - self.storage.stat(name).modified > seconds:
+                self.storage.delete(name)
+        except FileNotFoundError:
+            pass
+
+
+def named_instead(path: str | os.PathLike[str] | Storage) -> Storage | None:
+    """What ``path``, holding no checkpoint itself, names: ``ROOT/latest`` the newest committed
+    checkpoint under ROOT, ``ROOT/<step>`` the newest of that step, a root its newest; None when
+    it is none of these (a :class:`CheckpointNotFoundError` when the root has no such checkpoint)."""
+    if not isinstance(path, Storage):
+        parent, _, name = os.fspath(path).rstrip("/").rpartition("/")
+        if name == "latest" or name.isdigit():
+            root = CheckpointRoot(storage_for(parent or "."))
+            return root.child(root.newest(None if name == "latest" else int(name)))
+    root = CheckpointRoot(storage_for(path))
+    found = root.checkpoints()
+    return root.child(found[-1].name) if found else None

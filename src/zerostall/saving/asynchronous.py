@@ -1,0 +1,300 @@
+"""Asynchronous saving: return once the save is enqueued; capture and persist in the background.
+
+An :class:`AsyncSaver` owns a reused buffer pool and one background worker, so one save is in
+flight at a time. The worker captures in a thread; it persists in that thread (``writer="thread"``:
+writes and hashing release the GIL) or hands the captured shared-memory buffers to a persistent
+spawned process (``writer="process"``) that finishes the commit even if the training process dies.
+Threads are the default (bench/async_save.py compares the two): no shared memory to allocate and
+no process to spawn; choose the process for crash survival. ``save`` runs the collective part
+(planning) in the caller's thread, records
+where the caller's CUDA stream is, and returns a :class:`SaveHandle` whose ``staged`` future is
+done when the state has been copied (the caller may mutate it from then on) and whose
+``committed`` future is done when the checkpoint is durable and visible. A background failure is
+raised on ``committed.result()``, on the next ``save`` and on ``close``.
+
+At interpreter exit (the end of the script, an exception escaping it, ``sys.exit``, Ctrl-C) every
+saver not closed is closed: the save in flight commits first, a failure is logged, and the writer
+process is told to stop, so the exit never waits for a writer that waits for more work.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import threading
+import weakref
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..collectives import Group
+from ..errors import CheckpointError
+from ..options import SaveOptions
+from ..storage import Storage
+from .capture import BufferPool, capture, record_caller_stream, versions
+from .pipeline import Prepared, SaveInfo, abandon, for_writer_process, persist, prepare
+from .writer_process import WriterProcess
+
+log = logging.getLogger(__name__)
+
+
+class SaveHandle:
+    """The two futures of one asynchronous save. A failure raised by :meth:`result` or
+    :meth:`wait_staged` has been seen: the saver does not raise it again at the next save or close."""
+
+    def __init__(self, path: str, step: int | None) -> None:
+        self.path = path
+        self.step = step
+        self.staged: Future[None] = Future()
+        self.committed: Future[SaveInfo] = Future()
+        self.failure_seen = False
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the state has been captured: call this before mutating it (optimizer step)."""
+        self._seen(self.staged, timeout)
+
+    def result(self, timeout: float | None = None) -> SaveInfo:
+        """Block until committed; raises what the background raised."""
+        return self._seen(self.committed, timeout)
+
+    def _seen(self, future: Future, timeout: float | None) -> Any:
+        try:
+            return future.result(timeout)
+        except BaseException:
+            if future.done():  # the save's own failure, not a timeout of this wait
+                self.failure_seen = True
+            raise
+
+    def done(self) -> bool:
+        return self.committed.done()
+
+
+class AsyncSaver:
+    """Owns the capture buffers and the background writer of asynchronous saves.
+
+    ``if_busy="wait"`` makes a new save wait for the previous one to commit; ``"skip"`` returns
+    ``None`` instead while one is in flight (on any rank: the ranks skip together). ``pin_memory``/``shared_memory`` configure the
+    buffer pool (see :class:`zerostall.saving.capture.BufferPool`). ``drain_on_signals`` (e.g.
+    ``[signal.SIGTERM]``, from the main thread) lets the save in flight commit before the signal
+    takes its previous course, so a job stopped by its scheduler keeps its last checkpoint.
+    """
+
+    def __init__(self, *, pin_memory: bool | None = None, shared_memory: bool = False,
+                 if_busy: str = "wait", writer: str = "thread", drain_on_signals: Sequence[int] = ()) -> None:
+        if if_busy not in ("wait", "skip"):
+            raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
+        if writer not in ("thread", "process"):
+            raise ValueError(f"writer must be 'thread' or 'process', not {writer!r}")
+        self.pool = BufferPool(pin_memory=pin_memory, shared_memory=shared_memory or writer == "process")
+        self._process = WriterProcess() if writer == "process" else None
+        self.if_busy = if_busy
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerostall-async")
+        self._current: SaveHandle | None = None
+        self._failure: tuple[BaseException, SaveHandle] | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
+        self._previous_handlers = {sig: signal.signal(sig, self._drain_then_deliver) for sig in drain_on_signals}
+        _open_savers.add(self)
+
+    def _drain_then_deliver(self, signum: int, frame: Any) -> None:
+        """Wait for the save in flight, then let the signal do what it did before we came."""
+        log.warning("signal %d: finishing the checkpoint in flight first", signum)
+        current = self._current
+        if current is not None:
+            try:
+                current.committed.result()
+            except BaseException as exc:
+                log.error("the checkpoint in flight failed: %s", exc)
+        previous = self._previous_handlers.pop(signum, signal.SIG_DFL)
+        signal.signal(signum, previous)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signum)
+
+    def save(self, state: Any, path: str | os.PathLike[str] | Storage, options: SaveOptions | None = None, *,
+             process_group: Any = None, step: int | None = None, metadata: Mapping[str, Any] | None = None,
+             **overrides: Any) -> SaveHandle | None:
+        """Start saving ``state`` (collective when distributed); the arguments are those of
+        :func:`zerostall.save`. Returns None when skipped (``if_busy="skip"``)."""
+        if self._closed:
+            raise CheckpointError("this AsyncSaver is closed")
+        options = SaveOptions.of(options, overrides)
+        self._raise_failure()
+        if self.if_busy == "skip" and self._busy_on_any_rank(process_group):
+            log.info("skipping the save to %s: a save is still in flight", path)
+            return None
+        if self._current is not None and not self._current.done():
+            self.wait()
+        prepared = prepare(state, path, options, process_group=process_group, step=step, metadata=metadata)
+        self._hold_steps(prepared.collected.optimizers)
+        recorded = versions(prepared.items)
+        try:
+            ready = record_caller_stream(prepared.items)
+            buffers = self.pool.buffers(prepared.items)
+        except BaseException as exc:
+            abandon(prepared, exc)
+            raise
+        handle = SaveHandle(prepared.storage.location, prepared.step)
+        self._current = handle
+        self._worker.submit(self._run, prepared, buffers, ready, recorded, handle)
+        return handle
+
+    def _hold_steps(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Make each optimizer's ``step()`` wait for the capture of the save in flight (a step
+        pre-hook, once per optimizer and saver, kept until :meth:`close`), so a forgotten
+        ``wait_staged()`` cannot tear the checkpoint; after the capture it costs one check."""
+        for optimizer in optimizers:
+            if optimizer not in self._hooks:
+                hook = functools.partial(_before_step, weakref.ref(self))
+                self._hooks[optimizer] = optimizer.register_step_pre_hook(hook)
+
+    def _await_capture(self) -> None:
+        """Wait until the save in flight (if any) has captured the state, whatever its outcome (a
+        failure is raised by the save's handle, the next save or close, not by the optimizer)."""
+        current = self._current
+        if current is not None and not current.staged.done():
+            futures.wait([current.staged])
+
+    def _busy_on_any_rank(self, process_group: Any) -> bool:
+        """Whether a save is in flight on this rank or another (one small all-reduce): a save is
+        collective, so the ranks skip together or save together; each finishes a save at its own
+        moment (rank 0 commits, the others see the commit), so their own answers can differ."""
+        busy = self._current is not None and not self._current.done()
+        return Group(process_group).all_reduce_ints([int(busy)])[0] > 0
+
+    def reserve(self, state: Any, options: SaveOptions | None = None, *, process_group: Any = None,
+                **overrides: Any) -> float:
+        """Allocate the buffer pool for ``state``'s structure now (collective when distributed), so
+        the first save costs no more than the rest; returns the seconds spent (0 when the pool
+        already fits). Reserve with the structure you will save: an optimizer's state appears only
+        after its first step. Waits for the save in flight first, whose copies and writes may still
+        use the buffers (its failure stays for that save's handle, the next save or close)."""
+        prepared = prepare(state, os.devnull, SaveOptions.of(options, overrides), process_group=process_group)
+        if self._current is not None:
+            futures.wait([self._current.committed])
+        allocations = self.pool.allocations
+        self.pool.buffers(prepared.items)
+        return self.pool.alloc_s if self.pool.allocations != allocations else 0.0
+
+    def _run(self, prepared: Prepared, buffers: list[Any], ready: Any, recorded: list[Any],
+             handle: SaveHandle) -> None:
+        try:
+            capture(prepared.items, buffers, ready, recorded)
+        except BaseException as exc:
+            abandon(prepared, exc)
+            self._fail(handle, exc, staged=True)
+            return
+        try:
+            if self._process is not None:
+                self._replace_dead_writer()
+                self._process.submit(for_writer_process(prepared))  # before `staged`: a crash now loses nothing
+                handle.staged.set_result(None)
+                handle.committed.set_result(self._process.result())
+            else:
+                handle.staged.set_result(None)
+                handle.committed.set_result(persist(prepared))
+        except BaseException as exc:
+            if not handle.staged.done():  # handed to no writer: this rank's part was never written
+                abandon(prepared, exc)
+            self._fail(handle, exc, staged=not handle.staged.done())
+
+    def _replace_dead_writer(self) -> None:
+        """Start a new writer process if the last one died (killed by the OOM killer, say): one
+        lost save is reported, not every later one."""
+        assert self._process is not None
+        if not self._process.alive:
+            log.warning("the writer process died (exit code %s); starting a new one", self._process.exitcode)
+            self._process.close()
+            self._process = WriterProcess()
+
+    def _fail(self, handle: SaveHandle, exc: BaseException, *, staged: bool) -> None:
+        log.error("asynchronous save to %s failed: %s", handle.path, exc)
+        with self._lock:
+            self._failure = (exc, handle)
+        if staged:
+            handle.staged.set_exception(exc)
+        handle.committed.set_exception(exc)
+
+    def _raise_failure(self) -> None:
+        """Raise the failure of a save in the background, once, unless its handle already did."""
+        with self._lock:
+            failure, self._failure = self._failure, None
+        if failure is not None and not failure[1].failure_seen:
+            failure[1].failure_seen = True
+            raise CheckpointError(f"a previous asynchronous save failed: {failure[0]}") from failure[0]
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight (if any) has captured the state; raises its failure
+        unless its handle already did."""
+        self._settle(lambda current: current.staged.result())
+
+    def wait(self) -> SaveInfo | None:
+        """Block until the save in flight (if any) commits; raises its failure unless its handle
+        already did."""
+        return self._settle(lambda current: current.committed.result())
+
+    def _settle(self, wait: Any) -> Any:
+        current = self._current
+        if current is None:
+            return None
+        try:
+            return wait(current)
+        except BaseException:
+            if current.failure_seen:
+                return None
+            self._raise_failure()
+            raise
+
+    def close(self) -> None:
+        """Finish the save in flight, free the buffers, stop the worker; raises a pending failure."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+            self._raise_failure()
+        finally:
+            self._closed = True
+            _open_savers.discard(self)
+            self._worker.shutdown(wait=True)
+            if self._process is not None:
+                self._process.close()
+            self.pool.close()
+            for hook in list(self._hooks.values()):
+                hook.remove()
+            self._hooks.clear()
+            for sig, previous in self._previous_handlers.items():
+                signal.signal(sig, previous)
+            self._previous_handlers.clear()
+
+    def __enter__(self) -> "AsyncSaver":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+_open_savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
+
+
+def close_at_exit() -> None:
+    """Close every saver still open. Called at interpreter exit by the threading exit hook that
+    ``import zerostall`` registers (see ``zerostall/__init__.py``), which runs before
+    ``multiprocessing`` joins its children (a writer process waiting for its next job)."""
+    for saver in list(_open_savers):
+        try:
+            saver.close()
+        except BaseException as exc:  # at exit there is no caller left to raise to
+            log.error("asynchronous save failed at exit: %s", exc)
+
+
+def _before_step(saver: weakref.ref[AsyncSaver], optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """An optimizer step pre-hook: wait for the capture of ``saver``'s save in flight."""
+    live = saver()
+    if live is not None:
+        live._await_capture()

@@ -1,0 +1,231 @@
+"""Capture: copy the state into host buffers that are allocated once and reused.
+
+The copy of a CUDA tensor runs on a side stream of the tensor's device that first waits for an
+event recorded on the caller's current stream of that device when the save was requested, so
+every kernel queued before the save that writes the state is included, and the copies overlap
+what the caller queues next; capture is done once every device's side stream is (see
+:mod:`zerostall.devices`). CPU tensors are copied too (snapshotted, never aliased), so the caller
+may mutate them once capture is done.
+
+A tensor changed in place before its copy finished would make a torn checkpoint: each tensor's
+version counter is recorded when the save is requested and compared once its copy is done (a CPU
+tensor right after its copy, CUDA tensors once their copies are complete), and a change fails the
+save, naming the key. Where the stored tensor is part of a leaf (a DTensor's local shard, a tensor
+subclass's inner tensor), the leaf's counter is compared too: changes made through the leaf
+reach the part without counting on it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import secrets
+import time
+import weakref
+from typing import Sequence
+
+import torch
+
+from ..devices import CallerStreams, cuda_devices, host_register, host_unregister, on_stream, worker_device
+from ..errors import SharedMemoryError, StateChangedError
+from .collect import WriteItem
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 64
+_SHM = "/dev/shm"
+Key = tuple[tuple[tuple[torch.dtype, tuple[int, ...]], ...], bool]  # each buffer's dtype and shape; pinned
+
+
+class BufferPool:
+    """Host buffers for one structure's captured copies: one arena, allocated on first use (or by
+    :meth:`reserve`), reused while the structure stays the same, released by :meth:`close` (or,
+    for a pool dropped without it, when the pool is collected).
+
+    ``pin_memory`` (default: when the state has CUDA tensors) pins the arena for every device, so
+    device-to-host copies are fast and asynchronous; if pinning fails the pool says so in a
+    warning and stays unpinned (copies are slower, not wrong). ``shared_memory`` puts the arena
+    in shared memory (``/dev/shm``) for a writer process, and raises :class:`SharedMemoryError`
+    there when it does not fit.
+    ``allocations`` counts the arenas allocated so far; ``alloc_s`` is the last one's time.
+    """
+
+    def __init__(self, *, pin_memory: bool | None = None, shared_memory: bool = False) -> None:
+        self.pin_memory = pin_memory
+        self.shared_memory = shared_memory
+        self._key: Key | None = None
+        self._arena: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []
+        self._unpin: weakref.finalize | None = None
+        self.allocations = 0
+        self.alloc_s = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._arena is None else self._arena.numel()
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the arena pinned in place (torch's pinned-memory statistics do not count them)."""
+        return self.nbytes if self._unpin is not None else 0
+
+    def buffers(self, items: Sequence[WriteItem]) -> list[torch.Tensor]:
+        """One host tensor per item (same dtype and shape), reusing the arena when it fits."""
+        devices = cuda_devices(i.tensor for i in items)
+        pin = bool(devices) if self.pin_memory is None else self.pin_memory
+        key = (tuple((i.tensor.dtype, tuple(i.tensor.shape)) for i in items), pin)
+        if key != self._key:
+            self._allocate(key, devices)
+        return self._views
+
+    def _allocate(self, key: Key, devices: list[int]) -> None:
+        start = time.perf_counter()
+        self.close()
+        shapes, pin = key
+        offsets, total = [], 0
+        for dtype, shape in shapes:
+            offsets.append(total)
+            total += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+        size = max(total, 1)
+        arena = _shared_arena(size) if self.shared_memory else torch.empty(size, dtype=torch.uint8)
+        arena.zero_()  # touch every page now: first-touch faults are slow, and belong to allocation
+        if pin:
+            self._pin(arena, devices)
+        self._views = [arena[o:o + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+                       for o, (dtype, shape) in zip(offsets, shapes)]
+        self._arena, self._key = arena, key
+        self.allocations += 1
+        self.alloc_s = time.perf_counter() - start
+        log.debug("allocated a %d-byte capture pool in %.3f s", total, self.alloc_s)
+
+    def _pin(self, arena: torch.Tensor, devices: list[int]) -> None:
+        """Register the arena in place rather than take it from torch's pinned cache, which rounds
+        sizes up to a power of two and keeps the memory after it is released. The finalizer
+        holds the arena, so its pages are unpinned before they are freed (pages freed while
+        pinned could come back at the same address, which CUDA then refuses to pin again)."""
+        device = worker_device(torch.cuda.current_device(), devices)
+        code = host_register(arena.data_ptr(), arena.numel(), device)
+        if code:
+            log.warning("could not pin the %d-byte capture pool (%s): device-to-host copies of asynchronous "
+                        "saves will be slower", arena.numel(), torch.cuda.CudaError(code))
+            return
+        self._unpin = weakref.finalize(self, _unpin_arena, arena)
+        self._unpin.atexit = False  # at exit the process's pages go anyway; CUDA may be shutting down
+
+    def close(self) -> None:
+        """Release the arena (unpinned and freed; allocated again on the next use). Call it once
+        no copy into the arena is in flight."""
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
+        self._arena, self._views, self._key = None, [], None
+
+
+def _unpin_arena(arena: torch.Tensor) -> None:
+    code = host_unregister(arena.data_ptr())
+    if code:
+        log.warning("could not unpin the capture pool (%s)", torch.cuda.CudaError(code))
+
+
+def _shared_arena(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of shared memory that a writer process can map, as a uint8 tensor.
+
+    Its pages are allocated here (``posix_fallocate``): on a full tmpfs, a mapping whose pages were
+    never allocated kills the process with SIGBUS at the first touch, so a shortage must show now,
+    as a :class:`SharedMemoryError`. The file is unlinked at once (the memory lives while mapped),
+    so nothing is left in ``/dev/shm`` whatever happens next.
+    """
+    if nbytes > _shm_free():  # the cheap check first; the allocation below is the reliable one
+        raise SharedMemoryError(_shortage(nbytes))
+    name = os.path.join(_SHM, f"zerostall-{os.getpid()}-{secrets.token_hex(8)}")
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.unlink(name)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            raise SharedMemoryError(_shortage(nbytes)) from exc
+        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # maps a duplicate of fd
+    finally:
+        os.close(fd)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def _shm_free() -> int:
+    st = os.statvfs(_SHM)
+    return st.f_bavail * st.f_frsize
+
+
+def _shortage(nbytes: int) -> str:
+    gib = -(-nbytes // (1 << 30))
+    return (f"the capture buffers of this save need {nbytes} bytes ({nbytes / 2**20:.1f} MiB) of shared memory in "
+            f"{_SHM}, which has {_shm_free()} bytes free; save without shared memory (AsyncSaver(writer=\"thread\"), "
+            f"the default) or give {_SHM} more room (in Docker: docker run --shm-size={gib}g or more)")
+
+
+Version = tuple[int, int] | None
+
+
+def versions(items: Sequence[WriteItem]) -> list[Version]:
+    """Each item's version now: its tensor's and its leaf's (None where a tensor keeps none:
+    inference-mode tensors)."""
+    return [_version(item.tensor, item.watch) for item in items]
+
+
+def _version(tensor: torch.Tensor, watch: torch.Tensor | None) -> Version:
+    try:
+        return tensor._version, -1 if watch is None else watch._version
+    except RuntimeError:
+        return None
+
+
+def record_caller_stream(items: Sequence[WriteItem]) -> CallerStreams | None:
+    """Where the caller's CUDA work stands on each device the items are on (an event on its
+    current stream of each), recorded in the caller's thread at the save; None without CUDA items."""
+    return CallerStreams.of(i.tensor for i in items)
+
+
+def capture(items: Sequence[WriteItem], buffers: Sequence[torch.Tensor], ready: CallerStreams | None,
+            recorded: Sequence[Version]) -> None:
+    """Copy every item's tensor into its buffer and make the item point at the copy; raise
+    :class:`StateChangedError` if a tensor changed since ``recorded`` (its version at the save)
+    before its copy was complete. Runs in a worker thread: ``ready`` gives it the device to make
+    current and the caller's streams to wait for."""
+    streams = {}
+    if ready is not None:
+        ready.enter()
+        streams = {device: ready.side_stream(device) for device in ready.devices}
+    on_device = []
+    try:
+        with torch.no_grad():
+            for item, buf, version in zip(items, buffers, recorded):
+                source = item.tensor
+                if source.is_cuda:
+                    stream = streams[source.device.index]
+                    with on_stream(stream):
+                        buf.copy_(source, non_blocking=True)
+                    source.record_stream(stream)
+                    on_device.append((item, source, version))
+                else:
+                    buf.copy_(source)
+                    _check(item, source, version)
+                item.tensor = buf
+    finally:
+        if ready is not None:
+            ready.synchronize()  # also when a check failed: no copy may still land in a reused buffer
+    for item, source, version in on_device:
+        _check(item, source, version)
+    for item in items:
+        item.watch = None  # the captured copy is all a writer needs (a writer process gets the items pickled)
+
+
+def _check(item: WriteItem, source: torch.Tensor, version: Version) -> None:
+    if version is not None and _version(source, item.watch) != version:
+        raise StateChangedError(
+            f"{item.entry.fqn} was changed in place while an asynchronous save was capturing it, so the "
+            "checkpoint would mix values from before and after the change; the save was not committed. Call "
+            "wait_staged() on the saver (or the handle) before changing the state after an asynchronous save")

@@ -1,0 +1,177 @@
+"""A save, stage by stage: collect → plan (the collective part) → write → commit.
+
+:func:`prepare` runs in the caller's thread (planning may run collectives); :func:`persist` needs
+no process group, so it can run in a background thread or a writer process. Only once the
+manifest is published are the files of older generations deleted, so a crash at any instant
+leaves either the old or the new checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..collectives import Group
+from ..errors import CheckpointError, UnsupportedValueError
+from ..format import codec
+from ..format.layout import manifest_tmp_name
+from ..gcpause import gc_paused
+from ..options import SaveOptions, default_threads
+from ..storage import LocalStorage, S3Storage, Storage, storage_for
+from ..storage.location import check_location, manifest_generation, publish_manifest
+from .collect import Collected, WriteItem, collect
+from .commit import (announce, assemble, await_commit, await_records, clean_up_after_commit, delete_generation,
+                     open_doorbell, record, report_failure, write_abort, write_record)
+from .plan import SavePlan, SavePlanner
+from .write import create, write_data
+
+_PLANNER = SavePlanner()
+
+
+@dataclass
+class SaveInfo:
+    """What one rank's save did: the checkpoint it committed and where the time went."""
+
+    path: str
+    generation: str
+    step: int | None
+    bytes_written: int
+    replanned: bool
+    collect_s: float
+    plan_s: float
+    write_s: float
+    commit_s: float
+    total_s: float
+
+
+@dataclass
+class Prepared:
+    """A save after its collective part: what this rank writes, under which generation, and how."""
+
+    group: Group
+    collected: Collected
+    plan: SavePlan
+    generation: str
+    replanned: bool
+    items: list[WriteItem]
+    storage: Storage
+    step: int | None
+    metadata: Any
+    options: SaveOptions
+    collect_s: float
+    plan_s: float
+
+
+def prepare(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOptions, *, process_group: Any = None,
+            step: int | None = None, metadata: Mapping[str, Any] | None = None) -> Prepared:
+    """Check the location, collect and plan a save (collective when distributed); no byte is
+    written yet, and a rank that cannot take part makes every rank raise."""
+    t0 = time.perf_counter()
+    group = Group(process_group)
+    storage = storage_for(path, fsync=options.fsync)
+    with gc_paused():
+        try:
+            step = checked_step(step)
+            if group.is_coordinator:
+                check_location(storage, options.overwrite)
+            collected = collect(state, group.rank, allow_pickle=options.allow_pickle)
+        except Exception:
+            _PLANNER.refuse(group)
+            raise
+        t_collect = time.perf_counter()
+        plan, generation, replanned = _PLANNER.plan(group, collected)
+        items = [i for i in collected.items if i.rank_local or plan.writes(group.rank, i.key)]
+    encoded = codec.encode(dict(metadata or {}), where="metadata", allow_pickle=options.allow_pickle)
+    return Prepared(group, collected, plan, generation, replanned, items, storage, step, encoded, options,
+                    t_collect - t0, time.perf_counter() - t_collect)
+
+
+def checked_step(step: Any) -> int | None:
+    """``step`` as the int a manifest records (numpy and 0-d tensor integers accepted), or None."""
+    if step is None:
+        return None
+    try:
+        value = operator.index(step) if not isinstance(step, bool) else -1
+    except TypeError:
+        value = -1
+    if value < 0:
+        raise UnsupportedValueError(f"step={step!r} is not a training step: pass a non-negative int (or None)")
+    return value
+
+
+def for_writer_process(prepared: Prepared) -> Prepared:
+    """A picklable copy of ``prepared`` for a writer process: no process group, no live tensors
+    other than the (captured, shared-memory) items this rank writes, storage by location (a
+    :class:`LocalStorage` pickles as its path and fsync setting, an :class:`S3Storage` as its URL
+    and options)."""
+    if not isinstance(prepared.storage, (LocalStorage, S3Storage)):
+        raise CheckpointError(f"a writer process needs a local path or an s3:// URL, not {prepared.storage.location} "
+                              f"({type(prepared.storage).__name__}): use writer='thread'")
+    collected = dataclasses.replace(prepared.collected, items=[], optimizers=[])
+    return dataclasses.replace(prepared, group=prepared.group.detached(), collected=collected)
+
+
+def abandon(prepared: Prepared, exc: BaseException) -> None:
+    """This rank gives up a planned save before writing (its capture, or the handover to its writer
+    process, failed): tell the other ranks now, through the storage and the doorbell they wait on,
+    so that they stop waiting for it instead of waiting out ``commit_timeout``."""
+    p = prepared
+    if p.group.size > 1:
+        try:
+            create(p.storage)
+        except OSError:
+            pass  # report_failure says so
+        report_failure(p.storage, p.generation, p.group, exc, open_doorbell(p.group, p.storage, p.generation))
+    p.storage.close()
+
+
+def persist(prepared: Prepared) -> SaveInfo:
+    """Write this rank's items and take part in the commit (see :mod:`zerostall.saving.commit`)."""
+    p, group, storage, generation = prepared, prepared.group, prepared.storage, prepared.generation
+    threads = p.options.threads or default_threads()
+    t0 = time.perf_counter()
+    previous = manifest_generation(storage) if group.is_coordinator else None  # see location.publish_manifest
+    bell = open_doorbell(group, storage, generation)
+    try:
+        create(storage)
+        files, headers = write_data(storage, p.items, generation, group.rank, threads, p.options.block_size)
+        if not group.is_coordinator:
+            with gc_paused():
+                done = record(p.collected, p.plan, group.rank, files, headers, p.items)
+            write_record(storage, generation, group.rank, "done", done, bell)
+    except BaseException as exc:
+        delete_generation(storage, generation, group.rank)
+        if group.size > 1:
+            report_failure(storage, generation, group, exc, bell)
+        storage.close()
+        raise
+    t_write = time.perf_counter()
+    try:
+        if group.is_coordinator:
+            others = await_records(storage, generation, list(range(1, group.size)), p.options.commit_timeout, bell)
+            with gc_paused():
+                manifest = assemble(p.collected, p.plan, files, headers, others, generation, group.size, p.step,
+                                    p.metadata, p.options.block_size)
+                publish_manifest(storage, manifest.generation, manifest.to_bytes(), previous,
+                                 before_commit=p.options.before_commit)
+            announce(bell, "ok")
+        else:
+            await_commit(storage, generation, p.options.commit_timeout, bell)
+    except BaseException as exc:
+        if group.is_coordinator and manifest_generation(storage) != generation:
+            if group.size > 1:
+                write_abort(storage, generation, f"{type(exc).__name__}: {exc}", bell)
+            delete_generation(storage, generation, group.rank)
+            storage.delete(manifest_tmp_name(generation))
+        storage.close()
+        raise
+    if group.is_coordinator:
+        clean_up_after_commit(storage, generation, previous)
+    storage.close()
+    end = time.perf_counter()
+    return SaveInfo(storage.location, generation, p.step, sum(files.values()), p.replanned, p.collect_s,
+                    p.plan_s, t_write - t0, end - t_write, p.collect_s + p.plan_s + end - t0)
