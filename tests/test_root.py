@@ -181,3 +181,52 @@ def test_an_attempt_that_commits_while_it_is_moved_aside_is_put_back(tmp_path, c
     assert [e[0] for e in events] == ["move", "move"] and events[1][2] == step_tag(1)
     assert os.listdir(tmp_path) == [step_tag(1)] and zs.verify(tmp_path / step_tag(1))
     assert ckroot.latest() == step_tag(1) and "outlived its lease" in caplog.text
+
+
+def test_a_manager_refuses_a_root_holding_unrelated_files_and_writes_nothing_there(tmp_path):
+    """zs.save refuses a directory of other files; a manager root must too, or the manager takes it
+    over: its start-up clean-up removes a ``step_*`` directory without a manifest (here another
+    tool's), whatever it holds."""
+    (tmp_path / "train.py").write_text("print('hi')")
+    (tmp_path / "notes.txt").write_text("")
+    (tmp_path / "step_100").mkdir()
+    (tmp_path / "step_100" / "model.pt").write_bytes(b"not ours")
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(zs.CheckpointError) as exc:
+        zs.CheckpointManager(tmp_path)
+    message = str(exc.value)
+    assert "neither checkpoints nor a checkpoint manager's own (notes.txt, train.py, runs/, step_100/)" in message
+    assert "give the manager an empty directory or one of its own roots, or move those files out" in message
+    assert sorted(os.listdir(tmp_path)) == before and os.listdir(tmp_path / "step_100") == ["model.pt"]
+
+
+def test_a_checkpoint_given_as_a_manager_root_is_refused(tmp_path):
+    save(tmp_path / "ckpt", 1)
+    with pytest.raises(zs.CheckpointError, match="is a checkpoint itself, not a root of checkpoints"):
+        zs.CheckpointManager(tmp_path / "ckpt")
+    assert zs.verify(tmp_path / "ckpt") and not (tmp_path / "ckpt" / LEASE_NAME).exists()
+
+
+def test_a_root_with_the_managers_own_and_a_frameworks_files_is_accepted(tmp_path):
+    """What a manager leaves (lease, latest, set-aside checkpoints, an interrupted clean-up, temp
+    files, attempts a dead writer left, an empty tag directory) and what DeepSpeed keeps in its
+    save directory (``latest`` as plain text, ``zero_to_fp32.py``) are not unrelated."""
+    with zs.CheckpointManager(tmp_path, fsync=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((4,), float(step))})
+        mgr.save(1, {"w": torch.full((4,), 10.0)})  # a rollback: step 2 is set aside
+    uncommitted(tmp_path / step_tag(3), 3)
+    uncommitted(tmp_path / "global_step4", 4)
+    save(tmp_path / "global_step5", 5)
+    (tmp_path / "empty-tag").mkdir()
+    (tmp_path / ".deleting-step_000000007.0123abcd").mkdir()
+    (tmp_path / "latest.0123abcd.tmp").write_text("{")
+    (tmp_path / ".nfs0000000000001234").write_bytes(b"")
+    (tmp_path / "zero_to_fp32.py").write_text("# DeepSpeed's conversion script")
+    (tmp_path / LATEST_NAME).write_text("global_step5")
+    assert sorted(os.listdir(tmp_path / SUPERSEDED_NAME)) == [step_tag(1), step_tag(2)]
+    with zs.CheckpointManager(tmp_path) as mgr:
+        target = {"w": torch.zeros(4)}
+        assert mgr.latest() == "global_step5"
+        assert mgr.restore(target, tag=step_tag(1)) == 1 and torch.equal(target["w"], torch.full((4,), 10.0))

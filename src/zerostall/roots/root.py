@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpo
 from ..format.layout import MANIFEST_NAME, ManifestHead, file_generation
 from ..loading.opening import read_manifest_head
 from ..storage import SMALL_FILE_BYTES, Storage, storage_for
+from ..storage.location import few
 from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
 
 log = logging.getLogger(__name__)
@@ -30,6 +32,10 @@ LEASE_NAME = ".writer-lease"
 SUPERSEDED_NAME = ".superseded"
 TRASH_PREFIX = ".deleting-"
 
+FRAMEWORK_FILES = frozenset({"zero_to_fp32.py"})
+"""Files a training framework keeps beside its checkpoints in its save directory (DeepSpeed's
+conversion script; DeepSpeed's ``latest`` shares our pointer's name): not unrelated to a root."""
+
 COMMITTED = "committed"
 INCOMPLETE = "incomplete"
 CORRUPT = "corrupt"
@@ -38,6 +44,12 @@ CORRUPT = "corrupt"
 def step_tag(step: int) -> str:
     """The tag of the checkpoint of ``step``: ``step_000000100``."""
     return f"step_{step:09d}"
+
+
+def tag_step(tag: str) -> int | None:
+    """The step a tag of :func:`step_tag`'s form names, else None."""
+    match = re.fullmatch(r"step_(\d{9,})", tag)
+    return int(match.group(1)) if match else None
 
 
 def validate_tag(tag: str) -> None:
@@ -80,6 +92,17 @@ def retained(infos: list[CheckpointInfo], policy: RetentionPolicy, pinned: Itera
 def looks_like_checkpoint(storage: Storage) -> bool:
     """Whether ``storage`` holds a manifest or zerostall data files (committed or not)."""
     return any(n == MANIFEST_NAME or file_generation(n) for n in storage.list())
+
+
+def _update_temp(name: str) -> bool:
+    """Whether ``name`` is a temp file of an update of ``latest`` or of the lease (see :meth:`Storage.put`)."""
+    return name.startswith((f"{LATEST_NAME}.", f"{LEASE_NAME}.")) and name.endswith(".tmp")
+
+
+def _holds_nothing_foreign(storage: Storage) -> bool:
+    """Whether a directory under a root is a checkpoint (committed or not) or empty."""
+    names = storage.list()
+    return any(n == MANIFEST_NAME or file_generation(n) for n in names) or not (names or storage.children())
 
 
 def describe(storage: Storage, name: str) -> CheckpointInfo:
@@ -129,6 +152,8 @@ class CheckpointRoot:
         self.storage = storage
         self.location = storage.location
         self._seen: dict[str, tuple[str, CheckpointInfo]] = {}  # name -> (manifest version, info)
+        self.unreadable: dict[str, CheckpointError] = {}
+        """The checkpoints of the last listing whose manifest is there but could not be read, and why."""
 
     def where(self, name: str) -> str:
         """The location of ``name`` under the root, for messages."""
@@ -142,9 +167,10 @@ class CheckpointRoot:
     def checkpoints(self) -> list[CheckpointInfo]:
         """The committed checkpoints, oldest step first (step-less ones first), hidden names and
         unreadable manifests skipped. Only the head of each manifest is parsed, once while it stays
-        the same file: a manager lists after every save."""
+        the same file: a manager lists after every save. Unreadable ones are kept in :attr:`unreadable`."""
         found = []
         seen: dict[str, tuple[str, CheckpointInfo]] = {}
+        unreadable: dict[str, CheckpointError] = {}
         for name in self.storage.children():
             if name.startswith("."):
                 continue
@@ -159,11 +185,12 @@ class CheckpointRoot:
             else:
                 try:
                     info = _committed(name, storage, read_manifest_head(storage))
-                except CheckpointError:
+                except CheckpointError as exc:
+                    unreadable[name] = exc
                     continue
             seen[name] = (version, info)
             found.append(info)
-        self._seen = seen
+        self._seen, self.unreadable = seen, unreadable
         return sorted(found, key=lambda info: (-1 if info.step is None else info.step, info.name))
 
     def latest(self) -> str | None:
@@ -191,6 +218,26 @@ class CheckpointRoot:
         rows = [describe(storage, name) for name, storage in candidates if looks_like_checkpoint(storage)]
         rows.sort(key=lambda r: (r.step is None, r.step or 0, r.name))
         return rows
+
+    def check_only_ours(self) -> None:
+        """Refuse a root holding what is neither a checkpoint (committed or not) nor a manager's own
+        (``latest``, the lease, ``.superseded/``, temp files of their updates; hidden names) nor a
+        framework's beside them (:data:`FRAMEWORK_FILES`): a manager takes over what it finds
+        there (it removes attempts, sets aside, prunes), so it starts only where that is safe."""
+        dirs = self.storage.children()
+        files = sorted(set(self.storage.list()) - set(dirs))  # a local listing names directories too
+        if any(n == MANIFEST_NAME or file_generation(n) for n in files):
+            raise CheckpointError(f"{self.location} is a checkpoint itself, not a root of checkpoints; nothing was "
+                                  "written: give the manager a directory of its own (it keeps one checkpoint per "
+                                  "step under it), or load this checkpoint with zerostall.load")
+        unrelated = [n for n in files if not (n.startswith(".") or n in (LATEST_NAME, *FRAMEWORK_FILES)
+                                              or _update_temp(n))]
+        unrelated += [f"{n}/" for n in dirs
+                      if not n.startswith(".") and not _holds_nothing_foreign(self.storage.child(n))]
+        if unrelated:
+            raise CheckpointError(f"{self.location} holds files that are neither checkpoints nor a checkpoint "
+                                  f"manager's own ({few(unrelated)}); nothing was written: give the manager an "
+                                  "empty directory or one of its own roots, or move those files out")
 
     # -- the latest pointer --------------------------------------------------------------------
     def read_latest(self) -> str | None:
@@ -247,7 +294,7 @@ class CheckpointRoot:
             elif name.startswith("step_") and not _has_manifest(self.storage.child(name)):
                 self._remove_attempt(name)
         for name in self.storage.list():
-            if name.startswith((f"{LATEST_NAME}.", f"{LEASE_NAME}.")) and name.endswith(".tmp"):
+            if _update_temp(name):
                 self._remove_if_older(name, temp_age)  # a publish that a crash interrupted
 
     def _remove_attempt(self, name: str) -> None:

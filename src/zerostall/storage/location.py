@@ -28,10 +28,15 @@ def check_location(storage: Storage, overwrite: bool, *, what: str = "save") -> 
                                     f"the new one commits), or {what} into a new location")
     foreign = [n for n in names if n != MANIFEST_NAME and file_generation(n) is None]
     if foreign:
-        shown = ", ".join(foreign[:5]) + (f", … ({len(foreign) - 5} more)" if len(foreign) > 5 else "")
         raise CheckpointError(f"{storage.location} holds files that are not part of a zerostall checkpoint "
-                              f"({shown}); nothing was written: {what} into a new or empty location, or into an "
+                              f"({few(foreign)}); nothing was written: {what} into a new or empty location, or into an "
                               "existing checkpoint to replace it")
+
+
+def few(names: list[str], shown: int = 5) -> str:
+    """The first ``shown`` of ``names`` and how many more, for an error message."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f", … ({more} more)" if more > 0 else "")
 
 
 def publish_manifest(storage: Storage, generation: str, manifest: bytes, previous: str | None, *, what: str = "save",
