@@ -465,6 +465,48 @@ def test_a_refusal_on_rank_0_before_a_save_is_raised_on_every_rank(ranks, tmp_pa
     seen = ranks(2).run(start_then_roll_back_without_the_lease, str(tmp_path / "root"), timeout=60)
     for rank_seen in seen:
         assert len(rank_seen) == 2, seen
-        assert "no longer holds the writer lease" in rank_seen[0]
         assert "is being written by" in rank_seen[1]
+    assert "no longer holds the writer lease" in seen[0][0]
+    assert "1 other rank(s) could not prepare this save" in seen[1][0]  # told in the save's own first collective
     assert steps_on_disk(tmp_path / "root") == [1, 2]  # nothing was set aside or saved over
+
+
+def collectives_of_a_save(root: str, plain: str) -> tuple[dict[str, int], dict[str, int]]:
+    """The zerostall collectives (Group methods) this rank runs in a manager's save and in a plain
+    zs.save, each a save after the first (its plan then cached)."""
+    from zerostall.collectives import Group
+
+    counts: dict[str, int] = {}
+    originals = {name: getattr(Group, name) for name in
+                 ("broadcast_bytes", "all_reduce_ints", "all_gather_object", "broadcast_tensor")}
+
+    def counting(name, method):
+        def run(self, *args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return method(self, *args, **kwargs)
+        return run
+
+    def counted(save) -> dict[str, int]:
+        counts.clear()
+        for name, method in originals.items():
+            setattr(Group, name, counting(name, method))
+        try:
+            save()
+        finally:
+            for name, method in originals.items():
+                setattr(Group, name, method)
+        return dict(counts)
+
+    with zs.CheckpointManager(root, fsync=False) as mgr:
+        mgr.save(1, part(1))
+        in_manager = counted(lambda: mgr.save(2, part(2)))
+    zs.save(part(1), f"{plain}/1", fsync=False)
+    in_plain = counted(lambda: zs.save(part(2), f"{plain}/2", fsync=False))
+    return in_manager, in_plain
+
+
+def test_a_manager_save_runs_no_collective_beyond_its_saves_own(ranks, tmp_path):
+    """The manager's checks before a save (set steps aside, settle the last commit) run on rank 0
+    inside the save's own first collective: a manager save costs what a plain save does."""
+    for in_manager, in_plain in ranks(2).run(collectives_of_a_save, str(tmp_path / "root"), str(tmp_path / "plain")):
+        assert in_manager == in_plain, (in_manager, in_plain)

@@ -18,6 +18,7 @@ __all__ = [
     "save", "async_save", "load", "open", "open_latest", "verify", "export", "copy", "CopyInfo", "SaveOptions",
     "LoadOptions", "ExportOptions", "ExportInfo",
     "AsyncSaver", "SaveHandle", "SaveInfo", "Checkpoint", "Mismatch", "CheckpointManager", "RetentionPolicy",
+    "RestoreInfo",
     "rank_local", "RankLocal", "Stateful", "FlattenedTensor", "FORMAT_VERSION", "S3Storage", "S3Options",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "SharedMemoryError", "StateChangedError", "StateMismatchError",
@@ -33,7 +34,7 @@ _EXPORTS = {
     "ExportOptions": "interop.exporting", "ExportInfo": "interop.exporting",
     "AsyncSaver": "saving.asynchronous", "SaveHandle": "saving.asynchronous", "SaveInfo": "saving.pipeline",
     "Checkpoint": "loading.checkpoint", "Mismatch": "loading.load_plan", "CheckpointManager": "manager",
-    "RetentionPolicy": "roots.retention",
+    "RetentionPolicy": "roots.retention", "RestoreInfo": "roots.restore",
     "rank_local": "state", "RankLocal": "state", "Stateful": "state", "FlattenedTensor": "format.subclass",
     "FORMAT_VERSION": "format.layout", "S3Storage": "storage.s3", "S3Options": "storage.s3client",
     "CheckpointError": "errors", "CheckpointExistsError": "errors", "CheckpointNotFoundError": "errors",
@@ -58,6 +59,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .loading.load_plan import Mismatch
     from .manager import CheckpointManager
     from .options import LoadOptions, SaveOptions
+    from .roots.restore import RestoreInfo
     from .roots.retention import RetentionPolicy
     from .saving.asynchronous import AsyncSaver, SaveHandle
     from .saving.pipeline import SaveInfo

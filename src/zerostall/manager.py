@@ -17,7 +17,7 @@ import logging
 import os
 import random
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
@@ -28,16 +28,17 @@ from .format.layout import RNG_KEY
 from .loading.checkpoint import Checkpoint
 from .options import LoadOptions, SaveOptions
 from .roots.lease import DEFAULT_TTL, WriterLease
-from .roots.retention import CheckpointRecord, RetentionPolicy
-from .roots.root import LATEST_NAME, CheckpointRoot, retained, step_tag, validate_tag
+from .roots.restore import NOTHING, RestoreInfo, newest_first, other_world, restore_first_whole
+from .roots.retention import CheckpointRecord, RetentionPolicy, checked_metrics
+from .roots.root import LATEST_NAME, CheckpointRoot, retained, step_tag, tag_step, validate_tag
 from .roots.schedule import SaveSchedule
 from .saving.asynchronous import AsyncSaver, SaveHandle
 from .saving.pipeline import SaveInfo, checked_step
+from .saving.plan import SavePlanner
 from .state import RankLocal, rank_local
 from .storage import Storage, storage_for
 
 log = logging.getLogger(__name__)
-
 
 
 class CheckpointManager:
@@ -75,6 +76,8 @@ class CheckpointManager:
         self._pending_delete: Future[None] | None = None
         self._committing: Future[None] | None = None
         self.lease: WriterLease | None = None
+        self.last_restore: RestoreInfo = NOTHING
+        """What the last :meth:`restore` restored: step, source(s), checkpoints passed over as damaged."""
         self._save_options = self.save_options
         self.group.agree(functools.partial(self._take_root, lease_ttl))  # a refusal is raised on every rank
 
@@ -82,6 +85,7 @@ class CheckpointManager:
         """On the coordinator: create the root, take its writer lease, clean up a dead writer's attempt."""
         try:
             self.checkpoint_root.storage.create()
+            self.checkpoint_root.check_only_ours()
             self.lease = WriterLease(self.checkpoint_root.storage, lease_ttl)
             self.lease.acquire()
             # every commit first checks that the lease is still this manager's
@@ -108,9 +112,8 @@ class CheckpointManager:
         metrics = checked_metrics(metrics)
         tag = tag or step_tag(step)
         storage = self._create(tag)
-        self._settle_commit()
-        self._set_aside_later_than(step, tag)
         wrapped = self._wrap(state)
+        self._before_saving(step, tag)
         metadata = {"metrics": metrics, "tag": tag}
         self.schedule.saved()
         self._pinned.add(step)
@@ -130,16 +133,22 @@ class CheckpointManager:
             _OneShot(functools.partial(self._committed_async, tag=tag, step=step, committing=committing)))
         return handle
 
-    def _set_aside_later_than(self, step: int, tag: str) -> None:
-        """Saving ``step`` while checkpoints of later steps (or one under the same tag) exist forks
-        the run (a rollback to an earlier checkpoint, or a new run in the same root): move those
-        into ``.superseded/``, so that restore, ``latest`` and retention follow the run being
-        written (they pick by step, and would resume the abandoned run or delete the new one's
-        checkpoints) and no committed checkpoint is lost by being saved over. The coordinator
-        moves them; its failure (a lost lease) is raised on every rank, before the save starts."""
-
-        def set_aside() -> bytes:
+    def _before_saving(self, step: int, tag: str) -> None:
+        """Settle the last asynchronous save's commit, then, on the coordinator, set aside what
+        saving ``step`` would fork: checkpoints (damaged ones too) of later steps or under the same
+        tag (a rollback to an earlier checkpoint, or a new run in the same root) move into
+        ``.superseded/``, so that restore, ``latest`` and retention follow the run being written
+        (they pick by step, and would resume the abandoned run or delete the new one's checkpoints)
+        and no committed checkpoint is lost by being saved over. A failure here (a lost lease)
+        refuses the save in its first collective: every rank raises, with no collective of the
+        manager's own."""
+        try:
+            self._settle_commit()
+            if not self.group.is_coordinator:
+                return
             later = [name for name, record in self.checkpoints() if record.step > step or name == tag]
+            later += [name for name in self.checkpoint_root.unreadable  # a damaged manifest's step is its tag's
+                      if name == tag or (tag_step(name) or -1) > step]
             if later:  # not while retention deletes
                 self._still_the_writer()
                 try:
@@ -147,9 +156,9 @@ class CheckpointManager:
                 except OSError as exc:
                     raise CheckpointError(f"cannot set {', '.join(later)} aside under {self.root} before saving "
                                           f"step {step}: {exc}") from exc
-            return b""
-
-        self.group.agree(set_aside)
+        except Exception:
+            SavePlanner.refuse(self.group)
+            raise
 
     def _committed_async(self, fut: Future, tag: str, step: int, committing: Future) -> None:
         """Runs when an asynchronous save is done: commit it (latest, retention) if it succeeded."""
@@ -208,24 +217,56 @@ class CheckpointManager:
         ck.tag = resolved
         return ck
 
-    def restore(self, state: Any, tag: str | None = None, **overrides: Any) -> int | None:
-        """Load the newest (or ``tag``) checkpoint into ``state`` in place (its python values and
-        tuples replaced in the dict), RNG states included; returns its step, or ``None`` for a fresh
-        start. It stays protected from retention. Keywords override fields of the manager's ``load_options``."""
-        ck = self.open(tag)
-        if ck is None:
+    def restore(self, state: Any, tag: str | None = None, *, fallback: bool = True, strict: bool | None = None,
+                **overrides: Any) -> int | None:
+        """Load the newest committed checkpoint (or ``tag``) into ``state`` in place (its python
+        values and tuples replaced in the dict), RNG states included; returns its step, or ``None``
+        for a fresh start. It stays protected from retention; :attr:`last_restore` says what was restored.
+
+        A damaged newest checkpoint (a checksum, a truncated or missing file) makes every rank fall
+        back to the previous committed one, with a warning naming it and what failed; never past a
+        ``tag`` asked for, nor over an I/O error. ``fallback=False`` raises instead. ``strict=False``
+        (default: the ``load_options``' own) resumes on another world size, leaving each rank's RNG
+        and per-rank state as they are. Other keywords override fields of the manager's ``load_options``."""
+        options = LoadOptions.of(self.load_options, {**overrides, **({} if strict is None else {"strict": strict})})
+        named = tag not in (None, "latest")
+        self.last_restore = NOTHING
+        candidates = [(tag, None)] if named else json.loads(self.group.agree(
+            lambda: json.dumps(newest_first(self.checkpoint_root)).encode()))
+        if not candidates:
             return None
-        with ck:
-            wrapped = self._wrap(state)
-            result = ck.load(wrapped, **overrides)
-        loaded = result[0] if isinstance(result, tuple) else result  # (state, Mismatch) when not strict
+        loaded = restore_first_whole(self.group, self.checkpoint_root, candidates,
+                                     functools.partial(self._load, state, options), fallback=fallback, named=named,
+                                     record=functools.partial(setattr, self, "last_restore"))
         for key, value in state.items():  # python values and tuples are new objects: put them in place
+            if key not in loaded:  # per-rank state left as it is
+                continue
             got = loaded[key]
             state[key] = got.value if isinstance(got, RankLocal) and not isinstance(value, RankLocal) else got
-        _set_rng_state(loaded[RNG_KEY].value)
-        if ck.step is not None:
-            self._pinned.add(ck.step)
-        return ck.step
+        if RNG_KEY in loaded:
+            _set_rng_state(loaded[RNG_KEY].value)
+        step = self.last_restore.step
+        if step is not None:
+            self._pinned.add(step)
+        return step
+
+    def _load(self, state: Any, options: LoadOptions, tag: str) -> tuple[int | None, dict[str, Any]]:
+        """Load checkpoint ``tag`` into the tensors of ``state``; returns its step and the loaded
+        state, which :meth:`restore` puts in place once every rank has loaded it."""
+        try:
+            ck = open_checkpoint(self.checkpoint_root.child(tag), options, process_group=self.process_group)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"no checkpoint {tag!r} under {self.root}") from None
+        with ck:
+            wrapped = self._wrap(state)
+            if ck.manifest.world_size != self.group.size:  # per-rank state cannot go to ranks one to one
+                per_rank = [k for k, v in wrapped.items() if isinstance(v, RankLocal)]
+                other_world(self.checkpoint_root.where(tag), ck.manifest.world_size, self.group, options.strict,
+                            [k for k in per_rank if k != RNG_KEY])
+                for key in per_rank:  # each rank keeps its own
+                    del wrapped[key]
+            result = ck.load(wrapped, options)
+        return ck.step, result[0] if isinstance(result, tuple) else result  # (state, Mismatch) when not strict
 
     def _wrap(self, state: Any) -> dict[str, Any]:
         if not isinstance(state, dict):
@@ -349,16 +390,3 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
         np.random.set_state(state["numpy"])
 
-
-def checked_metrics(metrics: Any) -> dict[str, float]:
-    """``metrics`` as a dict of names to numbers (what listing and ``keep_best`` rank by)."""
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, Mapping):
-        raise UnsupportedValueError(f"metrics={metrics!r} is not a dict: pass e.g. metrics={{'loss': 0.31}}")
-    bad = [k for k, v in metrics.items() if not isinstance(k, str) or isinstance(v, bool)
-           or not isinstance(v, (int, float))]
-    if bad:
-        raise UnsupportedValueError(f"metrics {bad[0]!r} (= {metrics[bad[0]]!r}) is not a number under a string name: "
-                                    "metrics are numbers that listing and keep_best rank by")
-    return dict(metrics)

@@ -4,12 +4,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
+
+from ..errors import UnsupportedValueError
 
 
 def numeric_metrics(metrics: dict) -> dict[str, float]:
     """The metrics retention can rank by: the numeric ones."""
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+
+
+def checked_metrics(metrics: Any) -> dict[str, float]:
+    """``metrics`` as a dict of names to numbers (what listing and ``keep_best`` rank by)."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise UnsupportedValueError(f"metrics={metrics!r} is not a dict: pass e.g. metrics={{'loss': 0.31}}")
+    bad = [k for k, v in metrics.items() if not isinstance(k, str) or isinstance(v, bool)
+           or not isinstance(v, (int, float))]
+    if bad:
+        raise UnsupportedValueError(f"metrics {bad[0]!r} (= {metrics[bad[0]]!r}) is not a number under a string name: "
+                                    "metrics are numbers that listing and keep_best rank by")
+    return dict(metrics)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,161 @@
+"""Restoring the newest undamaged checkpoint of a root, on every rank together.
+
+Every rank tries the same checkpoint, then learns in one gather how every rank fared. If any rank
+found it damaged (a checksum, a truncated or missing file, a manifest that does not check), all
+ranks go on to the previous committed one, whose load fills every target again. Any other failure
+(an I/O error, a mismatched state) is raised on every rank: a transient error must not silently
+resume an older step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+from ..collectives import Group
+from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
+from .root import CheckpointRoot, tag_step
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PERSISTENT = "persistent"
+"""The source of a checkpoint read from the manager's root."""
+
+OK, DAMAGED, ELSEWHERE, FAILED = "ok", "damaged", "elsewhere", "failed"
+
+
+@dataclass(frozen=True)
+class RestoreInfo:
+    """What the last :meth:`CheckpointManager.restore` did (``mgr.last_restore``), the same on every rank."""
+
+    step: int | None
+    """The step restored; None when nothing was (a fresh start, or a restore that raised)."""
+
+    source: str | None
+    """Where this rank's state came from: ``"persistent"`` (the manager's root); ``"local"`` and
+    ``"peer"`` are the faster tiers' names. None when nothing was restored."""
+
+    sources: tuple[str, ...]
+    """Every rank's source, by rank (empty when nothing was restored)."""
+
+    fallbacks: tuple[tuple[str, str], ...]
+    """The checkpoints found damaged and passed over, newest first: (tag, what failed on which rank)."""
+
+    tag: str | None = None
+    """The tag of the checkpoint restored (None when nothing was)."""
+
+
+NOTHING = RestoreInfo(None, None, (), ())
+
+
+def kind_of(exc: BaseException) -> str:
+    """How a failed attempt counts: DAMAGED (the checkpoint's bytes or files are not what was saved),
+    ELSEWHERE (a plain :class:`CheckpointError` with no I/O error behind it: how a rank learns that
+    another rank failed) or FAILED (anything else, an I/O or storage error above all)."""
+    if isinstance(exc, (CorruptCheckpointError, IncompleteCheckpointError)):
+        return DAMAGED
+    if type(exc) is CheckpointError and not isinstance(exc.__cause__, OSError):
+        return ELSEWHERE
+    return FAILED
+
+
+def newest_first(root: CheckpointRoot) -> list[tuple[str, str | None]]:
+    """The checkpoints a restore tries, newest first: the committed ones, and those of a step tag
+    whose manifest is damaged (with why: they are passed over, and said to be). A manifest that
+    could not be read for another reason (an I/O error) is raised: it may be the newest."""
+    found: list[tuple[int, str, str | None]] = [(-1 if i.step is None else i.step, i.name, None)
+                                                for i in root.checkpoints()]
+    for tag, exc in root.unreadable.items():
+        if kind_of(exc) != DAMAGED:
+            raise exc
+        step = tag_step(tag)
+        if step is not None:
+            found.append((step, tag, f"{type(exc).__name__}: {exc}"))
+    return [(tag, damage) for _, tag, damage in sorted(found, reverse=True)]
+
+
+def restore_first_whole(group: Group, root: CheckpointRoot, candidates: list[tuple[str, str | None]],
+                        attempt: Callable[[str], tuple[int | None, T]], *, fallback: bool, named: bool,
+                        record: Callable[[RestoreInfo], None]) -> T:
+    """``attempt(tag)`` (which returns the step it restored and a result) on every rank for each of
+    ``candidates`` (tags of ``root`` newest first, with why for those known to be damaged) until it
+    succeeds on every rank, going on only past damage and only when ``fallback``; returns its
+    result. Otherwise raises on every rank: a damaged checkpoint's error names what failed (and
+    what ``fallback=True`` would restore), and when every candidate is damaged it lists them.
+    ``named``: the one candidate was asked for by tag. ``record`` gets what was restored (and
+    passed over), whether this raises or not."""
+    damaged: list[tuple[str, str]] = []
+    restored: RestoreInfo | None = None
+    try:
+        for n, (tag, known) in enumerate(candidates):
+            error: Exception | None = None
+            if known is not None:  # found damaged while listing, the same on every rank: not tried
+                outcomes = [(DAMAGED, known, "")]
+            else:
+                try:
+                    step, result = attempt(tag)
+                    outcome = (OK, "", PERSISTENT)
+                except Exception as exc:
+                    error, outcome = exc, (kind_of(exc), f"{type(exc).__name__}: {exc}", "")
+                outcomes = group.all_gather_object(outcome)
+            if all(kind == OK for kind, _, _ in outcomes):
+                sources = tuple(source for _, _, source in outcomes)
+                restored = RestoreInfo(step, sources[group.rank], sources, tuple(damaged), tag)
+                return result
+            found = [(rank, message) for rank, (kind, message, _) in enumerate(outcomes) if kind == DAMAGED]
+            if not found or any(kind == FAILED for kind, _, _ in outcomes):  # never resume an older step over it
+                if error is not None:
+                    raise error
+                raise CheckpointError(f"restoring {root.where(tag)} failed on " + _by_rank(
+                    [(rank, message) for rank, (kind, message, _) in enumerate(outcomes) if kind != OK]))
+            reason = _by_rank(found) if len(outcomes) > 1 else found[0][1]
+            damaged.append((tag, reason))
+            following = candidates[n + 1:]
+            if not (fallback and following):
+                raise _refusal(error, root, tag, reason, damaged, following, named) from error
+            log.log(logging.WARNING if group.is_coordinator else logging.DEBUG,
+                    "checkpoint %s is damaged (%s): restoring the previous committed one, %s, instead (restore "
+                    "with fallback=False to refuse)", root.where(tag), reason, following[0][0])
+        raise CheckpointError("nothing to restore")  # the caller passes at least one candidate
+    finally:
+        record(restored or RestoreInfo(None, None, (), tuple(damaged)))
+
+
+def _by_rank(messages: list[tuple[int, str]]) -> str:
+    return "; ".join(f"rank {rank}: {message}" for rank, message in messages)
+
+
+def _refusal(error: Exception | None, root: CheckpointRoot, tag: str, reason: str, damaged: list[tuple[str, str]],
+             following: list[tuple[str, str | None]], named: bool) -> CheckpointError:
+    """The error of a restore that stops at damaged ``tag``: falling back was off (the hint names
+    what ``fallback=True`` would restore), there was nothing before it, or every one was damaged."""
+    if len(damaged) > 1:
+        tried = "; ".join(f"{name} ({why})" for name, why in damaged)
+        return CorruptCheckpointError(f"every checkpoint tried under {root.location} is damaged, so nothing was restored "
+                                      f"(the state's tensors may hold partly loaded values): {tried}")
+    previous = next((name for name, known in following if known is None), None)
+    if previous is not None:
+        hint = f"; restore(..., fallback=True) restores the previous committed checkpoint, {previous}, instead"
+    else:
+        hint = (f"; it was asked for by tag={tag!r}, so no other is restored in its place (restore without tag= "
+                "falls back to the newest undamaged one)" if named else "; there is no earlier committed checkpoint")
+    if isinstance(error, (CorruptCheckpointError, IncompleteCheckpointError)):
+        return type(error)(f"{error}{hint}")
+    return CorruptCheckpointError(f"checkpoint {root.where(tag)} is damaged ({reason}){hint}")
+
+
+def other_world(where: str, saved: int, group: Group, strict: bool, per_rank_keys: list[str]) -> None:
+    """Refuse a strict restore of checkpoint ``where``, saved by ``saved`` ranks, on another number
+    of ranks, naming the call that works; a non-strict one leaves every rank's RNG states and
+    per-rank keys as they are, and says so once."""
+    what = "the RNG states" + "".join(f", {k!r}" for k in per_rank_keys)
+    if strict:
+        raise StateMismatchError(f"{where} was saved by {saved} rank(s) and is restored on {group.size}: its per-rank "
+                                 f"state ({what}) cannot be given to these ranks one to one; to resume on another "
+                                 "world size, call mgr.restore(state, strict=False): it restores everything else "
+                                 "and leaves each rank's per-rank state as it is")
+    log.log(logging.WARNING if group.is_coordinator else logging.DEBUG, "%s was saved by %d rank(s) and is restored "
+            "on %d: its per-rank state (%s) is not restored, each rank keeps its own", where, saved, group.size, what)
