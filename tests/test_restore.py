@@ -182,7 +182,7 @@ class Warnings(logging.Handler):
         self.seen.append(record.getMessage())
 
 
-def restore_on_ranks(root: str, fail_reads_of: str | None = None) -> tuple:
+def restore_on_ranks(root: str, fail_reads_of: str | None = None, **load_options) -> tuple:
     """Restore on every rank; rank 1 fails every read of data files of ``fail_reads_of`` with an I/O
     error. Returns the step (or the error), last_restore, the loader position and the warnings."""
     storage = FaultyStorage(LocalStorage(root))
@@ -193,7 +193,7 @@ def restore_on_ranks(root: str, fail_reads_of: str | None = None) -> tuple:
     logging.getLogger("zerostall").addHandler(handler)
     target = rank_state(0)
     try:
-        with zs.CheckpointManager(storage) as mgr:
+        with zs.CheckpointManager(storage, load_options=zs.LoadOptions(**load_options)) as mgr:
             try:
                 outcome: object = mgr.restore(target)
             except zs.CheckpointError as exc:
@@ -217,6 +217,18 @@ def test_damage_that_only_one_rank_reads_makes_every_rank_fall_back_together(ran
     [(tag, reason)] = info0.fallbacks
     assert tag == step_tag(2) and reason.startswith("rank 1: CorruptCheckpointError: checksum mismatch")
     assert any(f"{step_tag(2)} is damaged (rank 1: " in w for w in seen0) and not seen1  # said once
+
+
+def test_damage_found_by_the_rank_that_reads_for_both_makes_every_rank_fall_back(ranks, tmp_path):
+    """With broadcast loads one rank reads ``w`` for both: the other learns only that a rank failed."""
+    root = str(tmp_path / "root")
+    pool = ranks(2)
+    pool.run(save_on_ranks, root, [1, 2])
+    file, offset = data_file_of(root, step_tag(2), "w")
+    flip(file, offset + 5)
+    (step0, info0, _, _), (step1, info1, _, _) = pool.run(restore_on_ranks, root, broadcast=True)
+    assert (step0, step1) == (1, 1) and info0 == info1 and [t for t, _ in info0.fallbacks] == [step_tag(2)]
+    assert "CorruptCheckpointError: checksum mismatch" in info0.fallbacks[0][1]
 
 
 def test_an_io_error_on_one_rank_is_raised_on_every_rank_without_falling_back(ranks, tmp_path):

@@ -14,7 +14,7 @@ import zerostall as zs
 from faults import FaultyStorage
 from zerostall.format.layout import MANIFEST_NAME
 from zerostall.roots.root import (COMMITTED, CORRUPT, INCOMPLETE, LATEST_NAME, LEASE_NAME, SUPERSEDED_NAME, CheckpointRoot, step_tag, validate_tag)
-from zerostall.storage import LocalStorage
+from zerostall.storage import LocalStorage, storage_for
 
 
 def save(path, step: int | None, **kwargs) -> None:
@@ -230,3 +230,13 @@ def test_a_root_with_the_managers_own_and_a_frameworks_files_is_accepted(tmp_pat
         target = {"w": torch.zeros(4)}
         assert mgr.latest() == "global_step5"
         assert mgr.restore(target, tag=step_tag(1)) == 1 and torch.equal(target["w"], torch.full((4,), 10.0))
+
+
+def test_an_s3_root_holding_unrelated_objects_is_refused(s3_url):
+    root = storage_for(s3_url)
+    root.put("notes.txt", b"")
+    root.child("runs").put("a.bin", b"x")
+    root.put("zero_to_fp32.py", b"")
+    with pytest.raises(zs.CheckpointError, match=r"neither checkpoints nor a checkpoint manager's own \(notes.txt, runs/\)"):
+        zs.CheckpointManager(s3_url)
+    assert LEASE_NAME not in root.list()

@@ -220,7 +220,8 @@ class CheckpointRoot:
         return rows
 
     def check_only_ours(self) -> None:
-        """Refuse a root holding what is neither a checkpoint (committed or not) nor a manager's own
+        """Refuse a root holding what is neither a checkpoint (committed or not, or an empty
+        directory; one named by :func:`step_tag` is taken for one unlooked) nor a manager's own
         (``latest``, the lease, ``.superseded/``, temp files of their updates; hidden names) nor a
         framework's beside them (:data:`FRAMEWORK_FILES`): a manager takes over what it finds
         there (it removes attempts, sets aside, prunes), so it starts only where that is safe."""
@@ -232,8 +233,8 @@ class CheckpointRoot:
                                   "step under it), or load this checkpoint with zerostall.load")
         unrelated = [n for n in files if not (n.startswith(".") or n in (LATEST_NAME, *FRAMEWORK_FILES)
                                               or _update_temp(n))]
-        unrelated += [f"{n}/" for n in dirs
-                      if not n.startswith(".") and not _holds_nothing_foreign(self.storage.child(n))]
+        unrelated += [f"{n}/" for n in dirs if not (n.startswith(".") or tag_step(n) is not None  # ours by name
+                                                     or _holds_nothing_foreign(self.storage.child(n)))]
         if unrelated:
             raise CheckpointError(f"{self.location} holds files that are neither checkpoints nor a checkpoint "
                                   f"manager's own ({few(unrelated)}); nothing was written: give the manager an "
