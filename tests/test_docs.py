@@ -1,6 +1,7 @@
 """The user documentation stays true to the repository: every link in README.md and docs/*.md resolves (a file
-inside the repository, and an #anchor that is a heading there), every ```python block compiles, every test
-docs/guarantees.md names exists, and bench/chart.py draws an SVG from the benchmarks' JSON alone."""
+inside the repository, and an #anchor that is a heading there), every python file they name exists, every
+```python block compiles, every test docs/guarantees.md names exists, and bench/chart.py draws an SVG from the
+benchmarks' JSON alone."""
 
 from __future__ import annotations
 
@@ -125,6 +126,20 @@ def test_every_page_in_docs_is_linked_from_the_readme():
     linked = {(ROOT / t.partition("#")[0]).resolve() for _, t in links(ROOT / "README.md")}
     orphans = [p.name for p in PAGES[1:] if p.resolve() not in linked]
     assert not orphans, f"docs pages the README does not link: {orphans}"
+
+
+def test_every_python_file_the_docs_name_exists():
+    """A `` `folder/module.py` `` is a path from the repository or from src/zerostall/; a bare
+    `` `module.py` `` is a file of that name somewhere in src/, tests/, bench/ or examples/."""
+    names = {p.name for d in ("src", "tests", "bench", "examples") for p in (ROOT / d).rglob("*.py")}
+    stale = []
+    for page in PAGES:
+        for name in re.findall(r"`([\w./-]+\.py)(?:::\w+)?`", page.read_text()):
+            found = (ROOT / name).exists() or (ROOT / "src" / "zerostall" / name).exists() if "/" in name \
+                else name in names
+            if not found:
+                stale.append(f"{page.relative_to(ROOT)}: {name}")
+    assert not stale, f"the docs name files that do not exist: {stale}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
