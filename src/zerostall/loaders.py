@@ -29,7 +29,8 @@ _FIX = ("use torchdata's StatefulDataLoader (torchdata.stateful_dataloader; it t
 
 
 class LoaderGuard:
-    """A manager's care of the data loaders in its state: see the module docstring."""
+    """What a manager does for the data loaders in its state at each save and restore (see the
+    module docstring); it warns about loaders a resume cannot replay once, at its first save."""
 
     def __init__(self) -> None:
         self.checked = False
@@ -89,8 +90,8 @@ def _why_unreplayable(loader: DataLoader, in_state: bool) -> str | None:
                 "in another order; pass shuffle=True instead of sampler=RandomSampler(...) (torchdata's own "
                 "RandomSampler saves its order), or torchdata.stateful_dataloader.sampler.RandomSampler")
     if not in_state and any(_shuffles(s) for s in samplers):
-        return ("is a StatefulDataLoader that shuffles but is not in the saved state: a resume starts its epoch over; "
-                "put it in the state under 'dataloader'")
+        return ("is a StatefulDataLoader that shuffles but is not at the top level of the saved state, where the "
+                "manager keeps its draws from the global RNG in step with a resume: put it there, under 'dataloader'")
     return None
 
 
