@@ -34,7 +34,7 @@ ORDER = [
     # interop/: checkpoints leaving zerostall
     "interop.copying", "interop.torch_file", "interop.exporting", "interop",
     # the public functions, then the manager over them
-    "api", "manager",
+    "api", "loaders", "manager",
     "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.copying", "cli.exporting", "cli.importing",
     "cli", "__main__", "__init__",
 ]

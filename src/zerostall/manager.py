@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import random
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
@@ -25,6 +26,7 @@ from .api import open as open_checkpoint, save
 from .collectives import Group
 from .errors import CheckpointError, CheckpointNotFoundError, UnsupportedValueError
 from .format.layout import RNG_KEY
+from .loaders import LoaderGuard
 from .loading.checkpoint import Checkpoint
 from .options import LoadOptions, SaveOptions
 from .roots.lease import DEFAULT_TTL, WriterLease
@@ -76,6 +78,7 @@ class CheckpointManager:
         self._committing: Future[None] | None = None
         self.lease: WriterLease | None = None
         self._save_options = self.save_options
+        self.loaders = LoaderGuard()  # data loaders' draws from the global RNG kept in step with a resume
         self.group.agree(functools.partial(self._take_root, lease_ttl))  # a refusal is raised on every rank
 
     def _take_root(self, lease_ttl: float) -> bytes:
@@ -110,6 +113,7 @@ class CheckpointManager:
         storage = self._create(tag)
         self._settle_commit()
         self._set_aside_later_than(step, tag)
+        self.loaders.before_save(state, sys._getframe(1))
         wrapped = self._wrap(state)
         metadata = {"metrics": metrics, "tag": tag}
         self.schedule.saved()
@@ -222,6 +226,7 @@ class CheckpointManager:
         for key, value in state.items():  # python values and tuples are new objects: put them in place
             got = loaded[key]
             state[key] = got.value if isinstance(got, RankLocal) and not isinstance(value, RankLocal) else got
+        self.loaders.after_load(state)
         _set_rng_state(loaded[RNG_KEY].value)
         if ck.step is not None:
             self._pinned.add(ck.step)
