@@ -30,11 +30,11 @@ ORDER = [
     "loading.optimizers", "loading.load_plan", "loading.fetch", "loading.broadcast", "loading.verification",
     "loading.checkpoint", "loading.tensor_stream", "loading",
     # roots/: checkpoints by step under a root
-    "roots.retention", "roots.root", "roots.schedule", "roots.lease", "roots",
+    "roots.retention", "roots.root", "roots.schedule", "roots.lease", "roots.loaders", "roots",
     # interop/: checkpoints leaving zerostall
     "interop.copying", "interop.torch_file", "interop.exporting", "interop",
     # the public functions, then the manager over them
-    "api", "loaders", "manager",
+    "api", "manager",
     "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.copying", "cli.exporting", "cli.importing",
     "cli", "__main__", "__init__",
 ]

@@ -26,10 +26,10 @@ from .api import open as open_checkpoint, save
 from .collectives import Group
 from .errors import CheckpointError, CheckpointNotFoundError, UnsupportedValueError
 from .format.layout import RNG_KEY
-from .loaders import LoaderGuard
 from .loading.checkpoint import Checkpoint
 from .options import LoadOptions, SaveOptions
 from .roots.lease import DEFAULT_TTL, WriterLease
+from .roots.loaders import LoaderGuard
 from .roots.retention import CheckpointRecord, RetentionPolicy
 from .roots.root import LATEST_NAME, CheckpointRoot, retained, step_tag, validate_tag
 from .roots.schedule import SaveSchedule

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from .state import RankLocal
+from ..state import RankLocal
 
 log = logging.getLogger(__name__)
 
