@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import random
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -28,6 +29,7 @@ from .format.layout import RNG_KEY
 from .loading.checkpoint import Checkpoint
 from .options import LoadOptions, SaveOptions
 from .roots.lease import DEFAULT_TTL, WriterLease
+from .roots.loaders import LoaderGuard
 from .roots.restore import NOTHING, RestoreInfo, newest_first, other_world, restore_first_whole
 from .roots.retention import CheckpointRecord, RetentionPolicy, checked_metrics
 from .roots.root import LATEST_NAME, CheckpointRoot, retained, step_tag, tag_step, validate_tag
@@ -79,6 +81,7 @@ class CheckpointManager:
         self.last_restore: RestoreInfo = NOTHING
         """What the last :meth:`restore` restored: step, source(s), checkpoints passed over as damaged."""
         self._save_options = self.save_options
+        self.loaders = LoaderGuard()  # data loaders' draws from the global RNG kept in step with a resume
         self.group.agree(functools.partial(self._take_root, lease_ttl))  # a refusal is raised on every rank
 
     def _take_root(self, lease_ttl: float) -> bytes:
@@ -112,6 +115,7 @@ class CheckpointManager:
         metrics = checked_metrics(metrics)
         tag = tag or step_tag(step)
         storage = self._create(tag)
+        self.loaders.before_save(state, sys._getframe(1))
         wrapped = self._wrap(state)
         self._before_saving(step, tag)
         metadata = {"metrics": metrics, "tag": tag}
@@ -243,6 +247,7 @@ class CheckpointManager:
                 continue
             got = loaded[key]
             state[key] = got.value if isinstance(got, RankLocal) and not isinstance(value, RankLocal) else got
+        self.loaders.after_load(state)
         if RNG_KEY in loaded:
             _set_rng_state(loaded[RNG_KEY].value)
         step = self.last_restore.step
