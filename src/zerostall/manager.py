@@ -152,7 +152,7 @@ class CheckpointManager:
                 return
             later = [name for name, record in self.checkpoints() if record.step > step or name == tag]
             later += [name for name in self.checkpoint_root.unreadable  # a damaged manifest's step is its tag's
-                      if name == tag or (tag_step(name) or -1) > step]
+                      if name == tag or (tag_step(name) is not None and tag_step(name) > step)]
             if later:  # not while retention deletes
                 self._still_the_writer()
                 try:
@@ -232,16 +232,16 @@ class CheckpointManager:
         ``tag`` asked for, nor over an I/O error. ``fallback=False`` raises instead. ``strict=False``
         (default: the ``load_options``' own) resumes on another world size, leaving each rank's RNG
         and per-rank state as they are. Other keywords override fields of the manager's ``load_options``."""
+        self.last_restore = NOTHING  # until this restore says otherwise, even if it raises
         options = LoadOptions.of(self.load_options, {**overrides, **({} if strict is None else {"strict": strict})})
         named = tag not in (None, "latest")
-        self.last_restore = NOTHING
         candidates = [(tag, None)] if named else json.loads(self.group.agree(
             lambda: json.dumps(newest_first(self.checkpoint_root)).encode()))
-        if not candidates:
-            return None
         loaded = restore_first_whole(self.group, self.checkpoint_root, candidates,
                                      functools.partial(self._load, state, options), fallback=fallback, named=named,
                                      record=functools.partial(setattr, self, "last_restore"))
+        if loaded is None:  # nothing committed yet
+            return None
         for key, value in state.items():  # python values and tuples are new objects: put them in place
             if key not in loaded:  # per-rank state left as it is
                 continue

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from ..collectives import Group
-from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
+from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
+                      StateMismatchError)
 from .root import CheckpointRoot, tag_step
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,8 @@ OK, DAMAGED, ELSEWHERE, FAILED = "ok", "damaged", "elsewhere", "failed"
 
 @dataclass(frozen=True)
 class RestoreInfo:
-    """What the last :meth:`CheckpointManager.restore` did (``mgr.last_restore``), the same on every rank."""
+    """What the last :meth:`CheckpointManager.restore` did (``mgr.last_restore``): the same on
+    every rank but for ``source``, this rank's own."""
 
     step: int | None
     """The step restored; None when nothing was (a fresh start, or a restore that raised)."""
@@ -69,6 +71,8 @@ def newest_first(root: CheckpointRoot) -> list[tuple[str, str | None]]:
     found: list[tuple[int, str, str | None]] = [(-1 if i.step is None else i.step, i.name, None)
                                                 for i in root.checkpoints()]
     for tag, exc in root.unreadable.items():
+        if isinstance(exc, CheckpointNotFoundError):  # deleted since it was listed
+            continue
         if kind_of(exc) != DAMAGED:
             raise exc
         step = tag_step(tag)
@@ -79,11 +83,11 @@ def newest_first(root: CheckpointRoot) -> list[tuple[str, str | None]]:
 
 def restore_first_whole(group: Group, root: CheckpointRoot, candidates: list[tuple[str, str | None]],
                         attempt: Callable[[str], tuple[int | None, T]], *, fallback: bool, named: bool,
-                        record: Callable[[RestoreInfo], None]) -> T:
+                        record: Callable[[RestoreInfo], None]) -> T | None:
     """``attempt(tag)`` (which returns the step it restored and a result) on every rank for each of
     ``candidates`` (tags of ``root`` newest first, with why for those known to be damaged) until it
     succeeds on every rank, going on only past damage and only when ``fallback``; returns its
-    result. Otherwise raises on every rank: a damaged checkpoint's error names what failed (and
+    result (None for no candidates: a fresh start). Otherwise raises on every rank: a damaged checkpoint's error names what failed (and
     what ``fallback=True`` would restore), and when every candidate is damaged it lists them.
     ``named``: the one candidate was asked for by tag. ``record`` gets what was restored (and
     passed over), whether this raises or not."""
@@ -119,7 +123,7 @@ def restore_first_whole(group: Group, root: CheckpointRoot, candidates: list[tup
             log.log(logging.WARNING if group.is_coordinator else logging.DEBUG,
                     "checkpoint %s is damaged (%s): restoring the previous committed one, %s, instead (restore "
                     "with fallback=False to refuse)", root.where(tag), reason, following[0][0])
-        raise CheckpointError("nothing to restore")  # the caller passes at least one candidate
+        return None
     finally:
         record(restored or RestoreInfo(None, None, (), tuple(damaged)))
 
