@@ -248,7 +248,7 @@ class Checkpoint:
             return result
         if plan.mismatch:  # once, not once a rank
             log.log(logging.WARNING if self.group.is_coordinator else logging.DEBUG, "partial load from %s: %s",
-                    self.path, plan.unknown_prefix or plan.mismatch.describe())
+                    self.path, plan.describe())
         return result, plan.mismatch
 
     def _plan_together(self, planner: LoadPlanner, state: Any) -> tuple[Any, LoadPlan]:
