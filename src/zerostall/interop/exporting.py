@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, ExportError
+from ..errors import CheckpointExistsError, ExportError
 from ..format import codec
 from ..format.layout import Entry, FileItem, Manifest, safetensors_dtype, safetensors_header
 from ..loading.checkpoint import Checkpoint
@@ -32,9 +32,9 @@ from ..loading.load_plan import relative
 from ..loading.reader import resolve
 from ..loading.tensor_stream import TensorStream
 from ..options import LoadOptions, _Options, default_threads
-from ..roots.root import named_instead
+from ..roots.root import Naming
 from ..state import fqn
-from ..storage import Storage, storage_for
+from ..storage import Storage
 from ..storage.local import fsync_dir
 from .torch_file import write_torch_file
 
@@ -256,7 +256,7 @@ def export_checkpoint(ckpt: str | os.PathLike[str] | Storage | Checkpoint, out: 
 @contextlib.contextmanager
 def _opened(ckpt: str | os.PathLike[str] | Storage | Checkpoint, options: ExportOptions) -> Iterator[Checkpoint]:
     """A read session on ``ckpt`` (a root, ``ROOT/latest`` or ``ROOT/<step>``: see
-    :func:`~zerostall.roots.root.named_instead`), closed after, unless the caller opened it."""
+    :class:`~zerostall.roots.root.Naming`), closed after, unless the caller opened it."""
     if isinstance(ckpt, Checkpoint):
         yield ckpt
         return
@@ -265,16 +265,7 @@ def _opened(ckpt: str | os.PathLike[str] | Storage | Checkpoint, options: Export
         raise ExportError(f"export reads {os.fspath(ckpt)} in one process, but torch.distributed is initialized "
                           f"with {torch.distributed.get_world_size()} ranks: open it with zs.open(...) on every "
                           "rank and pass that checkpoint to zs.export on one rank")
-    storage = storage_for(ckpt)
-    load = LoadOptions(threads=options.threads)
-    try:
-        ck = Checkpoint(storage, load)
-    except CheckpointNotFoundError:
-        instead = named_instead(ckpt)
-        if instead is None:
-            raise
-        ck = Checkpoint(instead, load)
-    with ck:
+    with Checkpoint(ckpt, LoadOptions(threads=options.threads), instead=Naming(ckpt)) as ck:
         yield ck
 
 
