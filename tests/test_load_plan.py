@@ -150,3 +150,9 @@ def test_missing_and_unexpected_keys_share_one_spelling_and_the_closest_are_pair
                 prefix="model", strict=False)
     assert p.mismatch.missing == ["encoder.weight"] and p.mismatch.unexpected == ["module.encoder.weight"]
     assert p.mismatch.describe().endswith("closest (missing ~ unexpected): encoder.weight ~ module.encoder.weight")
+
+
+def test_the_closest_pairs_find_each_key_among_many_alike():
+    names = [f"layers.{i}.self_attn.q_proj.weight" for i in range(300)]
+    mismatch = zs.Mismatch(missing=names, unexpected=[f"module.{n}" for n in reversed(names)])
+    assert mismatch.closest(20) == [(n, f"module.{n}") for n in names[:20]]

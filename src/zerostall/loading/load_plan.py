@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import functools
+import heapq
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -29,7 +30,8 @@ from .reader import resolve
 
 
 Prefix = str | tuple[Any, ...]
-_PAIRED = 2000  # unexpected names searched for the closest one to each missing name shown (a bound on the cost)
+_PAIRED = 10_000  # unexpected names searched for the closest one to each missing name shown (a bound on the cost)
+_NEAR = 10  # of those, sharing the most dotted segments with it, compared by difflib (the costly comparison)
 
 
 def relative(path: Path, prefix: Prefix) -> Path | None:
@@ -91,11 +93,15 @@ class Mismatch:
         return "; ".join(parts)
 
     def closest(self, limit: int = 20) -> list[tuple[str, str]]:
-        """Up to ``limit`` pairs (missing name, the most similar unexpected name), by ``difflib``."""
+        """Up to ``limit`` pairs (missing name, the most similar unexpected name): ``difflib`` picks
+        among the unexpected names that share the most dotted segments with the missing one."""
         pairs = []
         candidates = self.unexpected[:_PAIRED]
+        segments = [set(name.split(".")) for name in candidates]
         for name in self.missing[:limit] if candidates else ():
-            found = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+            mine = set(name.split("."))
+            near = heapq.nlargest(_NEAR, range(len(candidates)), key=lambda i: len(mine & segments[i]))
+            found = difflib.get_close_matches(name, [candidates[i] for i in near], n=1, cutoff=0.5)
             if found:
                 pairs.append((name, found[0]))
         return pairs
