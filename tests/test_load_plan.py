@@ -7,7 +7,7 @@ import torch
 
 import zerostall as zs
 from zerostall.format.layout import Chunk, Entry, Manifest
-from zerostall.loading.load_plan import LoadPlanner
+from zerostall.loading.load_plan import LoadPlanner, relative
 
 
 def manifest(world: int = 1) -> Manifest:
@@ -83,3 +83,76 @@ def test_rank_local_values_across_world_sizes_suggest_strict_false():
                                                      r"strict=False to skip it\)"):
         planner = LoadPlanner(manifest(2), "ck", 0, 1, zs.LoadOptions(keys=["rng"]))
         planner.check(planner.plan({"rng": zs.rank_local(0), "x": torch.zeros(1)})[1])
+
+
+def tensor(name: str, path: tuple) -> Entry:
+    return Entry(name, path, "tensor", "float32", (2,), [Chunk((0,), (2,), "f0", 4096, 8, ["x"])])
+
+
+def flat_manifest() -> Manifest:
+    """Flat dotted keys, as a Hugging Face checkpoint or a saved ``module.state_dict()`` holds them."""
+    return Manifest("1-1", [tensor(name, (name,)) for name in ["model.w", "model.b", "lm_head.w"]], {"f0": 4104}, None)
+
+
+def planned(manifest: Manifest, state, **options):
+    planner = LoadPlanner(manifest, "ck", 0, 1, zs.LoadOptions(**options))
+    _, p = planner.plan(state)
+    planner.check(p)
+    return p
+
+
+def two() -> torch.Tensor:
+    return torch.zeros(2)
+
+
+@pytest.mark.parametrize("prefix", ["model", "model.", ("model",)])
+def test_a_dotted_prefix_is_the_key_path_it_spells(prefix):
+    _, p = plan({"w": torch.zeros(4, 2), "tied": torch.zeros(4, 2)}, prefix=prefix)
+    assert [e.fqn for _, _, e in p.tensors] == ["model.w", "model.w"] and not p.mismatch
+
+
+@pytest.mark.parametrize("prefix", ["model", "model."])
+def test_a_str_prefix_also_selects_flat_dotted_keys(prefix):
+    p = planned(flat_manifest(), {"w": two(), "b": two()}, prefix=prefix)
+    assert [e.fqn for _, _, e in p.tensors] == ["model.w", "model.b"] and not p.mismatch
+
+
+def test_relative_is_the_one_reading_of_a_prefix():
+    assert relative(("model", "w"), "model") == relative(("model", "w"), "model.") == ("w",)
+    assert relative(("model.layers.0.w",), "model.layers") == ("0.w",)
+    assert relative(("model", "layers", 0, "w"), "model.layers.0") == ("w",)
+    assert relative(("model", "layers.0.w"), "model.layers") == ("0.w",)
+    assert relative(("modelx", "w"), "model") is None and relative(("model.x",), ("model",)) is None
+    assert relative(("a.b", "c"), ("a.b",)) == ("c",) and relative(("a", "b"), ()) == ("a", "b")
+
+
+def test_a_key_holding_a_dot_is_reached_alone_by_the_tuple_form():
+    both = Manifest("1-1", [tensor("a.b.c", ("a.b", "c")), tensor("a.b.c", ("a", "b.c"))], {"f0": 4104}, None)
+    assert [e.path for _, _, e in planned(both, {"c": two()}, prefix=("a.b",)).tensors] == [("a.b", "c")]
+    with pytest.raises(zs.StateMismatchError, match=r"collide: both load as 'c'; the prefix 'a.b' selects both as a "
+                                                     r"dotted name; pass it as a key path .* prefix=\('a', 'b'\)"):
+        planned(both, {"c": two()}, prefix="a.b")
+
+
+def test_a_load_that_misses_every_key_suggests_the_prefix_they_lie_under():
+    with pytest.raises(zs.StateMismatchError, match=r"does not match the target state: did you mean prefix='model'\? "):
+        plan({"w": torch.zeros(4, 2), "tied": torch.zeros(4, 2)})
+    with pytest.raises(zs.StateMismatchError, match=r"did you mean prefix='model'\?"):
+        planned(flat_manifest(), {"w": two(), "b": two()})
+    with pytest.raises(zs.StateMismatchError) as err:  # some key matched: no prefix would serve them all
+        plan({"w": torch.zeros(4, 2), "step": 0})
+    assert "did you mean" not in str(err.value)
+
+
+def test_missing_and_unexpected_keys_share_one_spelling_and_the_closest_are_paired():
+    entries = [tensor(f"model.{k}", ("model", k)) for k in ("module.encoder.weight", "head.bias")]
+    p = planned(Manifest("1-1", entries, {"f0": 4104}, None), {"encoder.weight": two(), "head.bias": two()},
+                prefix="model", strict=False)
+    assert p.mismatch.missing == ["encoder.weight"] and p.mismatch.unexpected == ["module.encoder.weight"]
+    assert p.mismatch.describe().endswith("closest (missing ~ unexpected): encoder.weight ~ module.encoder.weight")
+
+
+def test_the_closest_pairs_find_each_key_among_many_alike():
+    names = [f"layers.{i}.self_attn.q_proj.weight" for i in range(300)]
+    mismatch = zs.Mismatch(missing=names, unexpected=[f"module.{n}" for n in reversed(names)])
+    assert mismatch.closest(20) == [(n, f"module.{n}") for n in names[:20]]

@@ -16,7 +16,7 @@ from .gcpause import gc_paused
 from .interop.exporting import ExportInfo, ExportOptions, export_checkpoint
 from .loading.checkpoint import Checkpoint
 from .options import LoadOptions, SaveOptions
-from .roots.root import CheckpointRoot
+from .roots.root import CheckpointRoot, Naming
 from .saving.asynchronous import AsyncSaver, SaveHandle
 from .saving.pipeline import SaveInfo, persist, prepare
 from .storage import Storage, storage_for
@@ -44,10 +44,13 @@ def save(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOption
 
 def open(path: str | os.PathLike[str] | Storage, options: LoadOptions | None = None, *, process_group: Any = None,
          **overrides: Any) -> Checkpoint:
-    """Open a read session on the checkpoint at ``path`` (collective when distributed: rank 0
-    reads the manifest and every rank gets the same one). ``options`` and keyword overrides
-    (:class:`LoadOptions` fields) are the defaults of the session's loads and reads."""
-    return Checkpoint(path, LoadOptions.of(options, overrides), process_group=process_group)
+    """Open a read session on the checkpoint ``path`` names: a checkpoint (ours, PyTorch DCP or
+    Hugging Face safetensors), a checkpoint root or ``ROOT/latest`` (its newest committed
+    checkpoint), ``ROOT/<step>`` (the newest of that step); its ``path`` and ``step`` say which.
+    Collective when distributed: rank 0 decides which checkpoint and reads its manifest, and every
+    rank gets the same one. ``options`` and keyword overrides (:class:`LoadOptions` fields) are the
+    defaults of the session's loads and reads."""
+    return Checkpoint(path, LoadOptions.of(options, overrides), process_group=process_group, instead=Naming(path))
 
 
 def open_latest(root: str | os.PathLike[str] | Storage, step: int | None = None, options: LoadOptions | None = None,
@@ -65,7 +68,8 @@ def open_latest(root: str | os.PathLike[str] | Storage, step: int | None = None,
 @gc_paused()  # opening included: the manifest's objects then die by reference counting, never walked
 def load(state: Any, path: str | os.PathLike[str] | Storage, options: LoadOptions | None = None, *,
          process_group: Any = None, **overrides: Any) -> Any:
-    """Load the checkpoint at ``path`` into ``state`` in place and return it (see :meth:`Checkpoint.load`)."""
+    """Load the checkpoint ``path`` names (a checkpoint, a root, ``ROOT/latest``, ``ROOT/<step>``:
+    see :func:`open`) into ``state`` in place and return it (see :meth:`Checkpoint.load`)."""
     options = LoadOptions.of(options, overrides)
     with open(path, options, process_group=process_group) as ck:
         return ck.load(state)
@@ -73,8 +77,8 @@ def load(state: Any, path: str | os.PathLike[str] | Storage, options: LoadOption
 
 def verify(path: str | os.PathLike[str] | Storage, *, threads: int | None = None,
            progress: Callable[[int], None] | None = None) -> int:
-    """Check every file size and block checksum of the checkpoint at ``path``; returns the bytes
-    checked. Raises :class:`CorruptCheckpointError` listing every fault on damage, a plain
+    """Check every file size and block checksum of the checkpoint ``path`` names (see :func:`open`);
+    returns the bytes checked. Raises :class:`CorruptCheckpointError` listing every fault on damage, a plain
     :class:`CheckpointError` when some bytes could not be read (not known to be damaged)."""
     with open(path, threads=threads) as ck:
         return ck.verify(progress=progress)
@@ -83,16 +87,17 @@ def verify(path: str | os.PathLike[str] | Storage, *, threads: int | None = None
 def export(ckpt: str | os.PathLike[str] | Storage | Checkpoint, out: str | os.PathLike[str],
            options: ExportOptions | None = None, *, progress: Callable[[int], None] | None = None,
            **overrides: Any) -> ExportInfo:
-    """Export the model weights of ``ckpt`` (a checkpoint path or URL, a root or ``ROOT/latest``: its
-    newest committed checkpoint, ``ROOT/<step>``: the newest of that step, or an open :class:`Checkpoint`) to the local path ``out``, consolidated from every
-    rank that saved them: Hugging Face safetensors files (``format="hf"``, sharded with an index
-    beyond ``max_shard_size``) or one ``torch.load``-able file (``format="torch"``). ``options`` and
-    keyword overrides are :class:`ExportOptions` fields (format, prefix, rename, dtype,
-    max_shard_size, overwrite, threads). Entries that are not model weights (rank-local, python
-    values, tensor subclasses) are skipped with a warning and listed in the returned
-    :class:`ExportInfo`. Streams: memory holds a few slabs (``torch``: one tensor), never the
-    model; every block's checksum is verified as it is read. Not collective: where ``torch.distributed`` is
-    initialized, pass a checkpoint every rank opened (``zs.open``) on one rank."""
+    """Export the model weights of ``ckpt`` (what :func:`open` takes: a checkpoint path or URL, a
+    root or ``ROOT/latest``, ``ROOT/<step>``; or an open :class:`Checkpoint`) to the local path
+    ``out``, consolidated from every rank that saved them: Hugging Face safetensors files
+    (``format="hf"``, sharded with an index beyond ``max_shard_size``) or one ``torch.load``-able
+    file (``format="torch"``). ``options`` and keyword overrides are :class:`ExportOptions` fields
+    (format, prefix, rename, dtype, max_shard_size, overwrite, threads); ``prefix`` reads as a
+    load's. Entries that are not model weights (rank-local, python values, tensor subclasses) are
+    skipped with a warning and listed in the returned :class:`ExportInfo`. Streams: memory holds
+    a few slabs (``torch``: one tensor), never the model; every block's checksum is verified as
+    it is read. Not collective: where ``torch.distributed`` is initialized, pass a checkpoint
+    every rank opened (``zs.open``) on one rank."""
     return export_checkpoint(ckpt, out, ExportOptions.of(options, overrides), progress)
 
 

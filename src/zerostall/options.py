@@ -116,8 +116,10 @@ class LoadOptions(_Options):
     anything is modified; False loads what matches and returns ``(state, Mismatch)``."""
 
     prefix: str | tuple[Any, ...] = ()
-    """Load the checkpoint's subtree under this key (``"model"`` loads a bare model from a full
-    training checkpoint); a tuple is a key path."""
+    """Load the checkpoint's subtree under this prefix (``"model"`` loads a bare model from a full
+    training checkpoint). A str is a dotted name (``"model."`` is the same; it also selects flat
+    keys such as a Hugging Face ``"model.embed_tokens.weight"``); a tuple is a key path, matched key
+    by key (for keys that hold dots). Exports read a prefix the same way."""
 
     keys: KeyFilter = None
     """Only entries whose dotted names pass: a predicate, or glob patterns (a pattern also selects

@@ -24,15 +24,17 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, ExportError
+from ..errors import CheckpointExistsError, ExportError
 from ..format import codec
 from ..format.layout import Entry, FileItem, Manifest, safetensors_dtype, safetensors_header
 from ..loading.checkpoint import Checkpoint
+from ..loading.load_plan import relative
 from ..loading.reader import resolve
 from ..loading.tensor_stream import TensorStream
 from ..options import LoadOptions, _Options, default_threads
-from ..roots.root import named_instead
-from ..storage import Storage, storage_for
+from ..roots.root import Naming
+from ..state import fqn
+from ..storage import Storage
 from ..storage.local import fsync_dir
 from .torch_file import write_torch_file
 
@@ -67,10 +69,11 @@ class ExportOptions(_Options):
     """``"hf"``: Hugging Face safetensors files (sharded, with an index, when more than one);
     ``"torch"``: one file that ``torch.load(path, weights_only=True)`` reads as ``{key: tensor}``."""
 
-    prefix: str | None = None
-    """Export only the entries under this dotted prefix, with the prefix stripped: ``"model."``
-    makes ``{"model": module}`` export the module's own ``state_dict`` keys. A trailing ``.`` is
-    implied; a prefix that selects nothing is an error naming the top-level keys."""
+    prefix: str | tuple[Any, ...] | None = None
+    """Export only the entries under this prefix, with the prefix stripped, read as loads read it:
+    ``"model"`` (or ``"model."``) makes ``{"model": module}`` export the module's own
+    ``state_dict`` keys; a tuple is a key path (for keys that hold dots). A prefix that selects
+    nothing is an error naming the top-level keys."""
 
     rename: tuple[tuple[str, str], ...] = ()
     """Rules ``(regex, replacement)`` (or ``"REGEX=REPLACEMENT"`` strings, split at the last ``=``)
@@ -94,7 +97,8 @@ class ExportOptions(_Options):
 
     def __post_init__(self) -> None:
         self._check("format", self.format in ("hf", "torch"), '"hf" or "torch"')
-        self._check("prefix", self.prefix is None or isinstance(self.prefix, str), "None or a str")
+        self._check("prefix", self.prefix is None or isinstance(self.prefix, (str, tuple)),
+                    "None, a dotted name (str) or a key path (tuple)")
         rules = []
         for rule in self.rename:
             if isinstance(rule, str):
@@ -155,9 +159,8 @@ def select(manifest: Manifest, where: str, options: ExportOptions) -> tuple[list
     skipped as not model weights; raises :class:`ExportError` for a prefix that selects nothing,
     a name collision, or a dtype the format cannot hold."""
     prefix = options.prefix or ""
-    if prefix and not prefix.endswith("."):
-        prefix += "."
-    lost = [key for key in manifest.left_out if key.startswith(prefix)]
+    dotted = prefix if isinstance(prefix, str) else fqn(prefix)  # left-out items are known by name only
+    lost = [key for key in manifest.left_out if relative((key,), dotted)]
     if lost:  # a foreign checkpoint's tensors that cannot be read in place: an export holds them all, or nothing
         raise ExportError(f"{where} has {len(lost)} tensor item(s) zerostall cannot read in place under the prefix "
                           f"({', '.join(lost[:10])}; the warnings logged when it was opened say why)")
@@ -168,15 +171,16 @@ def select(manifest: Manifest, where: str, options: ExportOptions) -> tuple[list
     for entry in manifest.entries:
         if entry.inner_of is not None:  # part of a tensor subclass entry
             continue
-        name = entry.fqn if entry.rank is None else f"{entry.fqn}@rank{entry.rank}"
-        if not name.startswith(prefix):
+        rel = relative(entry.path, prefix)
+        if not rel:  # not under the prefix (or the prefix itself)
             continue
+        name = entry.fqn if entry.rank is None else f"{entry.fqn}@rank{entry.rank}"
         matched = True
         target = resolve(manifest, entry, where)
         if entry.rank is not None or target.kind != "tensor":
             skipped.append(name)
             continue
-        key = name[len(prefix):]
+        key = fqn(rel)
         for pattern, replacement in options.rename:
             key = re.sub(pattern, replacement, key)
         if not key or key == "__metadata__":
@@ -252,7 +256,7 @@ def export_checkpoint(ckpt: str | os.PathLike[str] | Storage | Checkpoint, out: 
 @contextlib.contextmanager
 def _opened(ckpt: str | os.PathLike[str] | Storage | Checkpoint, options: ExportOptions) -> Iterator[Checkpoint]:
     """A read session on ``ckpt`` (a root, ``ROOT/latest`` or ``ROOT/<step>``: see
-    :func:`~zerostall.roots.root.named_instead`), closed after, unless the caller opened it."""
+    :class:`~zerostall.roots.root.Naming`), closed after, unless the caller opened it."""
     if isinstance(ckpt, Checkpoint):
         yield ckpt
         return
@@ -261,16 +265,7 @@ def _opened(ckpt: str | os.PathLike[str] | Storage | Checkpoint, options: Export
         raise ExportError(f"export reads {os.fspath(ckpt)} in one process, but torch.distributed is initialized "
                           f"with {torch.distributed.get_world_size()} ranks: open it with zs.open(...) on every "
                           "rank and pass that checkpoint to zs.export on one rank")
-    storage = storage_for(ckpt)
-    load = LoadOptions(threads=options.threads)
-    try:
-        ck = Checkpoint(storage, load)
-    except CheckpointNotFoundError:
-        instead = named_instead(ckpt)
-        if instead is None:
-            raise
-        ck = Checkpoint(instead, load)
-    with ck:
+    with Checkpoint(ckpt, LoadOptions(threads=options.threads), instead=Naming(ckpt)) as ck:
         yield ck
 
 

@@ -28,7 +28,7 @@ from . import foreign as sources
 from .broadcast import broadcast_fill
 from .fetch import Fetcher
 from .load_plan import LoadPlan, LoadPlanner
-from .opening import agreed_source
+from .opening import Instead, agreed_source
 from .reader import resolve
 from .verification import verify_all
 
@@ -37,16 +37,21 @@ log = logging.getLogger(__name__)
 
 class Checkpoint:
     """A read session on one checkpoint (what :func:`zerostall.open` returns); use it as a context
-    manager. ``options`` are the defaults of its loads and reads (verify, allow_pickle, threads...)."""
+    manager. ``options`` are the defaults of its loads and reads (verify, allow_pickle, threads...).
+    Where ``path`` holds no checkpoint, the one ``instead`` names is opened (rank 0 decides which);
+    :attr:`path` and :attr:`step` say which was opened."""
 
     def __init__(self, path: str | os.PathLike[str] | Storage, options: LoadOptions, *,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, instead: Instead | None = None) -> None:
         self.group = Group(process_group)
-        self.storage, file = sources.split_file(path)  # a single safetensors file: its directory's storage
+        asked, file = sources.split_file(path)  # a single safetensors file: its directory's storage
+        self.options = options
+        self.storage, self.manifest = agreed_source(asked, self.group, allow_pickle=options.allow_pickle, file=file,
+                                                    instead=instead)
         self.path = self.storage.location
         self.tag = os.path.basename(self.path.rstrip("/"))
-        self.options = options
-        self.manifest = agreed_source(self.storage, self.group, allow_pickle=options.allow_pickle, file=file)
+        if self.storage is not asked and self.group.is_coordinator:
+            log.info("%s names checkpoint %s (step %s): opened it", asked.location, self.path, self.step)
         self._fetcher = Fetcher(self.storage, self.manifest, options.threads or default_threads())
 
     # -- what is in it -------------------------------------------------------------------------
@@ -248,7 +253,7 @@ class Checkpoint:
             return result
         if plan.mismatch:  # once, not once a rank
             log.log(logging.WARNING if self.group.is_coordinator else logging.DEBUG, "partial load from %s: %s",
-                    self.path, plan.unknown_prefix or plan.mismatch.describe())
+                    self.path, plan.describe())
         return result, plan.mismatch
 
     def _plan_together(self, planner: LoadPlanner, state: Any) -> tuple[Any, LoadPlan]:

@@ -1,7 +1,8 @@
 """Load plan: match the target state's leaves with the checkpoint's entries; no I/O.
 
-Keys are matched by path, under a prefix, through a name filter and with wrapper segments
-stripped; rank-local entries match by rank. The plan lists, for each target tensor, the box of the
+Keys are matched by path, under a prefix (:func:`relative`: the one reading of a prefix, which
+exports share), through a name filter and with wrapper segments stripped; rank-local entries
+match by rank. The plan lists, for each target tensor, the box of the
 global tensor it holds (a DTensor shard reshards from any saved layout) and its entry; what the
 fetch stage then reads follows from the entries' chunks. A strict mismatch is raised here, before
 any byte moves.
@@ -9,8 +10,10 @@ any byte moves.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import functools
+import heapq
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -26,9 +29,46 @@ from .optimizers import key_by_name
 from .reader import resolve
 
 
+Prefix = str | tuple[Any, ...]
+_PAIRED = 10_000  # unexpected names searched for the closest one to each missing name shown (a bound on the cost)
+_NEAR = 10  # of those, sharing the most dotted segments with it, compared by difflib (the costly comparison)
+
+
+def relative(path: Path, prefix: Prefix) -> Path | None:
+    """``path`` below ``prefix``, or None where it does not lie under it: how every load and export
+    reads a prefix. A tuple is a key path, matched key by key. A str is a dotted name (a trailing
+    ``.`` changes nothing) matched against the dotted name at a dot, so ``"model"`` and ``"model."``
+    select ``("model", "w")`` and a flat key ``"model.w"`` (a Hugging Face name) both as ``("w",)``;
+    a key that itself holds a dot is selected alone by the tuple form."""
+    if isinstance(prefix, tuple):
+        return path[len(prefix):] if path[:len(prefix)] == prefix else None
+    rest = prefix.removesuffix(".")
+    if not rest:
+        return path
+    for i, key in enumerate(path):
+        name = str(key)
+        if name == rest:
+            return path[i + 1:]
+        if isinstance(key, str) and name.startswith(rest + "."):  # the prefix ends inside this key, at a dot
+            return (name[len(rest) + 1:], *path[i + 1:])
+        if not rest.startswith(name + "."):
+            return None
+        rest = rest[len(name) + 1:]
+    return None
+
+
+def prefix_name(prefix: Prefix) -> str:
+    """How messages show ``prefix``: the dotted name, or the tuple where a key holds a dot."""
+    if isinstance(prefix, str):
+        return repr(prefix.removesuffix("."))
+    dotted = fqn(prefix)
+    return repr(dotted) if all(isinstance(k, str) and "." not in k for k in prefix) else repr(prefix)
+
+
 @dataclass
 class Mismatch:
-    """What a non-strict load could not match: fully-qualified names, with the reason for shapes."""
+    """What a non-strict load could not match, every name as the target spells its keys (below the
+    prefix): missing target keys, unexpected checkpoint keys, mismatched ones with the reason."""
 
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
@@ -38,6 +78,8 @@ class Mismatch:
         return bool(self.missing or self.unexpected or self.mismatched)
 
     def describe(self, limit: int = 20) -> str:
+        """The names (``limit`` of each kind), then each missing name shown beside the closest
+        unexpected one, so a key saved under another wrapper or prefix is seen at once."""
         parts = []
         for label, names in (("missing from the checkpoint", self.missing),
                              ("unexpected in the checkpoint", self.unexpected),
@@ -45,7 +87,24 @@ class Mismatch:
             if names:
                 shown = ", ".join(names[:limit]) + (f", … ({len(names) - limit} more)" if len(names) > limit else "")
                 parts.append(f"{label}: {shown}")
+        pairs = self.closest(limit)
+        if pairs:
+            parts.append("closest (missing ~ unexpected): " + ", ".join(f"{m} ~ {u}" for m, u in pairs))
         return "; ".join(parts)
+
+    def closest(self, limit: int = 20) -> list[tuple[str, str]]:
+        """Up to ``limit`` pairs (missing name, the most similar unexpected name): ``difflib`` picks
+        among the unexpected names that share the most dotted segments with the missing one."""
+        pairs = []
+        candidates = self.unexpected[:_PAIRED]
+        segments = [set(name.split(".")) for name in candidates]
+        for name in self.missing[:limit] if candidates else ():
+            mine = set(name.split("."))
+            near = heapq.nlargest(_NEAR, range(len(candidates)), key=lambda i: len(mine & segments[i]))
+            found = difflib.get_close_matches(name, [candidates[i] for i in near], n=1, cutoff=0.5)
+            if found:
+                pairs.append((name, found[0]))
+        return pairs
 
 
 @dataclass
@@ -64,8 +123,13 @@ class LoadPlan:
     unused: list[Entry] = field(default_factory=list)
     wanted: set[int] | None = None  # in a collective load: the entries (manifest indices) some rank matched
     unknown_prefix: str | None = None  # what to say when the prefix asked for matches no entry at all
+    hint: str | None = None  # what to say when nothing matched but every missing key lies under one prefix
     meta: list[str] = field(default_factory=list)
     mismatch: Mismatch = field(default_factory=Mismatch)
+
+    def describe(self) -> str:
+        """What did not match, as errors and warnings say it."""
+        return self.unknown_prefix or (f"{self.hint}; " if self.hint else "") + self.mismatch.describe()
 
 
 _INTERNAL = {(key,) for key in INTERNAL_KEYS}
@@ -85,9 +149,8 @@ class LoadPlanner:
         """Match every target leaf with its entry (what did not match is settled by :meth:`check`)."""
         o = self.options
         prefix, strip, strict_dtype, materialize = o.prefix, o.strip, o.strict_dtype, o.materialize
-        prefix_path = (prefix,) if isinstance(prefix, str) else tuple(prefix)
         select = _key_filter(o.keys)
-        source = self._source_index(prefix_path, strip, select)
+        source = self._source_index(prefix, strip, select)
         under = {rel[:i] for rel in source for i in range(len(rel))}
         optimizers: list[Path] = []
 
@@ -112,10 +175,14 @@ class LoadPlanner:
                 continue
             self._match(plan, path, rel, value, source, under, strict_dtype, materialize, seen_targets)
         plan.unused = [e for rel, e in source.items() if rel not in plan.consumed and e.path[:1] not in _INTERNAL]
-        if prefix_path and not any(e.path[:len(prefix_path)] == prefix_path for e in self.manifest.entries):
+        if prefix and not source and not any(relative(e.path, prefix) is not None for e in self.manifest.entries):
             tops = sorted({fqn(e.path[:1]) for e in self.manifest.entries if e.path[:1] not in _INTERNAL})
-            plan.unknown_prefix = (f"nothing in checkpoint {self.path} lies under the prefix {fqn(prefix_path)!r}; its "
-                                   f"top-level keys are: {', '.join(tops[:20])}" + (", …" if len(tops) > 20 else ""))
+            shown = ", ".join(tops[:20]) + (", …" if len(tops) > 20 else "")
+            plan.unknown_prefix = (f"nothing in checkpoint {self.path} lies under the prefix {prefix_name(prefix)}; "
+                                   f"its top-level keys are: {shown}")
+        if plan.mismatch.missing and not plan.consumed:
+            missing = set(plan.mismatch.missing)
+            plan.hint = self._hint([_normalize(p, strip) for p in flat.leaves if fqn(p) in missing])
         plan.used = [source[rel] for rel in plan.consumed]
         return flat, plan
 
@@ -125,7 +192,7 @@ class LoadPlanner:
         entry is unexpected only when no rank wanted it (pipeline stages load their own keys)."""
         if wanted is not None:
             plan.unused = [e for e in plan.unused if self._index[id(e)] not in wanted]
-        plan.mismatch.unexpected = [e.fqn for e in plan.unused]
+        plan.mismatch.unexpected = [fqn(relative(e.path, self.options.prefix) or e.path) for e in plan.unused]
         if plan.meta:
             raise StateMismatchError(
                 f"targets on the meta device have no memory to load into: {', '.join(plan.meta[:20])}; "
@@ -133,7 +200,7 @@ class LoadPlanner:
         if self.options.strict and plan.mismatch:
             if plan.unknown_prefix:
                 raise StateMismatchError(plan.unknown_prefix)
-            raise StateMismatchError(f"checkpoint {self.path} does not match the target state: {plan.mismatch.describe()}")
+            raise StateMismatchError(f"checkpoint {self.path} does not match the target state: {plan.describe()}")
 
     def used_mask(self, plan: LoadPlan) -> list[int]:
         """One flag per manifest entry: whether this rank's target matched it (summed over ranks)."""
@@ -147,22 +214,40 @@ class LoadPlanner:
         """Each entry's position in the manifest, by identity (only collective loads need it)."""
         return {id(e): i for i, e in enumerate(self.manifest.entries)}
 
-    def _source_index(self, prefix: Path, strip: Sequence[str],
+    def _own(self) -> list[Entry]:
+        """The entries this rank may load: not another rank's, nor a part of a tensor subclass
+        (loaded through its subclass entry)."""
+        same_world = self.manifest.world_size == self.world
+        return [e for e in self.manifest.entries
+                if (e.rank is None or same_world and e.rank == self.rank) and e.inner_of is None]
+
+    def _source_index(self, prefix: Prefix, strip: Sequence[str],
                       select: Callable[[str], bool] | None) -> dict[Path, Entry]:
         source: dict[Path, Entry] = {}
-        same_world = self.manifest.world_size == self.world
-        for e in self.manifest.entries:
-            if e.rank is not None and (not same_world or e.rank != self.rank) or e.inner_of is not None:
-                continue  # another rank's, or a part of a tensor subclass (loaded through its subclass entry)
-            if e.path[:len(prefix)] != prefix:
+        for e in self._own():
+            below = relative(e.path, prefix)
+            if below is None:
                 continue
-            rel = _normalize(e.path[len(prefix):], strip)
+            rel = _normalize(below, strip)
             if select is not None and not select(fqn(rel)):
                 continue
             if rel in source:
-                raise StateMismatchError(f"entries {source[rel].fqn} and {e.fqn} collide once {list(strip)} are stripped")
+                raise StateMismatchError(f"entries {source[rel].fqn} and {e.fqn} of checkpoint {self.path} collide: "
+                                         f"both load as {fqn(rel)!r}; {_collision_fix(prefix, strip)}")
             source[rel] = e
         return source
+
+    def _hint(self, missing: list[Path]) -> str | None:
+        """``did you mean prefix=...?`` when every key ``missing`` (nothing matched) lies under one
+        prefix of the checkpoint: checked by loading through it, so the prefix offered works."""
+        own = [e for e in self._own() if e.path[:1] not in _INTERNAL]
+        first = "." + fqn(missing[0])
+        candidates = {e.fqn[:-len(first)] for e in own if e.fqn.endswith(first)}
+        for candidate in sorted(candidates, key=lambda c: (len(c), c)):
+            found = {_normalize(rel, self.options.strip) for e in own if (rel := relative(e.path, candidate))}
+            if all(key in found for key in missing):
+                return f"did you mean prefix={candidate!r}? (every missing key lies under it)"
+        return None
 
     def _match(self, plan: LoadPlan, path: Path, rel: Path, value: Any, source: dict[Path, Entry],
                under: set[Path], strict_dtype: bool, materialize: bool, seen: ViewIndex) -> None:
@@ -255,6 +340,14 @@ def _normalize(path: Path, strip: Sequence[str]) -> Path:
             k = ".".join(kept)
         out.append(k)
     return tuple(out)
+
+
+def _collision_fix(prefix: Prefix, strip: Sequence[str]) -> str:
+    """What to do when two entries load as one key."""
+    if isinstance(prefix, str) and prefix:  # a dotted name reaches keys holding dots too
+        return (f"the prefix {prefix_name(prefix)} selects both as a dotted name; pass it as a key path to select "
+                f"one, e.g. prefix={tuple(prefix.removesuffix('.').split('.'))!r}")
+    return f"they differ only in the segments {list(strip)} that strip removes: strip fewer"
 
 
 def _key_filter(keys: KeyFilter) -> Callable[[str], bool] | None:

@@ -2,12 +2,14 @@
 
 A checkpoint exists only once its manifest is published; data files without one are an
 incomplete save. Listing reads only the manifest's head (step, time, metadata), never its entries.
+A path that holds no checkpoint may name one instead (a root's newest: see
+:class:`~zerostall.roots.root.Naming`); which one is decided once, with the manifest.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ..format.layout import MANIFEST_NAME, Manifest, ManifestHead, dump_json, file_generation, load_json, manifest_body
@@ -19,7 +21,17 @@ from . import foreign
 if TYPE_CHECKING:  # only passed through: reading a manifest needs no torch (the command line)
     from ..collectives import Group
 
-_FOREIGN = b'{"foreign":'  # how a translated manifest sent to other ranks begins (a stored one: {"checksum":)
+_STORED = b'{"checksum":'  # how a stored manifest begins; one sent with marks (its tag, foreign kind) does not
+
+
+class Instead(Protocol):
+    """What a path holding no checkpoint names instead (implemented by :class:`~zerostall.roots.root.Naming`)."""
+
+    def tag(self) -> str | None:
+        """The checkpoint named (a listing), or None when the path names none."""
+
+    def child(self, tag: str) -> Storage:
+        """The storage of checkpoint ``tag``."""
 
 
 def read_manifest_bytes(storage: Storage) -> bytes:
@@ -97,37 +109,67 @@ def source(storage: Storage, *, allow_pickle: bool = False, file: str | None = N
         raise CheckpointError(f"cannot read {foreign.describe(kind)} at {storage.location}: {exc}") from exc
 
 
+def named_source(storage: Storage, instead: Instead | None, *, allow_pickle: bool = False,
+                 file: str | None = None) -> tuple[str | None, bytes | Manifest]:
+    """:func:`source` of ``storage``; where it holds no checkpoint, that of the one ``instead``
+    names, with its tag (None: ``storage``'s own)."""
+    try:
+        return None, source(storage, allow_pickle=allow_pickle, file=file)
+    except CheckpointNotFoundError:
+        tag = instead.tag() if instead is not None and file is None else None
+        if tag is None:
+            raise
+    return tag, source(instead.child(tag), allow_pickle=allow_pickle)
+
+
 def read_source(storage: Storage, *, allow_pickle: bool = False, file: str | None = None) -> Manifest:
     """The manifest of the checkpoint at ``storage`` (see :func:`source`), in this process alone."""
     found = source(storage, allow_pickle=allow_pickle, file=file)
     return found if isinstance(found, Manifest) else read_manifest_from(storage, found)
 
 
-def agreed_source(storage: Storage, group: Group, *, allow_pickle: bool = False, file: str | None = None) -> Manifest:
-    """The same manifest on every rank: rank 0 reads the bytes (an error there is raised on every
-    rank), every rank parses them, rank 0 too once they are sent, so no rank waits on its parse.
-    A foreign checkpoint is translated once, by rank 0, and sent as a manifest of ours with what
-    marks it foreign (its kind, the items left out). Ranks reading for themselves could see
-    different manifests (a save committing in between)."""
+def agreed_source(storage: Storage, group: Group, *, allow_pickle: bool = False, file: str | None = None,
+                  instead: Instead | None = None) -> tuple[Storage, Manifest]:
+    """The checkpoint at ``storage`` (or the one ``instead`` names, see :func:`named_source`) and
+    its manifest, the same on every rank: rank 0 decides which and reads the bytes (an error
+    there is raised on every rank), every rank parses them, rank 0 too once they are sent, so no
+    rank waits on its parse. A foreign checkpoint is translated once, by rank 0, and sent as a
+    manifest of ours with what marks it foreign (its kind, the items left out). Ranks reading for
+    themselves could see different manifests, or checkpoints (a save committing in between)."""
     if group.size == 1:
-        return read_source(storage, allow_pickle=allow_pickle, file=file)
-    translated = None
+        tag, data = named_source(storage, instead, allow_pickle=allow_pickle, file=file)
+        where = _where(storage, instead, tag)
+        return where, data if isinstance(data, Manifest) else read_manifest_from(where, data)
+    found: tuple[str | None, bytes | Manifest] | None = None
 
     def read() -> bytes:
-        nonlocal translated
-        found = source(storage, allow_pickle=allow_pickle, file=file)
-        if isinstance(found, bytes):
-            return found
-        translated = found
-        return dump_json({"foreign": found.foreign, "left_out": found.left_out}) + b"\n" + found.to_bytes()
+        nonlocal found
+        tag, data = found = named_source(storage, instead, allow_pickle=allow_pickle, file=file)
+        if isinstance(data, bytes):
+            return data if tag is None else dump_json({"tag": tag}) + b"\n" + data
+        return dump_json({"tag": tag, "foreign": data.foreign, "left_out": data.left_out}) + b"\n" + data.to_bytes()
 
     raw = group.agree(read)
-    if translated is not None:
-        return translated
-    if not raw.startswith(_FOREIGN):
-        return read_manifest_from(storage, raw)
-    marks, _, body = raw.partition(b"\n")
-    manifest = Manifest.from_json(manifest_body(body, storage.location))
-    marked = load_json(marks)
-    manifest.foreign, manifest.left_out = marked["foreign"], marked["left_out"]
-    return manifest
+    if found is not None:  # rank 0: what it read
+        tag, data = found
+    elif raw.startswith(_STORED):
+        tag, data = None, raw
+    else:
+        head, _, data = raw.partition(b"\n")
+        marks = load_json(head)
+        tag = marks["tag"]
+        if "foreign" in marks:
+            where = _where(storage, instead, tag)
+            manifest = Manifest.from_json(manifest_body(data, where.location))
+            manifest.foreign, manifest.left_out = marks["foreign"], marks["left_out"]
+            return where, manifest
+    where = _where(storage, instead, tag)
+    return where, data if isinstance(data, Manifest) else read_manifest_from(where, data)
+
+
+def _where(storage: Storage, instead: Instead | None, tag: str | None) -> Storage:
+    """The storage of the checkpoint opened: ``storage`` itself, or checkpoint ``tag`` that ``instead`` names."""
+    if tag is None:
+        return storage
+    assert instead is not None  # a tag comes only from instead, on every rank alike
+    return instead.child(tag)

@@ -9,6 +9,7 @@ once its manifest exists, and is deleted manifest first, so a half-deleted one n
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -319,15 +320,42 @@ class CheckpointRoot:
             pass
 
 
-def named_instead(path: str | os.PathLike[str] | Storage) -> Storage | None:
+class Naming:
     """What ``path``, holding no checkpoint itself, names: ``ROOT/latest`` the newest committed
-    checkpoint under ROOT, ``ROOT/<step>`` the newest of that step, a root its newest; None when
-    it is none of these (a :class:`CheckpointNotFoundError` when the root has no such checkpoint)."""
-    if not isinstance(path, Storage):
-        parent, _, name = os.fspath(path).rstrip("/").rpartition("/")
-        if name == "latest" or name.isdigit():
-            root = CheckpointRoot(storage_for(parent or "."))
-            return root.child(root.newest(None if name == "latest" else int(name)))
-    root = CheckpointRoot(storage_for(path))
-    found = root.checkpoints()
-    return root.child(found[-1].name) if found else None
+    checkpoint under ROOT, ``ROOT/<step>`` the newest of that step, a root its newest. Built on
+    every rank without I/O; one rank lists (:meth:`tag`) and every rank opens :meth:`child` of its answer."""
+
+    def __init__(self, path: str | os.PathLike[str] | Storage) -> None:
+        self.path = path
+        self.step: int | None = None
+        self.named = False  # ROOT/latest or ROOT/<step>: a root without that checkpoint is an error
+        if not isinstance(path, Storage):
+            parent, _, name = os.fspath(path).rstrip("/").rpartition("/")
+            if (name == "latest" or name.isascii() and name.isdigit()) and not parent.endswith(":/"):  # not a bucket
+                self.path, self.named = parent or ".", True
+                self.step = None if name == "latest" else int(name)
+
+    @functools.cached_property
+    def root(self) -> CheckpointRoot:
+        """The root named (its storage made on first use: only the ranks that need it pay for it)."""
+        return CheckpointRoot(storage_for(self.path))
+
+    def tag(self) -> str | None:
+        """The tag of the checkpoint named, None where a plain path is no root of committed
+        checkpoints; a :class:`CheckpointNotFoundError` where ``ROOT/latest`` or ``ROOT/<step>`` names none."""
+        if self.named:
+            return self.root.newest(self.step)
+        found = self.root.checkpoints()
+        return found[-1].name if found else None
+
+    def child(self, tag: str) -> Storage:
+        """The storage of checkpoint ``tag`` of the root."""
+        return self.root.child(tag)
+
+
+def named_instead(path: str | os.PathLike[str] | Storage) -> Storage | None:
+    """The storage of the checkpoint that ``path``, holding none itself, names (see :class:`Naming`);
+    None when it names none."""
+    naming = Naming(path)
+    tag = naming.tag()
+    return None if tag is None else naming.child(tag)
