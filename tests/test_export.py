@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,10 @@ import zerostall as zs
 from test_distributed import dtensor, full_value
 from test_subclass import two
 from zerostall.cli import cli
+from zerostall.interop import exporting
 from zerostall.interop.exporting import HF_INDEX, HF_WEIGHTS, parse_size
+from zerostall.storage import LocalStorage
+from zerostall.storage import local as local_storage
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 TESTS = Path(__file__).resolve().parent
@@ -165,6 +169,94 @@ def test_dtensor_shards_of_two_ranks_export_consolidated(ranks, tmp_path):
     got = torch.load(tmp_path / "m.pt", weights_only=True)
     assert_same(got, {f"model.{k}": v for k, v in want.items()})
     assert sorted(zs.export(tmp_path / "ck", tmp_path / "all").skipped) == ["seen@rank0", "seen@rank1"]
+
+
+class CountingStorage(LocalStorage):
+    """A local checkpoint that counts the bytes read from its data files."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.data_bytes = 0
+        self._count = threading.Lock()
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        self._add(name, len(out))
+        super().read_into(name, offset, out)
+
+    def read_into_many(self, name: str, offset: int, outs: list[memoryview]) -> None:
+        self._add(name, sum(len(o) for o in outs))
+        super().read_into_many(name, offset, outs)
+
+    def _add(self, name: str, n: int) -> None:
+        if name.endswith(".safetensors"):
+            with self._count:
+                self.data_bytes += n
+
+
+WIDE = {"w": ((64, 48), 1), "h": ((50, 8), 2), "g": ((12, 10, 6), 3), "b": ((40, 24), 4)}
+
+
+def save_wide(path: str) -> None:
+    """Tensors every slab of which needs a part of a checksum block of every rank's chunk: columns
+    split 4 ways (fp32 and bf16), uneven rows (chunks start inside a block) and a 2-D mesh; blocks
+    of 256 bytes."""
+    mesh = [(4,), (4,), (2, 2), (4,)]
+    placements = [[Shard(1)], [Shard(0)], [Shard(0), Shard(2)], [Shard(1)]]
+    state = {key: dtensor(full_value(shape, seed).to(torch.bfloat16 if key == "b" else torch.float32), m, p)
+             for (key, (shape, seed)), m, p in zip(WIDE.items(), mesh, placements)}
+    zs.save(state, path, block_size=256)
+
+
+def wide_values(dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    values = {key: full_value(shape, seed).to(torch.bfloat16 if key == "b" else torch.float32)
+              for key, (shape, seed) in WIDE.items()}
+    return {k: v.to(dtype) if dtype is not None else v for k, v in values.items()}
+
+
+@pytest.mark.parametrize("fmt, dtype", [("hf", None), ("hf", torch.bfloat16), ("torch", None),
+                                        ("torch", torch.float16)])
+def test_tensors_saved_by_many_ranks_are_read_once_in_small_slabs(ranks, tmp_path, monkeypatch, fmt, dtype):
+    """Slabs of 1 KiB against blocks of 256 bytes: a slab needs a quarter block of each of four
+    chunks, and each stored byte is still read once (a block only partly needed is held for the
+    next slab), cast straight into the output."""
+    ranks(4).run(save_wide, str(tmp_path / "ck"))
+    monkeypatch.setattr(exporting, "SLAB_BYTES", 1024)
+    storage = CountingStorage(str(tmp_path / "ck"))
+    out = tmp_path / ("hf" if fmt == "hf" else "m.pt")
+    zs.export(storage, out, format=fmt, dtype=dtype, threads=2)
+    with zs.open(tmp_path / "ck") as ck:
+        stored = sum(c.nbytes for e in ck.manifest.entries for c in e.chunks)
+    assert storage.data_bytes == stored
+    got = read_hf(out) if fmt == "hf" else torch.load(out, weights_only=True)
+    assert_same(got, wide_values(dtype))
+
+
+def test_with_no_staging_for_held_blocks_they_are_read_again_and_the_export_is_exact(ranks, tmp_path, monkeypatch):
+    ranks(4).run(save_wide, str(tmp_path / "ck"))
+    monkeypatch.setattr(exporting, "SLAB_BYTES", 1024)
+    storage = CountingStorage(str(tmp_path / "ck"))
+    with zs.open(storage, max_staging_bytes=0) as ck:
+        stored = sum(c.nbytes for e in ck.manifest.entries for c in e.chunks)
+        zs.export(ck, tmp_path / "hf", threads=2)
+    assert storage.data_bytes > stored
+    assert_same(read_hf(tmp_path / "hf"), wide_values())
+
+
+def test_an_export_opens_each_data_file_once_per_reader_thread(ranks, tmp_path, monkeypatch):
+    ranks(4).run(save_wide, str(tmp_path / "ck"))
+    monkeypatch.setattr(exporting, "SLAB_BYTES", 1024)
+    opened: list[str] = []
+    real = local_storage.open_regular
+
+    def counting(path: str) -> tuple[int, int]:
+        opened.append(path)
+        return real(path)
+
+    monkeypatch.setattr(local_storage, "open_regular", counting)
+    zs.export(tmp_path / "ck", tmp_path / "hf", threads=2)
+    data = [p for p in opened if p.endswith(".safetensors")]
+    files = {os.path.basename(p) for p in data}
+    assert len(files) >= 4 and len(data) <= 2 * len(files), sorted(data)  # 2 reader threads
 
 
 def export_on_rank_0(path: str, out: str) -> str:

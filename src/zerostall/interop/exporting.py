@@ -3,11 +3,11 @@ ranks and streamed (``zs.export``, ``zerostall export``).
 
 ``hf``: the Hugging Face layout (``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
 shards and ``model.safetensors.index.json``); ``torch``: one file that ``torch.load`` reads as a
-flat ``{key: tensor}`` dict. Tensors are read a slab at a time by the checked byte-range reads
-loads use (:mod:`zerostall.loading.tensor_stream` over a ``Fetcher``: every block's checksum verified),
-the next slab while the last is written, so memory holds two slabs (for ``torch``, the largest
-tensor), never the model. Files are written under temporary names and renamed at the end, the
-index last.
+flat ``{key: tensor}`` dict. Tensors are read a slab at a time (:mod:`zerostall.loading.tensor_stream`:
+every stored byte read once, every block's checksum verified), the next slab while the last is
+written, so memory holds two slabs (for ``torch``, the largest tensor) and the blocks a tensor saved
+by many ranks side by side holds between slabs, never the model. Files are written under temporary
+names and renamed at the end, the index last.
 """
 
 from __future__ import annotations
@@ -364,8 +364,7 @@ def _write_torch(stream: TensorStream, items: list[Item], path: str, options: Ex
 
     def data(n: int) -> torch.Tensor:
         item = items[n]
-        for first, last in stream.steps(item.entry, item.dtype):
-            stream.read(item.entry, item.dtype, first, last, buf[first * item.dtype.itemsize:])
+        stream.read(item.entry, item.dtype, buf)
         progress(item.nbytes)
         return buf[:item.nbytes]
 
