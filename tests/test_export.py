@@ -446,6 +446,14 @@ def test_a_dcp_checkpoint_exports_with_allow_pickle_and_is_refused_without(tmp_p
     assert_same(read_hf(tmp_path / "hf"), model)
 
 
+def test_a_safetensors_file_exports_by_its_path(tmp_path):
+    path, model = saved(tmp_path)
+    zs.export(path, tmp_path / "hf", prefix="model.")
+    info = zs.export(tmp_path / "hf" / HF_WEIGHTS, tmp_path / "m.pt", format="torch")
+    assert sorted(info.keys) == sorted(model)
+    assert_same(torch.load(tmp_path / "m.pt", weights_only=True), model)
+
+
 def test_sizes_read_as_save_pretrained_reads_them():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("256MiB") == 256 << 20 and parse_size("10kb") == 10_000
     assert parse_size(123) == 123 and zs.ExportOptions().max_shard_size == 5 * 10**9
