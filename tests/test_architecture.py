@@ -32,7 +32,7 @@ ORDER = [
     # roots/: checkpoints by step under a root
     "roots.retention", "roots.root", "roots.restore", "roots.schedule", "roots.lease", "roots.loaders", "roots",
     # interop/: checkpoints leaving zerostall
-    "interop.copying", "interop.torch_file", "interop.exporting", "interop",
+    "interop.copying", "interop.torch_file", "interop.export_files", "interop.exporting", "interop",
     # the public functions, then the manager over them
     "api", "manager",
     "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.copying", "cli.exporting", "cli.importing",

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,11 @@ import zerostall as zs
 from test_distributed import dtensor, full_value
 from test_subclass import two
 from zerostall.cli import cli
-from zerostall.interop.exporting import HF_INDEX, HF_WEIGHTS, parse_size
+from zerostall.interop import exporting
+from zerostall.interop.export_files import HF_INDEX, HF_WEIGHTS
+from zerostall.interop.exporting import parse_size
+from zerostall.storage import LocalStorage
+from zerostall.storage import local as local_storage
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 TESTS = Path(__file__).resolve().parent
@@ -129,18 +134,48 @@ def test_torch_format_loads_with_weights_only_and_mmap(tmp_path):
         assert_same(got, want)
 
 
-def test_aliases_export_as_their_own_keys_and_skipped_entries_are_listed(tmp_path, caplog):
-    weight = torch.randn(4, 4)
-    state = {"model": {"embed": weight, "head": weight, "flat": two((2, 3))}, "step": 3,
+def test_skipped_entries_are_listed_and_named_in_a_warning(tmp_path, caplog):
+    state = {"model": {"embed": torch.ones(4, 4), "flat": two((2, 3))}, "step": 3,
              "rng": zs.rank_local(torch.ones(2)), "note": "hello"}
     zs.save(state, tmp_path / "ck")
     with caplog.at_level(logging.WARNING, logger="zerostall.interop.exporting"):
         info = zs.export(tmp_path / "ck", tmp_path / "hf")
-    assert info.keys == ["model.embed", "model.head"]
+    assert info.keys == ["model.embed"] and info.tied == {}
     assert sorted(info.skipped) == ["model.flat", "note", "rng@rank0", "step"]
     assert "model.flat" in caplog.text and "rng@rank0" in caplog.text
-    got = read_hf(tmp_path / "hf")
-    assert torch.equal(got["model.embed"], weight) and torch.equal(got["model.head"], weight)
+
+
+def test_tied_weights_are_written_once_the_first_key_kept_torch_keeps_every_key_over_one_storage(tmp_path):
+    """Keys that alias one tensor: hf writes it once, under the first key in save order (safetensors
+    holds no aliases; save_pretrained leaves the tied keys out too); a torch file holds every key,
+    the tied ones over one storage, as torch.save writes them."""
+    weight = torch.randn(256, 64)  # 64 KiB: far more than a file's header
+    zs.save({"model": {"embed": weight, "mid": torch.ones(3), "head": weight, "again": weight}}, tmp_path / "ck")
+    info = zs.export(tmp_path / "ck", tmp_path / "hf", prefix="model.")
+    assert info.keys == ["embed", "mid"] and info.tied == {"head": "embed", "again": "embed"}
+    assert info.bytes == weight.nbytes + 12
+    assert_same(read_hf(tmp_path / "hf"), {"embed": weight, "mid": torch.ones(3)})
+    assert os.path.getsize(tmp_path / "hf" / HF_WEIGHTS) < weight.nbytes + 8192  # one copy and a header
+    info = zs.export(tmp_path / "ck", tmp_path / "m.pt", format="torch", prefix="model.")
+    assert info.keys == ["embed", "mid", "head", "again"] and info.tied == {"head": "embed", "again": "embed"}
+    got = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert_same(got, {"embed": weight, "mid": torch.ones(3), "head": weight, "again": weight})
+    assert got["head"].data_ptr() == got["embed"].data_ptr() == got["again"].data_ptr()
+    assert os.path.getsize(tmp_path / "m.pt") < weight.nbytes + 8192
+
+
+def test_tied_weights_keys_choose_the_key_written_as_save_pretrained_does(tmp_path):
+    """With a model's _tied_weights_keys, the keys that match are left out, whatever the save order;
+    when every key of a tied set matches, the last in sorted order is written."""
+    weight, other = torch.randn(8, 4), torch.randn(2)
+    zs.save({"lm_head.weight": weight, "model.embed_tokens.weight": weight, "a.w": other, "b.w": other},
+            tmp_path / "ck")
+    default = zs.export(tmp_path / "ck", tmp_path / "first")
+    assert default.tied == {"model.embed_tokens.weight": "lm_head.weight", "b.w": "a.w"}
+    tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight", r"^[ab]\.w$": "x"}
+    info = zs.export(tmp_path / "ck", tmp_path / "hf", tied_weights_keys=tied_weights_keys)
+    assert info.tied == {"lm_head.weight": "model.embed_tokens.weight", "a.w": "b.w"}
+    assert_same(read_hf(tmp_path / "hf"), {"model.embed_tokens.weight": weight, "b.w": other})
 
 
 def save_dtensor_model(path: str) -> None:
@@ -165,6 +200,94 @@ def test_dtensor_shards_of_two_ranks_export_consolidated(ranks, tmp_path):
     got = torch.load(tmp_path / "m.pt", weights_only=True)
     assert_same(got, {f"model.{k}": v for k, v in want.items()})
     assert sorted(zs.export(tmp_path / "ck", tmp_path / "all").skipped) == ["seen@rank0", "seen@rank1"]
+
+
+class CountingStorage(LocalStorage):
+    """A local checkpoint that counts the bytes read from its data files."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.data_bytes = 0
+        self._count = threading.Lock()
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        self._add(name, len(out))
+        super().read_into(name, offset, out)
+
+    def read_into_many(self, name: str, offset: int, outs: list[memoryview]) -> None:
+        self._add(name, sum(len(o) for o in outs))
+        super().read_into_many(name, offset, outs)
+
+    def _add(self, name: str, n: int) -> None:
+        if name.endswith(".safetensors"):
+            with self._count:
+                self.data_bytes += n
+
+
+WIDE = {"w": ((64, 48), 1), "h": ((50, 8), 2), "g": ((12, 10, 6), 3), "b": ((40, 24), 4)}
+
+
+def save_wide(path: str) -> None:
+    """Tensors every slab of which needs a part of a checksum block of every rank's chunk: columns
+    split 4 ways (fp32 and bf16), uneven rows (chunks start inside a block) and a 2-D mesh; blocks
+    of 256 bytes."""
+    mesh = [(4,), (4,), (2, 2), (4,)]
+    placements = [[Shard(1)], [Shard(0)], [Shard(0), Shard(2)], [Shard(1)]]
+    state = {key: dtensor(full_value(shape, seed).to(torch.bfloat16 if key == "b" else torch.float32), m, p)
+             for (key, (shape, seed)), m, p in zip(WIDE.items(), mesh, placements)}
+    zs.save(state, path, block_size=256)
+
+
+def wide_values(dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    values = {key: full_value(shape, seed).to(torch.bfloat16 if key == "b" else torch.float32)
+              for key, (shape, seed) in WIDE.items()}
+    return {k: v.to(dtype) if dtype is not None else v for k, v in values.items()}
+
+
+@pytest.mark.parametrize("fmt, dtype", [("hf", None), ("hf", torch.bfloat16), ("torch", None),
+                                        ("torch", torch.float16)])
+def test_tensors_saved_by_many_ranks_are_read_once_in_small_slabs(ranks, tmp_path, monkeypatch, fmt, dtype):
+    """Slabs of 1 KiB against blocks of 256 bytes: a slab needs a quarter block of each of four
+    chunks, and each stored byte is still read once (a block only partly needed is held for the
+    next slab), cast straight into the output."""
+    ranks(4).run(save_wide, str(tmp_path / "ck"))
+    monkeypatch.setattr(exporting, "SLAB_BYTES", 1024)
+    storage = CountingStorage(str(tmp_path / "ck"))
+    out = tmp_path / ("hf" if fmt == "hf" else "m.pt")
+    zs.export(storage, out, format=fmt, dtype=dtype, threads=2)
+    with zs.open(tmp_path / "ck") as ck:
+        stored = sum(c.nbytes for e in ck.manifest.entries for c in e.chunks)
+    assert storage.data_bytes == stored
+    got = read_hf(out) if fmt == "hf" else torch.load(out, weights_only=True)
+    assert_same(got, wide_values(dtype))
+
+
+def test_with_no_staging_for_held_blocks_they_are_read_again_and_the_export_is_exact(ranks, tmp_path, monkeypatch):
+    ranks(4).run(save_wide, str(tmp_path / "ck"))
+    monkeypatch.setattr(exporting, "SLAB_BYTES", 1024)
+    storage = CountingStorage(str(tmp_path / "ck"))
+    with zs.open(storage, max_staging_bytes=0) as ck:
+        stored = sum(c.nbytes for e in ck.manifest.entries for c in e.chunks)
+        zs.export(ck, tmp_path / "hf", threads=2)
+    assert storage.data_bytes > stored
+    assert_same(read_hf(tmp_path / "hf"), wide_values())
+
+
+def test_an_export_opens_each_data_file_once_per_reader_thread(ranks, tmp_path, monkeypatch):
+    ranks(4).run(save_wide, str(tmp_path / "ck"))
+    monkeypatch.setattr(exporting, "SLAB_BYTES", 1024)
+    opened: list[str] = []
+    real = local_storage.open_regular
+
+    def counting(path: str) -> tuple[int, int]:
+        opened.append(path)
+        return real(path)
+
+    monkeypatch.setattr(local_storage, "open_regular", counting)
+    zs.export(tmp_path / "ck", tmp_path / "hf", threads=2)
+    data = [p for p in opened if p.endswith(".safetensors")]
+    files = {os.path.basename(p) for p in data}
+    assert len(files) >= 4 and len(data) <= 2 * len(files), sorted(data)  # 2 reader threads
 
 
 def export_on_rank_0(path: str, out: str) -> str:
@@ -296,10 +419,39 @@ def test_safetensors_cannot_hold_complex_but_torch_can(tmp_path):
 
 @pytest.mark.parametrize("field, value", [("format", "gguf"), ("dtype", "int8"), ("dtype", torch.int32),
                                           ("max_shard_size", 0), ("rename", ["no-equals-sign"]),
-                                          ("overwrite", "yes"), ("threads", 0), ("prefix", 3)])
+                                          ("overwrite", "yes"), ("threads", 0), ("prefix", 3),
+                                          ("allow_pickle", 1), ("tied_weights_keys", "lm_head"),
+                                          ("tied_weights_keys", [3])])
 def test_bad_options_fail_when_built_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"ExportOptions\.{field} must be"):
         zs.ExportOptions(**{field: value})
+
+
+def test_a_rule_or_tied_key_that_is_no_regular_expression_is_named():
+    with pytest.raises(ValueError, match=r"ExportOptions\.tied_weights_keys: '\(' is not a regular expression"):
+        zs.ExportOptions(tied_weights_keys=("(",))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process
+def test_a_dcp_checkpoint_exports_with_allow_pickle_and_is_refused_without(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model = model_state()
+    dcp.save({"model": model, "step": 7}, checkpoint_id=str(tmp_path / "dcp"))
+    with pytest.raises(zs.UnsupportedValueError, match="allow_pickle=True"):
+        zs.export(tmp_path / "dcp", tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    info = zs.export(tmp_path / "dcp", tmp_path / "hf", prefix="model.", allow_pickle=True)
+    assert info.skipped == [] and sorted(info.keys) == sorted(model)
+    assert_same(read_hf(tmp_path / "hf"), model)
+
+
+def test_a_safetensors_file_exports_by_its_path(tmp_path):
+    path, model = saved(tmp_path)
+    zs.export(path, tmp_path / "hf", prefix="model.")
+    info = zs.export(tmp_path / "hf" / HF_WEIGHTS, tmp_path / "m.pt", format="torch")
+    assert sorted(info.keys) == sorted(model)
+    assert_same(torch.load(tmp_path / "m.pt", weights_only=True), model)
 
 
 def test_sizes_read_as_save_pretrained_reads_them():
@@ -340,6 +492,72 @@ def test_cli_json_and_exit_codes(tmp_path):
     assert corrupt.exit_code == 1 and "checksum mismatch" in corrupt.output
 
 
+# Runs the command line as the console script does, saying on stderr when torch is first imported.
+RUN_CLI = """
+import importlib.abc, sys
+
+class Announce(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            print("<torch is imported>", file=sys.stderr, flush=True)
+        return None
+
+sys.meta_path.insert(0, Announce())
+from zerostall.cli import main
+main()
+"""
+
+
+def test_the_command_says_it_is_starting_before_torch_is_imported(tmp_path):
+    path, _ = saved(tmp_path)
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-c", RUN_CLI, "export", str(path), str(tmp_path / "hf")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines.index(f"starting the export of {path} (loading torch)...") < lines.index("<torch is imported>")
+    assert done.stdout.startswith("exported 8 tensors")
+    quiet = CliRunner().invoke(cli, ["export", str(path), str(tmp_path / "again"), "--json"])
+    assert quiet.exit_code == 0 and quiet.stderr == ""  # --json: one JSON object, nothing else
+
+
+def test_the_command_reads_the_manifest_once_and_reports_skipped_entries_without_touching_a_logger(
+        tmp_path, monkeypatch, caplog):
+    path, _ = saved(tmp_path)
+    opened: list[str] = []
+    real = local_storage.open_regular
+
+    def counting(name: str) -> tuple[int, int]:
+        opened.append(name)
+        return real(name)
+
+    levels: list[tuple[str, object]] = []
+    real_set_level = logging.Logger.setLevel
+    monkeypatch.setattr(local_storage, "open_regular", counting)
+    monkeypatch.setattr(logging.Logger, "setLevel", lambda self, level: (levels.append((self.name, level)),
+                                                                          real_set_level(self, level)))
+    with caplog.at_level(logging.WARNING):
+        result = run("export", path, tmp_path / "hf")
+    assert result.exit_code == 0, result.output
+    assert [n for n in opened if n.endswith("manifest.json")] == [str(path / "manifest.json")]
+    assert not [lv for lv in levels if lv[0].startswith("zerostall")], levels
+    assert "skipped 1 entries that are not model weights: step" in result.stdout
+    assert not [r for r in caplog.records if r.name.startswith("zerostall")]  # shown once: in the summary
+
+
+def test_the_command_writes_tied_weights_once_and_reports_them(tmp_path):
+    weight = torch.randn(8, 4)
+    zs.save({"lm_head.weight": weight, "model.embed_tokens.weight": weight}, tmp_path / "ck")
+    result = run("export", tmp_path / "ck", tmp_path / "hf", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["tied"] == {
+        "model.embed_tokens.weight": "lm_head.weight"}
+    text = run("export", tmp_path / "ck", tmp_path / "hf2", "--tied-weights-key", "^lm_head")
+    assert "tied weights, left out (from_pretrained ties them back): lm_head.weight -> model.embed_tokens.weight" \
+        in text.stdout
+    assert list(read_hf(tmp_path / "hf2")) == ["model.embed_tokens.weight"]
+
+
 def test_export_help_documents_the_exit_statuses():
     assert "Exit status: 0 exported; 1" in run("export", "--help").output
 
@@ -347,23 +565,38 @@ def test_export_help_documents_the_exit_statuses():
 # -- acceptance: a transformers model ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_a_llama_model_exported_loads_in_transformers_with_the_same_logits(tmp_path, tied):
+@pytest.mark.parametrize("tied, keys", [(False, False), (True, False), (True, True)], ids=["untied", "tied",
+                                                                                           "tied-by-model-keys"])
+def test_a_llama_model_exported_loads_in_transformers_with_the_same_logits(tmp_path, tied, keys):
+    """A tied model's embeddings are written once (not again as lm_head.weight), as save_pretrained
+    writes them, by default or guided by the model's _tied_weights_keys; from_pretrained ties them
+    back and gives the same logits."""
     import transformers
 
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
                                       max_position_embeddings=64, tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     zs.save({"model": model, "step": 1}, tmp_path / "ck")
-    zs.export(tmp_path / "ck", tmp_path / "hf", prefix="model.", max_shard_size="100KB")
+    options = {"tied_weights_keys": model._tied_weights_keys} if keys else {}
+    info = zs.export(tmp_path / "ck", tmp_path / "hf", prefix="model.", max_shard_size="100KB", **options)
     config.save_pretrained(tmp_path / "hf")
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 1024, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
+    unique = {t.data_ptr(): t.nbytes for t in model.state_dict().values()}
+    weight_map = json.loads((tmp_path / "hf" / HF_INDEX).read_text())["weight_map"]
+    assert ("lm_head.weight" in weight_map) == (not tied) and "model.embed_tokens.weight" in weight_map
+    assert info.tied == ({"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
+    files = list((tmp_path / "hf").glob("*.safetensors"))
+    headers = sum(8 + int.from_bytes(f.read_bytes()[:8], "little") for f in files)
+    assert info.bytes == sum(unique.values()) == sum(f.stat().st_size for f in files) - headers  # one copy
+    if tied:  # what save_pretrained writes
+        model.save_pretrained(tmp_path / "pretrained", max_shard_size="100KB")
+        assert sorted(weight_map) == sorted(json.loads((tmp_path / "pretrained" / HF_INDEX).read_text())["weight_map"])
 
 
 # -- memory ----------------------------------------------------------------------------------------

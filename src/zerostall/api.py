@@ -92,12 +92,13 @@ def export(ckpt: str | os.PathLike[str] | Storage | Checkpoint, out: str | os.Pa
     ``out``, consolidated from every rank that saved them: Hugging Face safetensors files
     (``format="hf"``, sharded with an index beyond ``max_shard_size``) or one ``torch.load``-able
     file (``format="torch"``). ``options`` and keyword overrides are :class:`ExportOptions` fields
-    (format, prefix, rename, dtype, max_shard_size, overwrite, threads); ``prefix`` reads as a
-    load's. Entries that are not model weights (rank-local, python values, tensor subclasses) are
-    skipped with a warning and listed in the returned :class:`ExportInfo`. Streams: memory holds
-    a few slabs (``torch``: one tensor), never the model; every block's checksum is verified as
-    it is read. Not collective: where ``torch.distributed`` is initialized, pass a checkpoint
-    every rank opened (``zs.open``) on one rank."""
+    (format, prefix, rename, dtype, max_shard_size, tied_weights_keys, overwrite, allow_pickle,
+    threads); ``prefix`` reads as a load's. Entries that are not model weights (rank-local, python
+    values, tensor subclasses) are skipped with a warning and listed in the returned
+    :class:`ExportInfo`; tied weights are written once (``ExportInfo.tied``). Streams: memory holds
+    a few slabs (``torch``: one tensor), never the model; every block's checksum is verified as it
+    is read. Not collective: where ``torch.distributed`` is initialized, pass a checkpoint every
+    rank opened (``zs.open``) on one rank."""
     return export_checkpoint(ckpt, out, ExportOptions.of(options, overrides), progress)
 
 

@@ -56,16 +56,24 @@ class _Pickler(pickle.Pickler):
 
 
 def write_torch_file(path: str, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                     data: Callable[[int], torch.Tensor]) -> None:
+                     data: Callable[[int], torch.Tensor], shared: dict[int, int] | None = None) -> None:
     """Write ``path`` as ``torch.save`` would write the dict of ``tensors`` (key, dtype, shape);
     ``data(i)`` gives the values of the ``i``-th tensor (contiguous, in host memory; its storage may
-    be longer, a reused buffer) when its record is written, and is then dropped."""
+    be longer, a reused buffer) when its record is written, and is then dropped. A tensor ``i`` in
+    ``shared`` is the tensor ``shared[i]`` (tied weights): one storage record serves both, as
+    ``torch.save`` writes them, so ``torch.load`` gives them tied again."""
+    shared = shared or {}
     structure = {}
-    sizes = []
+    storages: list[_Storage] = []
+    sizes = {}
     for i, (key, dtype, shape) in enumerate(tensors):
-        nbytes = dtype.itemsize * math.prod(shape)
-        structure[key] = _Tensor(_Storage(str(i), nbytes), dtype, tuple(shape))
-        sizes.append(nbytes)
+        if i in shared:
+            storage = storages[shared[i]]
+        else:
+            storage = _Storage(str(i), dtype.itemsize * math.prod(shape))
+            sizes[i] = storage.nbytes
+        storages.append(storage)
+        structure[key] = _Tensor(storage, dtype, tuple(shape))
     buf = io.BytesIO()
     _Pickler(buf, protocol=_PROTOCOL).dump(structure)
     alignment = torch.serialization._get_storage_alignment()
@@ -73,7 +81,7 @@ def write_torch_file(path: str, tensors: list[tuple[str, torch.dtype, tuple[int,
     for name, record in (("data.pkl", buf.getvalue()), (".format_version", b"1"),
                          (".storage_alignment", str(alignment).encode()), ("byteorder", sys.byteorder.encode())):
         writer.write_record(name, record, len(record))
-    for i, nbytes in enumerate(sizes):
+    for i, nbytes in sizes.items():
         tensor = data(i)
         if tensor.nbytes != nbytes or not tensor.is_contiguous() or tensor.device.type != "cpu":
             raise ValueError(f"tensor {tensors[i][0]} is not {nbytes} contiguous bytes in host memory")
