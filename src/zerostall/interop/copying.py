@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from ..format.layout import MANIFEST_NAME, Chunk, Entry, Manifest, file_generation
+from ..format.layout import Chunk, Entry, Manifest
 from ..loading.opening import read_manifest_bytes, read_manifest_from
 from ..loading.reader import ChunkReader
 from ..options import default_threads
 from ..storage import Storage, storage_for
-from ..storage.location import check_location, manifest_generation, publish_manifest
+from ..storage.location import check_location, manifest_generation, publish_manifest, remove_stale
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def copy(src: str | os.PathLike[str] | Storage, dst: str | os.PathLike[str] | St
     finally:
         job.close()
     publish_manifest(target, manifest.generation, raw, found, what="copy")
-    _clean_up(target, manifest)
+    remove_stale(target, manifest.generation, lambda gen: True)  # an interrupted copy or save, a replaced checkpoint
     return CopyInfo(source.location, target.location, manifest.generation, len(copied), sum(copied),
                     len(skipped), sum(skipped), time.perf_counter() - start)
 
@@ -267,15 +267,3 @@ def _read_checked(reader: ChunkReader, name: str, run: _Run) -> memoryview:
         else:
             reader.check_blocks(check.entry, check.chunk, check.chunk_lo, data)  # type: ignore[arg-type]
     return out
-
-
-def _clean_up(storage: Storage, manifest: Manifest) -> None:
-    """After the commit, remove the destination's files of other generations (a replaced checkpoint,
-    an interrupted copy or save) and the uploads left unfinished there; best effort."""
-    try:
-        for name in storage.list():
-            if name != MANIFEST_NAME and name not in manifest.files and file_generation(name) is not None:
-                storage.delete(name)
-        storage.abort_uploads()
-    except OSError as exc:
-        log.warning("could not remove stale files in %s after the copy: %s", storage.location, exc)
