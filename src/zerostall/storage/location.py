@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Callable
+from typing import Callable, Iterable
 
 from ..errors import CheckpointError, CheckpointExistsError
 from ..format.layout import MANIFEST_NAME, file_generation, manifest_tmp_name, parse_record
@@ -22,11 +22,13 @@ log = logging.getLogger(__name__)
 _GENERATION_RE = re.compile(rb'"generation":"([0-9a-f]+-[0-9a-f]+)"')
 
 
-def check_location(storage: Storage, overwrite: bool, *, what: str = "save") -> None:
+def check_location(storage: Storage, overwrite: bool, *, what: str = "save",
+                   names: Iterable[str] | None = None) -> None:
     """Refuse a location holding files that are not a checkpoint's (a checkpoint root, a model
     directory), and one holding a committed checkpoint unless ``overwrite``. ``what`` ("save",
-    "copy") names the operation in the errors."""
-    names = storage.list()
+    "copy") names the operation in the errors; ``names``: the location's files, where the caller
+    listed them already."""
+    names = storage.list() if names is None else list(names)
     if MANIFEST_NAME in names and not overwrite:
         raise CheckpointExistsError(f"{storage.location} already holds a committed checkpoint; nothing was written: "
                                     f"{what} with overwrite=True (--overwrite) to replace it (it stays readable until "
