@@ -220,7 +220,22 @@ def test_a_destination_with_another_checkpoint_s_files_never_mixes_generations(t
     assert_loads(tmp_path / "b", other)
 
 
-def test_a_checkpoint_committed_at_the_destination_meanwhile_is_kept(tmp_path: Path) -> None:
+def test_a_stale_file_that_cannot_be_removed_leaves_the_others_removed(tmp_path: Path, caplog) -> None:
+    """The clean-up after the commit is file by file: one delete that fails stops no other."""
+    expected = save(tmp_path / "a")
+    save(tmp_path / "b", seed=1)
+    (tmp_path / "b" / MANIFEST_NAME).unlink()  # an interrupted copy (or save) of another checkpoint
+    stuck, *others = data_files(tmp_path / "b")
+    assert others
+    dst = FaultyStorage(LocalStorage(str(tmp_path / "b")))
+    dst.fail("delete", PermissionError(13, "injected"), name=stuck)
+    zs.copy(tmp_path / "a", dst)
+    assert data_files(tmp_path / "b") == sorted([*data_files(tmp_path / "a"), stuck])
+    assert f"could not remove stale {stuck}" in caplog.text
+    assert_loads(tmp_path / "b", expected)
+
+
+def test_a_checkpoint_committed_at_the_destination_meanwhile_is_kept_and_no_temp_file_is_left(tmp_path: Path) -> None:
     save(tmp_path / "a")
     dst = FaultyStorage(LocalStorage(str(tmp_path / "b")))
     other = {}
@@ -228,6 +243,7 @@ def test_a_checkpoint_committed_at_the_destination_meanwhile_is_kept(tmp_path: P
     with pytest.raises(zs.CheckpointError, match="another checkpoint .* was committed there"):
         zs.copy(tmp_path / "a", dst)
     assert_loads(tmp_path / "b", other)
+    assert not [n for n in os.listdir(tmp_path / "b") if n.endswith(".tmp")]  # the refused commit's manifest
 
 
 def test_overwrite_is_needed_to_replace_a_committed_checkpoint(tmp_path: Path) -> None:

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import zerostall as zs
-from faults import wait_for
+from faults import FaultyStorage, wait_for
 from zerostall.roots.lease import WriterLease
 from zerostall.roots.root import LEASE_NAME
+from zerostall.storage import LocalStorage
 
 WAIT = 120.0  # a condition that never comes fails the test instead of hanging it (not a timing bound)
 TTL = 1.0
@@ -110,3 +111,17 @@ def test_renewal_stops_once_another_process_holds_the_lease(tmp_path):
     assert json.loads((tmp_path / LEASE_NAME).read_text()) == theirs
     lease.release()  # not ours: left in place
     assert json.loads((tmp_path / LEASE_NAME).read_text()) == theirs
+
+
+def test_a_takeover_refused_at_the_switch_leaves_the_rival_s_lease_and_no_temp_file(tmp_path):
+    dead = {"host": "elsewhere", "boot_id": "-", "pid": 1, "token": "dead-writer", "ttl": 1.0, "renewed": 0.0}
+    rival = {**dead, "host": "rival", "token": "rival", "ttl": 60.0, "renewed": time.time()}
+    (tmp_path / LEASE_NAME).write_text(json.dumps(dead))  # stale: this writer may take it over
+    storage = FaultyStorage(LocalStorage(str(tmp_path)))
+    storage.call("publish", lambda op, name: (tmp_path / LEASE_NAME).write_text(json.dumps(rival)),  # just before
+                 name=LEASE_NAME, times=1)
+    lease = WriterLease(storage, ttl=60.0)
+    with pytest.raises(zs.CheckpointError, match="another manager took"):
+        lease.acquire()
+    assert json.loads((tmp_path / LEASE_NAME).read_text()) == rival
+    assert sorted(os.listdir(tmp_path)) == [LEASE_NAME]  # the refused takeover's temp file is gone

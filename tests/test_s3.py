@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 from click.testing import CliRunner
-from faults import FaultyStorage
+from faults import FaultyStorage, wait_for
 from torch.distributed.tensor import Replicate, Shard
 
 import zerostall as zs
@@ -211,6 +211,32 @@ def test_unfinished_uploads_are_aborted_by_the_clean_up(s3_server, s3_url):
     storage.delete_tree("step_000000002")  # deleting a location aborts what is open there
     assert uploads(s3_server, storage) == [storage.prefix + "step_000000001/a.safetensors"]
     assert storage.abort_uploads() == 1 and uploads(s3_server, storage) == []
+
+
+def test_a_checkpoint_set_aside_aborts_the_uploads_open_under_its_old_place(s3_server, small_parts):
+    """A move (how a root sets a checkpoint aside) aborts the uploads still open under the place it
+    leaves, so their writer fails instead of completing a file there once the move is done."""
+    storage, gate, asked = small_parts, threading.Event(), threading.Event()
+    ck = storage.child("ck")
+    ck.write("a.safetensors", [memoryview(b"a")])
+
+    def parts() -> Iterator[memoryview]:
+        yield memoryview(bytes(6 * MIB))  # a first part: the upload is open
+        asked.set()
+        assert gate.wait(60)
+        yield memoryview(bytes(MIB))
+
+    with ThreadPoolExecutor(1) as pool:
+        writing = pool.submit(ck.write, "b.safetensors", parts())
+        assert asked.wait(60)
+        wait_for(lambda: bool(uploads(s3_server, storage)), "the upload to open")
+        storage.child(".superseded").create()
+        storage.move("ck", ".superseded/ck")
+        gate.set()
+        with pytest.raises(zs.CheckpointError, match="b.safetensors"):
+            writing.result()
+    assert not ck.exists() and storage.child(".superseded").child("ck").list() == ["a.safetensors"]
+    assert uploads(s3_server, storage) == []
 
 
 def test_a_save_aborts_the_uploads_earlier_saves_left_open(s3_server, s3_url):

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console
@@ -23,7 +23,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 import zerostall as zs
 from ..format.layout import Manifest
 from ..loading import foreign as sources
-from ..loading.opening import read_manifest, read_source
+from ..loading.opening import read_manifest_bytes, read_manifest_from, read_source
 from ..roots.root import named_instead
 from ..storage import Storage, storage_for
 
@@ -39,6 +39,7 @@ Exit status (every zerostall command):
      checkpoint (no --overwrite); diff: any trouble at all
   3  verify could not read some bytes (not known to be damaged)"""
 _REPR_WIDTH = 60
+T = TypeVar("T")
 
 
 class Failure(click.ClickException):
@@ -119,13 +120,46 @@ def foreign_source(ckpt: str, allow_pickle: bool) -> str | None:
     return ckpt if kind else None
 
 
+def resolved(ckpt: str, open_: Callable[[str | Storage], T], allow_pickle: bool = False) -> T:
+    """``open_(CKPT)``, CKPT read as it is first (for a checkpoint of ours: one manifest read, no
+    listing); where nothing is there, ``open_`` of what CKPT names as a root, ``ROOT/latest`` or
+    ``ROOT/<step>``. A DCP checkpoint refused for want of ``--allow-pickle`` is bad usage, said so."""
+    try:
+        try:
+            return open_(ckpt)
+        except zs.CheckpointNotFoundError:
+            instead = named_instead(ckpt)
+            if instead is None:
+                raise
+            return open_(instead)
+    except zs.UnsupportedValueError:
+        foreign_source(ckpt, allow_pickle)
+        raise
+
+
+def open_session(ckpt: str, allow_pickle: bool) -> zs.Checkpoint:
+    """``zs.open`` of what CKPT names (see :func:`open_checkpoint`), or of a foreign checkpoint
+    read as it is."""
+    return resolved(ckpt, lambda where: zs.open(where, allow_pickle=allow_pickle), allow_pickle)
+
+
 def open_any(ckpt: str, allow_pickle: bool) -> tuple[Storage, Manifest]:
     """:func:`open_checkpoint`, or a foreign checkpoint (see :func:`foreign_source`) as ``zs.open``
     reads it: its storage and the manifest translated from it (no checksums)."""
-    if foreign_source(ckpt, allow_pickle) is None:
-        return open_checkpoint(ckpt)
-    storage, file = sources.split_file(ckpt)
-    return storage, read_source(storage, allow_pickle=allow_pickle, file=file)
+    def read(where: str | Storage) -> tuple[Storage, Manifest]:
+        storage, file = sources.split_file(where)
+        return storage, read_source(storage, allow_pickle=allow_pickle, file=file)
+
+    return resolved(ckpt, read, allow_pickle)
+
+
+def read_committed(ckpt: str) -> tuple[Storage, bytes]:
+    """The storage and the committed manifest's bytes of what CKPT names (see :func:`open_checkpoint`)."""
+    def read(where: str | Storage) -> tuple[Storage, bytes]:
+        storage = storage_for(where)
+        return storage, read_manifest_bytes(storage)
+
+    return resolved(ckpt, read)
 
 
 def open_checkpoint(ckpt: str) -> tuple[Storage, Manifest]:
@@ -133,11 +167,5 @@ def open_checkpoint(ckpt: str) -> tuple[Storage, Manifest]:
     (its newest committed checkpoint), ``ROOT/latest`` (the same) or ``ROOT/<step>`` (the newest of
     that step). What ``zs.open`` and ``zs.open_latest`` read, without importing torch. Read-only:
     it works while a manager writes the root."""
-    storage = storage_for(ckpt)
-    try:
-        return storage, read_manifest(storage)
-    except zs.CheckpointNotFoundError:
-        instead = named_instead(ckpt)
-        if instead is None:
-            raise
-        return instead, read_manifest(instead)
+    storage, raw = read_committed(ckpt)
+    return storage, read_manifest_from(storage, raw)

@@ -21,8 +21,8 @@ from ..format import codec
 from ..format.layout import Entry, Manifest
 from ..loading.reader import resolve
 
-from .common import (EXIT_STATUSES, Failure, USAGE, cli, clip, console, foreign_source, open_checkpoint, print_json,
-                     progress_bar, reported_errors)
+from .common import (EXIT_STATUSES, Failure, USAGE, cli, clip, console, open_session, print_json, progress_bar,
+                     reported_errors)
 
 DIFFERENT = 1
 SLAB_BYTES = 64 << 20  # of each side's tensor read and compared at a time
@@ -184,8 +184,7 @@ def diff(a: str, b: str, atol: float, rtol: float, allow_pickle: bool, as_json: 
         raise Failure("--atol and --rtol must be numbers >= 0", USAGE)
     try:
         with reported_errors():
-            left, right = (foreign_source(x, allow_pickle) or open_checkpoint(x)[0] for x in (a, b))
-            with zs.open(left, allow_pickle=allow_pickle) as ck_a, zs.open(right, allow_pickle=allow_pickle) as ck_b, \
+            with open_session(a, allow_pickle) as ck_a, open_session(b, allow_pickle) as ck_b, \
                     progress_bar(tensor_bytes(ck_a, ck_b), "comparing", quiet=as_json) as advance:
                 report = compare(ck_a, ck_b, atol, rtol, advance)
     except Failure as exc:

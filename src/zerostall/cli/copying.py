@@ -6,9 +6,9 @@ from __future__ import annotations
 import click
 from rich.filesize import decimal as human_bytes
 
-from ..interop.copying import copy
+from ..interop.copying import Source, copy
 
-from .common import EXIT_STATUSES, cli, console, open_checkpoint, print_json, progress_bar, reported_errors
+from .common import EXIT_STATUSES, cli, console, print_json, progress_bar, read_committed, reported_errors
 
 
 @cli.command(epilog=EXIT_STATUSES)
@@ -32,8 +32,8 @@ def cp(src: str, dst: str, overwrite: bool, threads: int | None, as_json: bool) 
     steps of a root one by one (ROOT/<step> to DST_ROOT/<name>). A progress bar shows the bytes
     copied (on a terminal, without --json)."""
     with reported_errors():
-        source, manifest = open_checkpoint(src)
-        with progress_bar(sum(manifest.files.values()), "copying", quiet=as_json) as advance:
+        source = Source.read(*read_committed(src))
+        with progress_bar(sum(source.manifest.files.values()), "copying", quiet=as_json) as advance:
             info = copy(source, dst, overwrite=overwrite, threads=threads, progress=advance)
     if as_json:
         print_json({"source": info.source, "destination": info.destination, "generation": info.generation,

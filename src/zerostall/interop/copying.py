@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from ..format.layout import MANIFEST_NAME, Chunk, Entry, Manifest, file_generation
+from ..format.layout import Chunk, Entry, Manifest
 from ..loading.opening import read_manifest_bytes, read_manifest_from
 from ..loading.reader import ChunkReader
 from ..options import default_threads
 from ..storage import Storage, storage_for
-from ..storage.location import check_location, manifest_generation, publish_manifest
+from ..storage.location import check_location, manifest_generation, publish_manifest, remove_stale
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,25 @@ class _Stopped(CheckpointError):
     """A copying thread gave up because another one failed."""
 
 
-def copy(src: str | os.PathLike[str] | Storage, dst: str | os.PathLike[str] | Storage, *, overwrite: bool = False,
-         threads: int | None = None, progress: Callable[[int], None] | None = None) -> CopyInfo:
+@dataclass(frozen=True)
+class Source:
+    """A committed checkpoint to copy: its storage and its manifest, as stored (published as is at
+    the destination) and parsed; read once by whoever resolved it (the CLI's ``cp``)."""
+
+    storage: Storage
+    raw: bytes
+    manifest: Manifest
+
+    @classmethod
+    def read(cls, storage: Storage, raw: bytes | None = None) -> Source:
+        """The checkpoint at ``storage``; ``raw``: its manifest's bytes, where they were read already."""
+        raw = read_manifest_bytes(storage) if raw is None else raw
+        return cls(storage, raw, read_manifest_from(storage, raw))
+
+
+def copy(src: str | os.PathLike[str] | Storage | Source, dst: str | os.PathLike[str] | Storage, *,
+         overwrite: bool = False, threads: int | None = None,
+         progress: Callable[[int], None] | None = None) -> CopyInfo:
     """Copy the committed checkpoint at ``src`` to ``dst`` (paths, ``s3://`` URLs or storages),
     checking every block as it is read; resumes an interrupted copy into ``dst``.
 
@@ -89,24 +106,25 @@ def copy(src: str | os.PathLike[str] | Storage, dst: str | os.PathLike[str] | St
     and nothing is committed. ``threads``: data files copied at once; ``progress(nbytes)`` is
     called from the copying threads as bytes are copied or found complete at ``dst``."""
     start = time.perf_counter()
-    source, target = storage_for(src), storage_for(dst)
-    raw = read_manifest_bytes(source)
-    manifest = read_manifest_from(source, raw)
-    check_location(target, overwrite, what="copy")
+    source = src if isinstance(src, Source) else Source.read(storage_for(src))
+    target, manifest = storage_for(dst), source.manifest
+    listed = target.sizes()  # one listing, with the sizes where it gives them (an object store)
+    names = target.list() if listed is None else list(listed)
+    check_location(target, overwrite, what="copy", names=names)
     found = manifest_generation(target)  # the checkpoint the copy replaces: still there at its commit?
-    present = set(target.list())
+    present: dict[str, int | None] = dict.fromkeys(names) if listed is None else dict(listed)
     try:
         target.create()
     except OSError as exc:
         raise CheckpointError(f"cannot create {target.location}: {exc}") from exc
-    job = _Copy(source, target, manifest, threads or default_threads(), progress or (lambda n: None))
+    job = _Copy(source.storage, target, manifest, threads or default_threads(), progress or (lambda n: None))
     try:
         copied, skipped = job.run(present)
     finally:
         job.close()
-    publish_manifest(target, manifest.generation, raw, found, what="copy")
-    _clean_up(target, manifest)
-    return CopyInfo(source.location, target.location, manifest.generation, len(copied), sum(copied),
+    publish_manifest(target, manifest.generation, source.raw, found, what="copy")
+    remove_stale(target, manifest.generation, lambda gen: True)  # an interrupted copy or save, a replaced checkpoint
+    return CopyInfo(source.storage.location, target.location, manifest.generation, len(copied), sum(copied),
                     len(skipped), sum(skipped), time.perf_counter() - start)
 
 
@@ -121,16 +139,19 @@ class _Copy:
         self.dst_reader = ChunkReader(target, manifest, threads)
         self.stop = threading.Event()
         self.segments = _segments(manifest)
+        self.source_sizes = source.sizes()  # one listing instead of a request a file, where it gives sizes
 
     def close(self) -> None:
         self.src_reader.close()
         self.dst_reader.close()
 
-    def run(self, present: set[str]) -> tuple[list[int], list[int]]:
-        """Copy every data file not complete at the destination; the sizes of those copied and kept."""
+    def run(self, present: dict[str, int | None]) -> tuple[list[int], list[int]]:
+        """Copy every data file not complete at the destination (``present``: its files, with their
+        sizes where the listing gave them); the sizes of those copied and kept."""
         files = sorted(self.manifest.files.items(), key=lambda item: -item[1])
         with ThreadPoolExecutor(self.threads, thread_name_prefix="zerostall-copy") as pool:
-            futures = [pool.submit(self._file, name, size, name in present) for name, size in files]
+            futures = [pool.submit(self._file, name, size, name in present, present.get(name))
+                       for name, size in files]
             try:
                 wait(futures)
             except BaseException:  # Ctrl-C: the threads stop at their next run; the files done stay
@@ -145,14 +166,15 @@ class _Copy:
         results = [f.result() for f in futures]
         return [n for n, kept in results if not kept], [n for n, kept in results if kept]
 
-    def _file(self, name: str, size: int, present: bool) -> tuple[int, bool]:
-        """Copy one data file (or keep it, complete at the destination); returns its size and whether it was kept."""
+    def _file(self, name: str, size: int, present: bool, found: int | None) -> tuple[int, bool]:
+        """Copy one data file (or keep it, complete at the destination, where it has ``found``
+        bytes if the listing said); returns its size and whether it was kept."""
         if self.stop.is_set():
             raise _Stopped("another copying thread failed")
         try:
             runs = list(_runs(self.segments.get(name, []), name, size, self.manifest, self.source.location))
             if present:
-                if self._complete(name, size, runs):
+                if self._complete(name, size, found, runs):
                     log.info("%s of %s is complete at %s: kept", name, self.source.location, self.target.location)
                     return size, True
                 self.target.delete(name)
@@ -169,17 +191,18 @@ class _Copy:
 
     def _check_source_size(self, name: str, size: int) -> None:
         try:
-            actual = self.source.size(name)
-        except FileNotFoundError:
+            actual = self.source.size(name) if self.source_sizes is None else self.source_sizes[name]
+        except (FileNotFoundError, KeyError):
             raise self.src_reader.missing(name) from None
         if actual != size:
             raise CorruptCheckpointError(f"data file {name} of {self.source.location} has {actual} bytes, the "
                                          f"manifest says {size}; nothing was committed at {self.target.location}")
 
-    def _complete(self, name: str, size: int, runs: list[_Run]) -> bool:
-        """Whether data file ``name`` at the destination has its size and passes every check."""
+    def _complete(self, name: str, size: int, found: int | None, runs: list[_Run]) -> bool:
+        """Whether data file ``name`` at the destination (``found`` bytes, if known) has its size
+        and passes every check."""
         try:
-            if self.target.size(name) != size:
+            if (self.target.size(name) if found is None else found) != size:
                 return False
             for run in runs:
                 if self.stop.is_set():
@@ -267,15 +290,3 @@ def _read_checked(reader: ChunkReader, name: str, run: _Run) -> memoryview:
         else:
             reader.check_blocks(check.entry, check.chunk, check.chunk_lo, data)  # type: ignore[arg-type]
     return out
-
-
-def _clean_up(storage: Storage, manifest: Manifest) -> None:
-    """After the commit, remove the destination's files of other generations (a replaced checkpoint,
-    an interrupted copy or save) and the uploads left unfinished there; best effort."""
-    try:
-        for name in storage.list():
-            if name != MANIFEST_NAME and name not in manifest.files and file_generation(name) is not None:
-                storage.delete(name)
-        storage.abort_uploads()
-    except OSError as exc:
-        log.warning("could not remove stale files in %s after the copy: %s", storage.location, exc)

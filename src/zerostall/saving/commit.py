@@ -26,11 +26,11 @@ from ..collectives import Group
 from ..doorbell import Doorbell, Unreachable
 from ..errors import CommitError
 from ..format import codec, subclass
-from ..format.layout import (Chunk, Entry, Manifest, abort_name, dump_json, file_generation, generation_time,
-                             load_json, parse_record, record_name)
+from ..format.layout import (Chunk, Entry, Manifest, abort_name, dump_json, generation_time, load_json, parse_record,
+                             record_name)
 from ..state import fqn
 from ..storage import Storage
-from ..storage.location import manifest_generation
+from ..storage.location import manifest_generation, remove_stale
 from .collect import Collected, WriteItem, path_key
 from .plan import SavePlan
 
@@ -308,19 +308,5 @@ def clean_up_after_commit(storage: Storage, keep: str, replaced: str | None) -> 
     have run ahead) and the commit records of this one, and abort the unfinished uploads of
     those generations (a save that crashed, or one still in flight, whose commit will be refused:
     the manifest it found has changed). Other newer generations may belong to a save still in
-    flight, so they stay."""
-    def stale(name: str) -> bool:
-        gen = file_generation(name)
-        return gen is not None and gen != keep and (gen == replaced or generation_time(gen) <= generation_time(keep))
-
-    for name in storage.list():
-        if stale(name) or (file_generation(name) == keep and parse_record(name) is not None):
-            try:
-                storage.delete(name)
-            except OSError as exc:
-                log.warning("could not remove stale %s in %s: %s", name, storage.location, exc)
-    try:
-        if storage.abort_uploads(which=stale):
-            log.info("aborted the unfinished uploads of earlier saves in %s", storage.location)
-    except OSError as exc:
-        log.warning("could not abort the unfinished uploads of earlier saves in %s: %s", storage.location, exc)
+    flight, so they stay. The routine is the copy's too (:func:`~zerostall.storage.location.remove_stale`)."""
+    remove_stale(storage, keep, lambda gen: gen == replaced or generation_time(gen) <= generation_time(keep))

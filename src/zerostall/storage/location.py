@@ -1,27 +1,34 @@
-"""A checkpoint's location: what may be written there, and the one atomic step that commits it.
+"""A checkpoint's location: what may be written there, the one atomic step that commits it, and
+the clean-up after it.
 
-Saves and copies share both: a location holding files that are not a checkpoint's is refused, a
-committed checkpoint is replaced only when asked, and the manifest is published last, refused at
-the last moment when another writer committed there meanwhile. No torch: ``zerostall cp`` runs it.
+Saves and copies share all three: a location holding files that are not a checkpoint's is refused,
+a committed checkpoint is replaced only when asked, the manifest is published last, refused at the
+last moment when another writer committed there meanwhile, and the files no manifest references
+any more are removed after. No torch: ``zerostall cp`` runs it.
 """
 
 from __future__ import annotations
 
+import logging
 import re
-from typing import Callable
+from typing import Callable, Iterable
 
 from ..errors import CheckpointError, CheckpointExistsError
-from ..format.layout import MANIFEST_NAME, file_generation, manifest_tmp_name
+from ..format.layout import MANIFEST_NAME, file_generation, manifest_tmp_name, parse_record
 from .base import Storage
+
+log = logging.getLogger(__name__)
 
 _GENERATION_RE = re.compile(rb'"generation":"([0-9a-f]+-[0-9a-f]+)"')
 
 
-def check_location(storage: Storage, overwrite: bool, *, what: str = "save") -> None:
+def check_location(storage: Storage, overwrite: bool, *, what: str = "save",
+                   names: Iterable[str] | None = None) -> None:
     """Refuse a location holding files that are not a checkpoint's (a checkpoint root, a model
     directory), and one holding a committed checkpoint unless ``overwrite``. ``what`` ("save",
-    "copy") names the operation in the errors."""
-    names = storage.list()
+    "copy") names the operation in the errors; ``names``: the location's files, where the caller
+    listed them already."""
+    names = storage.list() if names is None else list(names)
     if MANIFEST_NAME in names and not overwrite:
         raise CheckpointExistsError(f"{storage.location} already holds a committed checkpoint; nothing was written: "
                                     f"{what} with overwrite=True (--overwrite) to replace it (it stays readable until "
@@ -69,3 +76,35 @@ def manifest_generation(storage: Storage) -> str | None:
         return None
     match = _GENERATION_RE.search(head)
     return match.group(1).decode() if match else None
+
+
+def remove_stale(storage: Storage, keep: str, stale: Callable[[str], bool]) -> None:
+    """After the commit of generation ``keep``: remove the files of the other generations ``stale``
+    accepts (no manifest references them any more) and ``keep``'s commit records, and abort the
+    uploads still open under those names or ``keep``'s (its files were all complete at its commit:
+    one still open is a crashed earlier attempt's). Best effort, file by file: a file that cannot be
+    removed is logged and the others still go; the commit stands either way."""
+    def gone(name: str) -> bool:
+        gen = file_generation(name)
+        return gen is not None and (parse_record(name) is not None if gen == keep else stale(gen))
+
+    def unfinished(name: str) -> bool:
+        gen = file_generation(name)
+        return gen is not None and (gen == keep or stale(gen))
+
+    try:
+        names = storage.list()
+    except OSError as exc:
+        log.warning("could not list %s to remove the files no manifest references: %s", storage.location, exc)
+        names = []
+    for name in filter(gone, names):
+        try:
+            storage.delete(name)
+        except OSError as exc:
+            log.warning("could not remove stale %s in %s: %s", name, storage.location, exc)
+    try:
+        if storage.abort_uploads(which=unfinished):
+            log.info("aborted the unfinished uploads of earlier saves or copies in %s", storage.location)
+    except OSError as exc:
+        log.warning("could not abort the unfinished uploads of earlier saves or copies in %s: %s",
+                    storage.location, exc)

@@ -23,6 +23,7 @@ from ...storage import Storage, check_name
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # what the safetensors library itself reads at most
 MAX_INDEX_BYTES = 64 << 20
+FIRST_READ = 256 << 10  # bytes read at first: the header's length and, for nearly every file, the header itself
 
 # safetensors dtype -> (the manifest's dtype name, bytes per element)
 DTYPES = {st: (name, ITEMSIZES[name]) for st, name in SAFETENSORS_DTYPES.items()}
@@ -58,8 +59,9 @@ def hf_entries(storage: Storage, files: list[str]) -> tuple[list[Entry], dict[st
     entries: list[Entry] = []
     sizes: dict[str, int] = {}
     owner: dict[str, str] = {}
+    listed = (storage.sizes() if len(files) > 1 else None) or {}  # one listing, where it gives sizes
     for name in files:
-        sizes[name] = storage.size(name)
+        sizes[name] = listed[name] if name in listed else storage.size(name)
         for key, dtype, shape, offset, nbytes in read_header(storage, name, sizes[name]):
             if key in owner:
                 raise CorruptCheckpointError(f"tensor {key!r} is in both {owner[key]} and {name} of "
@@ -76,15 +78,17 @@ def read_header(storage: Storage, name: str, size: int) -> list[tuple[str, str, 
     where = f"{storage.location}/{name}"
     if size < 8:
         raise CorruptCheckpointError(f"{where} has {size} bytes: too short for a safetensors header")
-    head = bytearray(8)
+    head = bytearray(min(size, FIRST_READ))  # one read (one request) for the length and the header
     storage.read_into(name, 0, memoryview(head))
-    length = struct.unpack("<Q", head)[0]
+    length = struct.unpack("<Q", head[:8])[0]
     if length > min(size - 8, MAX_HEADER_BYTES):
         raise CorruptCheckpointError(f"{where}: its header claims {length} bytes, more than the "
                                      f"{min(size - 8, MAX_HEADER_BYTES)} it may have")
-    text = bytearray(length)
-    storage.read_into(name, 8, memoryview(text))
-    header = _json(bytes(text), where)
+    if 8 + length > len(head):  # a header larger than the first read: the rest of it
+        rest = bytearray(8 + length - len(head))
+        storage.read_into(name, len(head), memoryview(rest))
+        head += rest
+    header = _json(bytes(head[8:8 + length]), where)
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{where}: its header is not a JSON object")
     data_start, data_len = 8 + length, size - 8 - length
