@@ -67,6 +67,7 @@ class _Watched(Future):
 
     def unseen_result(self) -> Any:
         """Wait and return (or raise) the outcome without counting it as seen: the saver's own waits."""
+        futures.wait([self])
         return super().result()
 
 
