@@ -410,6 +410,13 @@ HOSTILE = {  # what the old reader raised, or did, in brackets
     "$dtype of a function [torch.load returned]": (lambda b: set_value(b, {"$dtype": "load"}), "load"),
     "$ndarray of objects [ValueError]": (lambda b: set_value(b, {"$ndarray": ["|O", [1], "AAAAAAAAAAA="]}), "|O"),
     "$bytes of no base64 [binascii.Error]": (lambda b: set_value(b, {"$bytes": "!"}), "$bytes"),
+    "$size beyond 64 bits [a torch.Size whose repr raised ValueError: inspect exited 2]":
+        (lambda b: set_value(b, {"$size": [10**30]}), "$size"),
+    "$size below 64 bits": (lambda b: set_value(b, {"$size": [-(2**63) - 1]}), "$size"),
+    "$ndarray of absurd dimensions [ValueError]": (lambda b: set_value(b, {"$ndarray": ["<f4", [0, 10**30], ""]}),
+                                                   "$ndarray"),
+    "$ndarray of 65 dimensions [ValueError]": (lambda b: set_value(b, {"$ndarray": ["<f4", [1] * 65, "AAAAAA=="]}),
+                                               "65 dimensions"),
     "an unknown tag [UnsupportedValueError]": (lambda b: set_value(b, {"$lambda": "x"}), "$lambda"),
     "a tag among keys": (lambda b: set_value(b, {"$tuple": [], "x": 1}), "$tuple"),
     "no dtype [AssertionError]": (lambda b: entry(b, "w").update(dtype=None), "dtype"),
