@@ -413,6 +413,8 @@ HOSTILE = {  # what the old reader raised, or did, in brackets
     "$size beyond 64 bits [a torch.Size whose repr raised ValueError: inspect exited 2]":
         (lambda b: set_value(b, {"$size": [10**30]}), "$size"),
     "$size below 64 bits": (lambda b: set_value(b, {"$size": [-(2**63) - 1]}), "$size"),
+    "$complex of an int beyond floats [OverflowError]": (lambda b: set_value(b, {"$complex": [10**400, 0.0]}),
+                                                         "$complex"),
     "$ndarray of absurd dimensions [ValueError]": (lambda b: set_value(b, {"$ndarray": ["<f4", [0, 10**30], ""]}),
                                                    "$ndarray"),
     "$ndarray of 65 dimensions [ValueError]": (lambda b: set_value(b, {"$ndarray": ["<f4", [1] * 65, "AAAAAA=="]}),

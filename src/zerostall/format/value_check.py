@@ -106,9 +106,9 @@ def _check_tag(tag: str, body: Any, depth: int, refs: int | None, key: bool) -> 
             raise _Malformed(f"{_clip(body)} is not a device: {exc}") from None
     elif tag == "$complex":
         parts = _body(body, list)
-        if len(parts) != 2 or not all(type(p) in (int, float) or (type(p) is dict and len(p) == 1 and
-                                                                   non_finite(p.get("$float"))) for p in parts):
-            raise _Malformed("not [real, imag] numbers")
+        if len(parts) != 2 or not all(type(p) is float or (type(p) is dict and len(p) == 1 and
+                                                            non_finite(p.get("$float"))) for p in parts):
+            raise _Malformed("not [real, imag] floats")  # what a complex holds: an int part could overflow
     elif tag == "$size":
         if not all(type(n) is int and -MAX_INT - 1 <= n <= MAX_INT for n in _body(body, list)):
             raise _Malformed("not a list of 64-bit ints (what a torch.Size holds)")
