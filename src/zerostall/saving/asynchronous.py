@@ -44,25 +44,24 @@ log = logging.getLogger(__name__)
 
 
 class _Watched(Future):
-    """A future whose failure, once :meth:`result` raised it or :meth:`exception` returned it,
-    counts as seen by its handle: the saver does not raise it again at the next save or close."""
+    """A future whose failure, once :meth:`result` raised it or :meth:`exception` returned it, is
+    ``seen``: the saver does not raise it again at the next save or close."""
 
-    def __init__(self, handle: "SaveHandle") -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._handle = handle
+        self.seen = False
 
     def result(self, timeout: float | None = None) -> Any:
         try:
             return super().result(timeout)
         except BaseException:
             if self.done():  # the save's own failure, not a timeout of this wait
-                self._handle.failure_seen = True
+                self.seen = True
             raise
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         failure = super().exception(timeout)
-        if failure is not None:
-            self._handle.failure_seen = True
+        self.seen = self.seen or failure is not None
         return failure
 
     def unseen_result(self) -> Any:
@@ -79,9 +78,13 @@ class SaveHandle:
     def __init__(self, path: str, step: int | None) -> None:
         self.path = path
         self.step = step
-        self.staged: Future[None] = _Watched(self)
-        self.committed: Future[SaveInfo] = _Watched(self)
-        self.failure_seen = False
+        self.staged = _Watched()
+        self.committed = _Watched()
+
+    @property
+    def failure_seen(self) -> bool:
+        """Whether this save's failure was raised or returned to someone already."""
+        return self.staged.seen or self.committed.seen
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the state has been captured: call this before mutating it (optimizer step)."""
@@ -245,7 +248,7 @@ class AsyncSaver:
         with self._lock:
             failure, self._failure = self._failure, None
         if failure is not None and not failure[1].failure_seen:
-            failure[1].failure_seen = True
+            failure[1].committed.seen = True
             raise CheckpointError(f"a previous asynchronous save failed: {failure[0]}") from failure[0]
 
     def wait_staged(self) -> None:
