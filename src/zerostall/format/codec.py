@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 
 MAX_DEPTH = 100  # containers (lists, tuples, dicts, sets) nested in one value: deeper is refused on save and on load
-MAX_INT_BITS = 14_000  # an int's size: longer ones (over some 4200 digits) are refused on save, as JSON readers refuse them
+MAX_INT_BITS = 14_000  # an int's size: longer ones (some 4200 digits) are refused on save, as JSON readers do
 
 
 def _torch() -> Any:
