@@ -522,3 +522,24 @@ def test_the_cli_shows_a_key_that_is_no_valid_text(tmp_path):
     code, err, escaped = cli_outcome("inspect", tmp_path / "ck")
     assert code == 0 and escaped is None, (code, err, escaped)
 
+
+
+def test_a_path_with_a_nul_byte_is_a_typed_error_naming_it(ck, tmp_path):
+    """Every call raised a bare ValueError ("embedded null byte") naming no path, and the CLI said
+    only that; no file name can hold a NUL byte, so it is a usage error: InvalidPathError (a
+    ValueError still), the CLI's exit status 2."""
+    bad = str(tmp_path / "new\0ck")
+    calls = {"save": lambda: zs.save(state(), bad), "async_save": lambda: zs.async_save(state(), bad).result(),
+             "load": lambda: zs.load(target(), bad), "open": lambda: zs.open(bad), "verify": lambda: zs.verify(bad),
+             "manager": lambda: zs.CheckpointManager(bad), "export": lambda: zs.export(ck, bad)}
+    for how, call in calls.items():
+        with pytest.raises(zs.InvalidPathError, match="NUL byte") as refused:
+            call()
+        assert repr(bad) in str(refused.value) and isinstance(refused.value, ValueError), how
+    for args in (("inspect", bad), ("verify", bad), ("ls", bad), ("cp", ck, bad), ("export", ck, bad),
+                 ("diff", ck, bad)):
+        code, err, escaped = cli_outcome(*args)
+        assert code == 2 and escaped is None and repr(bad) in err, (args[0], code, err, escaped)
+    assert sorted(os.listdir(tmp_path)) == ["ck", "other"]  # nothing written anywhere
+    with pytest.raises(zs.InvalidPathError, match="no storage backend for gs://"):
+        zs.open("gs://bucket/ck")

@@ -33,7 +33,7 @@ from ..loading.tensor_stream import TensorStream
 from ..options import LoadOptions, _Options, default_threads
 from ..roots.root import named_instead
 from ..storage import Storage, storage_for
-from ..storage.local import fsync_dir
+from ..storage.local import check_path, fsync_dir
 from .torch_file import write_torch_file
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ def export_checkpoint(ckpt: str | os.PathLike[str] | Storage | Checkpoint, out: 
     target = os.fspath(out)
     if "://" in target and not target.startswith("file://"):
         raise ExportError(f"export writes to a local path, not {target!r}: export there, then copy the files")
-    target = os.path.abspath(target.removeprefix("file://"))
+    target = os.path.abspath(check_path(target.removeprefix("file://")))
     _check_out(target, options)
     with _opened(ckpt, options) as ck:
         items, skipped = select(ck.manifest, ck.path, options)
