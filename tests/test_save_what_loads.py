@@ -157,3 +157,12 @@ def test_whatever_save_accepts_verify_and_load_accept(state, metadata):
         repr(blank(whole, lambda t: None)), repr(shown)  # what inspect shows: every value can be printed
         assert same(state, whole) and same(metadata, shown)
         assert same(state, zs.load(blank(state), f"{root}/ck"))
+
+
+def test_a_step_beyond_64_bits_is_refused_at_save(tmp_path):
+    """``step=2**70`` was committed, then verify called the manifest's step corrupt."""
+    zs.save({"t": torch.ones(1)}, tmp_path / "last", step=(1 << 63) - 1)
+    zs.verify(tmp_path / "last")
+    with pytest.raises(zs.UnsupportedValueError, match=r"step=9223372036854775808 .*\[0, 2\*\*63\)"):
+        zs.save({"t": torch.ones(1)}, tmp_path / "ck", step=1 << 63)
+    assert not (tmp_path / "ck").exists()
