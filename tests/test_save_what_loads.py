@@ -1,7 +1,7 @@
 """What a save commits, its own verify and load accept: what they would call corrupt (a quantized
 dtype reached through ``.view()``, a key that does not equal itself once stored, an int too long
 for JSON) is refused at save with an UnsupportedValueError naming the key, and nothing is committed.
-A property test holds the rule over hostile keys and values: saved means readable, bit for bit."""
+A property test holds the rule over hostile keys, values, metadata and steps: saved means readable, bit for bit."""
 
 from __future__ import annotations
 
@@ -144,16 +144,18 @@ def blank(node, tensor=lambda t: torch.zeros(t.numel() * t.dtype.itemsize, dtype
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(state=states, metadata=st.dictionaries(st.text(max_size=3), values, max_size=2))
-def test_whatever_save_accepts_verify_and_load_accept(state, metadata):
+@given(state=states, metadata=st.dictionaries(st.text(max_size=3), values, max_size=2),
+       step=st.none() | st.integers(-1, 1 << 64))
+def test_whatever_save_accepts_verify_and_load_accept(state, metadata, step):
     with tempfile.TemporaryDirectory() as root:
         try:
-            zs.save(state, f"{root}/ck", metadata=metadata)
+            zs.save(state, f"{root}/ck", metadata=metadata, step=step)
         except zs.UnsupportedValueError:
             return  # refused, naming the key: nothing committed
         zs.verify(f"{root}/ck")
         with zs.open(f"{root}/ck") as ck:
             whole, shown = ck.state(), ck.metadata
+            assert ck.step == step
         repr(blank(whole, lambda t: None)), repr(shown)  # what inspect shows: every value can be printed
         assert same(state, whole) and same(metadata, shown)
         assert same(state, zs.load(blank(state), f"{root}/ck"))
