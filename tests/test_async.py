@@ -406,3 +406,36 @@ def test_a_failure_seen_on_its_handle_is_not_raised_again_one_nobody_saw_is(tmp_
         saver.save(state_of(4.0), tmp_path / "ok2")
     saver.close()  # raised once, by the save above: not again
     assert disk_full.fired.is_set()
+
+
+def test_a_failure_seen_on_the_committed_future_is_not_raised_again(tmp_path):
+    """``handle.committed.result()`` sees a failure as ``handle.result()`` does: the next save and
+    close go on (the failure was raised twice before, once by the future and again by the save)."""
+    storage = FaultyStorage(LocalStorage(str(tmp_path / "ck")))
+    storage.fail("write", OSError(errno.ENOSPC, "No space left on device"))
+    saver = zs.AsyncSaver()
+    handle = saver.save(state_of(1.0), storage)
+    with pytest.raises(zs.CheckpointError, match="No space left"):
+        handle.committed.result()  # seen here...
+    assert saver.save(state_of(2.0), tmp_path / "ok").committed.result().step is None  # ...not again
+    storage.fail("write", OSError(errno.ENOSPC, "No space left on device"))
+    failing = saver.save(state_of(3.0), storage)
+    assert isinstance(failing.committed.exception(), zs.CheckpointError)  # returned to the caller: seen too
+    saver.close()
+    assert loaded(tmp_path / "ok")["step"] == 2
+
+
+def test_a_failure_raised_by_the_next_save_first_is_still_the_futures_outcome_and_raised_once(tmp_path):
+    """The other order: the next save reports the failure nobody looked at; the handle's futures
+    still tell it (a future's outcome does not change), and close does not raise it a third time."""
+    storage = FaultyStorage(LocalStorage(str(tmp_path / "ck")))
+    storage.fail("write", OSError(errno.ENOSPC, "No space left on device"))
+    saver = zs.AsyncSaver()
+    handle = saver.save(state_of(1.0), storage)
+    with pytest.raises(zs.CheckpointError, match="a previous asynchronous save failed: .*No space left"):
+        saver.save(state_of(2.0), tmp_path / "ok")
+    with pytest.raises(zs.CheckpointError, match="No space left"):
+        handle.committed.result()
+    assert saver.save(state_of(3.0), tmp_path / "ok").committed.result().step is None
+    saver.close()
+    assert loaded(tmp_path / "ok")["step"] == 3

@@ -410,6 +410,15 @@ HOSTILE = {  # what the old reader raised, or did, in brackets
     "$dtype of a function [torch.load returned]": (lambda b: set_value(b, {"$dtype": "load"}), "load"),
     "$ndarray of objects [ValueError]": (lambda b: set_value(b, {"$ndarray": ["|O", [1], "AAAAAAAAAAA="]}), "|O"),
     "$bytes of no base64 [binascii.Error]": (lambda b: set_value(b, {"$bytes": "!"}), "$bytes"),
+    "$size beyond 64 bits [a torch.Size whose repr raised ValueError: inspect exited 2]":
+        (lambda b: set_value(b, {"$size": [10**30]}), "$size"),
+    "$size below 64 bits": (lambda b: set_value(b, {"$size": [-(2**63) - 1]}), "$size"),
+    "$complex of an int beyond floats [OverflowError]": (lambda b: set_value(b, {"$complex": [10**400, 0.0]}),
+                                                         "$complex"),
+    "$ndarray of absurd dimensions [ValueError]": (lambda b: set_value(b, {"$ndarray": ["<f4", [0, 10**30], ""]}),
+                                                   "$ndarray"),
+    "$ndarray of 65 dimensions [ValueError]": (lambda b: set_value(b, {"$ndarray": ["<f4", [1] * 65, "AAAAAA=="]}),
+                                               "65 dimensions"),
     "an unknown tag [UnsupportedValueError]": (lambda b: set_value(b, {"$lambda": "x"}), "$lambda"),
     "a tag among keys": (lambda b: set_value(b, {"$tuple": [], "x": 1}), "$tuple"),
     "no dtype [AssertionError]": (lambda b: entry(b, "w").update(dtype=None), "dtype"),
@@ -513,3 +522,24 @@ def test_the_cli_shows_a_key_that_is_no_valid_text(tmp_path):
     code, err, escaped = cli_outcome("inspect", tmp_path / "ck")
     assert code == 0 and escaped is None, (code, err, escaped)
 
+
+
+def test_a_path_with_a_nul_byte_is_a_typed_error_naming_it(ck, tmp_path):
+    """Every call raised a bare ValueError ("embedded null byte") naming no path, and the CLI said
+    only that; no file name can hold a NUL byte, so it is a usage error: InvalidPathError (a
+    ValueError still), the CLI's exit status 2."""
+    bad = str(tmp_path / "new\0ck")
+    calls = {"save": lambda: zs.save(state(), bad), "async_save": lambda: zs.async_save(state(), bad).result(),
+             "load": lambda: zs.load(target(), bad), "open": lambda: zs.open(bad), "verify": lambda: zs.verify(bad),
+             "manager": lambda: zs.CheckpointManager(bad), "export": lambda: zs.export(ck, bad)}
+    for how, call in calls.items():
+        with pytest.raises(zs.InvalidPathError, match="NUL byte") as refused:
+            call()
+        assert repr(bad) in str(refused.value) and isinstance(refused.value, ValueError), how
+    for args in (("inspect", bad), ("verify", bad), ("ls", bad), ("cp", ck, bad), ("export", ck, bad),
+                 ("diff", ck, bad)):
+        code, err, escaped = cli_outcome(*args)
+        assert code == 2 and escaped is None and repr(bad) in err, (args[0], code, err, escaped)
+    assert sorted(os.listdir(tmp_path)) == ["ck", "other"]  # nothing written anywhere
+    with pytest.raises(zs.InvalidPathError, match="no storage backend for gs://"):
+        zs.open("gs://bucket/ck")

@@ -21,7 +21,7 @@ __all__ = [
     "RestoreInfo",
     "rank_local", "RankLocal", "Stateful", "FlattenedTensor", "FORMAT_VERSION", "S3Storage", "S3Options",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError",
-    "IncompleteCheckpointError", "SharedMemoryError", "StateChangedError", "StateMismatchError",
+    "IncompleteCheckpointError", "InvalidPathError", "SharedMemoryError", "StateChangedError", "StateMismatchError",
     "UnsafeFileError", "UnsupportedValueError", "StorageError", "ConcurrentWriteError", "ExportError",
 ]
 
@@ -38,7 +38,7 @@ _EXPORTS = {
     "rank_local": "state", "RankLocal": "state", "Stateful": "state", "FlattenedTensor": "format.subclass",
     "FORMAT_VERSION": "format.layout", "S3Storage": "storage.s3", "S3Options": "storage.s3client",
     "CheckpointError": "errors", "CheckpointExistsError": "errors", "CheckpointNotFoundError": "errors",
-    "CommitError": "errors",
+    "CommitError": "errors", "InvalidPathError": "errors",
     "CorruptCheckpointError": "errors", "IncompleteCheckpointError": "errors", "SharedMemoryError": "errors",
     "StateChangedError": "errors", "StateMismatchError": "errors", "UnsafeFileError": "errors",
     "UnsupportedValueError": "errors", "StorageError": "errors", "ConcurrentWriteError": "errors",
@@ -49,8 +49,8 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .api import async_save, export, load, open, open_latest, save, verify
     from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CommitError,
                          ConcurrentWriteError, CorruptCheckpointError, ExportError, IncompleteCheckpointError,
-                         SharedMemoryError, StateChangedError, StateMismatchError, StorageError, UnsafeFileError,
-                         UnsupportedValueError)
+                         InvalidPathError, SharedMemoryError, StateChangedError, StateMismatchError, StorageError,
+                         UnsafeFileError, UnsupportedValueError)
     from .format.layout import FORMAT_VERSION
     from .format.subclass import FlattenedTensor
     from .interop.copying import CopyInfo, copy

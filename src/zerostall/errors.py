@@ -30,6 +30,11 @@ class UnsafeFileError(CorruptCheckpointError, OSError):
     damaged or forged; it is also an ``OSError``, like every other failure of a storage backend."""
 
 
+class InvalidPathError(CheckpointError, ValueError):
+    """A path or URL no storage can name (a NUL byte in it, a URL scheme with no backend); the
+    message names it. Nothing was read or written."""
+
+
 class StateMismatchError(CheckpointError):
     """The checkpoint and the target state disagree (missing/unexpected keys, shapes, dtypes)."""
 

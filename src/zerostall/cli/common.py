@@ -55,11 +55,11 @@ def reported_errors() -> Iterator[None]:
     """Turn library and file-system errors into a :class:`Failure` (a message, not a traceback)."""
     try:
         yield
-    except (zs.CheckpointNotFoundError, zs.CheckpointExistsError) as exc:
+    except (zs.CheckpointNotFoundError, zs.CheckpointExistsError, zs.InvalidPathError) as exc:
         raise Failure(str(exc), USAGE) from exc
     except (zs.CheckpointError, OSError) as exc:
         raise Failure(str(exc) or type(exc).__name__) from exc
-    except ValueError as exc:  # e.g. a URL scheme with no storage backend
+    except ValueError as exc:
         raise Failure(str(exc), USAGE) from exc
 
 

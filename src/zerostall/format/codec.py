@@ -20,6 +20,7 @@ from typing import Any
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 
 MAX_DEPTH = 100  # containers (lists, tuples, dicts, sets) nested in one value: deeper is refused on save and on load
+MAX_INT_BITS = 14_000  # an int's size: longer ones (some 4200 digits) are refused on save, as JSON readers do
 
 
 def _torch() -> Any:
@@ -60,6 +61,10 @@ def encode(value: Any, *, where: str = "", allow_pickle: bool = False, hint: str
         if exc.value is _TOO_DEEP:
             raise UnsupportedValueError(f"cannot save the value at {at or '<root>'}: it nests more than {MAX_DEPTH} "
                                         "containers deep (the most a checkpoint may hold)") from None
+        if exc.value is _TOO_LONG:
+            raise UnsupportedValueError(f"cannot save the int at {at or '<root>'}: it has more than {MAX_INT_BITS} "
+                                        "bits, more digits than JSON readers accept (sys.get_int_max_str_digits); "
+                                        "store it as bytes (n.to_bytes) or a string") from None
         raise UnsupportedValueError(
             f"cannot save {type(exc.value).__module__}.{type(exc.value).__qualname__} at {at or '<root>'}: {hint}"
         ) from None
@@ -75,11 +80,16 @@ class _Refused(Exception):
 
 
 _TOO_DEEP = object()  # the value of a _Refused raised by nesting deeper than MAX_DEPTH
+_TOO_LONG = object()  # the value of a _Refused raised by an int of more than MAX_INT_BITS
 
 
 def _encode(value: Any, allow_pickle: bool, depth: int) -> Any:
     kind = type(value)
-    if value is None or kind in (bool, str, int):
+    if value is None or kind is bool or kind is str:
+        return value
+    if kind is int:
+        if value.bit_length() > MAX_INT_BITS:
+            raise _Refused(_TOO_LONG)
         return value
     if kind is float:
         return value if math.isfinite(value) else {"$float": repr(value)}

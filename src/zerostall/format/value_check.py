@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from .codec import MAX_DEPTH, NON_FINITE, non_finite, numpy_dtype, numpy_module, torch_dtype
-from .tensor_check import dtype_itemsize
+from .tensor_check import MAX_INT, FieldError, check_shape, dtype_itemsize
 
 
 def check_value(data: Any, where: str, *, refs: int | None = None, key: bool = False) -> None:
@@ -106,18 +106,21 @@ def _check_tag(tag: str, body: Any, depth: int, refs: int | None, key: bool) -> 
             raise _Malformed(f"{_clip(body)} is not a device: {exc}") from None
     elif tag == "$complex":
         parts = _body(body, list)
-        if len(parts) != 2 or not all(type(p) in (int, float) or (type(p) is dict and len(p) == 1 and
-                                                                   non_finite(p.get("$float"))) for p in parts):
-            raise _Malformed("not [real, imag] numbers")
+        if len(parts) != 2 or not all(type(p) is float or (type(p) is dict and len(p) == 1 and
+                                                            non_finite(p.get("$float"))) for p in parts):
+            raise _Malformed("not [real, imag] floats")  # what a complex holds: an int part could overflow
     elif tag == "$size":
-        if not all(type(n) is int for n in _body(body, list)):
-            raise _Malformed("not a list of ints")
+        if not all(type(n) is int and -MAX_INT - 1 <= n <= MAX_INT for n in _body(body, list)):
+            raise _Malformed("not a list of 64-bit ints (what a torch.Size holds)")
     elif tag == "$ndarray":
         parts = _body(body, list)
-        if (len(parts) != 3 or type(parts[0]) is not str or type(parts[1]) is not list or type(parts[2]) is not str
-                or not all(type(n) is int and n >= 0 for n in parts[1])):
+        if len(parts) != 3 or type(parts[0]) is not str or type(parts[1]) is not list or type(parts[2]) is not str:
             raise _Malformed("not [dtype, shape, base64]")
         itemsize = _np_itemsize(parts[0], "biufcmM")
+        try:
+            check_shape({"shape": parts[1]}, itemsize or 1)
+        except FieldError as exc:
+            raise _Malformed(f"the shape {exc.why}") from None
         _base64(parts[2], None if itemsize is None else math.prod(parts[1]) * itemsize)
     elif tag == "$npscalar":
         parts = _body(body, list)

@@ -33,6 +33,7 @@ from ..options import LoadOptions, _Options, default_threads
 from ..roots.root import Naming
 from ..state import fqn
 from ..storage import Storage
+from ..storage.local import check_path
 from .export_files import Item, write_hf, write_torch
 
 log = logging.getLogger(__name__)
@@ -296,7 +297,7 @@ def check_target(out: str | os.PathLike[str], options: ExportOptions) -> str:
     path = os.fspath(out)
     if "://" in path and not path.startswith("file://"):
         raise ExportError(f"export writes to a local path, not {path!r}: export there, then copy the files")
-    path = os.path.abspath(path.removeprefix("file://"))
+    path = os.path.abspath(check_path(path.removeprefix("file://")))
     if options.format == "hf":
         if os.path.lexists(path) and not os.path.isdir(path):
             raise ExportError(f"{path} is a file: a hf export writes a directory")

@@ -10,7 +10,8 @@ no process to spawn; choose the process for crash survival. ``save`` runs the co
 where the caller's CUDA stream is, and returns a :class:`SaveHandle` whose ``staged`` future is
 done when the state has been copied (the caller may mutate it from then on) and whose
 ``committed`` future is done when the checkpoint is durable and visible. A background failure is
-raised on ``committed.result()``, on the next ``save`` and on ``close``.
+raised on ``committed.result()``; a failure nobody has seen there is raised once more, on the next
+``save``, ``wait`` or ``close``.
 
 At interpreter exit (the end of the script, an exception escaping it, ``sys.exit``, Ctrl-C) every
 saver not closed is closed: the save in flight commits first, a failure is logged, and the writer
@@ -42,32 +43,56 @@ from .writer_process import WriterProcess
 log = logging.getLogger(__name__)
 
 
+class _Watched(Future):
+    """A future whose failure, once :meth:`result` raised it or :meth:`exception` returned it, is
+    ``seen``: the saver does not raise it again at the next save or close."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return super().result(timeout)
+        except BaseException:
+            if self.done():  # the save's own failure, not a timeout of this wait
+                self.seen = True
+            raise
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        failure = super().exception(timeout)
+        self.seen = self.seen or failure is not None
+        return failure
+
+    def unseen_result(self) -> Any:
+        """Wait and return (or raise) the outcome without counting it as seen: the saver's own waits."""
+        futures.wait([self])
+        return super().result()
+
+
 class SaveHandle:
-    """The two futures of one asynchronous save. A failure raised by :meth:`result` or
-    :meth:`wait_staged` has been seen: the saver does not raise it again at the next save or close."""
+    """The two futures of one asynchronous save. A failure raised or returned by either future (or
+    by :meth:`result`, :meth:`wait_staged`) has been seen: the saver does not raise it again at the
+    next save or close."""
 
     def __init__(self, path: str, step: int | None) -> None:
         self.path = path
         self.step = step
-        self.staged: Future[None] = Future()
-        self.committed: Future[SaveInfo] = Future()
-        self.failure_seen = False
+        self.staged = _Watched()
+        self.committed = _Watched()
+
+    @property
+    def failure_seen(self) -> bool:
+        """Whether this save's failure was raised or returned to someone already."""
+        return self.staged.seen or self.committed.seen
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the state has been captured: call this before mutating it (optimizer step)."""
-        self._seen(self.staged, timeout)
+        self.staged.result(timeout)
 
     def result(self, timeout: float | None = None) -> SaveInfo:
         """Block until committed; raises what the background raised."""
-        return self._seen(self.committed, timeout)
-
-    def _seen(self, future: Future, timeout: float | None) -> Any:
-        try:
-            return future.result(timeout)
-        except BaseException:
-            if future.done():  # the save's own failure, not a timeout of this wait
-                self.failure_seen = True
-            raise
+        return self.committed.result(timeout)
 
     def done(self) -> bool:
         return self.committed.done()
@@ -106,10 +131,7 @@ class AsyncSaver:
         log.warning("signal %d: finishing the checkpoint in flight first", signum)
         current = self._current
         if current is not None:
-            try:
-                current.committed.result()
-            except BaseException as exc:
-                log.error("the checkpoint in flight failed: %s", exc)
+            futures.wait([current.committed])  # a failure is logged by the worker and raised later
         previous = self._previous_handlers.pop(signum, signal.SIG_DFL)
         signal.signal(signum, previous)
         if callable(previous):
@@ -226,18 +248,18 @@ class AsyncSaver:
         with self._lock:
             failure, self._failure = self._failure, None
         if failure is not None and not failure[1].failure_seen:
-            failure[1].failure_seen = True
+            failure[1].committed.seen = True
             raise CheckpointError(f"a previous asynchronous save failed: {failure[0]}") from failure[0]
 
     def wait_staged(self) -> None:
         """Block until the save in flight (if any) has captured the state; raises its failure
         unless its handle already did."""
-        self._settle(lambda current: current.staged.result())
+        self._settle(lambda current: current.staged.unseen_result())
 
     def wait(self) -> SaveInfo | None:
         """Block until the save in flight (if any) commits; raises its failure unless its handle
         already did."""
-        return self._settle(lambda current: current.committed.result())
+        return self._settle(lambda current: current.committed.unseen_result())
 
     def _settle(self, wait: Any) -> Any:
         current = self._current

@@ -18,6 +18,7 @@ from ..errors import UnsupportedValueError
 from ..format import codec, subclass
 from ..format.boxes import local_box
 from ..format.layout import Entry, dtype_name
+from ..format.tensor_check import dtype_itemsize
 from ..state import Path, ViewIndex, flatten, fqn
 
 
@@ -71,6 +72,34 @@ def check_tensor(t: torch.Tensor, where: str) -> None:
         raise UnsupportedValueError(f"{where}: {kind} tensors are not supported; convert to a dense tensor")
     if t.is_meta:
         raise UnsupportedValueError(f"{where}: tensor is on the meta device and has no data to save")
+    check_dtype(t, where)
+
+
+def check_dtype(t: torch.Tensor, where: str) -> None:
+    """Refuse a dtype no checkpoint stores, as verify and load would: a quantized one reached
+    through ``.view()``, whose scale and zero point are not in its bytes."""
+    if dtype_itemsize(dtype_name(t.dtype)) is None:
+        raise UnsupportedValueError(
+            f"{where}: {t.dtype} tensors are not supported (a quantized dtype's scale and zero point are not in its "
+            "bytes); save t.dequantize() for a quantized tensor, or t.view(torch.uint8) for the raw bytes")
+
+
+def check_keys(path: Path) -> None:
+    """Refuse a key a checkpoint cannot give back equal to itself (a NaN, or a tuple holding one)
+    or cannot write (an int too long for JSON): each entry is found by its key path, so verify
+    and load would refuse the checkpoint, and a load could not match the key."""
+    for i, k in enumerate(path):
+        kind = type(k)
+        if kind is str or kind is int and k.bit_length() <= codec.MAX_INT_BITS:
+            continue
+        encoded = codec.encode(k, where=f"{fqn(path[:i]) or '<root>'} (a key)", hint=_KEY_HINT)
+        if codec.decode(encoded) != codec.decode(encoded):
+            raise UnsupportedValueError(
+                f"{fqn(path[:i + 1])}: the key {k!r} does not equal itself once stored (it is or holds a NaN), so "
+                "no checkpoint could find the value under it again; use a key that equals itself, a string say")
+
+
+_KEY_HINT = "keys are never pickled: use a str, an int or another plain python value"
 
 
 def check_shaped(t: torch.Tensor, where: str) -> None:
@@ -150,6 +179,7 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
     seen_subclasses: dict[int, str] = {}  # id of a subclass leaf -> its key (their views have no data pointer)
     names = {"__metadata__"}  # reserved in a safetensors header
     for path, value in flat.leaves.items():
+        check_keys(path)
         name, key, local = fqn(path), path_key(path), path in flat.rank_local
         out.keys[path] = key
         if not isinstance(value, torch.Tensor):
@@ -208,6 +238,7 @@ def _collect_subclass(out: Collected, names: set[str], path: Path, key: str, val
     """A wrapper subclass leaf (``piece``, this rank's box of ``value``): a subclass entry describing
     this box, and a tensor entry per inner tensor (see :mod:`zerostall.format.subclass`)."""
     name = fqn(path)
+    check_dtype(value, name)
     node = subclass.describe(piece, name)
     dtype, shape = dtype_name(value.dtype), tuple(value.shape)
     entry = Entry(name, path, "subclass", dtype=dtype, shape=shape, rank=rank, cls=node.cls, shards=[])
@@ -221,7 +252,9 @@ def _collect_subclass(out: Collected, names: set[str], path: Path, key: str, val
         box = tuple(tensor.shape) == sizes
         ipath = subclass.inner_path(path, attrs, box, offsets if sharded else None)
         ikey = path_key(ipath)
-        ientry = Entry(fqn(ipath), ipath, "tensor", dtype=dtype_name(tensor.dtype),
+        iname = fqn(ipath)
+        check_dtype(tensor, iname)
+        ientry = Entry(iname, ipath, "tensor", dtype=dtype_name(tensor.dtype),
                        shape=shape if box else tuple(tensor.shape), rank=rank)
         zeros = (0,) * tensor.dim()
         _add_tensor(out, names, ientry, ikey, plain_source(tensor), offsets if box else zeros,

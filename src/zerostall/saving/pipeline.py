@@ -19,6 +19,7 @@ from ..collectives import Group
 from ..errors import CheckpointError, UnsupportedValueError
 from ..format import codec
 from ..format.layout import manifest_tmp_name
+from ..format.tensor_check import MAX_INT
 from ..gcpause import gc_paused
 from ..options import SaveOptions, default_threads
 from ..storage import LocalStorage, S3Storage, Storage, storage_for
@@ -98,8 +99,8 @@ def checked_step(step: Any) -> int | None:
         value = operator.index(step) if not isinstance(step, bool) else -1
     except TypeError:
         value = -1
-    if value < 0:
-        raise UnsupportedValueError(f"step={step!r} is not a training step: pass a non-negative int (or None)")
+    if not 0 <= value <= MAX_INT:  # what a manifest may record
+        raise UnsupportedValueError(f"step={step!r} is not a training step: pass an int in [0, 2**63) (or None)")
     return value
 
 

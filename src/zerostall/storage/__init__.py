@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from ..errors import InvalidPathError
 from .base import SMALL_FILE_BYTES, FileStat, FileTooLargeError, Storage, check_name
 from .local import LocalStorage
 from .s3 import S3Storage
@@ -22,7 +23,7 @@ def storage_for(path: str | os.PathLike[str] | Storage, *, fsync: bool = True) -
         return S3Storage(text)
     if "://" in text and not text.startswith("file://"):
         scheme = text.split("://", 1)[0]
-        raise ValueError(f"no storage backend for {scheme}:// URLs yet (path {text!r})")
+        raise InvalidPathError(f"no storage backend for {scheme}:// URLs yet (path {text!r})")
     return LocalStorage(text.removeprefix("file://"), fsync=fsync)
 
 

@@ -15,7 +15,7 @@ import stat
 import threading
 from typing import Callable, Iterable, Iterator
 
-from ..errors import UnsafeFileError
+from ..errors import InvalidPathError, UnsafeFileError
 from .base import FileStat, FileTooLargeError, Storage, check_name
 
 log = logging.getLogger(__name__)
@@ -92,11 +92,20 @@ def _directory_lock(path: str) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def check_path(path: str) -> str:
+    """``path``, which must be one the OS can name: a NUL byte in it is an :class:`InvalidPathError`
+    naming it (each file-system call would raise a bare ``ValueError``)."""
+    if "\0" in path:
+        raise InvalidPathError(f"the path {path!r} holds a NUL byte ('\\0'), which no file name can hold; check how "
+                               "the path was built")
+    return path
+
+
 class LocalStorage(Storage):
     """A directory. ``fsync=False`` skips every fsync (for scratch tiers where speed beats durability)."""
 
     def __init__(self, root: str, *, fsync: bool = True) -> None:
-        self.location = os.path.abspath(root)
+        self.location = os.path.abspath(check_path(root))
         self.fsync = fsync
         self._local = threading.local()  # .fds: this thread's open files, in the order it opened them
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
