@@ -16,6 +16,7 @@ from click.testing import CliRunner
 import zerostall as zs
 from faults import FaultyStorage
 from zerostall.cli import cli
+from zerostall.format.layout import MANIFEST_NAME
 from zerostall.roots.root import step_tag
 from zerostall.storage import LocalStorage
 
@@ -173,3 +174,21 @@ def test_ranks_agree_on_the_checkpoint_a_root_names_while_a_commit_lands(ranks, 
     assert ranks(2).run(load_while_a_commit_lands, str(root), str(tmp_path / "ready")) == [(1, 1.0, True)] * 2
     said = ranks(2).run(load_missing, f"{root}/7")  # what rank 0 found is raised on every rank
     assert said == [f"CheckpointNotFoundError: no committed checkpoint of step 7 under {root} (steps there: 1, 2)"] * 2
+
+
+def load_damaged(where: str) -> str:
+    try:
+        zs.load(blank(), where, prefix="model")
+    except Exception as exc:  # noqa: BLE001 - the type is what the test asserts
+        return type(exc).__name__
+    return "loaded"
+
+
+@pytest.mark.parametrize("damage", ["first byte", "empty"])
+def test_a_manifest_damaged_at_its_start_is_the_same_typed_error_on_every_rank(ranks, root, damage):
+    """Rank 0 sends the manifest's bytes with marks before them when it opened another checkpoint than
+    the path (a root's newest): damaged bytes must not be taken for such marks by the other ranks."""
+    manifest = root / step_tag(2) / MANIFEST_NAME
+    raw = manifest.read_bytes()
+    manifest.write_bytes(b"X" + raw[1:] if damage == "first byte" else b"")
+    assert ranks(2).run(load_damaged, str(root / step_tag(2))) == ["CorruptCheckpointError"] * 2

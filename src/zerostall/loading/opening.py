@@ -146,6 +146,8 @@ def agreed_source(storage: Storage, group: Group, *, allow_pickle: bool = False,
         nonlocal found
         tag, data = found = named_source(storage, instead, allow_pickle=allow_pickle, file=file)
         if isinstance(data, bytes):
+            if not data.startswith(_STORED):  # damaged: its parse error (here, every rank's), not taken for marks
+                read_manifest_from(_where(storage, instead, tag), data)
             return data if tag is None else dump_json({"tag": tag}) + b"\n" + data
         return dump_json({"tag": tag, "foreign": data.foreign, "left_out": data.left_out}) + b"\n" + data.to_bytes()
 
