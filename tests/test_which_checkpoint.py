@@ -4,6 +4,7 @@ the command line take a checkpoint, a root or ``ROOT/latest`` (its newest commit
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -192,3 +193,31 @@ def test_a_manifest_damaged_at_its_start_is_the_same_typed_error_on_every_rank(r
     raw = manifest.read_bytes()
     manifest.write_bytes(b"X" + raw[1:] if damage == "first byte" else b"")
     assert ranks(2).run(load_damaged, str(root / step_tag(2))) == ["CorruptCheckpointError"] * 2
+
+
+def test_an_unreadable_newest_manifest_is_raised_not_passed_over_for_an_older_checkpoint(root):
+    """An I/O error says nothing about the checkpoint: opening the one before it instead would
+    silently load an older step (as a restore never does)."""
+    storage = FaultyStorage(LocalStorage(str(root)))
+    for op in ("read_bytes", "read_head"):
+        storage.fail(op, OSError(errno.EIO, "Input/output error"), name=f"{step_tag(2)}/{MANIFEST_NAME}")
+    with zs.CheckpointManager(storage) as mgr:
+        for open_newest in (lambda: zs.open(storage), lambda: zs.open_latest(storage), mgr.open):
+            with pytest.raises(zs.CheckpointError, match="Input/output error") as exc:
+                open_newest()
+            assert not isinstance(exc.value, zs.CorruptCheckpointError)
+    with zs.open_latest(storage, step=1) as ck:  # a step it is not: not in the way
+        assert ck.step == 1
+
+
+def test_a_damaged_newest_manifest_is_passed_over_with_a_warning_naming_it(root, caplog):
+    manifest = root / step_tag(2) / MANIFEST_NAME
+    raw = bytearray(manifest.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    manifest.write_bytes(raw)
+    with caplog.at_level(logging.WARNING, logger="zerostall"):
+        with zs.open(root) as ck:
+            assert ck.step == 1
+    assert f"{root / step_tag(2)} is damaged (" in caplog.text and "fails its checksum" in caplog.text
+    assert f"passed over for {step_tag(1)}" in caplog.text
+

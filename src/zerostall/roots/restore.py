@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 from ..collectives import Group
-from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
-                      StateMismatchError)
-from .root import CheckpointRoot, tag_step
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
+from .root import DAMAGE, CheckpointRoot, tag_step
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ def kind_of(exc: BaseException) -> str:
     """How a failed attempt counts: DAMAGED (the checkpoint's bytes or files are not what was saved),
     ELSEWHERE (a plain :class:`CheckpointError` with no I/O error behind it: how a rank learns that
     another rank failed) or FAILED (anything else, an I/O or storage error above all)."""
-    if isinstance(exc, (CorruptCheckpointError, IncompleteCheckpointError)):
+    if isinstance(exc, DAMAGE):
         return DAMAGED
     if type(exc) is CheckpointError and not isinstance(exc.__cause__, OSError):
         return ELSEWHERE
@@ -146,7 +145,7 @@ def _refusal(error: Exception | None, root: CheckpointRoot, tag: str, reason: st
     else:
         hint = (f"; it was asked for by tag={tag!r}, so no other is restored in its place (restore without tag= "
                 "falls back to the newest undamaged one)" if named else "; there is no earlier committed checkpoint")
-    if isinstance(error, (CorruptCheckpointError, IncompleteCheckpointError)):
+    if isinstance(error, DAMAGE):
         return type(error)(f"{error}{hint}")
     return CorruptCheckpointError(f"checkpoint {root.where(tag)} is damaged ({reason}){hint}")
 

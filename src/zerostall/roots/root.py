@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ..errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, UnsafeFileError
+from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
+                      UnsafeFileError)
 from ..format.layout import MANIFEST_NAME, ManifestHead, file_generation
 from ..loading.opening import read_manifest_head
 from ..storage import SMALL_FILE_BYTES, Storage, storage_for
@@ -36,6 +37,9 @@ TRASH_PREFIX = ".deleting-"
 FRAMEWORK_FILES = frozenset({"zero_to_fp32.py"})
 """Files a training framework keeps beside its checkpoints in its save directory (DeepSpeed's
 conversion script; DeepSpeed's ``latest`` shares our pointer's name): not unrelated to a root."""
+
+DAMAGE = (CorruptCheckpointError, IncompleteCheckpointError)
+"""What a checkpoint's own bytes or files cause (not an I/O error): a reason to pass it over."""
 
 COMMITTED = "committed"
 INCOMPLETE = "incomplete"
@@ -195,20 +199,40 @@ class CheckpointRoot:
         return sorted(found, key=lambda info: (-1 if info.step is None else info.step, info.name))
 
     def latest(self) -> str | None:
-        """The newest committed checkpoint's tag, found by listing, which cannot lag behind a commit."""
+        """The newest committed checkpoint's tag (None when there is none), found by listing, which
+        cannot lag behind a commit; unreadable manifests count as :meth:`newest` says."""
         found = self.checkpoints()
-        return found[-1].name if found else None
+        return self._past_unreadable(found, None)
 
     def newest(self, step: int | None = None) -> str:
         """The tag of the newest committed checkpoint (of ``step``, when given), or a
-        :class:`CheckpointNotFoundError` saying what there is."""
+        :class:`CheckpointNotFoundError` saying what there is. A manifest that may be the newer one
+        but could not be read is raised when the reason was not damage (an I/O error must not
+        resolve to an older checkpoint), and is named in a warning when it was."""
         found = self.checkpoints()
-        match = [i for i in found if step is None or i.step == step]
-        if match:
-            return match[-1].name
+        tag = self._past_unreadable(found, step)
+        if tag is not None:
+            return tag
         steps = ", ".join(str(i.step) for i in found if i.step is not None)
         raise CheckpointNotFoundError(f"no committed checkpoint{f' of step {step}' if step is not None else ''} under "
                                       f"{self.location}" + (f" (steps there: {steps})" if steps else ""))
+
+    def _past_unreadable(self, found: list[CheckpointInfo], step: int | None) -> str | None:
+        """The newest of ``found`` (of ``step``), once no unreadable manifest of the last listing that
+        may be newer (of that step; a tag without one may be) failed for a reason other than damage."""
+        match = [i for i in found if step is None or i.step == step]
+        newest = match[-1] if match else None
+        below = -1 if newest is None else newest.record().step
+        for tag, exc in sorted(self.unreadable.items()):
+            at = tag_step(tag)  # None: a tag of any step, which may be the one asked for
+            asked = at is None or (at == step if step is not None else at >= below)
+            if isinstance(exc, CheckpointNotFoundError) or not asked:
+                continue  # deleted since it was listed, or not the one asked for
+            if not isinstance(exc, DAMAGE):
+                raise exc
+            log.warning("%s is damaged (%s): passed over%s", self.where(tag), exc,
+                        f" for {newest.name}" if newest is not None else "")
+        return newest.name if newest is not None else None
 
     def scan(self, *, include_self: bool = False) -> list[CheckpointInfo]:
         """Every checkpoint directly under the root, committed or not (see :func:`describe`), and the
@@ -330,7 +354,7 @@ class Naming:
         self.step: int | None = None
         self.named = False  # ROOT/latest or ROOT/<step>: a root without that checkpoint is an error
         if not isinstance(path, Storage):
-            parent, _, name = os.fspath(path).rstrip("/").rpartition("/")
+            parent, slash, name = os.fspath(path).rstrip("/").rpartition("/")
             if (name == "latest" or name.isascii() and name.isdigit()) and not parent.endswith(":/"):  # not a bucket
                 self.path, self.named = parent or ".", True
                 self.step = None if name == "latest" else int(name)
@@ -343,10 +367,7 @@ class Naming:
     def tag(self) -> str | None:
         """The tag of the checkpoint named, None where a plain path is no root of committed
         checkpoints; a :class:`CheckpointNotFoundError` where ``ROOT/latest`` or ``ROOT/<step>`` names none."""
-        if self.named:
-            return self.root.newest(self.step)
-        found = self.root.checkpoints()
-        return found[-1].name if found else None
+        return self.root.newest(self.step) if self.named else self.root.latest()
 
     def child(self, tag: str) -> Storage:
         """The storage of checkpoint ``tag`` of the root."""
