@@ -18,7 +18,7 @@ import zerostall as zs
 from faults import FaultyStorage
 from zerostall.cli import cli
 from zerostall.format.layout import MANIFEST_NAME
-from zerostall.roots.root import step_tag
+from zerostall.roots.root import Naming, step_tag
 from zerostall.storage import LocalStorage
 
 GATE_TIMEOUT = 60.0
@@ -221,3 +221,9 @@ def test_a_damaged_newest_manifest_is_passed_over_with_a_warning_naming_it(root,
     assert f"{root / step_tag(2)} is damaged (" in caplog.text and "fails its checksum" in caplog.text
     assert f"passed over for {step_tag(1)}" in caplog.text
 
+
+@pytest.mark.parametrize("path, root, step", [("/latest", "/", None), ("/7", "/", 7), ("latest", ".", None),
+                                              ("ckpts/7", "ckpts", 7), ("s3://bucket/latest", "s3://bucket", None)])
+def test_a_name_resolves_under_the_root_it_spells(path, root, step):
+    naming = Naming(path)
+    assert (naming.path, naming.named, naming.step) == (root, True, step)

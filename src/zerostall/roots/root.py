@@ -356,7 +356,7 @@ class Naming:
         if not isinstance(path, Storage):
             parent, slash, name = os.fspath(path).rstrip("/").rpartition("/")
             if (name == "latest" or name.isascii() and name.isdigit()) and not parent.endswith(":/"):  # not a bucket
-                self.path, self.named = parent or ".", True
+                self.path, self.named = parent or slash or ".", True  # "/latest": the root directory's
                 self.step = None if name == "latest" else int(name)
 
     @functools.cached_property
