@@ -84,6 +84,19 @@ def test_open_resolves_latest_named_and_missing(tmp_path):
             mgr.open("nope")
 
 
+
+def test_a_tag_names_its_own_directory_never_a_root_of_checkpoints_inside_it(tmp_path):
+    """zs.open of a root opens its newest; a manager's tag is one directory of its root: a directory
+    that holds a root of checkpoints (here made after the manager started) is no checkpoint."""
+    with zs.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, part(1))
+        zs.save(part(9), tmp_path / "nested" / step_tag(9), step=9)
+        with pytest.raises(zs.CheckpointNotFoundError, match="no checkpoint 'nested' under"):
+            mgr.open("nested")
+        with pytest.raises(zs.CheckpointNotFoundError, match="no checkpoint 'nested' under"):
+            mgr.restore(part(0), tag="nested")
+        assert mgr.last_restore.step is None
+
 def test_restore_resumes_model_optimizer_and_rng(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)

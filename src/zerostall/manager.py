@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from .api import open as open_checkpoint, save
+from .api import save
 from .collectives import Group
 from .errors import CheckpointError, CheckpointNotFoundError, UnsupportedValueError
 from .format.layout import RNG_KEY
@@ -214,8 +214,8 @@ class CheckpointManager:
         if resolved is None:
             return None
         try:
-            ck = open_checkpoint(self.checkpoint_root.child(resolved), self.load_options,
-                                 process_group=self.process_group, **overrides)
+            ck = Checkpoint(self.checkpoint_root.child(resolved), LoadOptions.of(self.load_options, overrides),
+                            process_group=self.process_group)  # a tag names its directory, never a root in it
         except CheckpointNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint {resolved!r} under {self.root}") from None
         ck.tag = resolved
@@ -259,7 +259,7 @@ class CheckpointManager:
         """Load checkpoint ``tag`` into the tensors of ``state``; returns its step and the loaded
         state, which :meth:`restore` puts in place once every rank has loaded it."""
         try:
-            ck = open_checkpoint(self.checkpoint_root.child(tag), options, process_group=self.process_group)
+            ck = Checkpoint(self.checkpoint_root.child(tag), options, process_group=self.process_group)
         except CheckpointNotFoundError:
             raise CheckpointNotFoundError(f"no checkpoint {tag!r} under {self.root}") from None
         with ck:
