@@ -201,7 +201,8 @@ class CheckpointManager:
 
     def latest(self) -> str | None:
         """The newest committed checkpoint's tag. Found by listing, which cannot lag behind a
-        commit; the ``latest`` file mirrors it for other tools."""
+        commit; the ``latest`` file mirrors it for other tools. A newer manifest that cannot be
+        read is raised, a damaged one passed over with a warning (see :meth:`CheckpointRoot.newest`)."""
         return self.checkpoint_root.latest()
 
     def open(self, tag: str | None = None, **overrides: Any) -> Checkpoint | None:
