@@ -66,8 +66,8 @@ def ckroot(tmp_path) -> CheckpointRoot:
 def test_tags():
     assert step_tag(100) == "step_000000100"
     validate_tag("best-so-far")
-    for bad in ("a/b", LATEST_NAME, LEASE_NAME, ".hidden"):
-        with pytest.raises(ValueError, match="invalid checkpoint tag"):
+    for bad in ("a/b", LATEST_NAME, LEASE_NAME, ".hidden", 7):
+        with pytest.raises(zs.InvalidPathError, match="invalid checkpoint tag .*: a tag is one plain name"):
             validate_tag(bad)
 
 

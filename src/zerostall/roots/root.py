@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
-                      UnsafeFileError)
+                      InvalidPathError, UnsafeFileError)
 from ..format.layout import MANIFEST_NAME, ManifestHead, file_generation
 from ..loading.opening import read_manifest_head
 from ..storage import SMALL_FILE_BYTES, Storage, storage_for
@@ -59,8 +59,9 @@ def tag_step(tag: str) -> int | None:
 
 def validate_tag(tag: str) -> None:
     """Refuse a tag that is not a plain name of its own (a path, ``latest``, the lease, a hidden name)."""
-    if "/" in tag or tag in (LATEST_NAME, LEASE_NAME) or tag.startswith("."):
-        raise ValueError(f"invalid checkpoint tag {tag!r}")
+    if not isinstance(tag, str) or "/" in tag or tag in (LATEST_NAME, LEASE_NAME) or tag.startswith("."):
+        raise InvalidPathError(f"invalid checkpoint tag {tag!r}: a tag is one plain name of a directory under the "
+                               f"root (no '/', not {LATEST_NAME!r}, not starting with '.'), e.g. 'best-so-far'")
 
 
 @dataclass
