@@ -13,7 +13,8 @@ import torch
 import zerostall as zs
 from faults import FaultyStorage
 from zerostall.format.layout import MANIFEST_NAME
-from zerostall.roots.root import (COMMITTED, CORRUPT, INCOMPLETE, LATEST_NAME, LEASE_NAME, SUPERSEDED_NAME, CheckpointRoot, step_tag, validate_tag)
+from zerostall.roots.root import (COMMITTED, CORRUPT, INCOMPLETE, LATEST_NAME, LEASE_NAME, SUPERSEDED_NAME,
+                                  CheckpointRoot, step_tag, validate_tag)
 from zerostall.storage import LocalStorage, storage_for
 
 

@@ -86,10 +86,10 @@ def restore_first_whole(group: Group, root: CheckpointRoot, candidates: list[tup
     """``attempt(tag)`` (which returns the step it restored and a result) on every rank for each of
     ``candidates`` (tags of ``root`` newest first, with why for those known to be damaged) until it
     succeeds on every rank, going on only past damage and only when ``fallback``; returns its
-    result (None for no candidates: a fresh start). Otherwise raises on every rank: a damaged checkpoint's error names what failed (and
-    what ``fallback=True`` would restore), and when every candidate is damaged it lists them.
-    ``named``: the one candidate was asked for by tag. ``record`` gets what was restored (and
-    passed over), whether this raises or not."""
+    result (None for no candidates: a fresh start). Otherwise raises on every rank: a damaged
+    checkpoint's error names what failed (and what ``fallback=True`` would restore), and when every
+    candidate is damaged it lists them. ``named``: the one candidate was asked for by tag.
+    ``record`` gets what was restored (and passed over), whether this raises or not."""
     damaged: list[tuple[str, str]] = []
     restored: RestoreInfo | None = None
     try:
@@ -137,8 +137,8 @@ def _refusal(error: Exception | None, root: CheckpointRoot, tag: str, reason: st
     what ``fallback=True`` would restore), there was nothing before it, or every one was damaged."""
     if len(damaged) > 1:
         tried = "; ".join(f"{name} ({why})" for name, why in damaged)
-        return CorruptCheckpointError(f"every checkpoint tried under {root.location} is damaged, so nothing was restored "
-                                      f"(the state's tensors may hold partly loaded values): {tried}")
+        return CorruptCheckpointError(f"every checkpoint tried under {root.location} is damaged, so nothing was "
+                                      f"restored (the state's tensors may hold partly loaded values): {tried}")
     previous = next((name for name, known in following if known is None), None)
     if previous is not None:
         hint = f"; restore(..., fallback=True) restores the previous committed checkpoint, {previous}, instead"
