@@ -124,7 +124,7 @@ def test_every_checkpoint_damaged_is_a_typed_error_listing_what_was_tried(tmp_pa
 
 @pytest.mark.parametrize("error", [zs.StorageError("GET step_3 failed: 503 SlowDown (after 5 tries)"),
                                    OSError(errno.EIO, "Input/output error")], ids=["storage", "io"])
-@pytest.mark.parametrize("where", ["data", "manifest"])
+@pytest.mark.parametrize("where", ["data", "manifest", "listing"])
 def test_an_io_error_is_raised_and_never_falls_back(tmp_path, error, where):
     """A transient failure says nothing about the checkpoint: resuming an older step over it would
     silently lose the steps in between."""
@@ -133,9 +133,11 @@ def test_an_io_error_is_raised_and_never_falls_back(tmp_path, error, where):
     if where == "data":
         for op in ("memory_map", "read_into", "read_into_many"):
             storage.fail(op, error, name=f"{step_tag(3)}/*.safetensors")
-    else:
+    elif where == "manifest":
         for op in ("read_bytes", "read_head"):
             storage.fail(op, error, name=f"{step_tag(3)}/{MANIFEST_NAME}")
+    else:  # the listing looks the manifest up
+        storage.fail("stat", error, name=f"{step_tag(3)}/{MANIFEST_NAME}")
     with zs.CheckpointManager(storage) as mgr:
         with pytest.raises(zs.CheckpointError) as exc:
             mgr.restore(state_of(0))

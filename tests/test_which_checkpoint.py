@@ -195,19 +195,28 @@ def test_a_manifest_damaged_at_its_start_is_the_same_typed_error_on_every_rank(r
     assert ranks(2).run(load_damaged, str(root / step_tag(2))) == ["CorruptCheckpointError"] * 2
 
 
-def test_an_unreadable_newest_manifest_is_raised_not_passed_over_for_an_older_checkpoint(root):
+@pytest.mark.parametrize("ops", [("read_bytes", "read_head"), ("stat",)], ids=["read", "looked-up"])
+def test_an_unreadable_newest_manifest_is_raised_not_passed_over_for_an_older_checkpoint(root, ops):
     """An I/O error says nothing about the checkpoint: opening the one before it instead would
-    silently load an older step (as a restore never does)."""
+    silently load an older step (as a restore never does). It is a CheckpointError naming it."""
     storage = FaultyStorage(LocalStorage(str(root)))
-    for op in ("read_bytes", "read_head"):
+    for op in ops:
         storage.fail(op, OSError(errno.EIO, "Input/output error"), name=f"{step_tag(2)}/{MANIFEST_NAME}")
     with zs.CheckpointManager(storage) as mgr:
         for open_newest in (lambda: zs.open(storage), lambda: zs.open_latest(storage), mgr.open):
-            with pytest.raises(zs.CheckpointError, match="Input/output error") as exc:
+            with pytest.raises(zs.CheckpointError, match=f"manifest of {root / step_tag(2)}: .*Input/output error") \
+                    as exc:
                 open_newest()
             assert not isinstance(exc.value, zs.CorruptCheckpointError)
     with zs.open_latest(storage, step=1) as ck:  # a step it is not: not in the way
         assert ck.step == 1
+
+
+def test_a_root_that_cannot_be_listed_is_a_checkpoint_error_naming_it(root):
+    storage = FaultyStorage(LocalStorage(str(root)))
+    storage.fail("children", OSError(errno.EIO, "Input/output error"))
+    with pytest.raises(zs.CheckpointError, match=f"cannot list the checkpoints under {root}: .*Input/output error"):
+        zs.open(storage)
 
 
 def test_a_damaged_newest_manifest_is_passed_over_with_a_warning_naming_it(root, caplog):

@@ -140,6 +140,16 @@ def _committed(name: str, storage: Storage, head: ManifestHead) -> CheckpointInf
                           dict(metrics) if isinstance(metrics, dict) else {})
 
 
+def _typed(exc: OSError, what: str) -> CheckpointError:
+    """``exc`` where it is a zerostall error already (a storage's, a refused file), else a
+    :class:`CheckpointError` saying ``what`` could not be done, caused by it."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    typed = CheckpointError(f"{what}: {exc}")
+    typed.__cause__ = exc
+    return typed
+
+
 def _has_manifest(storage: Storage) -> bool:
     try:
         storage.size(MANIFEST_NAME)
@@ -177,13 +187,20 @@ class CheckpointRoot:
         found = []
         seen: dict[str, tuple[str, CheckpointInfo]] = {}
         unreadable: dict[str, CheckpointError] = {}
-        for name in self.storage.children():
+        try:
+            names = self.storage.children()
+        except OSError as exc:
+            raise _typed(exc, f"cannot list the checkpoints under {self.location}")
+        for name in names:
             if name.startswith("."):
                 continue
             storage = self.storage.child(name)
             try:
                 version = storage.stat(MANIFEST_NAME).version
             except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError as exc:  # as a failed read of it is (a symbolic link in its place: damage)
+                unreadable[name] = _typed(exc, f"cannot read the manifest of {storage.location}")
                 continue
             cached = self._seen.get(name)
             if cached is not None and cached[0] == version:
