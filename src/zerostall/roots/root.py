@@ -219,8 +219,7 @@ class CheckpointRoot:
     def latest(self) -> str | None:
         """The newest committed checkpoint's tag (None when there is none), found by listing, which
         cannot lag behind a commit; unreadable manifests count as :meth:`newest` says."""
-        found = self.checkpoints()
-        return self._past_unreadable(found, None)
+        return self._past_unreadable(self.checkpoints(), None)
 
     def newest(self, step: int | None = None) -> str:
         """The tag of the newest committed checkpoint (of ``step``, when given), or a
