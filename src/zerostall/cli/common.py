@@ -120,11 +120,22 @@ def foreign_source(ckpt: str, allow_pickle: bool) -> str | None:
     return ckpt if kind else None
 
 
+@contextmanager
+def pickle_refusal_as_usage(ckpt: str, allow_pickle: bool) -> Iterator[None]:
+    """A DCP checkpoint CKPT refused for want of ``--allow-pickle`` is bad usage, said so (looked
+    into only then: a checkpoint read as it is costs no listing)."""
+    try:
+        yield
+    except zs.UnsupportedValueError:
+        foreign_source(ckpt, allow_pickle)
+        raise
+
+
 def resolved(ckpt: str, open_: Callable[[str | Storage], T], allow_pickle: bool = False) -> T:
     """``open_(CKPT)``, CKPT read as it is first (for a checkpoint of ours: one manifest read, no
     listing); where nothing is there, ``open_`` of what CKPT names as a root, ``ROOT/latest`` or
-    ``ROOT/<step>``. A DCP checkpoint refused for want of ``--allow-pickle`` is bad usage, said so."""
-    try:
+    ``ROOT/<step>`` (what ``zs.open`` does itself, for the commands that read without torch)."""
+    with pickle_refusal_as_usage(ckpt, allow_pickle):
         try:
             return open_(ckpt)
         except zs.CheckpointNotFoundError:
@@ -132,15 +143,13 @@ def resolved(ckpt: str, open_: Callable[[str | Storage], T], allow_pickle: bool 
             if instead is None:
                 raise
             return open_(instead)
-    except zs.UnsupportedValueError:
-        foreign_source(ckpt, allow_pickle)
-        raise
 
 
 def open_session(ckpt: str, allow_pickle: bool) -> zs.Checkpoint:
     """``zs.open`` of what CKPT names (see :func:`open_checkpoint`), or of a foreign checkpoint
     read as it is."""
-    return resolved(ckpt, lambda where: zs.open(where, allow_pickle=allow_pickle), allow_pickle)
+    with pickle_refusal_as_usage(ckpt, allow_pickle):
+        return zs.open(ckpt, allow_pickle=allow_pickle)
 
 
 def open_any(ckpt: str, allow_pickle: bool) -> tuple[Storage, Manifest]:
