@@ -7,8 +7,8 @@ flat ``{key: tensor}`` dict. Here: what is exported (:func:`select`: a prefix, r
 weights, the entries skipped) and the run; the files are written by :mod:`.export_files`. Tensors
 are read a slab at a time (:mod:`zerostall.loading.tensor_stream`: every stored byte read once,
 every block's checksum verified), the next slab while the last is written, so memory holds two
-slabs (for ``torch``, the largest tensor) and the blocks a tensor saved by many ranks side by side
-holds between slabs, never the model.
+slabs (for ``torch``, the largest tensor), a block per reader thread for bytes cast or gathered,
+and the blocks a tensor saved by many ranks side by side holds between slabs, never the model.
 """
 
 from __future__ import annotations
