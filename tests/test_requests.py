@@ -1,7 +1,7 @@
 """What the command line costs in S3 requests, counted as the server sees them (the real SeaweedFS
 server behind a proxy that records every request): a checkpoint's manifest is read once per command,
 nothing is listed before it for a checkpoint of ours, file sizes come from one listing, a
-safetensors header takes one read, and ``import`` reads each source byte once."""
+safetensors header takes one read, and ``import`` reads each source value once."""
 
 from __future__ import annotations
 
