@@ -122,7 +122,10 @@ class ExportOptions(_Options):
         self._check("dtype", dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point,
                     "None or a floating dtype (bfloat16, float16, float32...)")
         object.__setattr__(self, "dtype", dtype)
-        object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
+        try:
+            object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
+        except ValueError as exc:
+            raise ValueError(f"ExportOptions.max_shard_size: {exc}") from None
         self._check("max_shard_size", self.max_shard_size >= 1, "at least 1 byte")
         tied = self.tied_weights_keys if self.tied_weights_keys is not None else ()  # a model may hold None
         self._check("tied_weights_keys", isinstance(tied, (tuple, list, dict)) and all(isinstance(k, str)
