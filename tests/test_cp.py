@@ -9,6 +9,7 @@ import os
 import pty
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from test_s3 import explicit, raw
 from zerostall.cli import cli
 from zerostall.interop import copying
 from zerostall.interop.copying import RUN_BYTES, _runs, _segments
-from zerostall.format.layout import MANIFEST_NAME
+from zerostall.format.layout import MANIFEST_NAME, data_file_name, generation_id
 from zerostall.loading.opening import read_manifest
 from zerostall.storage import LocalStorage, S3Storage, storage_for
 
@@ -232,6 +233,28 @@ def test_a_stale_file_that_cannot_be_removed_leaves_the_others_removed(tmp_path:
     zs.copy(tmp_path / "a", dst)
     assert data_files(tmp_path / "b") == sorted([*data_files(tmp_path / "a"), stuck])
     assert f"could not remove stale {stuck}" in caplog.text
+    assert_loads(tmp_path / "b", expected)
+
+
+def test_the_files_of_a_save_begun_after_the_copy_stay(tmp_path: Path) -> None:
+    """The clean-up after the commit removes the generations begun before the copy (and the one it
+    replaced), as a save's does: a save begun since, into the checkpoint the copy just committed,
+    keeps the files it is writing (its commit would name them)."""
+    expected = save(tmp_path / "a")
+    save(tmp_path / "b", seed=1)
+    (tmp_path / "b" / MANIFEST_NAME).unlink()  # an interrupted save from before the copy: removed
+    older = data_files(tmp_path / "b")
+    begun: list[str] = []
+
+    def begin_a_save(op: str, name: str) -> None:  # once the copy committed: its first data file
+        begun.append(data_file_name(generation_id(time.time_ns(), 7), 0, 0))
+        (tmp_path / "b" / begun[0]).write_bytes(b"a save in flight")
+
+    dst = FaultyStorage(LocalStorage(str(tmp_path / "b")))
+    dst.call("publish", begin_a_save, name=MANIFEST_NAME, at="after")
+    zs.copy(tmp_path / "a", dst)
+    assert data_files(tmp_path / "b") == sorted([*data_files(tmp_path / "a"), *begun])
+    assert not set(older) & set(data_files(tmp_path / "b"))
     assert_loads(tmp_path / "b", expected)
 
 

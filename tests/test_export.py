@@ -459,6 +459,8 @@ def test_sizes_read_as_save_pretrained_reads_them():
     assert parse_size(123) == 123 and zs.ExportOptions().max_shard_size == 5 * 10**9
     with pytest.raises(ValueError, match="not a size"):
         parse_size("5 parsecs")
+    with pytest.raises(ValueError, match=r"^ExportOptions\.max_shard_size: '5 parsecs' is not a size"):
+        zs.ExportOptions(max_shard_size="5 parsecs")
 
 
 # -- the command line ----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """What the command line costs in S3 requests, counted as the server sees them (the real SeaweedFS
 server behind a proxy that records every request): a checkpoint's manifest is read once per command,
 nothing is listed before it for a checkpoint of ours, file sizes come from one listing, a
-safetensors header takes one read, and ``import`` reads each source byte once."""
+safetensors header takes one read, and ``import`` reads each source value once."""
 
 from __future__ import annotations
 
@@ -158,3 +158,14 @@ def test_import_reads_each_header_in_one_request_and_each_value_once(s3_url: str
         assert all(x[1] <= y[0] for x, y in zip(values, values[1:])), reads  # no value's bytes asked for twice
         assert values[-1][1] == size, reads
     assert not requests.heads()  # the files' sizes come from one listing
+
+
+def test_export_reads_the_manifest_once_and_lists_nothing(saved: tuple[str, str], requests: Requests,
+                                                          tmp_path: Path) -> None:
+    a, _ = saved
+    requests.clear()
+    assert run("export", a, tmp_path / "hf").exit_code == 0
+    assert requests[0].key == key_of(a, MANIFEST_NAME) and len(requests.gets(key_of(a, MANIFEST_NAME))) == 1
+    assert all(r.method == "GET" and r.key.endswith(".safetensors") and r.range for r in requests[1:]), requests
+    got, want = zs.load(state(1), tmp_path / "hf"), state(0)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -109,22 +109,25 @@ def cli() -> None:
             stream.reconfigure(errors="backslashreplace")
 
 
-def foreign_source(ckpt: str, allow_pickle: bool) -> str | None:
-    """CKPT itself when it names a foreign checkpoint that ``zs.open`` reads as it is (a PyTorch DCP
-    directory, Hugging Face safetensors), else None; a DCP one only with ``--allow-pickle``."""
-    storage, file = sources.split_file(ckpt)
-    kind = sources.SAFETENSORS if file else sources.kind_of(storage.list()) if storage.exists() else None
-    if kind == sources.DCP and not allow_pickle:
-        raise Failure(f"{ckpt} is a PyTorch DCP checkpoint: its .metadata and non-tensor items are pickles, "
-                      "which can run code when read; pass --allow-pickle if you trust it", USAGE)
-    return ckpt if kind else None
+@contextmanager
+def pickle_refusal_as_usage(ckpt: str, allow_pickle: bool) -> Iterator[None]:
+    """A PyTorch DCP checkpoint CKPT refused for want of ``--allow-pickle`` is bad usage, said in
+    the command's words (looked into only then: a checkpoint read as it is costs no listing)."""
+    try:
+        yield
+    except zs.UnsupportedValueError:
+        storage, file = sources.split_file(ckpt)
+        if not (allow_pickle or file) and storage.exists() and sources.kind_of(storage.list()) == sources.DCP:
+            raise Failure(f"{ckpt} is a PyTorch DCP checkpoint: its .metadata and non-tensor items are pickles, "
+                          "which can run code when read; pass --allow-pickle if you trust it", USAGE) from None
+        raise
 
 
 def resolved(ckpt: str, open_: Callable[[str | Storage], T], allow_pickle: bool = False) -> T:
     """``open_(CKPT)``, CKPT read as it is first (for a checkpoint of ours: one manifest read, no
     listing); where nothing is there, ``open_`` of what CKPT names as a root, ``ROOT/latest`` or
-    ``ROOT/<step>``. A DCP checkpoint refused for want of ``--allow-pickle`` is bad usage, said so."""
-    try:
+    ``ROOT/<step>`` (what ``zs.open`` does itself, for the commands that read without torch)."""
+    with pickle_refusal_as_usage(ckpt, allow_pickle):
         try:
             return open_(ckpt)
         except zs.CheckpointNotFoundError:
@@ -132,20 +135,18 @@ def resolved(ckpt: str, open_: Callable[[str | Storage], T], allow_pickle: bool 
             if instead is None:
                 raise
             return open_(instead)
-    except zs.UnsupportedValueError:
-        foreign_source(ckpt, allow_pickle)
-        raise
 
 
 def open_session(ckpt: str, allow_pickle: bool) -> zs.Checkpoint:
     """``zs.open`` of what CKPT names (see :func:`open_checkpoint`), or of a foreign checkpoint
     read as it is."""
-    return resolved(ckpt, lambda where: zs.open(where, allow_pickle=allow_pickle), allow_pickle)
+    with pickle_refusal_as_usage(ckpt, allow_pickle):
+        return zs.open(ckpt, allow_pickle=allow_pickle)
 
 
 def open_any(ckpt: str, allow_pickle: bool) -> tuple[Storage, Manifest]:
-    """:func:`open_checkpoint`, or a foreign checkpoint (see :func:`foreign_source`) as ``zs.open``
-    reads it: its storage and the manifest translated from it (no checksums)."""
+    """:func:`open_checkpoint`, or a foreign checkpoint (a PyTorch DCP directory, Hugging Face
+    safetensors) as ``zs.open`` reads it: its storage and the manifest translated from it (no checksums)."""
     def read(where: str | Storage) -> tuple[Storage, Manifest]:
         storage, file = sources.split_file(where)
         return storage, read_source(storage, allow_pickle=allow_pickle, file=file)

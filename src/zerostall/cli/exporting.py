@@ -9,7 +9,8 @@ import click
 
 import zerostall as zs
 
-from .common import Failure, USAGE, cli, console, foreign_source, print_json, progress_bar, reported_errors
+from .common import (Failure, USAGE, cli, console, pickle_refusal_as_usage, print_json, progress_bar,
+                     reported_errors)
 
 
 @cli.command("export")
@@ -59,9 +60,8 @@ def export(ckpt: str, out: str, fmt: str, prefix: str | None, rename: tuple[str,
         raise Failure(str(exc), USAGE) from exc
     try:
         with reported_errors():
-            foreign_source(ckpt, allow_pickle)  # a DCP checkpoint needs --allow-pickle
             target = exporting.check_target(out, options)
-            with exporting.opened(ckpt, options) as ck:
+            with pickle_refusal_as_usage(ckpt, allow_pickle), exporting.opened(ckpt, options) as ck:
                 selection = exporting.select(ck.manifest, ck.path, options)
                 with progress_bar(selection.nbytes, "export", quiet=as_json) as advance:
                     info = exporting.write_selection(ck, selection, target, options, progress=advance)

@@ -26,7 +26,7 @@ from .common import FAILED, USAGE, Failure, cli, console, open_session, print_js
 def import_(src: str, out: str, allow_pickle: bool, overwrite: bool, as_json: bool) -> None:
     """Convert SRC (a PyTorch DCP checkpoint directory, a Hugging Face safetensors directory with or
     without model.safetensors.index.json, or one .safetensors file) into the zerostall checkpoint OUT,
-    with checksums, then read every value of both back and compare them bit for bit.
+    with checksums, then read every value back from OUT and compare it bit for bit with the value saved.
 
     The conversion is one zs.save of the source's state, each value read once: tensors stored whole
     in one piece of a local file are memory-mapped, others (sharded DCP tensors) are held in memory

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from ..format.layout import Chunk, Entry, Manifest
+from ..format.layout import Chunk, Entry, Manifest, generation_time
 from ..loading.opening import read_manifest_bytes, read_manifest_from
 from ..loading.reader import ChunkReader
 from ..options import default_threads
@@ -105,7 +105,7 @@ def copy(src: str | os.PathLike[str] | Storage | Source, dst: str | os.PathLike[
     refused. A damaged source raises :class:`CorruptCheckpointError` naming the file and block,
     and nothing is committed. ``threads``: data files copied at once; ``progress(nbytes)`` is
     called from the copying threads as bytes are copied or found complete at ``dst``."""
-    start = time.perf_counter()
+    start, began = time.perf_counter(), time.time_ns()  # began: as a save's generation time, for the clean-up
     source = src if isinstance(src, Source) else Source.read(storage_for(src))
     target, manifest = storage_for(dst), source.manifest
     listed = target.sizes()  # one listing, with the sizes where it gives them (an object store)
@@ -123,7 +123,9 @@ def copy(src: str | os.PathLike[str] | Storage | Source, dst: str | os.PathLike[
     finally:
         job.close()
     publish_manifest(target, manifest.generation, source.raw, found, what="copy")
-    remove_stale(target, manifest.generation, lambda gen: True)  # an interrupted copy or save, a replaced checkpoint
+    # the checkpoint replaced, and saves or copies begun before this one (interrupted, or refused now that this one
+    # committed); a save begun since may be writing into this checkpoint: its files stay, as after a save's commit
+    remove_stale(target, manifest.generation, lambda gen: gen == found or generation_time(gen) < began)
     return CopyInfo(source.storage.location, target.location, manifest.generation, len(copied), sum(copied),
                     len(skipped), sum(skipped), time.perf_counter() - start)
 

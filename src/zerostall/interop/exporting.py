@@ -7,8 +7,8 @@ flat ``{key: tensor}`` dict. Here: what is exported (:func:`select`: a prefix, r
 weights, the entries skipped) and the run; the files are written by :mod:`.export_files`. Tensors
 are read a slab at a time (:mod:`zerostall.loading.tensor_stream`: every stored byte read once,
 every block's checksum verified), the next slab while the last is written, so memory holds two
-slabs (for ``torch``, the largest tensor) and the blocks a tensor saved by many ranks side by side
-holds between slabs, never the model.
+slabs (for ``torch``, the largest tensor), a block per reader thread for bytes cast or gathered,
+and the blocks a tensor saved by many ranks side by side holds between slabs, never the model.
 """
 
 from __future__ import annotations
@@ -122,7 +122,10 @@ class ExportOptions(_Options):
         self._check("dtype", dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point,
                     "None or a floating dtype (bfloat16, float16, float32...)")
         object.__setattr__(self, "dtype", dtype)
-        object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
+        try:
+            object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
+        except ValueError as exc:
+            raise ValueError(f"ExportOptions.max_shard_size: {exc}") from None
         self._check("max_shard_size", self.max_shard_size >= 1, "at least 1 byte")
         tied = self.tied_weights_keys if self.tied_weights_keys is not None else ()  # a model may hold None
         self._check("tied_weights_keys", isinstance(tied, (tuple, list, dict)) and all(isinstance(k, str)
