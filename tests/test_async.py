@@ -13,13 +13,15 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
+from concurrent.futures import Future
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import zerostall as zs
-from faults import FaultyStorage
+from faults import GATE_TIMEOUT, FaultyStorage
 from zerostall.saving.pipeline import prepare
 from zerostall.storage import LocalStorage
 
@@ -439,3 +441,56 @@ def test_a_failure_raised_by_the_next_save_first_is_still_the_futures_outcome_an
     assert saver.save(state_of(3.0), tmp_path / "ok").committed.result().step is None
     saver.close()
     assert loaded(tmp_path / "ok")["step"] == 3
+
+
+def test_a_managers_async_failure_is_raised_by_its_next_save(tmp_path):
+    """The manager's own done callback looked at the failure (``committed.exception()``), which
+    counted it as seen: nobody was told, and the next save went on as if step 1 had committed."""
+    root = FaultyStorage(LocalStorage(str(tmp_path)))
+    root.fail("write", OSError(errno.ENOSPC, "No space left on device"), name="step_000000001/*")
+    with zs.CheckpointManager(root, async_save=True) as mgr:
+        failed = mgr.save(1, state_of(1.0))
+        futures.wait([failed.committed])
+        with pytest.raises(zs.CheckpointError, match="a previous asynchronous save failed: .*No space left"):
+            mgr.save(2, state_of(2.0))
+        mgr.save(3, state_of(3.0)).result()
+        assert [tag for tag, _ in mgr.checkpoints()] == ["step_000000003"]
+
+
+def test_a_wait_that_times_out_just_before_the_failure_arrives_has_not_seen_it(tmp_path):
+    """``handle.result(timeout)`` raises TimeoutError; a failure set between that and the check of
+    what was raised was counted as seen, so no later save or close raised it."""
+    gate = threading.Event()
+    storage = gated(tmp_path / "ck", gate)
+    storage.fail("write", OSError(errno.EIO, "Input/output error"))  # once the gate opens
+    saver = zs.AsyncSaver()
+    handle = saver.save(state_of(1.0), storage)
+
+    def failure_arrives() -> bool:  # the worker fails the save just after the wait below timed out
+        gate.set()
+        futures.wait([handle.committed])
+        return Future.done(handle.committed)
+
+    handle.committed.done = failure_arrives
+    with pytest.raises(TimeoutError):
+        handle.result(timeout=0.01)
+    assert not handle.failure_seen
+    with pytest.raises(zs.CheckpointError, match="a previous asynchronous save failed: .*Input/output"):
+        saver.save(state_of(2.0), tmp_path / "ok")
+    saver.close()
+
+
+def test_a_save_in_flight_cannot_be_cancelled(tmp_path):
+    """``handle.committed.cancel()`` succeeded on a save in flight: the worker's ``set_result``
+    then raised, the committed checkpoint was reported as failed, and every wait on the future
+    (``saver.wait()``, the next save, ``close()``) hung for good."""
+    saver = zs.AsyncSaver()
+    gate = threading.Event()
+    handle = saver.save(state_of(1.0), gated(tmp_path / "ck", gate), step=1)
+    handle.wait_staged()
+    assert handle.committed.cancel() is False and handle.staged.cancel() is False
+    gate.set()
+    assert handle.result(timeout=GATE_TIMEOUT).step == 1 and not handle.committed.cancelled()
+    saver.save(state_of(2.0), tmp_path / "ok").result(timeout=GATE_TIMEOUT)
+    saver.close()
+    assert loaded(tmp_path / "ck")["step"] == 1

@@ -168,7 +168,7 @@ class CheckpointManager:
         """Runs when an asynchronous save is done: commit it (latest, retention) if it succeeded."""
         try:
             self._pinned.discard(step)
-            if fut.exception() is None:
+            if fut.unseen_exception() is None:  # a failure stays the user's to see
                 self._commit(tag, step)
         except BaseException as exc:
             committing.set_exception(exc)  # raised once, by the next wait(), save() or close()

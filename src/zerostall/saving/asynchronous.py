@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 
 class _Watched(Future):
     """A future whose failure, once :meth:`result` raised it or :meth:`exception` returned it, is
-    ``seen``: the saver does not raise it again at the next save or close."""
+    ``seen``: the saver does not raise it again at the next save or close. The library's own
+    waits and callbacks use the ``unseen_`` methods, which do not count."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -54,8 +55,8 @@ class _Watched(Future):
     def result(self, timeout: float | None = None) -> Any:
         try:
             return super().result(timeout)
-        except BaseException:
-            if self.done():  # the save's own failure, not a timeout of this wait
+        except BaseException as exc:
+            if self.done() and exc is super().exception(0):  # the save's failure, not this wait's timeout
                 self.seen = True
             raise
 
@@ -64,10 +65,19 @@ class _Watched(Future):
         self.seen = self.seen or failure is not None
         return failure
 
+    def cancel(self) -> bool:
+        """A save once started cannot be called off (the saver's worker sets its outcome)."""
+        return False
+
     def unseen_result(self) -> Any:
         """Wait and return (or raise) the outcome without counting it as seen: the saver's own waits."""
         futures.wait([self])
         return super().result()
+
+    def unseen_exception(self) -> BaseException | None:
+        """The failure of a done future, or None, without counting it as seen: for the library's own
+        done callbacks (the manager's commit step), after which the failure is still the user's to see."""
+        return super().exception(0)
 
 
 class SaveHandle:
