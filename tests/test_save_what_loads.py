@@ -11,6 +11,7 @@ import tempfile
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -168,3 +169,22 @@ def test_a_step_beyond_64_bits_is_refused_at_save(tmp_path):
     with pytest.raises(zs.UnsupportedValueError, match=r"step=9223372036854775808 .*\[0, 2\*\*63\)"):
         zs.save({"t": torch.ones(1)}, tmp_path / "ck", step=1 << 63)
     assert not (tmp_path / "ck").exists()
+
+
+def save_with_metadata_on_rank_0_only(path: str, metadata) -> str:
+    try:
+        zs.save({"w": torch.ones(2)}, path, metadata=metadata if dist.get_rank() == 0 else None, commit_timeout=10)
+    except zs.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+@pytest.mark.parametrize("metadata", [{"n": 1 << MAX_INT_BITS}, {"f": open}, "not a dict"], ids=repr)
+def test_metadata_one_rank_cannot_save_is_refused_on_every_rank_before_any_writes(ranks, tmp_path, metadata):
+    """Only the coordinator's metadata is recorded, so a script may pass it on rank 0 alone. It was
+    encoded after the planning collective: rank 0 raised, rank 1 wrote its data files and waited
+    for a commit that never came (``commit_timeout``, ten minutes by default)."""
+    rank0, rank1 = ranks(2).run(save_with_metadata_on_rank_0_only, str(tmp_path / "ck"), metadata, timeout=60)
+    assert rank0.startswith("UnsupportedValueError: ") and "metadata" in rank0, rank0
+    assert rank1.startswith("CheckpointError: 1 other rank(s) could not prepare this save"), rank1
+    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())

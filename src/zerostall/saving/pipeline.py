@@ -77,6 +77,7 @@ def prepare(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOpt
     with gc_paused():
         try:
             step = checked_step(step)
+            encoded = encoded_metadata(metadata, options.allow_pickle)  # a rank may pass it alone: refuse together
             if group.is_coordinator:
                 check_location(storage, options.overwrite)
             collected = collect(state, group.rank, allow_pickle=options.allow_pickle)
@@ -86,7 +87,6 @@ def prepare(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOpt
         t_collect = time.perf_counter()
         plan, generation, replanned = _PLANNER.plan(group, collected)
         items = [i for i in collected.items if i.rank_local or plan.writes(group.rank, i.key)]
-    encoded = codec.encode(dict(metadata or {}), where="metadata", allow_pickle=options.allow_pickle)
     return Prepared(group, collected, plan, generation, replanned, items, storage, step, encoded, options,
                     t_collect - t0, time.perf_counter() - t_collect)
 
@@ -102,6 +102,16 @@ def checked_step(step: Any) -> int | None:
     if not 0 <= value <= MAX_INT:  # what a manifest may record
         raise UnsupportedValueError(f"step={step!r} is not a training step: pass an int in [0, 2**63) (or None)")
     return value
+
+
+def encoded_metadata(metadata: Mapping[str, Any] | None, allow_pickle: bool) -> Any:
+    """``metadata`` (a mapping, or None) as the manifest records it."""
+    try:
+        as_dict = dict(metadata or {})
+    except (TypeError, ValueError):
+        raise UnsupportedValueError(f"metadata of type {type(metadata).__name__} is not a mapping: pass a dict of "
+                                    "what the checkpoint should record (or None)") from None
+    return codec.encode(as_dict, where="metadata", allow_pickle=allow_pickle)
 
 
 def for_writer_process(prepared: Prepared) -> Prepared:
