@@ -307,6 +307,7 @@ def clean_up_after_commit(storage: Storage, keep: str, replaced: str | None) -> 
     more), of the generation the commit ``replaced`` (whatever its date: a writer's clock may
     have run ahead) and the commit records of this one, and abort the unfinished uploads of
     those generations (a save that crashed, or one still in flight, whose commit will be refused:
-    the manifest it found has changed). Other newer generations may belong to a save still in
-    flight, so they stay. The routine is the copy's too (:func:`~zerostall.storage.location.remove_stale`)."""
+    the manifest it found has changed) and of this one (its files were complete at its commit).
+    Other newer generations may belong to a save still in flight, so they stay. The routine is the
+    copy's too (:func:`~zerostall.storage.location.remove_stale`)."""
     remove_stale(storage, keep, lambda gen: gen == replaced or generation_time(gen) <= generation_time(keep))
