@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import zerostall as zs
-from faults import GATE_TIMEOUT, FaultyStorage
+from faults import FaultyStorage, wait_for
 from zerostall.format.layout import MANIFEST_NAME
 from zerostall.roots.root import LEASE_NAME, step_tag
 from zerostall.storage import LocalStorage
@@ -318,7 +318,7 @@ def open_while_a_commit_lands(root: str, ready: str) -> tuple[str, bool]:
     if dist.get_rank() == 0:
         storage.call("children", lambda op, name: os.rename(ready, landed), times=1, at="after")
     else:
-        storage.call("children", lambda op, name: appears(landed), times=1)
+        storage.call("children", lambda op, name: wait_for(lambda: os.path.exists(landed), f"{landed} to appear"), times=1)
     try:
         with mgr.open() as ck:
             ck.load({"w": torch.zeros(4)})
@@ -326,15 +326,6 @@ def open_while_a_commit_lands(root: str, ready: str) -> tuple[str, bool]:
     finally:
         mgr.close()
     return tag, os.path.isdir(landed)
-
-
-def appears(path: str) -> None:
-    """Wait until ``path`` exists (made by another process)."""
-    deadline = time.monotonic() + GATE_TIMEOUT
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} never appeared")
-        time.sleep(0.01)
 
 
 def test_ranks_agree_on_open_while_a_commit_lands(ranks, tmp_path):

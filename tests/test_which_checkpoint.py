@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import time
 
 import pytest
 import torch
@@ -15,13 +14,11 @@ import torch.distributed as dist
 from click.testing import CliRunner
 
 import zerostall as zs
-from faults import FaultyStorage
+from faults import FaultyStorage, wait_for
 from zerostall.cli import cli
 from zerostall.format.layout import MANIFEST_NAME
 from zerostall.roots.root import Naming, step_tag
 from zerostall.storage import LocalStorage
-
-GATE_TIMEOUT = 60.0
 
 
 def model(value: float) -> dict[str, torch.Tensor]:
@@ -145,19 +142,10 @@ def load_while_a_commit_lands(root: str, ready: str) -> tuple[int | None, float,
     if dist.get_rank() == 0:
         storage.call("children", lambda op, name: os.rename(ready, landed), times=1, at="after")
     else:
-        storage.call("children", lambda op, name: appears(landed), times=1)
+        storage.call("children", lambda op, name: wait_for(lambda: os.path.exists(landed), f"{landed} to appear"), times=1)
     with zs.open(storage) as ck:
         loaded = ck.load(blank(), prefix="model")
         return ck.step, float(loaded["head.bias"][0]), os.path.isdir(landed)
-
-
-def appears(path: str) -> None:
-    """Wait until ``path`` exists (made by another process)."""
-    deadline = time.monotonic() + GATE_TIMEOUT
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} never appeared")
-        time.sleep(0.01)
 
 
 def load_missing(where: str) -> str:
