@@ -30,7 +30,7 @@ ORDER = [
     "loading.optimizers", "loading.load_plan", "loading.fetch", "loading.broadcast", "loading.verification",
     "loading.checkpoint", "loading.tensor_stream", "loading",
     # roots/: checkpoints by step under a root
-    "roots.retention", "roots.root", "roots.restore", "roots.schedule", "roots.lease", "roots.loaders", "roots",
+    "roots.retention", "roots.root", "roots.naming", "roots.restore", "roots.schedule", "roots.lease", "roots.loaders", "roots",
     # interop/: checkpoints leaving zerostall
     "interop.copying", "interop.torch_file", "interop.export_files", "interop.exporting", "interop",
     # the public functions, then the manager over them

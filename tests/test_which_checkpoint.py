@@ -17,7 +17,8 @@ import zerostall as zs
 from faults import FaultyStorage, wait_for
 from zerostall.cli import cli
 from zerostall.format.layout import MANIFEST_NAME
-from zerostall.roots.root import Naming, step_tag
+from zerostall.roots.naming import Naming
+from zerostall.roots.root import step_tag
 from zerostall.storage import LocalStorage
 
 

@@ -16,7 +16,8 @@ from .gcpause import gc_paused
 from .interop.exporting import ExportInfo, ExportOptions, export_checkpoint
 from .loading.checkpoint import Checkpoint
 from .options import LoadOptions, SaveOptions
-from .roots.root import CheckpointRoot, Naming
+from .roots.naming import Naming
+from .roots.root import CheckpointRoot
 from .saving.asynchronous import AsyncSaver, SaveHandle
 from .saving.pipeline import SaveInfo, persist, prepare
 from .storage import Storage, storage_for

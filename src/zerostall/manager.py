@@ -214,12 +214,15 @@ class CheckpointManager:
                                                .encode()))
         if resolved is None:
             return None
+        return self._checkpoint(resolved, LoadOptions.of(self.load_options, overrides))
+
+    def _checkpoint(self, tag: str, options: LoadOptions) -> Checkpoint:
+        """A read session on checkpoint ``tag`` of the root (its directory itself, never a root in it)."""
         try:
-            ck = Checkpoint(self.checkpoint_root.child(resolved), LoadOptions.of(self.load_options, overrides),
-                            process_group=self.process_group)  # a tag names its directory, never a root in it
+            ck = Checkpoint(self.checkpoint_root.child(tag), options, process_group=self.process_group)
         except CheckpointNotFoundError:
-            raise CheckpointNotFoundError(f"no checkpoint {resolved!r} under {self.root}") from None
-        ck.tag = resolved
+            raise CheckpointNotFoundError(f"no checkpoint {tag!r} under {self.root}") from None
+        ck.tag = tag
         return ck
 
     def restore(self, state: Any, tag: str | None = None, *, fallback: bool = True, strict: bool | None = None,
@@ -259,11 +262,7 @@ class CheckpointManager:
     def _load(self, state: Any, options: LoadOptions, tag: str) -> tuple[int | None, dict[str, Any]]:
         """Load checkpoint ``tag`` into the tensors of ``state``; returns its step and the loaded
         state, which :meth:`restore` puts in place once every rank has loaded it."""
-        try:
-            ck = Checkpoint(self.checkpoint_root.child(tag), options, process_group=self.process_group)
-        except CheckpointNotFoundError:
-            raise CheckpointNotFoundError(f"no checkpoint {tag!r} under {self.root}") from None
-        with ck:
+        with self._checkpoint(tag, options) as ck:
             wrapped = self._wrap(state)
             if ck.manifest.world_size != self.group.size:  # per-rank state cannot go to ranks one to one
                 per_rank = [k for k, v in wrapped.items() if isinstance(v, RankLocal)]

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 from rich.console import Console
@@ -23,8 +23,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 import zerostall as zs
 from ..format.layout import Manifest
 from ..loading import foreign as sources
-from ..loading.opening import read_manifest_bytes, read_manifest_from, read_source
-from ..roots.root import named_instead
+from ..loading.opening import named_manifest, read_manifest_bytes, read_manifest_from
+from ..roots.naming import Naming, named_instead
 from ..storage import Storage, storage_for
 
 FAILED = 1  # a checkpoint is incomplete or corrupt, an operation failed, or the root is being written
@@ -39,7 +39,6 @@ Exit status (every zerostall command):
      checkpoint (no --overwrite); diff: any trouble at all
   3  verify could not read some bytes (not known to be damaged)"""
 _REPR_WIDTH = 60
-T = TypeVar("T")
 
 
 class Failure(click.ClickException):
@@ -123,20 +122,6 @@ def pickle_refusal_as_usage(ckpt: str, allow_pickle: bool) -> Iterator[None]:
         raise
 
 
-def resolved(ckpt: str, open_: Callable[[str | Storage], T], allow_pickle: bool = False) -> T:
-    """``open_(CKPT)``, CKPT read as it is first (for a checkpoint of ours: one manifest read, no
-    listing); where nothing is there, ``open_`` of what CKPT names as a root, ``ROOT/latest`` or
-    ``ROOT/<step>`` (what ``zs.open`` does itself, for the commands that read without torch)."""
-    with pickle_refusal_as_usage(ckpt, allow_pickle):
-        try:
-            return open_(ckpt)
-        except zs.CheckpointNotFoundError:
-            instead = named_instead(ckpt)
-            if instead is None:
-                raise
-            return open_(instead)
-
-
 def open_session(ckpt: str, allow_pickle: bool) -> zs.Checkpoint:
     """``zs.open`` of what CKPT names (see :func:`open_checkpoint`), or of a foreign checkpoint
     read as it is."""
@@ -147,20 +132,21 @@ def open_session(ckpt: str, allow_pickle: bool) -> zs.Checkpoint:
 def open_any(ckpt: str, allow_pickle: bool) -> tuple[Storage, Manifest]:
     """:func:`open_checkpoint`, or a foreign checkpoint (a PyTorch DCP directory, Hugging Face
     safetensors) as ``zs.open`` reads it: its storage and the manifest translated from it (no checksums)."""
-    def read(where: str | Storage) -> tuple[Storage, Manifest]:
-        storage, file = sources.split_file(where)
-        return storage, read_source(storage, allow_pickle=allow_pickle, file=file)
-
-    return resolved(ckpt, read, allow_pickle)
+    storage, file = sources.split_file(ckpt)
+    with pickle_refusal_as_usage(ckpt, allow_pickle):
+        return named_manifest(storage, Naming(ckpt), allow_pickle=allow_pickle, file=file)
 
 
 def read_committed(ckpt: str) -> tuple[Storage, bytes]:
     """The storage and the committed manifest's bytes of what CKPT names (see :func:`open_checkpoint`)."""
-    def read(where: str | Storage) -> tuple[Storage, bytes]:
-        storage = storage_for(where)
-        return storage, read_manifest_bytes(storage)
-
-    return resolved(ckpt, read)
+    storage = storage_for(ckpt)
+    try:
+        return storage, read_manifest_bytes(storage)  # CKPT read as it is first: no listing
+    except zs.CheckpointNotFoundError:
+        instead = named_instead(ckpt)
+        if instead is None:
+            raise
+        return instead, read_manifest_bytes(instead)
 
 
 def open_checkpoint(ckpt: str) -> tuple[Storage, Manifest]:

@@ -30,7 +30,7 @@ from ..loading.load_plan import relative
 from ..loading.reader import resolve
 from ..loading.tensor_stream import TensorStream
 from ..options import LoadOptions, _Options, default_threads
-from ..roots.root import Naming
+from ..roots.naming import Naming
 from ..state import fqn
 from ..storage import Storage
 from ..storage.local import check_path
@@ -279,7 +279,7 @@ def write_selection(ck: Checkpoint, selection: Selection, target: str, options: 
 def opened(ckpt: str | os.PathLike[str] | Storage | Checkpoint, options: ExportOptions) -> Iterator[Checkpoint]:
     """A read session on ``ckpt``: a checkpoint (a PyTorch DCP one with ``allow_pickle``, Hugging
     Face safetensors), a root, ``ROOT/latest`` or ``ROOT/<step>`` (see
-    :class:`~zerostall.roots.root.Naming`), or an open :class:`Checkpoint`, used as it is;
+    :class:`~zerostall.roots.naming.Naming`), or an open :class:`Checkpoint`, used as it is;
     closed after, unless the caller opened it."""
     if isinstance(ckpt, Checkpoint):
         yield ckpt

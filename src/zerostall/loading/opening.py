@@ -3,7 +3,7 @@
 A checkpoint exists only once its manifest is published; data files without one are an
 incomplete save. Listing reads only the manifest's head (step, time, metadata), never its entries.
 A path that holds no checkpoint may name one instead (a root's newest: see
-:class:`~zerostall.roots.root.Naming`); which one is decided once, with the manifest.
+:class:`~zerostall.roots.naming.Naming`); which one is decided once, with the manifest.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ _STORED = b'{"checksum":'  # how a stored manifest begins; one sent with marks (
 
 
 class Instead(Protocol):
-    """What a path holding no checkpoint names instead (implemented by :class:`~zerostall.roots.root.Naming`)."""
+    """What a path holding no checkpoint names instead (implemented by :class:`~zerostall.roots.naming.Naming`)."""
 
     def tag(self) -> str | None:
         """The checkpoint named (a listing), or None when the path names none."""
@@ -122,10 +122,13 @@ def named_source(storage: Storage, instead: Instead | None, *, allow_pickle: boo
     return tag, source(instead.child(tag), allow_pickle=allow_pickle)
 
 
-def read_source(storage: Storage, *, allow_pickle: bool = False, file: str | None = None) -> Manifest:
-    """The manifest of the checkpoint at ``storage`` (see :func:`source`), in this process alone."""
-    found = source(storage, allow_pickle=allow_pickle, file=file)
-    return found if isinstance(found, Manifest) else read_manifest_from(storage, found)
+def named_manifest(storage: Storage, instead: Instead | None, *, allow_pickle: bool = False,
+                   file: str | None = None) -> tuple[Storage, Manifest]:
+    """The checkpoint at ``storage`` (or the one ``instead`` names) and its manifest, in this
+    process alone (no torch: the command line reads this way)."""
+    tag, data = named_source(storage, instead, allow_pickle=allow_pickle, file=file)
+    where = _where(storage, instead, tag)
+    return where, data if isinstance(data, Manifest) else read_manifest_from(where, data)
 
 
 def agreed_source(storage: Storage, group: Group, *, allow_pickle: bool = False, file: str | None = None,
@@ -137,9 +140,7 @@ def agreed_source(storage: Storage, group: Group, *, allow_pickle: bool = False,
     manifest of ours with what marks it foreign (its kind, the items left out). Ranks reading for
     themselves could see different manifests, or checkpoints (a save committing in between)."""
     if group.size == 1:
-        tag, data = named_source(storage, instead, allow_pickle=allow_pickle, file=file)
-        where = _where(storage, instead, tag)
-        return where, data if isinstance(data, Manifest) else read_manifest_from(where, data)
+        return named_manifest(storage, instead, allow_pickle=allow_pickle, file=file)
     found: tuple[str | None, bytes | Manifest] | None = None
 
     def read() -> bytes:

@@ -9,10 +9,8 @@ once its manifest exists, and is deleted manifest first, so a half-deleted one n
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import os
 import re
 import secrets
 import time
@@ -23,7 +21,7 @@ from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpoin
                       InvalidPathError, UnsafeFileError)
 from ..format.layout import MANIFEST_NAME, ManifestHead, file_generation
 from ..loading.opening import read_manifest_head
-from ..storage import SMALL_FILE_BYTES, Storage, storage_for
+from ..storage import SMALL_FILE_BYTES, Storage
 from ..storage.location import few
 from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
 
@@ -95,9 +93,14 @@ def retained(infos: list[CheckpointInfo], policy: RetentionPolicy, pinned: Itera
     return {i.name: list(reasons.get(i.step, [])) for i in ranked}
 
 
+def checkpoint_files(names: Iterable[str]) -> bool:
+    """Whether ``names`` (a listing) hold a manifest or zerostall data files (committed or not)."""
+    return any(n == MANIFEST_NAME or file_generation(n) for n in names)
+
+
 def looks_like_checkpoint(storage: Storage) -> bool:
-    """Whether ``storage`` holds a manifest or zerostall data files (committed or not)."""
-    return any(n == MANIFEST_NAME or file_generation(n) for n in storage.list())
+    """Whether ``storage`` holds a checkpoint (see :func:`checkpoint_files`)."""
+    return checkpoint_files(storage.list())
 
 
 def _update_temp(name: str) -> bool:
@@ -108,7 +111,7 @@ def _update_temp(name: str) -> bool:
 def _holds_nothing_foreign(storage: Storage) -> bool:
     """Whether a directory under a root is a checkpoint (committed or not) or empty."""
     names = storage.list()
-    return any(n == MANIFEST_NAME or file_generation(n) for n in names) or not (names or storage.children())
+    return checkpoint_files(names) or not (names or storage.children())
 
 
 def describe(storage: Storage, name: str) -> CheckpointInfo:
@@ -269,7 +272,7 @@ class CheckpointRoot:
         there (it removes attempts, sets aside, prunes), so it starts only where that is safe."""
         dirs = self.storage.children()
         files = sorted(set(self.storage.list()) - set(dirs))  # a local listing names directories too
-        if any(n == MANIFEST_NAME or file_generation(n) for n in files):
+        if checkpoint_files(files):
             raise CheckpointError(f"{self.location} is a checkpoint itself, not a root of checkpoints; nothing was "
                                   "written: give the manager a directory of its own (it keeps one checkpoint per "
                                   "step under it), or load this checkpoint with zerostall.load")
@@ -359,41 +362,3 @@ class CheckpointRoot:
                 self.storage.delete(name)
         except FileNotFoundError:
             pass
-
-
-class Naming:
-    """What ``path``, holding no checkpoint itself, names: ``ROOT/latest`` the newest committed
-    checkpoint under ROOT, ``ROOT/<step>`` the newest of that step, a root its newest. Built on
-    every rank without I/O; one rank lists (:meth:`tag`) and every rank opens :meth:`child` of its answer."""
-
-    def __init__(self, path: str | os.PathLike[str] | Storage) -> None:
-        self.path = path
-        self.step: int | None = None
-        self.named = False  # ROOT/latest or ROOT/<step>: a root without that checkpoint is an error
-        if not isinstance(path, Storage):
-            parent, slash, name = os.fspath(path).rstrip("/").rpartition("/")
-            if (name == "latest" or name.isascii() and name.isdigit()) and not parent.endswith(":/"):  # not a bucket
-                self.path, self.named = parent or slash or ".", True  # "/latest": the root directory's
-                self.step = None if name == "latest" else int(name)
-
-    @functools.cached_property
-    def root(self) -> CheckpointRoot:
-        """The root named (its storage made on first use: only the ranks that need it pay for it)."""
-        return CheckpointRoot(storage_for(self.path))
-
-    def tag(self) -> str | None:
-        """The tag of the checkpoint named, None where a plain path is no root of committed
-        checkpoints; a :class:`CheckpointNotFoundError` where ``ROOT/latest`` or ``ROOT/<step>`` names none."""
-        return self.root.newest(self.step) if self.named else self.root.latest()
-
-    def child(self, tag: str) -> Storage:
-        """The storage of checkpoint ``tag`` of the root."""
-        return self.root.child(tag)
-
-
-def named_instead(path: str | os.PathLike[str] | Storage) -> Storage | None:
-    """The storage of the checkpoint that ``path``, holding none itself, names (see :class:`Naming`);
-    None when it names none."""
-    naming = Naming(path)
-    tag = naming.tag()
-    return None if tag is None else naming.child(tag)
