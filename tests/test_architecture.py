@@ -34,7 +34,10 @@ ORDER = [
     # interop/: checkpoints leaving zerostall
     "interop.copying", "interop.torch_file", "interop.export_files", "interop.exporting", "interop",
     # the public functions, then the manager over them
-    "api", "manager",
+    "api",
+    # tiers/: the node-local tier, node identity, copies between nodes, restore from the fastest copy
+    "tiers.nodes", "tiers.transfer", "tiers.local", "tiers.replication", "tiers.sources", "tiers",
+    "manager",
     "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.copying", "cli.exporting", "cli.importing",
     "cli", "__main__", "__init__",
 ]
