@@ -36,7 +36,8 @@ ORDER = [
     # the public functions, then the manager over them
     "api",
     # tiers/: the node-local tier, node identity, copies between nodes, restore from the fastest copy
-    "tiers.nodes", "tiers.transfer", "tiers.local", "tiers.replication", "tiers.sources", "tiers",
+    "tiers.nodes", "tiers.transfer", "tiers.local", "tiers.copies", "tiers.replication", "tiers.sources",
+    "tiers.tier", "tiers",
     "manager",
     "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.copying", "cli.exporting", "cli.importing",
     "cli", "__main__", "__init__",

@@ -18,11 +18,12 @@ __all__ = [
     "save", "async_save", "load", "open", "open_latest", "verify", "export", "copy", "CopyInfo", "SaveOptions",
     "LoadOptions", "ExportOptions", "ExportInfo",
     "AsyncSaver", "SaveHandle", "SaveInfo", "Checkpoint", "Mismatch", "CheckpointManager", "RetentionPolicy",
-    "RestoreInfo",
+    "RestoreInfo", "LocalTier",
     "rank_local", "RankLocal", "Stateful", "FlattenedTensor", "FORMAT_VERSION", "S3Storage", "S3Options",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CommitError", "CorruptCheckpointError",
     "IncompleteCheckpointError", "InvalidPathError", "SharedMemoryError", "StateChangedError", "StateMismatchError",
     "UnsafeFileError", "UnsupportedValueError", "StorageError", "ConcurrentWriteError", "ExportError",
+    "InsufficientSpaceError",
 ]
 
 # Each public name and the module that defines it (tests/test_lazy_import.py keeps __all__, this and
@@ -34,7 +35,7 @@ _EXPORTS = {
     "ExportOptions": "interop.exporting", "ExportInfo": "interop.exporting",
     "AsyncSaver": "saving.asynchronous", "SaveHandle": "saving.asynchronous", "SaveInfo": "saving.pipeline",
     "Checkpoint": "loading.checkpoint", "Mismatch": "loading.load_plan", "CheckpointManager": "manager",
-    "RetentionPolicy": "roots.retention", "RestoreInfo": "roots.restore",
+    "RetentionPolicy": "roots.retention", "RestoreInfo": "roots.restore", "LocalTier": "tiers.local",
     "rank_local": "state", "RankLocal": "state", "Stateful": "state", "FlattenedTensor": "format.subclass",
     "FORMAT_VERSION": "format.layout", "S3Storage": "storage.s3", "S3Options": "storage.s3client",
     "CheckpointError": "errors", "CheckpointExistsError": "errors", "CheckpointNotFoundError": "errors",
@@ -42,15 +43,15 @@ _EXPORTS = {
     "CorruptCheckpointError": "errors", "IncompleteCheckpointError": "errors", "SharedMemoryError": "errors",
     "StateChangedError": "errors", "StateMismatchError": "errors", "UnsafeFileError": "errors",
     "UnsupportedValueError": "errors", "StorageError": "errors", "ConcurrentWriteError": "errors",
-    "ExportError": "errors",
+    "ExportError": "errors", "InsufficientSpaceError": "errors",
 }
 
 if TYPE_CHECKING:  # what type checkers and editors see
     from .api import async_save, export, load, open, open_latest, save, verify
     from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CommitError,
                          ConcurrentWriteError, CorruptCheckpointError, ExportError, IncompleteCheckpointError,
-                         InvalidPathError, SharedMemoryError, StateChangedError, StateMismatchError, StorageError,
-                         UnsafeFileError, UnsupportedValueError)
+                         InsufficientSpaceError, InvalidPathError, SharedMemoryError, StateChangedError,
+                         StateMismatchError, StorageError, UnsafeFileError, UnsupportedValueError)
     from .format.layout import FORMAT_VERSION
     from .format.subclass import FlattenedTensor
     from .interop.copying import CopyInfo, copy
@@ -66,6 +67,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .state import RankLocal, Stateful, rank_local
     from .storage.s3 import S3Storage
     from .storage.s3client import S3Options
+    from .tiers.local import LocalTier
 
 
 def __getattr__(name: str) -> Any:

@@ -15,6 +15,11 @@ from .errors import CheckpointError
 from .memory import owned_bytes
 
 
+ALONE = object()
+"""A ``process_group`` that means this process alone even under ``torch.distributed``: the local
+tier's per-rank copies are saved and loaded with it, without any collective."""
+
+
 class Group:
     """This process's view of the ranks taking part in a save or load.
 
@@ -23,6 +28,9 @@ class Group:
     """
 
     def __init__(self, process_group: Any = None) -> None:
+        if process_group is ALONE:  # this process on its own, though torch.distributed is initialized
+            self.pg, self.rank, self.size, self.store, self.device = None, 0, 1, None, torch.device("cpu")
+            return
         active = dist.is_available() and dist.is_initialized()
         if process_group is not None and not active:
             raise ValueError("a process_group was given but torch.distributed is not initialized")
@@ -59,6 +67,14 @@ class Group:
         total = torch.tensor(values, dtype=torch.int64, device=self.device)
         dist.all_reduce(total, group=self.pg)
         return total.tolist()
+
+    def all_reduce_min(self, values: list[int]) -> list[int]:
+        """The element-wise minima over ranks of int64 values: one collective of fixed size."""
+        if self.pg is None:
+            return list(values)
+        least = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.pg)
+        return least.tolist()
 
     def all_reduce_or_fail(self, values: list[int], message: str, *, failed: bool = False) -> list[int]:
         """The sums of ``values`` over ranks, in the same all-reduce as a count of the ranks that

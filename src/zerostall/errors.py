@@ -71,3 +71,8 @@ class ExportError(CheckpointError, ValueError):
     """An export cannot be done as asked (a prefix that selects nothing, two keys renamed onto one
     name, a dtype the output format cannot hold); the message says which keys and what to do. Nothing
     was written."""
+
+
+class InsufficientSpaceError(CheckpointError, OSError):
+    """A directory has too little free space for what is about to be written there; the error gives
+    the bytes needed and free, and nothing was written."""

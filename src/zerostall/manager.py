@@ -10,17 +10,14 @@ each commit, in the background; a checkpoint is deleted manifest first.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import json
 import logging
 import os
-import random
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
-import torch
 
 from .api import save
 from .collectives import Group
@@ -31,14 +28,16 @@ from .options import LoadOptions, SaveOptions
 from .roots.lease import DEFAULT_TTL, WriterLease
 from .roots.loaders import LoaderGuard
 from .roots.restore import NOTHING, RestoreInfo, newest_first, other_world, restore_first_whole
-from .roots.retention import CheckpointRecord, RetentionPolicy, checked_metrics
+from .roots.retention import CheckpointRecord, RetentionPolicy, checked_metrics, policy_of, split_shorthand
 from .roots.root import LATEST_NAME, CheckpointRoot, retained, step_tag, tag_step, validate_tag
 from .roots.schedule import SaveSchedule
-from .saving.asynchronous import AsyncSaver, SaveHandle
+from .saving.asynchronous import AsyncSaver, OneShot, SaveHandle
 from .saving.pipeline import SaveInfo, checked_step
 from .saving.plan import SavePlanner
-from .state import RankLocal, rank_local
+from .state import RankLocal, rank_local, rng_state, set_rng_state
 from .storage import Storage, storage_for
+from .tiers.local import LocalTier
+from .tiers.tier import NodeTier
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +53,18 @@ class CheckpointManager:
     keyword is a ``TypeError`` here, not at the first save. ``save_every`` and ``save_interval_s``
     drive :meth:`should_save`; ``async_save`` makes ``save`` return a :class:`SaveHandle` at once.
     ``rank_local_keys`` are top-level keys of the state saved per rank (data loaders); RNG states
-    (torch, CUDA, python, numpy) are saved and restored per rank.
+    (torch, CUDA, python, numpy) are saved and restored per rank. ``local`` adds the node-local
+    tier (see :class:`LocalTier`): frequent saves into a directory on each node, replicated to
+    other nodes, which ``restore`` uses first when they hold a step as new as the root's.
     """
 
     def __init__(self, root: str | os.PathLike[str] | Storage, *, retention: RetentionPolicy | None = None,
                  save_options: SaveOptions | None = None, load_options: LoadOptions | None = None,
                  save_every: int | None = None, save_interval_s: float | None = None, async_save: bool = False,
                  rank_local_keys: tuple[str, ...] = ("dataloader", "data_loader"), process_group: Any = None,
-                 lease_ttl: float = DEFAULT_TTL, **shorthand: Any) -> None:
-        rules, overrides = _split_shorthand(shorthand)
-        self.policy = _policy(retention, rules)
+                 lease_ttl: float = DEFAULT_TTL, local: LocalTier | None = None, **shorthand: Any) -> None:
+        rules, overrides = split_shorthand(shorthand)
+        self.policy = policy_of(retention, rules)
         self.save_options = SaveOptions.of(save_options, overrides)
         self.load_options = LoadOptions.of(load_options)
         self.checkpoint_root = CheckpointRoot(storage_for(root, fsync=self.save_options.fsync))
@@ -83,6 +84,10 @@ class CheckpointManager:
         self._save_options = self.save_options
         self.loaders = LoaderGuard()  # data loaders' draws from the global RNG kept in step with a resume
         self.group.agree(functools.partial(self._take_root, lease_ttl))  # a refusal is raised on every rank
+        if local is not None and not isinstance(local, LocalTier):
+            raise TypeError(f"local must be a zerostall.LocalTier, not {type(local).__name__}")
+        self.tier = NodeTier(local, self.group, self.root) if local is not None else None
+        self._due: tuple[int, bool, bool] | None = None  # should_save's last answer: step, persistent, local
 
     def _take_root(self, lease_ttl: float) -> bytes:
         """On the coordinator: create the root, take its writer lease, clean up a dead writer's attempt."""
@@ -101,22 +106,41 @@ class CheckpointManager:
 
     # -- deciding and saving -------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
-        """Whether ``step`` is due: every ``save_every`` steps and/or ``save_interval_s`` seconds,
-        the same answer on every rank (see :class:`SaveSchedule`); call it on every rank, every step."""
-        return self.schedule.due(step)
+        """Whether ``step`` is due in any tier: the root every ``save_every`` steps and/or
+        ``save_interval_s`` seconds, the local tier every ``local.every`` steps; the same answer on
+        every rank (see :class:`SaveSchedule`). Call it on every rank, every step."""
+        persistent = self.schedule.due(step)
+        local = self.tier is not None and self.tier.due(step)
+        self._due = (step, persistent, local)
+        return persistent or local
+
+    def _tiers_due(self, step: int) -> tuple[bool, bool]:
+        """Where ``save(step)`` writes: as :meth:`should_save` said for this step; without it, the
+        root, and the local tier too when the step is one of its own."""
+        if self._due is not None and self._due[0] == step and (self._due[1] or self._due[2]):
+            return self._due[1], self._due[2]
+        return True, self.tier is not None and self.tier.due(step)
 
     def save(self, step: int, state: Any, *, metrics: dict[str, float] | None = None,
              tag: str | None = None) -> SaveInfo | SaveHandle:
-        """create → save → commit: write ``state`` as ``step`` (or ``tag``), then update ``latest``
-        and apply retention once it has committed."""
+        """create → save → commit: write ``state`` as ``step`` (or ``tag``) into every tier due
+        (see :meth:`should_save`), then, for the root, update ``latest`` and apply retention once
+        it has committed. A local-tier save is always asynchronous; when it is the only one due,
+        its handle is returned."""
         step = checked_step(step)
         if step is None:
             raise UnsupportedValueError("CheckpointManager.save needs the training step (a non-negative int)")
         metrics = checked_metrics(metrics)
+        persistent, local = self._tiers_due(step) if tag is None else (True, False)
         tag = tag or step_tag(step)
         storage = self._create(tag)
         self.loaders.before_save(state, sys._getframe(1))
         wrapped = self._wrap(state)
+        if local:
+            assert self.tier is not None
+            handle = self.tier.save(step, wrapped, self.save_options)
+            if not persistent:
+                return handle
         self._before_saving(step, tag)
         metadata = {"metrics": metrics, "tag": tag}
         self.schedule.saved()
@@ -134,7 +158,7 @@ class CheckpointManager:
         assert handle is not None
         self._committing = committing = Future()
         handle.committed.add_done_callback(
-            _OneShot(functools.partial(self._committed_async, tag=tag, step=step, committing=committing)))
+            OneShot(functools.partial(self._committed_async, tag=tag, step=step, committing=committing)))
         return handle
 
     def _before_saving(self, step: int, tag: str) -> None:
@@ -239,11 +263,23 @@ class CheckpointManager:
         self.last_restore = NOTHING  # until this restore says otherwise, even if it raises
         options = LoadOptions.of(self.load_options, {**overrides, **({} if strict is None else {"strict": strict})})
         named = tag not in (None, "latest")
-        candidates = [(tag, None)] if named else json.loads(self.group.agree(
-            lambda: json.dumps(newest_first(self.checkpoint_root)).encode()))
-        loaded = restore_first_whole(self.group, self.checkpoint_root, candidates,
-                                     functools.partial(self._load, state, options), fallback=fallback, named=named,
-                                     record=functools.partial(setattr, self, "last_restore"))
+        tiers, unreachable = self.tier is not None and not named, None
+        try:
+            candidates = [(tag, None)] if named else json.loads(self.group.agree(
+                lambda: json.dumps(newest_first(self.checkpoint_root)).encode()))
+        except CheckpointError as exc:  # the local tier may do without the root
+            if not tiers:
+                raise
+            candidates, unreachable = [], exc
+        info, loaded = self.tier.restore(self._wrap(state), options, candidates, unreachable, fallback=fallback) \
+            if self.tier is not None and tiers else (NOTHING, None)
+        self.last_restore = info
+        if info.step is None:  # the root's newest is newer, or the tiers hold no whole step
+            if unreachable is not None:
+                raise unreachable
+            loaded = restore_first_whole(self.group, self.checkpoint_root, candidates,
+                                         functools.partial(self._load, state, options), fallback=fallback,
+                                         named=named, record=functools.partial(self._record, info.fallbacks))
         if loaded is None:  # nothing committed yet
             return None
         for key, value in state.items():  # python values and tuples are new objects: put them in place
@@ -253,11 +289,14 @@ class CheckpointManager:
             state[key] = got.value if isinstance(got, RankLocal) and not isinstance(value, RankLocal) else got
         self.loaders.after_load(state)
         if RNG_KEY in loaded:
-            _set_rng_state(loaded[RNG_KEY].value)
+            set_rng_state(loaded[RNG_KEY].value)
         step = self.last_restore.step
         if step is not None:
             self._pinned.add(step)
         return step
+
+    def _record(self, earlier: tuple[tuple[str, str], ...], info: RestoreInfo) -> None:
+        self.last_restore = dataclasses.replace(info, fallbacks=earlier + info.fallbacks)
 
     def _load(self, state: Any, options: LoadOptions, tag: str) -> tuple[int | None, dict[str, Any]]:
         """Load checkpoint ``tag`` into the tensors of ``state``; returns its step and the loaded
@@ -278,7 +317,7 @@ class CheckpointManager:
             raise TypeError("CheckpointManager saves a dict of named parts, e.g. {'model': m, 'optim': o}")
         wrapped = {k: rank_local(v) if k in self.rank_local_keys and not isinstance(v, RankLocal) else v
                    for k, v in state.items()}
-        wrapped[RNG_KEY] = rank_local(_rng_state())
+        wrapped[RNG_KEY] = rank_local(rng_state())
         return wrapped
 
     # -- retention -----------------------------------------------------------------------------
@@ -296,11 +335,15 @@ class CheckpointManager:
     def wait_staged(self) -> None:
         """Block until the asynchronous save in flight (if any) has captured the state: call it
         before mutating the state (the optimizer step). A no-op with synchronous saves."""
+        if self.tier is not None:
+            self.tier.wait_staged()
         if self.saver is not None:
             self.saver.wait_staged()
 
     def wait(self) -> None:
-        """Finish the save in flight and the retention it triggered."""
+        """Finish the saves in flight (replication to other nodes included) and the retention they triggered."""
+        if self.tier is not None:
+            self.tier.wait()
         if self.saver is not None:
             self.saver.wait()
         self._settle_commit()
@@ -320,78 +363,19 @@ class CheckpointManager:
             self.wait()
         finally:
             try:
-                if self.saver is not None:
-                    self.saver.close()
+                if self.tier is not None:
+                    self.tier.close()
             finally:
-                self._deleter.shutdown(wait=True)
-                if self.lease is not None:
-                    self.lease.release()
+                try:
+                    if self.saver is not None:
+                        self.saver.close()
+                finally:
+                    self._deleter.shutdown(wait=True)
+                    if self.lease is not None:
+                        self.lease.release()
 
     def __enter__(self) -> "CheckpointManager":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-class _OneShot:
-    """A done-callback that lets go of what it calls once it has run: a finished future keeps its
-    callbacks, so one holding the manager would tie manager, saver and handle into a cycle."""
-
-    __slots__ = ("_call",)
-
-    def __init__(self, call: Callable[[Future], None]) -> None:
-        self._call: Callable[[Future], None] | None = call
-
-    def __call__(self, fut: Future) -> None:
-        call, self._call = self._call, None
-        if call is not None:
-            call(fut)
-
-
-def _split_shorthand(shorthand: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The shorthand keywords split into retention rules and save options; any other is a TypeError."""
-    rules = {f.name for f in dataclasses.fields(RetentionPolicy)}
-    options = {f.name for f in dataclasses.fields(SaveOptions)}
-    for key in shorthand:
-        if key not in rules | options:
-            close = difflib.get_close_matches(key, sorted(rules | options), n=1)
-            raise TypeError(f"CheckpointManager got an unexpected keyword {key!r}"
-                            + (f"; did you mean {close[0]!r}?" if close else ""))
-    return ({k: v for k, v in shorthand.items() if k in rules and v is not None},
-            {k: v for k, v in shorthand.items() if k in options})
-
-
-def _policy(retention: RetentionPolicy | None, rules: dict[str, Any]) -> RetentionPolicy:
-    """The one retention policy: ``retention``, or one built from the rule keywords given."""
-    if retention is None:
-        return RetentionPolicy(**rules)
-    if rules:
-        raise ValueError(f"retention= and {', '.join(f'{name}=' for name in rules)} both set retention rules: "
-                         "give the rules either as a RetentionPolicy or as keywords")
-    return retention
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-

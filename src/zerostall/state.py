@@ -8,6 +8,7 @@ as one python-value leaf (an LR scheduler's state, an optimizer's ``param_groups
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -289,3 +290,30 @@ class ViewIndex:
         else:
             self._by_pointer[pointer] = [filed, (t, value)]
         return None
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random number generators' states: torch, CUDA (when available), python, numpy (when installed)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Put back the states :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+

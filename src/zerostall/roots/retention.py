@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import UnsupportedValueError
+from ..options import SaveOptions
 
 
 def numeric_metrics(metrics: dict) -> dict[str, float]:
@@ -129,3 +132,26 @@ def kept(records: Sequence[CheckpointRecord], policy: RetentionPolicy,
             if policy.protect(step):
                 keep(step, "protected")
     return reasons
+
+
+def split_shorthand(shorthand: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The shorthand keywords split into retention rules and save options; any other is a TypeError."""
+    rules = {f.name for f in dataclasses.fields(RetentionPolicy)}
+    options = {f.name for f in dataclasses.fields(SaveOptions)}
+    for key in shorthand:
+        if key not in rules | options:
+            close = difflib.get_close_matches(key, sorted(rules | options), n=1)
+            raise TypeError(f"CheckpointManager got an unexpected keyword {key!r}"
+                            + (f"; did you mean {close[0]!r}?" if close else ""))
+    return ({k: v for k, v in shorthand.items() if k in rules and v is not None},
+            {k: v for k, v in shorthand.items() if k in options})
+
+
+def policy_of(retention: RetentionPolicy | None, rules: dict[str, Any]) -> RetentionPolicy:
+    """The one retention policy: ``retention``, or one built from the rule keywords given."""
+    if retention is None:
+        return RetentionPolicy(**rules)
+    if rules:
+        raise ValueError(f"retention= and {', '.join(f'{name}=' for name in rules)} both set retention rules: "
+                         "give the rules either as a RetentionPolicy or as keywords")
+    return retention

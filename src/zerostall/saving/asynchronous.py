@@ -28,7 +28,7 @@ import threading
 import weakref
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -164,7 +164,7 @@ class AsyncSaver:
         if self._current is not None and not self._current.done():
             self.wait()
         prepared = prepare(state, path, options, process_group=process_group, step=step, metadata=metadata)
-        self._hold_steps(prepared.collected.optimizers)
+        self.hold_steps(prepared.collected.optimizers)
         recorded = versions(prepared.items)
         try:
             ready = record_caller_stream(prepared.items)
@@ -177,10 +177,11 @@ class AsyncSaver:
         self._worker.submit(self._run, prepared, buffers, ready, recorded, handle)
         return handle
 
-    def _hold_steps(self, optimizers: list[torch.optim.Optimizer]) -> None:
+    def hold_steps(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Make each optimizer's ``step()`` wait for the capture of the save in flight (a step
         pre-hook, once per optimizer and saver, kept until :meth:`close`), so a forgotten
-        ``wait_staged()`` cannot tear the checkpoint; after the capture it costs one check."""
+        ``wait_staged()`` cannot tear the checkpoint; after the capture it costs one check. Saves
+        do this for the optimizers in their state; a caller saving a view of the state names them."""
         for optimizer in optimizers:
             if optimizer not in self._hooks:
                 hook = functools.partial(_before_step, weakref.ref(self))
@@ -309,6 +310,21 @@ class AsyncSaver:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class OneShot:
+    """A done-callback that lets go of what it calls once it has run: a finished future keeps its
+    callbacks, so one holding the manager would tie manager, saver and handle into a cycle."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, call: Callable[[Future], None]) -> None:
+        self._call: Callable[[Future], None] | None = call
+
+    def __call__(self, fut: Future) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call(fut)
 
 
 _open_savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()

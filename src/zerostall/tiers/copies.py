@@ -1,0 +1,77 @@
+"""A rank's copy: its whole state as it holds it, saved and loaded by the rank alone.
+
+The local tier stores each rank's state as one ordinary one-rank checkpoint: every leaf under its
+own key, a DTensor as the local shard this rank holds (its box in the global tensor is in the
+copy's layout digest, not in the checkpoint), replicated tensors in full. Such a copy restores
+only the same rank of the same layout, without any collective; a restore into another layout
+uses the persistent tier, which reshards.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import xxhash
+
+from ..collectives import ALONE
+from ..errors import StateMismatchError
+from ..format.boxes import local_box
+from ..loading.checkpoint import Checkpoint
+from ..options import LoadOptions
+from ..state import Flat, Path, flatten, init_optimizer_state, rebuild
+
+LAYOUT_KEY = "layout"
+"""The copy's metadata key holding the digest of the layout it was saved from (see :func:`view`)."""
+
+
+def view(state: Any, *, restoring: bool = False) -> tuple[dict[Any, Any], Flat, str]:
+    """``state`` as this rank holds it: nested dicts of its leaves (stateful objects by their
+    state dicts, DTensors by their local shards), the flattened state, and a digest of every tensor
+    leaf's key, dtype, global shape and this rank's box in it. ``restoring`` gives optimizers
+    that have not stepped yet their state first, so it can be filled."""
+    flat = flatten(state, prepare=_fresh_optimizer if restoring else None)
+    out: dict[Any, Any] = {}
+    digest = xxhash.xxh3_64()
+    for path, leaf in flat.leaves.items():
+        if isinstance(leaf, torch.Tensor):
+            piece, offsets, sizes = local_box(leaf)
+            digest.update(repr((path, str(leaf.dtype), tuple(leaf.shape), offsets, sizes)).encode())
+            leaf = piece
+        _insert(out, path, leaf)
+    return out, flat, digest.hexdigest()
+
+
+def load_copy(state: Any, path: str | os.PathLike[str], *, options: LoadOptions) -> Any:
+    """Load the copy at ``path`` into ``state`` in place (tensors filled, python values and stateful
+    objects handed their values) and return it; every block read is checked. The copy must have
+    been saved from this rank's layout (:class:`StateMismatchError` otherwise)."""
+    target, flat, digest = view(state, restoring=True)
+    with Checkpoint(os.fspath(path), options, process_group=ALONE) as ck:
+        saved = ck.metadata.get(LAYOUT_KEY) if isinstance(ck.metadata, dict) else None
+        if saved != digest:
+            raise StateMismatchError(f"the local-tier copy {path} was saved from another layout of the state (another "
+                                     "world size, mesh or model): restore from the persistent tier")
+        loaded = ck.load(target, options, strict=True)
+    values = {p: _get(loaded, p) for p, leaf in flat.leaves.items() if not isinstance(leaf, torch.Tensor)}
+    return rebuild(state, flat, values)
+
+
+def _fresh_optimizer(path: Path, obj: Any) -> None:
+    if isinstance(obj, torch.optim.Optimizer):
+        init_optimizer_state(obj)
+
+
+def _insert(tree: dict[Any, Any], path: Path, value: Any) -> None:
+    node = tree
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1] if path else ""] = value
+
+
+def _get(tree: dict[Any, Any], path: Path) -> Any:
+    node: Any = tree
+    for key in path or ("",):
+        node = node[key]
+    return node

@@ -1,0 +1,169 @@
+"""The node-local tier: its options, and one run's copies in a node's directory.
+
+A node's directory holds, per run, one folder a step, and in it one ordinary one-rank checkpoint
+per rank whose state the node keeps (its own ranks', and the replicas it received)::
+
+    <directory>/<run id>/step_000000010/rank_00003/manifest.json, data files
+
+A copy exists once its manifest does (the save's atomic commit); anything else found at start-up
+(another run's folders, a copy whose save never committed, a replica still arriving) is removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import InsufficientSpaceError
+from ..format.layout import MANIFEST_NAME
+
+log = logging.getLogger(__name__)
+
+INCOMING = ".incoming-"
+"""The prefix of a replica's folder while it arrives (see :mod:`zerostall.tiers.transfer`)."""
+
+_STEP_RE = re.compile(r"^step_(\d{9,})$")
+_COPY_RE = re.compile(r"^rank_(\d{5,})$")
+_RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class LocalTier:
+    """Frequent checkpoints into a node-local directory, replicated to other nodes
+    (``CheckpointManager(root, local=LocalTier(...))``); checked when built."""
+
+    directory: str
+    """A directory on this node (a RAM disk such as ``/dev/shm/zs``, or local NVMe), the same path on
+    every node; it outlives the trainer, so a restarted job restores from it."""
+
+    every: int = 10
+    """Save to this tier every ``every`` steps (``should_save`` is True at these steps too)."""
+
+    keep: int = 1
+    """Newest complete steps this tier keeps, besides the one being written."""
+
+    replicas: int = 2
+    """Copies of each rank's state, its own included: ``replicas - 1`` go to other nodes (as many as
+    there are other nodes)."""
+
+    run_id: str | None = None
+    """Keeps runs apart in a shared directory; None: derived from the persistent root, so it stays
+    the same when the job is requeued. At start, other runs' folders are removed."""
+
+    timeout_s: float = 300.0
+    """The longest any transfer between nodes may wait (replication and restore): a peer that died
+    makes them fail after this, never hang."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.directory, (str, os.PathLike)) or not os.fspath(self.directory):
+            raise ValueError(f"LocalTier.directory must be a path, not {self.directory!r}")
+        object.__setattr__(self, "directory", os.fspath(self.directory))
+        for name in ("every", "keep", "replicas"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"LocalTier.{name} must be an int >= 1, not {value!r}")
+        if self.run_id is not None and not (isinstance(self.run_id, str) and _RUN_RE.match(self.run_id)):
+            raise ValueError(f"LocalTier.run_id must be None or a plain name (letters, digits, '.', '_', '-'), "
+                             f"not {self.run_id!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"LocalTier.timeout_s must be a number > 0, not {self.timeout_s!r}")
+
+
+def run_id_for(persistent: str) -> str:
+    """The run id of the run whose persistent root is ``persistent`` (a path or URL)."""
+    return "run-" + hashlib.sha256(persistent.encode()).hexdigest()[:16]
+
+
+class NodeDirectory:
+    """One run's copies on this node (see the module's docstring)."""
+
+    def __init__(self, directory: str, run_id: str) -> None:
+        self.top = Path(directory)
+        self.run = self.top / run_id
+
+    def step_path(self, step: int) -> Path:
+        return self.run / f"step_{step:09d}"
+
+    def copy_path(self, step: int, rank: int) -> Path:
+        """Where the copy of ``rank``'s state at ``step`` lies on this node (whether it exists or not)."""
+        return self.step_path(step) / f"rank_{rank:05d}"
+
+    def holdings(self) -> dict[int, list[int]]:
+        """The committed copies on this node: {step: [ranks]}."""
+        held: dict[int, list[int]] = {}
+        for step, folder in self._steps():
+            ranks = sorted(int(m.group(1)) for p in _entries(folder) if (m := _COPY_RE.match(p.name))
+                           and (p / MANIFEST_NAME).is_file())
+            if ranks:
+                held[step] = ranks
+        return held
+
+    def _steps(self) -> list[tuple[int, Path]]:
+        return sorted((int(m.group(1)), p) for p in _entries(self.run) if (m := _STEP_RE.match(p.name)))
+
+    def clean_at_start(self) -> list[str]:
+        """Remove other runs' folders, copies that never committed and replicas still arriving (a
+        crashed trainer's leftovers); returns what was removed. Run by one rank of the node."""
+        removed = [p for p in _entries(self.top) if p.is_dir() and p != self.run]
+        for _, folder in self._steps():
+            for p in _entries(folder):
+                if not (_COPY_RE.match(p.name) and (p / MANIFEST_NAME).is_file()):
+                    removed.append(p)
+        for p in _entries(self.run):
+            if not _STEP_RE.match(p.name):
+                removed.append(p)
+        for p in removed:
+            _remove(p)
+        for _, folder in self._steps():
+            if not any(_entries(folder)):
+                _remove(folder)
+        if removed:
+            log.info("local tier %s: removed %s", self.top, ", ".join(str(p.relative_to(self.top)) for p in removed))
+        return [str(p) for p in removed]
+
+    def keep_only(self, steps: set[int]) -> None:
+        """Delete every step not in ``steps`` (each copy's manifest first, so a half-deleted copy
+        is never taken for a committed one)."""
+        for step, folder in self._steps():
+            if step not in steps:
+                for copy in _entries(folder):
+                    (copy / MANIFEST_NAME).unlink(missing_ok=True)
+                _remove(folder)
+
+    def bytes_used(self) -> int:
+        """Bytes of every file of this run on this node."""
+        return sum(f.stat().st_size for f in self.run.rglob("*") if f.is_file()) if self.run.is_dir() else 0
+
+
+def check_space(directory: str, needed: int, reusable: int) -> None:
+    """Raise :class:`InsufficientSpaceError` unless ``directory``'s file system has ``needed``
+    bytes, counting ``reusable`` bytes already there that retention will free."""
+    os.makedirs(directory, exist_ok=True)
+    fs = os.statvfs(directory)
+    free, size = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
+    if needed <= free + reusable:
+        return
+    shm = " (a RAM disk: raise its size, e.g. docker run --shm-size)" if directory.startswith("/dev/shm") else ""
+    raise InsufficientSpaceError(
+        f"the local tier in {directory} needs {needed} bytes ((keep + 1) x this node's copies), but its file system "
+        f"has {free} bytes free (+{reusable} this run's older copies) of {size}{shm}: free space there, lower "
+        "LocalTier.keep or replicas, or choose a larger directory; nothing was written")
+
+
+def _entries(folder: Path) -> list[Path]:
+    try:
+        return sorted(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

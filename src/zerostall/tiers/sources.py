@@ -1,0 +1,162 @@
+"""Restore from the tiers: the newest step every rank's copy survived, each from the fastest copy.
+
+Every rank reports its node's copies (one rank a node) and the digest of its own layout; rank 0
+picks the newest step that holds a copy of every rank's state, saved from the layout that rank
+has now, on some node (:func:`choose`), unless the persistent tier holds a newer one. A rank
+whose node holds its copy loads it (``"local"``); the others receive theirs from a node that
+holds it (``"peer"``), every block checked on arrival. Every rank then says how it fared: if any
+copy was damaged, every rank goes on together, to the next copy of that state, then to an
+older step, and (returning None) to the persistent tier; any other failure is raised on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..collectives import Group
+from ..errors import CheckpointError
+from ..loading.opening import read_manifest_head
+from ..roots.restore import DAMAGED, FAILED, OK, kind_of
+from ..storage import storage_for
+from .copies import LAYOUT_KEY
+from .local import NodeDirectory
+from .nodes import Nodes
+from .transfer import exchange
+
+log = logging.getLogger(__name__)
+
+LOCAL, PEER = "local", "peer"
+
+Copy = tuple[int, int, int]  # (node, step, rank): one node's copy of one rank's state at one step
+
+
+@dataclass
+class Choice:
+    """A step to restore, and where each rank's copy comes from: (node, sending rank) by rank."""
+
+    step: int
+    sources: list[tuple[int, int]]
+    kinds: list[str] = field(default_factory=list)
+
+
+def report(directory: NodeDirectory, world: int, leader: bool) -> dict[int, dict[int, str]]:
+    """This node's copies a restore on ``world`` ranks may use: {step: {rank: layout digest}}
+    (only the node's first rank lists them, once for the node)."""
+    held: dict[int, dict[int, str]] = {}
+    if not leader:
+        return held
+    for step, ranks in directory.holdings().items():
+        for rank in ranks:
+            try:
+                head = read_manifest_head(storage_for(str(directory.copy_path(step, rank))))
+            except (CheckpointError, OSError) as exc:
+                log.warning("local-tier copy of rank %d at step %d is unreadable, not used: %s", rank, step, exc)
+                continue
+            meta = head.metadata if isinstance(head.metadata, dict) else {}
+            if head.world_size == 1 and meta.get("world_size") == world and isinstance(meta.get(LAYOUT_KEY), str):
+                held.setdefault(step, {})[rank] = meta[LAYOUT_KEY]
+    return held
+
+
+def choose(nodes: Nodes, digests: list[str], held: list[dict[int, dict[int, str]]], bad: set[Copy],
+           newer_than: int | None) -> Choice | None:
+    """The newest step above ``newer_than`` with a good copy of every rank's state somewhere (its
+    own node's first, else a node in ring order from its own); None when there is none."""
+    world = len(digests)
+    holders: dict[tuple[int, int], list[int]] = {}
+    for node, copies in enumerate(held):
+        for step, ranks in copies.items():
+            for rank, digest in ranks.items():
+                if rank < world and digest == digests[rank] and (node, step, rank) not in bad:
+                    holders.setdefault((step, rank), []).append(node)
+    for step in sorted({s for s, _ in holders}, reverse=True):
+        if newer_than is not None and step <= newer_than:
+            break
+        if all((step, r) in holders for r in range(world)):
+            sources = []
+            for rank in range(world):
+                own = nodes.index(rank)
+                node = min(holders[(step, rank)], key=lambda n: (n - own) % nodes.count)
+                on_node = nodes.ranks_on(node)
+                sources.append((node, rank if node == own else on_node[rank % len(on_node)]))
+            return Choice(step, sources, [LOCAL if n == nodes.index(r) else PEER for r, (n, _) in enumerate(sources)])
+    return None
+
+
+def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, digest: str,
+                       newer_than: int | None, load: Callable[[str], Any], *, fallback: bool,
+                       fallbacks: list[tuple[str, str]]) -> tuple[Choice, Any] | None:
+    """Restore this rank from the tiers (see the module's docstring): returns the choice made and
+    what ``load(copy path)`` returned, or None when the persistent tier is to be used. Copies
+    found damaged are added to ``fallbacks`` (what, why)."""
+    rank = group.rank
+    leader = nodes.ranks_on(nodes.index(rank))[0] == rank
+    reports = group.all_gather_object((digest, report(directory, group.size, leader)))
+    digests = [d for d, _ in reports]
+    held: list[dict[int, dict[int, str]]] = [{} for _ in range(nodes.count)]
+    for r, (_, copies) in enumerate(reports):
+        if copies:
+            held[nodes.index(r)] = copies
+    bad: set[Copy] = set()
+    while True:
+        choice = json.loads(group.agree(lambda: json.dumps(_as_json(choose(nodes, digests, held, bad, newer_than)))
+                                        .encode()))
+        if choice is None:
+            _say_why_not(group, held, newer_than)
+            return None
+        chosen = Choice(choice["step"], [tuple(s) for s in choice["sources"]], choice["kinds"])
+        outcome, result = _attempt(group, pg, nodes, directory, chosen, load)
+        try:
+            outcomes = group.all_gather_object(outcome)
+        except RuntimeError as exc:  # a rank died or timed out: the restarted job restores again
+            raise CheckpointError(f"restoring step {chosen.step} from the local tier failed: not every rank answered "
+                                  f"({exc}); this rank's outcome: {outcome[1] or 'ok'}") from exc
+        if all(kind == OK for kind, _ in outcomes):
+            return chosen, result
+        damaged = [(r, message) for r, (kind, message) in enumerate(outcomes) if kind == DAMAGED]
+        if not damaged or any(kind == FAILED for kind, _ in outcomes):
+            failed = [(r, m) for r, (k, m) in enumerate(outcomes) if k != OK]
+            raise CheckpointError(f"restoring step {chosen.step} from the local tier failed on "
+                                  + "; ".join(f"rank {r}: {m}" for r, m in failed))
+        for r, message in damaged:
+            node = chosen.sources[r][0]
+            bad.add((node, chosen.step, r))
+            fallbacks.append((f"step {chosen.step}, rank {r}'s copy on node {nodes.ids[nodes.ranks_on(node)[0]]} "
+                              f"({chosen.kinds[r]})", message))
+        reason = "; ".join(f"rank {r}: {m}" for r, m in damaged)
+        if not fallback:
+            raise CheckpointError(f"a local-tier copy of step {chosen.step} is damaged ({reason}); restore(..., "
+                                  "fallback=True) restores from the next good copy instead")
+        log.log(logging.WARNING if group.is_coordinator else logging.DEBUG,
+                "local-tier copy of step %d is damaged (%s): trying the next copy", chosen.step, reason)
+
+
+def _attempt(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, choice: Choice,
+             load: Callable[[str], Any]) -> tuple[tuple[str, str], Any]:
+    """Receive this rank's copy if it is a peer's, send the copies others need from this rank,
+    then load; returns (outcome, message) and what ``load`` returned."""
+    rank, step = group.rank, choice.step
+    sends = [(r, directory.copy_path(step, r)) for r, (_, sender) in enumerate(choice.sources)
+             if sender == rank and r != rank]
+    receives = [(choice.sources[rank][1], directory.copy_path(step, rank))] if choice.kinds[rank] == PEER else []
+    try:
+        if sends or receives:
+            exchange(pg, sends, receives)
+        return (OK, ""), load(str(directory.copy_path(step, rank)))
+    except Exception as exc:
+        return (kind_of(exc) if kind_of(exc) == DAMAGED else FAILED, f"{type(exc).__name__}: {exc}"), None
+
+
+def _as_json(choice: Choice | None) -> Any:
+    return None if choice is None else {"step": choice.step, "sources": choice.sources, "kinds": choice.kinds}
+
+
+def _say_why_not(group: Group, held: list[dict[int, dict[int, str]]], newer_than: int | None) -> None:
+    steps = sorted({s for copies in held for s in copies}, reverse=True)
+    if steps and group.is_coordinator:
+        log.warning("the local tier holds steps %s, but no step %sholds a good copy of every rank's state saved from "
+                    "the layout the ranks have now (another world size or mesh, or copies lost): restoring from the "
+                    "persistent tier", steps[:5], "" if newer_than is None else f"newer than {newer_than} ")

@@ -1,0 +1,152 @@
+"""The local tier at run time, as a :class:`~zerostall.CheckpointManager` drives it.
+
+Built once on every rank (collective): the node of every rank, the tier's own gloo process group
+(transfers between nodes never share the training group), and the node's directory cleaned of
+what a crashed trainer or another run left. Each local save captures this rank's whole state
+asynchronously into its own copy, then replication sends it to the holders. Retention keeps the
+``keep`` newest steps saved by every rank, the steps still being replicated, and the one being
+written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import ALONE, Group
+from ..options import LoadOptions, SaveOptions
+from ..roots.restore import RestoreInfo
+from ..roots.root import step_tag, tag_step
+from ..saving.asynchronous import AsyncSaver, SaveHandle
+from .copies import LAYOUT_KEY, load_copy, view
+from .local import LocalTier, NodeDirectory, check_space, run_id_for
+from .nodes import Nodes, gather_nodes
+from .replication import Replicator
+from .sources import restore_from_tiers
+
+log = logging.getLogger(__name__)
+
+_NONE = 1 << 62  # "no step" in a minimum over ranks
+
+
+class NodeTier:
+    """The local tier of one manager on this rank (see the module's docstring)."""
+
+    def __init__(self, options: LocalTier, group: Group, persistent: str) -> None:
+        self.options, self.group = options, group
+        self.directory = NodeDirectory(options.directory, options.run_id or run_id_for(persistent))
+        self.nodes: Nodes = gather_nodes(group)
+        self.pg = None
+        if group.size > 1:
+            ranks = dist.get_process_group_ranks(group.pg)
+            self.pg = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=options.timeout_s))
+        node = self.nodes.index(group.rank)
+        self.leader = self.nodes.ranks_on(node)[0] == group.rank
+        with group.failing_together(f"the local tier in {options.directory} could not be prepared on {{failed}} other "
+                                    "rank(s) (their errors say why)"):
+            if self.leader:
+                self.directory.clean_at_start()
+        replicas = min(options.replicas, self.nodes.count)
+        if options.replicas > 1 and self.nodes.count == 1 and group.is_coordinator:
+            log.info("local tier: one node, so no replicas on other nodes (replicas=%d asked for)", options.replicas)
+        self.replicator = Replicator(self.pg, self.nodes, self.directory, group.rank, replicas) if replicas > 1 else None
+        self.saver = AsyncSaver()
+        self._space_checked = False
+
+    def due(self, step: int) -> bool:
+        return step % self.options.every == 0
+
+    def save(self, step: int, state: dict[str, Any], options: SaveOptions) -> SaveHandle:
+        """Start saving this rank's copy of ``step`` (collective: retention and, the first time,
+        the space check agree first); replication follows its commit in the background."""
+        tree, flat, digest = view(state)
+        self._retire(step)
+        if not self._space_checked:
+            self._check_space(sum(t.nbytes for t in flat.leaves.values() if isinstance(t, torch.Tensor)))
+            self._space_checked = True
+        metadata = {"tier": "local", "rank": self.group.rank, "world_size": self.group.size,
+                    "node": self.nodes.ids[self.group.rank], LAYOUT_KEY: digest}
+        path = self.directory.copy_path(step, self.group.rank)
+        local = dataclasses.replace(options, fsync=False, overwrite=True, before_commit=None)
+        handle = self.saver.save(tree, str(path), local, process_group=ALONE, step=step, metadata=metadata)
+        assert handle is not None
+        self.saver.hold_steps([obj for obj, _ in flat.statefuls.values() if isinstance(obj, torch.optim.Optimizer)])
+        if self.replicator is not None:
+            replicator = self.replicator
+            handle.committed.add_done_callback(lambda f: replicator.submit(step, f.unseen_exception() is None))
+        return handle
+
+    def _retire(self, step: int) -> None:
+        """Delete the steps retention lets go (see the module's docstring), on each node's first rank."""
+        own = [s for s, ranks in self.directory.holdings().items() if self.group.rank in ranks]
+        pending = self.replicator.pending if self.replicator is not None else set()
+        complete, oldest_pending = self.group.all_reduce_min([max(own, default=-1), min(pending, default=_NONE)])
+        if not self.leader:
+            return
+        held = sorted(self.directory.holdings())
+        keep = set(s for s in held if s <= complete)
+        keep = set(sorted(keep)[-self.options.keep:]) | {s for s in held if s > complete or s >= oldest_pending}
+        self.directory.keep_only(keep | {step})
+
+    def _check_space(self, nbytes: int) -> None:
+        """Before the first local save: each node needs room for (keep + 1) steps of its copies."""
+        sizes = self.group.all_gather_object(nbytes)
+        with self.group.failing_together(f"the local tier in {self.options.directory} has too little space on "
+                                         "{failed} other node(s) (their errors give the numbers); nothing was saved"):
+            if self.leader:
+                node = self.nodes.index(self.group.rank)
+                held = set(self.nodes.ranks_on(node))
+                if self.replicator is not None:
+                    for r in list(held):
+                        held.update(self.nodes.sources(r, min(self.options.replicas, self.nodes.count)))
+                check_space(self.options.directory, (self.options.keep + 1) * sum(sizes[r] for r in held),
+                            self.directory.bytes_used())
+
+    def restore(self, state: dict[str, Any], options: LoadOptions, candidates: list[tuple[str, str | None]],
+                unreachable: Exception | None, *, fallback: bool) -> tuple[RestoreInfo, Any]:
+        """Restore ``state`` from the newest step the tiers hold for every rank, unless the root's
+        newest committed checkpoint (first of ``candidates``) is newer; returns what was restored
+        and the loaded state, or a :class:`RestoreInfo` of no step (with the damaged copies passed
+        over) when the root is to be used."""
+        self.wait()
+        steps = [s for tag, damage in candidates if damage is None and (s := tag_step(tag)) is not None]
+        _, _, digest = view(state, restoring=True)
+        fallbacks: list[tuple[str, str]] = []
+        got = restore_from_tiers(self.group, self.pg, self.nodes, self.directory, digest,
+                                 steps[0] - 1 if steps else None, functools.partial(load_copy, state, options=options),
+                                 fallback=fallback, fallbacks=fallbacks)
+        if got is None:
+            return RestoreInfo(None, None, (), tuple(fallbacks)), None
+        choice, loaded = got
+        if unreachable is not None and self.group.is_coordinator:
+            log.warning("the checkpoint root could not be listed (%s): restored step %d from the local tier",
+                        unreachable, choice.step)
+        kinds = tuple(choice.kinds)
+        return RestoreInfo(choice.step, kinds[self.group.rank], kinds, tuple(fallbacks), step_tag(choice.step)), loaded
+
+    def wait_staged(self) -> None:
+        self.saver.wait_staged()
+
+    def wait(self) -> None:
+        """Finish the local save in flight and every replication submitted."""
+        try:
+            self.saver.wait()
+        finally:
+            if self.replicator is not None:
+                self.replicator.wait()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            try:
+                self.saver.close()
+            finally:
+                if self.replicator is not None:
+                    self.replicator.close()

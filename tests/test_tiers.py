@@ -1,0 +1,237 @@
+"""Emergency checkpoints: the node-local tier, replicas on other nodes, restore from the fastest copy.
+
+Four gloo ranks on two simulated nodes (``ZEROSTALL_NODE_ID``: ranks 0 and 1 on node "a", 2 and 3
+on node "b"; a directory each) train a small model whose gradients are averaged over the ranks
+(so the model and optimizer state are replicated) and whose data-loader state is each rank's own.
+The local tier saves every 5 steps, the root every 12: a run stopped after step 23 has step 20 in
+the local tier and step 12 in the root. Every restore must give back the state bit-exactly, and
+the resumed losses must equal those of a run never stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerostall as zs
+from zerostall.tiers.local import LocalTier, NodeDirectory, check_space
+
+NODES = ("a", "a", "b", "b")
+EVERY, SAVE_EVERY, STOP, END = 5, 12, 23, 30
+
+
+# -- what the ranks run --------------------------------------------------------------------------
+def make_state() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = {"pos": 0, "seen": torch.zeros(64)}
+    return {"model": model, "optim": optim, "dataloader": loader}
+
+
+def train_step(state: dict, step: int) -> float:
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(16, 8, generator=g)
+    noise = torch.rand(16, 1)  # the global RNG: a resume must restore it
+    loss = ((state["model"](x) - x.sum(1, keepdim=True) - noise) ** 2).mean()
+    loss.backward()
+    for p in state["model"].parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    state["optim"].step()
+    state["optim"].zero_grad()
+    state["dataloader"]["pos"] += 1
+    state["dataloader"]["seen"] += x.sum() * (rank + 1)
+    return float(loss)
+
+
+def digest(state: dict) -> str:
+    h = hashlib.sha256()
+    for t in [*state["model"].state_dict().values(), state["dataloader"]["seen"],
+              *(v for s in state["optim"].state.values() for v in s.values())]:
+        h.update(t.detach().numpy().tobytes())
+    h.update(repr(state["dataloader"]["pos"]).encode() + torch.get_rng_state().numpy().tobytes())
+    return h.hexdigest()
+
+
+def node_dir(base: str, node: str) -> str:
+    return os.path.join(base, f"node-{node}")
+
+
+def train(root: str, base: str, until: int, node: str | None = None, replicas: int = 2, keep: int = 2,
+          **restore) -> dict:
+    """Restore (from whatever survives), train to ``until``, saving as scheduled; returns what happened."""
+    node = node or NODES[dist.get_rank()]
+    os.environ["ZEROSTALL_NODE_ID"] = node
+    state = make_state()
+    tier = zs.LocalTier(node_dir(base, node), every=EVERY, keep=keep, replicas=replicas, timeout_s=30)
+    with zs.CheckpointManager(root, save_every=SAVE_EVERY, local=tier, fsync=False) as mgr:
+        try:
+            start = mgr.restore(state, **restore) or 0
+        except zs.CheckpointError as exc:
+            return {"error": (type(exc).__name__, str(exc)), "info": mgr.last_restore}
+        info = mgr.last_restore
+        resumed = digest(state)
+        losses = {}
+        for step in range(start + 1, until + 1):
+            losses[step] = train_step(state, step)
+            if mgr.should_save(step):
+                mgr.save(step, state)
+        mgr.wait()
+        failures = mgr.tier.replicator.failures if mgr.tier.replicator else 0
+    return {"start": start, "info": info, "losses": losses, "resumed": resumed, "end": digest(state),
+            "replication_failures": failures}
+
+
+# -- the tests -----------------------------------------------------------------------------------
+@pytest.fixture
+def run(ranks, tmp_path):
+    """A 4-rank pool, the root and the node directories' parent; and the uninterrupted run's losses."""
+    pool = ranks(4)
+    root, base = str(tmp_path / "root"), str(tmp_path / "nodes")
+    whole = pool.run(train, str(tmp_path / "reference"), str(tmp_path / "reference-nodes"), END)
+    first = pool.run(train, root, base, STOP)
+    assert [r["replication_failures"] for r in first] == [0, 0, 0, 0]
+    return pool, root, base, whole
+
+
+def check_resumed(after: list[dict], whole: list[dict], step: int, sources: tuple[str, ...]) -> None:
+    for rank, (got, ref) in enumerate(zip(after, whole)):
+        assert "error" not in got, got
+        assert got["start"] == step and got["info"].step == step
+        assert got["info"].sources == sources and got["info"].source == sources[rank]
+        assert got["losses"] == {s: ref["losses"][s] for s in range(step + 1, END + 1)}, f"rank {rank}"
+        assert got["end"] == ref["end"], f"rank {rank}"
+
+
+def test_a_restart_on_the_same_nodes_restores_the_newest_step_from_the_local_tier(run):
+    pool, root, base, whole = run
+    after = pool.run(train, root, base, END)
+    check_resumed(after, whole, 20, ("local",) * 4)
+
+
+def test_a_lost_node_restores_its_ranks_from_replicas_on_the_other_node(run):
+    pool, root, base, whole = run
+    shutil.rmtree(node_dir(base, "b"))
+    after = pool.run_per_rank(train, [(root, base, END, node) for node in ("a", "a", "c", "c")])  # "c": a spare
+    check_resumed(after, whole, 20, ("local", "local", "peer", "peer"))
+    assert NodeDirectory(node_dir(base, "c"), "x").top.is_dir()
+
+
+def test_two_nodes_lost_restore_from_the_persistent_tier(run):
+    pool, root, base, whole = run
+    shutil.rmtree(node_dir(base, "a"))
+    shutil.rmtree(node_dir(base, "b"))
+    after = pool.run(train, root, base, END)
+    check_resumed(after, whole, 12, ("persistent",) * 4)
+
+
+def copy_files(base: str, node: str, step: int, rank: int) -> list[str]:
+    folder = os.path.join(node_dir(base, node), os.listdir(node_dir(base, node))[0], f"step_{step:09d}",
+                          f"rank_{rank:05d}")
+    return sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors"))
+
+
+def flip_a_byte(file: str) -> None:
+    with open(file, "r+b") as f:
+        f.seek(os.path.getsize(file) - 7)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_a_flipped_byte_in_an_own_copy_is_found_and_the_replica_on_the_other_node_used(run, caplog):
+    pool, root, base, whole = run
+    flip_a_byte(copy_files(base, "a", 20, 1)[0])
+    after = pool.run(train, root, base, END)
+    check_resumed(after, whole, 20, ("local", "peer", "local", "local"))
+    assert "rank 1's copy on node a" in after[0]["info"].fallbacks[0][0]
+    assert "checksum" in after[0]["info"].fallbacks[0][1]
+
+
+def test_a_flipped_byte_in_a_replica_is_found_before_it_is_used_and_an_older_step_restored(run):
+    pool, root, base, whole = run
+    shutil.rmtree(node_dir(base, "b"))
+    flip_a_byte(copy_files(base, "a", 20, 2)[0])  # node a's replica of rank 2
+    after = pool.run_per_rank(train, [(root, base, END, node) for node in ("a", "a", "c", "c")])
+    check_resumed(after, whole, 15, ("local", "local", "peer", "peer"))
+    assert "rank 2's copy on node a" in after[0]["info"].fallbacks[0][0]
+
+
+def test_a_save_that_never_committed_on_one_rank_restores_the_previous_step(run):
+    """As a crash in the middle of rank 3's local save of step 20 leaves it: its data, no manifest."""
+    pool, root, base, whole = run
+    for node in ("a", "b"):
+        os.remove(os.path.join(os.path.dirname(copy_files(base, node, 20, 3)[0]), "manifest.json"))
+    after = pool.run(train, root, base, END)
+    check_resumed(after, whole, 15, ("local",) * 4)
+
+
+def test_fallback_false_refuses_a_damaged_copy(run):
+    pool, root, base, _ = run
+    flip_a_byte(copy_files(base, "a", 20, 0)[0])
+    after = pool.run(train, root, base, END, fallback=False)
+    assert all(r["error"][0] == "CheckpointError" and "fallback=True" in r["error"][1] for r in after)
+
+
+# -- pieces ----------------------------------------------------------------------------------------
+def test_local_tier_options_are_checked_when_built():
+    for bad in ({"every": 0}, {"keep": -1}, {"replicas": 1.5}, {"run_id": "a/b"}, {"timeout_s": 0}, {"every": True}):
+        with pytest.raises(ValueError, match=f"LocalTier.{next(iter(bad))}"):
+            LocalTier("/tmp/x", **bad)
+    with pytest.raises(ValueError, match="LocalTier.directory"):
+        LocalTier("")
+
+
+def test_start_up_removes_other_runs_and_unfinished_copies_and_keeps_committed_ones(tmp_path):
+    d = NodeDirectory(str(tmp_path), "run-1")
+    zs.save({"w": torch.ones(3)}, str(d.copy_path(10, 0)))
+    os.makedirs(d.copy_path(20, 0))
+    (d.copy_path(20, 0) / "data-x.safetensors").write_bytes(b"partial")
+    os.makedirs(d.step_path(20) / ".incoming-rank_00001-abc")
+    os.makedirs(tmp_path / "run-0" / "step_000000005")
+    d.clean_at_start()
+    assert sorted(os.listdir(tmp_path)) == ["run-1"]
+    assert d.holdings() == {10: [0]}
+
+
+def test_too_little_space_is_a_typed_error_with_the_numbers(tmp_path):
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(zs.InsufficientSpaceError, match=rf"needs {free * 2} bytes .* has \d+ bytes free"):
+        check_space(str(tmp_path), free * 2, 0)
+    check_space(str(tmp_path), free // 2, 0)
+
+
+def one_node_save_and_restore(root: str, base: str) -> tuple:
+    os.environ["ZEROSTALL_NODE_ID"] = "only"
+    handler = logging.Handler()
+    seen: list[str] = []
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("zerostall").addHandler(handler)
+    logging.getLogger("zerostall").setLevel(logging.INFO)
+    try:
+        state = make_state()
+        with zs.CheckpointManager(root, local=zs.LocalTier(base, every=1, replicas=2), fsync=False) as mgr:
+            train_step(state, 1)
+            mgr.save(1, state) if mgr.should_save(1) else None
+            mgr.wait()
+        after = make_state()
+        with zs.CheckpointManager(root, local=zs.LocalTier(base, every=1, replicas=2), fsync=False) as mgr:
+            step = mgr.restore(after)
+        return step, mgr.last_restore.sources, digest(after) == digest(state), seen
+    finally:
+        logging.getLogger("zerostall").removeHandler(handler)
+
+
+def test_one_node_keeps_its_own_copies_and_says_there_is_no_replica(ranks, tmp_path):
+    out = ranks(2).run(one_node_save_and_restore, str(tmp_path / "root"), str(tmp_path / "node"))
+    for step, sources, same, seen in out:
+        assert step == 1 and sources == ("local", "local") and same
+    assert any("one node, so no replicas" in m for m in out[0][3])
