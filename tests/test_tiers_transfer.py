@@ -1,0 +1,294 @@
+"""Node identity, replica placement, and copies sent between real gloo ranks, verified on arrival."""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+import zerostall as zs
+from distributed import RankError, RankPool
+from faults import wait_for
+from zerostall.format.layout import MANIFEST_NAME
+from zerostall.tiers import nodes as nodes_module
+from zerostall.tiers.nodes import NODE_ENV, Nodes, node_id
+from zerostall.tiers.transfer import INCOMING
+
+# -- nodes, pure ---------------------------------------------------------------------------------
+
+
+def test_node_id_from_the_environment_else_hostname_and_boot_id(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    monkeypatch.setenv(NODE_ENV, "  spare-7 \n")
+    assert node_id() == "spare-7"
+    monkeypatch.setenv(NODE_ENV, "   ")  # blank: as if unset
+    boot = tmp_path / "boot_id"
+    boot.write_text("0123456789abcdef\n")
+    monkeypatch.setattr(nodes_module, "BOOT_ID", str(boot))
+    monkeypatch.setattr(nodes_module.socket, "gethostname", lambda: "host-a")
+    assert node_id() == "host-a-01234567"
+    monkeypatch.setattr(nodes_module, "BOOT_ID", str(tmp_path / "absent"))
+    assert node_id() == "host-a"
+
+
+def test_nodes_are_ordered_by_their_smallest_rank() -> None:
+    nodes = Nodes(("b", "a", "b", "c", "a", "c"))
+    assert nodes.count == 3
+    assert [nodes.ranks_on(i) for i in range(3)] == [[0, 2], [1, 4], [3, 5]]
+    assert [nodes.index(r) for r in range(6)] == [0, 1, 0, 2, 1, 2]
+
+
+def test_holders_form_a_ring_over_other_nodes() -> None:
+    nodes = Nodes(("a", "a", "b", "b", "c", "c"))
+    assert nodes.holders(0, 2) == [2] and nodes.holders(1, 2) == [3] and nodes.holders(4, 2) == [0]
+    assert nodes.holders(1, 3) == [3, 5]
+    assert nodes.holders(1, 9) == [3, 5]  # at most one replica on each other node
+    assert nodes.holders(3, 1) == []
+    for replicas in (1, 2, 3):
+        for rank in range(6):
+            held = nodes.holders(rank, replicas)
+            on = [nodes.index(h) for h in held]
+            assert nodes.index(rank) not in on and len(set(on)) == len(on) == min(replicas, 3) - 1
+            assert sorted(nodes.sources(rank, replicas)) == [r for r in range(6) if rank in nodes.holders(r, replicas)]
+    assert nodes.sources(0, 2) == [4] and nodes.sources(3, 3) == [1, 5]
+
+
+def test_holders_on_nodes_of_unequal_sizes_and_on_one_node() -> None:
+    nodes = Nodes(("a", "a", "a", "b"))
+    assert [nodes.holders(r, 2) for r in range(4)] == [[3], [3], [3], [0]]
+    assert nodes.sources(3, 2) == [0, 1, 2]
+    alone = Nodes(("a", "a"))
+    assert alone.count == 1 and alone.holders(0, 3) == [] and alone.sources(1, 3) == []
+
+
+def test_a_spare_node_keeps_the_placement() -> None:
+    """A lost node replaced by a spare under another id: the same ranks, so the same holders."""
+    before = Nodes(("n0", "n0", "n1", "n1", "n2", "n2"))
+    after = Nodes(("n0", "n0", "spare", "spare", "n2", "n2"))
+    assert all(before.holders(r, 3) == after.holders(r, 3) for r in range(6))
+
+
+# -- over real ranks -----------------------------------------------------------------------------
+
+
+def _gather(ids: list[str]) -> tuple[tuple[str, ...], list[list[int]]]:
+    import torch.distributed as dist
+
+    from zerostall.collectives import Group
+    from zerostall.tiers.nodes import gather_nodes
+
+    os.environ[NODE_ENV] = ids[dist.get_rank()]
+    try:
+        nodes = gather_nodes(Group())
+    finally:
+        del os.environ[NODE_ENV]
+    return nodes.ids, [nodes.ranks_on(i) for i in range(nodes.count)]
+
+
+def test_gather_nodes_over_four_ranks(ranks) -> None:
+    results = ranks(4).run(_gather, ["y", "x", "y", "x"])
+    assert results == [(("y", "x", "y", "x"), [[0, 2], [1, 3]])] * 4
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(300, 257, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16),
+            "steps": torch.randint(0, 1 << 40, (33,), generator=g), "epoch": seed, "name": f"rank {seed}"}
+
+
+def _empty_like(state: dict) -> dict:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+
+
+def _assert_same(loaded: dict, expected: dict) -> None:
+    assert loaded.keys() == expected.keys()
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert loaded[key].dtype == value.dtype and torch.equal(loaded[key].view(torch.uint8),
+                                                                   value.view(torch.uint8)), key
+        else:
+            assert loaded[key] == value, key
+
+
+def _copies(tmp_path: Path, world: int) -> list[Path]:
+    """One committed one-rank checkpoint per rank, saved here (no process group)."""
+    out = []
+    for rank in range(world):
+        path = tmp_path / f"own_{rank}"
+        zs.save(_state(rank), str(path))
+        out.append(path)
+    return out
+
+
+def _exchange(sends: list, receives: list, chunk_bytes: int, pg_timeout: float | None = None) -> list:
+    """Run exchange on this rank; returns the published paths, or the error's type and message."""
+    import torch.distributed as dist
+
+    from zerostall.tiers.transfer import exchange
+
+    pg = dist.group.WORLD
+    if pg_timeout is not None:
+        pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=pg_timeout))
+    try:
+        return [None if p is None else str(p) for p in exchange(pg, sends, receives, chunk_bytes=chunk_bytes)]
+    except Exception as exc:
+        return [type(exc).__name__, str(exc)]
+
+
+@pytest.mark.parametrize("ids,replicas", [(["a", "a", "b", "b"], 2), (["a", "b", "c", "d"], 3)])
+def test_exchange_sends_every_copy_to_its_holders_bit_exact(ranks, tmp_path: Path, ids: list[str],
+                                                            replicas: int) -> None:
+    """Every rank sends and receives at once (pairs in both directions, several peers), in chunks
+    far smaller than the files; each received copy loads bit-exactly."""
+    nodes = Nodes(tuple(ids))
+    own = _copies(tmp_path, 4)
+    node_dir = [tmp_path / f"node_{nodes.index(r)}" / "step_000000010" for r in range(4)]
+    args = [([(h, own[r]) for h in nodes.holders(r, replicas)],
+             [(s, node_dir[r] / f"rank_{s:05d}") for s in nodes.sources(r, replicas)], 4096) for r in range(4)]
+    results = ranks(4).run_per_rank(_exchange, args)
+    for r in range(4):
+        assert results[r] == [str(p) for _, p in args[r][1]]
+        for src, path in args[r][1]:
+            assert sorted(os.listdir(path)) == sorted(os.listdir(own[src]))
+            _assert_same(zs.load(_empty_like(_state(src)), str(path)), _state(src))
+        assert not [p for p in os.listdir(node_dir[r]) if p.startswith(INCOMING)]
+
+
+def test_nothing_to_send_and_a_copy_that_cannot_be_sent(ranks, tmp_path: Path) -> None:
+    """None: the receiver learns there is nothing (None, nothing published); a copy without a
+    manifest (never committed): the sender raises, and so does the receiver, naming that rank."""
+    own = _copies(tmp_path, 1)[0]
+    uncommitted = tmp_path / "uncommitted"
+    zs.save(_state(3), str(uncommitted))
+    (uncommitted / MANIFEST_NAME).unlink()  # as a save that never committed leaves it
+    dest = tmp_path / "held"
+    args = [([(1, None), (2, own)], [(3, dest / "rank_00003")], 4096),
+            ([], [(0, dest / "rank_00000")], 4096), ([], [(0, dest / "copy_of_0")], 4096),
+            ([(0, uncommitted)], [], 4096)]
+    results = ranks(4).run_per_rank(_exchange, args)
+    assert results[1] == [None] and not (dest / "rank_00000").exists()
+    assert results[2] == [str(dest / "copy_of_0")]
+    kind, message = results[0]
+    assert kind == "CheckpointError" and "rank 3 could not send its copy" in message and "no manifest" in message
+    assert results[3][0] == "CheckpointError" and str(uncommitted) in results[3][1]
+    assert sorted(os.listdir(dest)) == ["copy_of_0"]
+
+
+def _flip_byte(folder: Path) -> str:
+    """Flip one byte in the middle of the largest data file; returns its name."""
+    name = max((p for p in os.listdir(folder) if p != MANIFEST_NAME), key=lambda p: os.path.getsize(folder / p))
+    with open(folder / name, "r+b") as f:
+        f.seek(os.path.getsize(folder / name) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    return name
+
+
+def test_a_flipped_byte_is_caught_and_nothing_is_published(ranks, tmp_path: Path) -> None:
+    """The copy on the sender is damaged: the receiver's check finds it and keeps nothing; a good
+    copy already held under that name stays."""
+    own = _copies(tmp_path, 2)
+    held = tmp_path / "node_1" / "rank_00000"
+    zs.save(_state(7), str(held))  # an older copy in place
+    name = _flip_byte(own[0])
+    results = ranks(2).run_per_rank(_exchange, [([(1, own[0])], [], 1 << 16), ([], [(0, held)], 1 << 16)])
+    assert results[0] == []
+    kind, message = results[1]
+    assert kind == "CorruptCheckpointError"
+    assert "rank 0" in message and name in message and "checksum mismatch" in message and str(held) in message
+    assert sorted(os.listdir(held.parent)) == ["rank_00000"]
+    _assert_same(zs.load(_empty_like(_state(7)), str(held)), _state(7))
+
+
+def test_a_received_copy_replaces_the_one_held(ranks, tmp_path: Path) -> None:
+    own = _copies(tmp_path, 2)
+    held = tmp_path / "node_1" / "rank_00000"
+    zs.save(_state(7), str(held))
+    results = ranks(2).run_per_rank(_exchange, [([(1, own[0])], [], 1 << 16), ([], [(0, held)], 1 << 16)])
+    assert results == [[], [str(held)]]
+    assert sorted(os.listdir(held.parent)) == ["rank_00000"]
+    _assert_same(zs.load(_empty_like(_state(0)), str(held)), _state(0))
+
+
+def _hostile_then_honest(name: str, held: str, own: str) -> list:
+    """Rank 1 sends a header naming ``name`` and its 4 bytes; then a real copy, on the same pair."""
+    import torch.distributed as dist
+
+    from zerostall.tiers.transfer import _send_header
+
+    if dist.get_rank() == 1:
+        _send_header(dist.group.WORLD, 0, {"files": [[name, 4]]})
+        dist.send(torch.zeros(4, dtype=torch.uint8), 0)
+        return _exchange([(0, own)], [], 4096)
+    return [_exchange([], [(1, Path(held))], 4096), _exchange([], [(1, Path(held))], 4096)]
+
+
+@pytest.mark.parametrize("name", ["../escaped", "/tmp/absolute", "sub/dir", "..", ""])
+def test_a_hostile_file_name_is_refused(ranks, tmp_path: Path, name: str) -> None:
+    own = _copies(tmp_path, 2)[1]
+    held = tmp_path / "node" / "step" / "rank_00001"
+    hostile, honest = ranks(2).run(_hostile_then_honest, name, str(held), str(own))[0]
+    assert hostile[0] in ("CorruptCheckpointError", "UnsafeFileError") and "rank 1" in hostile[1], hostile
+    assert "not a plain file name" in hostile[1]
+    assert not (tmp_path / "node" / "escaped").exists() and not (tmp_path / "node" / "step" / "escaped").exists()
+    assert honest == [str(held)]  # the refused bytes were drained: the pair's next transfer works
+    assert sorted(os.listdir(held.parent)) == ["rank_00001"]
+    _assert_same(zs.load(_empty_like(_state(1)), str(held)), _state(1))
+
+
+def _silent_peer(timeout: float, held: str) -> list:
+    """Rank 0 waits for a copy rank 1 never sends (a group with a short timeout)."""
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        return _exchange([], [(1, Path(held))], 4096, pg_timeout=timeout)
+    dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    time.sleep(timeout + 2)
+    return []
+
+
+def _dies_while_sending(own: str, held: str) -> list:
+    """Rank 1 sends a big copy to rank 0 and dies once part of it has arrived."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        folder = Path(held).parent
+
+        def kill_when_arriving() -> None:
+            def arriving() -> bool:
+                try:
+                    return any(f.stat().st_size for d in folder.glob(INCOMING + "*") for f in d.iterdir())
+                except OSError:  # a folder or file that went meanwhile
+                    return False
+            wait_for(arriving, "the copy to arrive")
+            os._exit(1)
+        threading.Thread(target=kill_when_arriving, daemon=True).start()
+        return _exchange([(0, Path(own))], [], 1 << 16, pg_timeout=60)
+    return _exchange([], [(1, Path(held))], 1 << 16, pg_timeout=60)
+
+
+def test_a_silent_or_dead_peer_fails_the_transfer_without_a_hang(tmp_path: Path) -> None:
+    """A fresh pool (a dead worker tears it down). A peer that sends nothing: the receiver raises
+    once the group's timeout passes; one that dies mid-transfer: the receiver raises, keeps nothing."""
+    big = tmp_path / "big"
+    zs.save({"x": torch.arange(16 << 20, dtype=torch.int64)}, str(big))  # 128 MiB in 64 KiB chunks
+    held = tmp_path / "node" / "rank_00001"
+    pool = RankPool(2)
+    try:
+        kind, message = pool.run(_silent_peer, 3.0, str(held), timeout=60)[0]
+        assert kind == "CheckpointError" and "rank 1" in message and str(held) in message
+        with pytest.raises(RankError) as caught:
+            pool.run(_dies_while_sending, str(big), str(held), timeout=120)
+    finally:
+        pool.close()
+    assert caught.value.dead == [1] and not caught.value.timed_out
+    kind, message = caught.value.results[0]
+    assert kind == "CheckpointError" and "rank 1" in message and str(held) in message
+    assert not held.parent.exists() or os.listdir(held.parent) == []
