@@ -24,7 +24,10 @@ def torchrun(tmp: str, name: str, *extra: str) -> subprocess.Popen[str]:
     out = os.path.join(tmp, name)
     os.makedirs(out)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROSTALL_", "TORCHELASTIC_"))}
-    env |= {"PYTHONPATH": os.pathsep.join([SRC_DIR, TESTS_DIR]), "OMP_NUM_THREADS": "1"}
+    env |= {"PYTHONPATH": os.pathsep.join([SRC_DIR, TESTS_DIR]), "OMP_NUM_THREADS": "1",
+            # the workers' own store, not the agent's: with the shared one a restarted worker may read its peer's
+            # address from the attempt before and never connect (pytorch/pytorch#135712, torch's workaround)
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--monitor-interval", "0.1",
            SCRIPT, out, os.path.join(tmp, f"{name}-root"), os.path.join(tmp, f"{name}-nodes"), *extra]
