@@ -101,7 +101,7 @@ def digest(state: dict[str, Any]) -> str:
     """Every tensor's bytes, the loader position and the global RNG: what a restore must give back."""
     h = xxhash.xxh3_128()
     for t in state_tensors(state):
-        h.update(t.detach().contiguous().view(torch.uint8).numpy())
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
     h.update(repr(state["dataloader"]["pos"]).encode())
     h.update(torch.get_rng_state().numpy())
     return h.hexdigest()
@@ -111,8 +111,8 @@ def digest(state: dict[str, Any]) -> str:
 def change(state: dict[str, Any], step: int, rank: int) -> None:
     """One simulated training step's change: a row of every tensor, the loader position, the RNG."""
     for t in state_tensors(state):
-        if t.dim():
-            t.view(-1)[step * 4099 % t.numel()] += 1.0 + rank
+        if t.dim():  # the replicated tensors alike on every rank, the rank's own buffer its own way
+            t.view(-1)[step * 4099 % t.numel()] += 1.0 + (rank if t is state["dataloader"]["buffer"] else 0)
     for s in state["optim"].state.values():
         s["step"] += 1
     state["dataloader"]["pos"] = step
@@ -316,7 +316,7 @@ def stall(rank: int, args: argparse.Namespace, port: int, run: dict[str, Any]) -
     args = argparse.Namespace(**{**vars(args), "every": 1, "save_every": None})
     mgr = manager(os.path.join(run["base"], "stall-root"), os.path.join(run["base"], "stall"), "aabb"[rank], args)
     log: dict[str, Any] = {"save": [], "none": [], "save_s": [], "staged_s": [], "committed_s": [], "first": None}
-    step = 0
+    step, handle = 0, None
     for rep in range(args.reps + 1):  # block 0: warm-up (the first save allocates and checks the space)
         for arm in rotated(["save", "none"], rep):
             for _ in range(args.stall_steps):
@@ -325,10 +325,11 @@ def stall(rank: int, args: argparse.Namespace, port: int, run: dict[str, Any]) -
                 start = time.monotonic()
                 train_step(state, step, rank, mgr)
                 if arm == "save" and mgr.should_save(step):
+                    busy = handle is not None and not handle.committed.done()  # save() then waits for it
                     called = time.monotonic()
                     handle = mgr.save(step, state)
                     returned = time.monotonic()
-                    times = {"save_s": returned - called}
+                    times = {"save_s": returned - called, "busy": busy}
                     handle.staged.add_done_callback(lambda f, t=times: t.setdefault("staged_s", time.monotonic()))
                     handle.committed.add_done_callback(lambda f, t=times: t.setdefault("committed_s", time.monotonic()))
                     if log["first"] is None:
@@ -342,6 +343,7 @@ def stall(rank: int, args: argparse.Namespace, port: int, run: dict[str, Any]) -
     for called, times in log.pop("pending", []):
         for what in ("save_s", "staged_s", "committed_s"):
             log[what].append(times[what] - (0.0 if what == "save_s" else called))
+        log.setdefault("busy", []).append(times["busy"])
     log["replication_s"] = [s for _, s in mgr.tier.replicator.replicated]
     mgr.close()
     write_json(os.path.join(run["out"], f"stall-{rank}.json"), log)
@@ -415,6 +417,10 @@ def summarize(args: argparse.Namespace, run: dict[str, Any], trained: list[dict[
     for what in ("save_s", "staged_s", "committed_s"):
         out[f"local_{what}"] = rnd(median([max(v) for v in zip(*(r[what] for r in stalled))]))
     out["local_save_stall_s"] = out.pop("local_save_s")
+    idle = [max(v) for v, *busy in zip(zip(*(r["save_s"] for r in stalled)), *(r["busy"] for r in stalled))
+            if not any(busy)]  # saves called when no rank's previous save was still being written
+    out["local_save_stall_idle_s"] = rnd(median(idle))
+    out["local_saves_behind_previous"] = f"{len(stalled[0]['save_s']) - len(idle)} of {len(stalled[0]['save_s'])}"
     out["local_first_save_s"] = rnd(max(r["first"] for r in stalled))
     with_saves = median([max(v) for v in zip(*(r["save"] for r in stalled))])
     without = median([max(v) for v in zip(*(r["none"] for r in stalled))])
@@ -451,7 +457,8 @@ def print_table(r: dict[str, Any]) -> None:
     print(f"peer: {r['peer_bytes']} bytes in {r['peer_exchange_s']} s of exchange ({r['peer_verify_s']} s verifying) = "
           f"{r['peer_transfer_gbps']} GB/s; raw gloo (same pairs) {r['raw_transport_gbps']} GB/s, one pair "
           f"{r['raw_one_pair_gbps']} GB/s; peer/raw {r['peer_vs_raw']}")
-    print(f"local save every step: save() {r['local_save_stall_s']} s (first {r['local_first_save_s']} s), staged "
+    print(f"local save every step: save() {r['local_save_stall_s']} s ({r['local_save_stall_idle_s']} s when the previous "
+          f"save had committed; {r['local_saves_behind_previous']} saves waited for it; first {r['local_first_save_s']} s), staged "
           f"{r['local_staged_s']} s, committed {r['local_committed_s']} s; step {r['step_s_without_saves']} -> "
           f"{r['step_s_with_local_saves']} s ({r['step_overhead']}); replication {r['replication_s']} s")
     print(f"steps lost (every={r['every']}, save_every={r['save_every']}, crash after step {r['stop']}): "

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -235,3 +236,33 @@ def test_one_node_keeps_its_own_copies_and_says_there_is_no_replica(ranks, tmp_p
     for step, sources, same, seen in out:
         assert step == 1 and sources == ("local", "local") and same
     assert any("one node, so no replicas" in m for m in out[0][3])
+
+
+def test_retention_never_deletes_the_local_save_still_being_written(tmp_path, monkeypatch):
+    """The next save's retention ran while the last one was still writing (slower than `every` steps):
+    it saw no committed copy of that step and deleted its folder, and that save failed."""
+    from zerostall.saving import pipeline
+
+    reached, release, publish = threading.Event(), threading.Event(), pipeline.publish_manifest
+
+    def held_back(*args, **kwargs):  # the first save stops before its commit until retention has run
+        reached.set()
+        release.wait(2)  # fixed code retires only after the commit: it goes on after 2 s
+        return publish(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "publish_manifest", held_back)
+    state = {"w": torch.arange(1000.0)}
+    tier = zs.LocalTier(str(tmp_path / "node"), every=1, keep=1, replicas=1)
+    with zs.CheckpointManager(str(tmp_path / "root"), local=tier, fsync=False) as mgr:
+        directory = mgr.tier.directory
+        keep_only = directory.keep_only
+        directory.keep_only = lambda steps: (keep_only(steps), release.set())  # type: ignore[method-assign]
+        assert mgr.should_save(1)
+        first = mgr.save(1, state)
+        assert reached.wait(60)
+        assert mgr.should_save(2)
+        mgr.save(2, state)
+        first.result()
+        mgr.wait()
+        assert sorted(directory.holdings()) == [1, 2]
+        zs.verify(str(directory.copy_path(1, 0)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from concurrent import futures
 from datetime import timedelta
 from typing import Any
 
@@ -57,6 +58,7 @@ class NodeTier:
             log.info("local tier: one node, so no replicas on other nodes (replicas=%d asked for)", options.replicas)
         self.replicator = Replicator(self.pg, self.nodes, self.directory, group.rank, replicas) if replicas > 1 else None
         self.saver = AsyncSaver()
+        self._last: SaveHandle | None = None
         self._space_checked = False
 
     def due(self, step: int) -> bool:
@@ -66,6 +68,8 @@ class NodeTier:
         """Start saving this rank's copy of ``step`` (collective: retention and, the first time,
         the space check agree first); replication follows its commit in the background."""
         tree, flat, digest = view(state)
+        if self._last is not None:  # retention must see the last save committed (or failed), not delete it mid-write
+            futures.wait([self._last.committed])  # the saver would wait for it anyway; its failure stays its own
         self._retire(step)
         if not self._space_checked:
             self._check_space(sum(t.nbytes for t in flat.leaves.values() if isinstance(t, torch.Tensor)))
@@ -76,6 +80,7 @@ class NodeTier:
         local = dataclasses.replace(options, fsync=False, overwrite=True, before_commit=None)
         handle = self.saver.save(tree, str(path), local, process_group=ALONE, step=step, metadata=metadata)
         assert handle is not None
+        self._last = handle
         self.saver.hold_steps([obj for obj, _ in flat.statefuls.values() if isinstance(obj, torch.optim.Optimizer)])
         if self.replicator is not None:
             replicator = self.replicator
