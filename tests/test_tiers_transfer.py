@@ -216,14 +216,15 @@ def test_a_received_copy_replaces_the_one_held(ranks, tmp_path: Path) -> None:
 
 
 def _hostile_then_honest(name: str, held: str, own: str) -> list:
-    """Rank 1 sends a header naming ``name`` and its 4 bytes; then a real copy, on the same pair."""
+    """Rank 1 sends a header naming a manifest and ``name``, and their bytes; then a real copy, on the same pair."""
     import torch.distributed as dist
 
     from zerostall.tiers.transfer import _send_header
 
     if dist.get_rank() == 1:
-        _send_header(dist.group.WORLD, 0, {"files": [[name, 4]]})
-        dist.send(torch.zeros(4, dtype=torch.uint8), 0)
+        _send_header(dist.group.WORLD, 0, {"files": [[MANIFEST_NAME, 4], [name, 4]]})
+        for _ in range(2):
+            dist.send(torch.zeros(4, dtype=torch.uint8), 0)
         return _exchange([(0, own)], [], 4096)
     return [_exchange([], [(1, Path(held))], 4096), _exchange([], [(1, Path(held))], 4096)]
 
@@ -239,6 +240,43 @@ def test_a_hostile_file_name_is_refused(ranks, tmp_path: Path, name: str) -> Non
     assert honest == [str(held)]  # the refused bytes were drained: the pair's next transfer works
     assert sorted(os.listdir(held.parent)) == ["rank_00001"]
     _assert_same(zs.load(_empty_like(_state(1)), str(held)), _state(1))
+
+
+def _forged(files: list[tuple[str, str]], held: str) -> list:
+    """Rank 1 sends the files given as (name, path of the bytes) as a copy, each in one chunk."""
+    import torch.distributed as dist
+
+    from zerostall.tiers.transfer import _send_header
+
+    if dist.get_rank() == 0:
+        return _exchange([], [(1, Path(held))], 1 << 20)
+    data = [Path(path).read_bytes() for _, path in files]
+    _send_header(dist.group.WORLD, 0, {"files": [[name, len(d)] for (name, _), d in zip(files, data)]})
+    for d in data:
+        if d:
+            dist.send(torch.frombuffer(bytearray(d), dtype=torch.uint8), 0)
+    return []
+
+
+@pytest.mark.parametrize("change", ["extra file", "file left out", "manifest not first"])
+def test_a_copy_that_is_not_its_manifest_s_files_is_refused(ranks, tmp_path: Path, change: str) -> None:
+    """Only the manifest and the data files it lists, each checked, make a copy: a file it does not
+    list (unchecked bytes), one left out, or a stream that does not start with the manifest is refused."""
+    own = _copies(tmp_path, 1)[0]
+    files = [(MANIFEST_NAME, str(own / MANIFEST_NAME))]
+    files += [(p, str(own / p)) for p in sorted(os.listdir(own)) if p != MANIFEST_NAME]
+    if change == "extra file":
+        files.append(("notes.txt", str(own / MANIFEST_NAME)))
+        expected = "not listed: ['notes.txt']"
+    elif change == "file left out":
+        expected = f"not sent: ['{files.pop()[0]}']"
+    else:
+        files.reverse()
+        expected = "does not begin with manifest.json"
+    held = tmp_path / "node" / "rank_00001"
+    kind, message = ranks(2).run(_forged, files, str(held))[0]
+    assert kind == "CorruptCheckpointError" and "rank 1" in message and expected in message
+    assert not held.parent.exists() or os.listdir(held.parent) == []
 
 
 def _silent_peer(timeout: float, held: str) -> list:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Collection
 
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 from ..format import codec
@@ -18,8 +18,11 @@ from .foreign import describe
 from .reader import ChunkReader, resolve
 
 
-def verify_all(fetcher: ChunkReader, *, allow_pickle: bool, progress: Callable[[int], None] | None = None) -> int:
-    """Check every file size and every block checksum; returns bytes checked.
+def verify_all(fetcher: ChunkReader, *, allow_pickle: bool, progress: Callable[[int], None] | None = None,
+               files: Collection[str] | None = None) -> int:
+    """Check every file size and every block checksum; returns bytes checked. ``files``: check
+    only these data files (and every entry's description), so a copy that arrives file by file is
+    checked as it arrives.
 
     ``progress(nbytes)`` is called from the reader threads as blocks are checked. Raises
     :class:`CorruptCheckpointError` listing every fault found (``.faults``), or a plain
@@ -33,12 +36,15 @@ def verify_all(fetcher: ChunkReader, *, allow_pickle: bool, progress: Callable[[
                               "with checksums, checking every value)")
     faults: list[str] = []
     unreadable = False
-    jobs = [(e, c) for e in manifest.entries if e.kind == "tensor" for c in e.chunks]
+    jobs = [(e, c) for e in manifest.entries if e.kind == "tensor" for c in e.chunks
+            if files is None or c.file in files]
     data_start: dict[str, int] = {}  # where each file's data section begins: its header ends there
     for _, chunk in jobs:
         data_start[chunk.file] = min(chunk.offset, data_start.get(chunk.file, chunk.offset))
     sizes: dict[str, int] = {}  # the actual size of each data file found
     for name, size in manifest.files.items():
+        if files is not None and name not in files:
+            continue
         try:
             actual = sizes[name] = fetcher.storage.size(name)
             header_fault = _header_fault(fetcher, name, data_start.get(name))

@@ -2,24 +2,27 @@
 process group, verified where it arrives before it is published.
 
 Each transfer is one stream between two ranks: a header (the length of a JSON document, then the
-document: the copy's file names and sizes, or why there is nothing), then the bytes of the files
-in chunks, each file from offset 0, through two preallocated buffers a side so reading a file (or
-writing it) overlaps with the network. No pickling, no collective: point-to-point messages only,
-every wait bounded by the group's own timeout. The receiver writes into a sibling folder named
-``.incoming-...`` (removed by the local tier at start-up if a crash leaves one), checks every block
-against the checkpoint's checksums with :func:`~zerostall.loading.verification.verify_all` (what
-``zs.verify`` runs), and only then renames it into place. Files are not fsynced: a copy torn by a
-power loss fails its checksums when it is read, and another copy is used.
+document: the copy's file names and sizes, or why there is nothing), then the bytes of the files,
+manifest first, in chunks, a few on the wire at once. No pickling, no collective: point-to-point
+messages only, every wait bounded by the group's own timeout. Files are memory-mapped on both
+sides, so the network reads and writes the page cache with no copy in between. The receiver
+writes into a sibling folder named ``.incoming-...`` (removed by the local tier at start-up if a
+crash leaves one), checks every block against the checkpoint's checksums with
+:func:`~zerostall.loading.verification.verify_all` (what ``zs.verify`` runs) file by file as
+they arrive, and only then renames the folder into place. Files are not fsynced: a copy torn by
+a power loss fails its checksums when it is read, and another copy is used.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,7 +40,8 @@ INCOMING = ".incoming-"
 """The prefix of a copy's folder while it arrives, beside the folder it is published as."""
 
 _HEADER_LIMIT = 64 << 20  # a copy's names and sizes; more is a broken or hostile stream
-_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+_CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+_IN_FLIGHT = 4  # chunks of one transfer on the wire at once
 
 
 def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequence[tuple[int, Path]], *,
@@ -68,34 +72,37 @@ def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequen
 
 def _send(pg: Any, dst: int, copy: Path | None, chunk_bytes: int) -> None:
     """Send ``copy`` (its manifest first, then the files it lists) to ``dst``; None: word that there is none."""
-    fds: list[tuple[str, int, int]] = []
     try:
         try:
-            if copy is None:
-                header: dict[str, Any] = {"files": None}
-            else:
-                manifest = read_manifest(LocalStorage(os.fspath(copy), fsync=False))
-                for name in [MANIFEST_NAME, *manifest.files]:
-                    fds.append((name, *open_regular(os.path.join(copy, check_name(name)))))
-                header = {"files": [[name, size] for name, _, size in fds]}
+            files, data = ([], []) if copy is None else _open_copy(copy)
         except (CheckpointError, OSError) as exc:  # the receiver learns why, then this rank raises it
             _send_header(pg, dst, {"error": f"{type(exc).__name__}: {exc}"})
             raise CheckpointError(f"cannot send the copy {copy} to rank {dst}: {exc}") from exc
-        _send_header(pg, dst, header)
-        stream = _Stream(pg, dst, chunk_bytes)
-        for name, fd, size in fds:
-            for offset in range(0, size, chunk_bytes):
-                buf = stream.buffer(min(chunk_bytes, size - offset))
-                if os.preadv(fd, [buf.numpy()], offset) != buf.numel():
-                    raise CheckpointError(f"{copy / name} shrank while it was sent to rank {dst}")
-                stream.send(buf)
-        stream.drain()
+        _send_header(pg, dst, {"files": None if copy is None else [list(f) for f in files]})
+        wire = _Wire(pg, dst)
+        for whole in data:
+            for offset in range(0, whole.numel(), chunk_bytes):
+                wire.send(whole[offset:offset + chunk_bytes])
+        wire.finish()
     except RuntimeError as exc:  # what torch.distributed raises for a dead peer or a timeout
         raise CheckpointError(f"sending the copy {copy} to rank {dst} failed (rank {dst} died, or timed out): "
                               f"{exc}") from exc
-    finally:
-        for _, fd, _ in fds:
+
+
+def _open_copy(copy: Path) -> tuple[list[tuple[str, int]], list[torch.Tensor]]:
+    """The files of the committed copy ``copy`` (its manifest, then the data files it lists) with
+    their sizes, and their bytes, mapped (the network reads them from the page cache, no copy)."""
+    manifest = read_manifest(LocalStorage(os.fspath(copy), fsync=False))
+    files, data = [], []
+    for name in [MANIFEST_NAME, *manifest.files]:
+        fd, size = open_regular(os.path.join(copy, check_name(name)))
+        try:
+            mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else bytearray()
+        finally:
             os.close(fd)
+        files.append((name, size))
+        data.append(torch.frombuffer(mapped, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8))
+    return files, data
 
 
 def _receive(pg: Any, src: int, final: Path, chunk_bytes: int) -> Path | None:
@@ -106,8 +113,7 @@ def _receive(pg: Any, src: int, final: Path, chunk_bytes: int) -> Path | None:
             return None
         incoming = final.parent / f"{INCOMING}{final.name}-{secrets.token_hex(4)}"
         try:
-            _receive_files(pg, src, files, incoming, final, chunk_bytes)
-            _verify(incoming, src, final, {name for name, _ in files})
+            _Arrival(src, final, incoming).receive(_Wire(pg, src), files, chunk_bytes)
             _publish(incoming, final)
         except BaseException:
             shutil.rmtree(incoming, ignore_errors=True)
@@ -118,53 +124,103 @@ def _receive(pg: Any, src: int, final: Path, chunk_bytes: int) -> Path | None:
     return final
 
 
-def _receive_files(pg: Any, src: int, files: list[tuple[str, int]], folder: Path, final: Path,
-                   chunk_bytes: int) -> None:
-    """Receive the bytes of ``files`` into ``folder`` (made here). A name that is not a plain file name (or comes
-    twice) is refused, and a file that cannot be written fails, once every byte has arrived (and
-    been dropped), so the stream stays whole for the next transfer."""
-    failure: CheckpointError | None = None
-    fds: dict[str, int] = {}
-    try:
+class _Arrival:
+    """One copy arriving into ``folder``: each file is received straight into its mapped file, and
+    checked (:func:`verify_all` of that file) in the background once whole, while the next ones
+    arrive. A failure (a name that is not a plain file name, a file that cannot be written, a
+    check that fails) is raised once every byte has arrived, the rest dropped, so the stream stays
+    whole for the pair's next transfer."""
+
+    def __init__(self, src: int, final: Path, folder: Path) -> None:
+        self.src, self.final, self.folder = src, final, folder
+        self.failure: CheckpointError | None = None
+        self.reader: ChunkReader | None = None
+        self.checks = ThreadPoolExecutor(1, thread_name_prefix="zerostall-transfer-check")
+        self.checked: list[Future[int]] = []
+
+    def receive(self, wire: _Wire, files: list[tuple[str, int]], chunk_bytes: int) -> None:
+        self.names = {name for name, _ in files}
+        targets = self._create(files)
+        drop = None
         try:
-            folder.mkdir(parents=True)
-            for name, _ in files:
-                if check_name(name) in fds:
-                    raise CorruptCheckpointError(f"{name!r} comes twice in its file list")
-                fds[name] = os.open(folder / name, _WRITE_FLAGS, 0o644)
-        except CorruptCheckpointError as exc:
-            failure = CorruptCheckpointError(f"the copy rank {src} sent for {final} was refused: {exc}")
-        except OSError as exc:
-            failure = CheckpointError(f"cannot write rank {src}'s copy into {folder}: {exc}")
-        pieces = [(name, offset) for name, size in files for offset in range(0, size, chunk_bytes)]
-        sizes = (min(chunk_bytes, size - offset) for name, size in files for offset in range(0, size, chunk_bytes))
-        for (name, offset), buf in zip(pieces, _Stream(pg, src, chunk_bytes).received(sizes)):
-            if failure is None:
+            for i, (name, size) in enumerate(files):
+                for offset in range(0, size, chunk_bytes):
+                    n = min(chunk_bytes, size - offset)
+                    if self.failure is None:
+                        wire.receive(targets[i][offset:offset + n])
+                    else:
+                        drop = torch.empty(chunk_bytes, dtype=torch.uint8) if drop is None else drop
+                        wire.receive(drop[:n])
+                wire.then(lambda name=name: self._arrived(name))
+            wire.finish()
+        finally:
+            targets.clear()
+            self.checks.shutdown()
+        for future in self.checked:
+            if future.exception() is not None:
+                self._fail(future.exception())
+        if self.failure is not None:
+            raise self.failure
+
+    def _create(self, files: list[tuple[str, int]]) -> list[torch.Tensor]:
+        """Each file, made at its size (space taken now: a full disk fails here, not as a fault
+        in a mapped page) and mapped; nothing after a failure."""
+        targets: list[torch.Tensor] = []
+        try:
+            if not files or files[0][0] != MANIFEST_NAME:
+                raise CorruptCheckpointError(f"its file list does not begin with {MANIFEST_NAME}")
+            self.folder.mkdir(parents=True)
+            for name, size in files:
+                fd = os.open(self.folder / check_name(name), _CREATE_FLAGS, 0o644)
                 try:
-                    _write_all(fds[name], buf.numpy(), offset)
-                except OSError as exc:
-                    failure = CheckpointError(f"cannot write rank {src}'s copy into {folder}: {exc}")
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    if failure is not None:
-        raise failure
+                    if size:
+                        os.posix_fallocate(fd, 0, size)
+                    mapped = mmap.mmap(fd, size) if size else bytearray()
+                finally:
+                    os.close(fd)
+                targets.append(torch.frombuffer(mapped, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8))
+        except FileExistsError:
+            self._fail(CorruptCheckpointError("its file list names a file twice"))
+        except (CheckpointError, OSError) as exc:
+            self._fail(exc)
+        return targets
 
+    def _arrived(self, name: str) -> None:
+        """File ``name`` is whole: the manifest is read (and the file list checked against it), a
+        data file checked in the background."""
+        if self.failure is not None:
+            return
+        if name == MANIFEST_NAME:
+            storage = LocalStorage(os.fspath(self.folder), fsync=False)
+            try:
+                manifest = read_manifest(storage)
+                listed = {MANIFEST_NAME, *manifest.files}
+                if self.names != listed:
+                    raise CorruptCheckpointError(f"its files are not those its manifest lists (not listed: "
+                                                 f"{sorted(self.names - listed)[:5]}, not sent: "
+                                                 f"{sorted(listed - self.names)[:5]})")
+            except CheckpointError as exc:
+                self._fail(exc)
+                return
+            self.reader = ChunkReader(storage, manifest, default_threads())
+            self.checked.append(self.checks.submit(verify_all, self.reader, allow_pickle=False, files=()))
+        elif self.reader is not None:
+            self.checked.append(self.checks.submit(verify_all, self.reader, allow_pickle=False, files={name}))
 
-def _verify(folder: Path, src: int, final: Path, received: set[str]) -> None:
-    """Check every file size and every block of the copy in ``folder`` (see :func:`verify_all`), and
-    that it holds exactly the files its manifest lists."""
-    storage = LocalStorage(os.fspath(folder), fsync=False)
-    try:
-        manifest = read_manifest(storage)
-        extra = received - {MANIFEST_NAME, *manifest.files}
-        if extra:
-            raise CorruptCheckpointError(f"files its manifest does not list: {sorted(extra)[:5]}")
-        verify_all(ChunkReader(storage, manifest, default_threads()), allow_pickle=False)
-    except CheckpointError as exc:
-        kind = CorruptCheckpointError if isinstance(exc, CorruptCheckpointError) else CheckpointError
-        raise kind(f"the copy rank {src} sent for {final} failed verification, so it was not kept: "
-                   f"{str(exc).replace(str(folder), '(as received)')}") from exc
+    def _fail(self, exc: BaseException) -> None:
+        """Keep the first failure, as the error that names the source rank and what failed."""
+        if self.failure is not None:
+            return
+        message = str(exc).replace(str(self.folder), "(as received)")
+        if isinstance(exc, CorruptCheckpointError):
+            self.failure = CorruptCheckpointError(f"the copy rank {self.src} sent for {self.final} failed its checks, "
+                                                  f"so it was not kept: {message}")
+        elif isinstance(exc, CheckpointError):
+            self.failure = CheckpointError(f"the copy rank {self.src} sent for {self.final} could not be checked, so "
+                                           f"it was not kept: {message}")
+        else:
+            self.failure = CheckpointError(f"cannot write the copy rank {self.src} sent into {self.folder}: "
+                                           f"{type(exc).__name__}: {exc}")
 
 
 def _publish(incoming: Path, final: Path) -> None:
@@ -210,54 +266,35 @@ def _receive_header(pg: Any, src: int, final: Path) -> list[tuple[str, int]] | N
     return [(name, size) for name, size in files]
 
 
-def _write_all(fd: int, data: Any, offset: int) -> None:
-    view = memoryview(data)
-    while len(view):
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
+class _Wire:
+    """The chunks of one transfer on the wire, at most ``_IN_FLIGHT`` at once, completed in order."""
 
-
-class _Stream:
-    """The chunks of one transfer in flight, through two preallocated buffers: one is filled (read
-    from a file, or written to one) while the other is on the wire."""
-
-    def __init__(self, pg: Any, peer: int, chunk_bytes: int) -> None:
+    def __init__(self, pg: Any, peer: int) -> None:
         self.pg, self.peer = pg, peer
-        self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(2)]
-        self.works: list[Any] = [None, None]
-        self.turn = 0
+        self.works: deque[tuple[Any, torch.Tensor | None, Callable[[], None] | None]] = deque()
 
-    def buffer(self, n: int) -> torch.Tensor:
-        """The next buffer to fill for sending, once the send it held has completed."""
-        work = self.works[self.turn]
+    def send(self, data: torch.Tensor) -> None:
+        self._post(dist.isend(data, group_dst=self.peer, group=self.pg), data, None)
+
+    def receive(self, into: torch.Tensor) -> None:
+        self._post(dist.irecv(into, group_src=self.peer, group=self.pg), into, None)
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` once every chunk posted so far has arrived (or been sent)."""
+        self.works.append((None, None, fn))
+
+    def finish(self) -> None:
+        while self.works:
+            self._complete_one()
+
+    def _post(self, work: Any, data: torch.Tensor, then: Callable[[], None] | None) -> None:
+        self.works.append((work, data, then))  # the tensor stays referenced until its transfer is done
+        if len(self.works) >= _IN_FLIGHT:
+            self._complete_one()
+
+    def _complete_one(self) -> None:
+        work, _, then = self.works.popleft()
         if work is not None:
             work.wait()
-        return self.buffers[self.turn][:n]
-
-    def send(self, buf: torch.Tensor) -> None:
-        self.works[self.turn] = dist.isend(buf, group_dst=self.peer, group=self.pg)
-        self.turn ^= 1
-
-    def drain(self) -> None:
-        for work in self.works:
-            if work is not None:
-                work.wait()
-
-    def received(self, sizes: Iterable[int]) -> Iterator[torch.Tensor]:
-        """The chunks of these sizes as they arrive: while one is handed out, the next arrives into
-        the other buffer."""
-        pending = iter(sizes)
-        n, slot = next(pending, None), self.turn
-        if n is not None:
-            self._post(n)
-        while n is not None:
-            self.works[slot].wait()
-            following = next(pending, None)
-            if following is not None:
-                self._post(following)
-            yield self.buffers[slot][:n]
-            n, slot = following, slot ^ 1
-
-    def _post(self, n: int) -> None:
-        self.works[self.turn] = dist.irecv(self.buffers[self.turn][:n], group_src=self.peer, group=self.pg)
-        self.turn ^= 1
+        if then is not None:
+            then()

@@ -1,0 +1,131 @@
+"""The rate of a copy sent between two ranks with ``zerostall.tiers.transfer.exchange``, against
+the raw gloo send/recv rate of the same bytes (the transport's limit).
+
+    python bench/transfer_rate.py [--size-mb N] [--reps R] [--dir D] [--json]
+
+A state of --size-mb (``build_state``: 256 tensors of mixed sizes and dtypes) is saved once as a
+one-rank checkpoint under --dir (default /dev/shm). Two processes are spawned (gloo over loopback,
+OMP_NUM_THREADS=1) and, rep after rep:
+
+- raw: rank 0 sends the same number of bytes to rank 1 from preallocated uint8 tensors, in chunks of
+  each size of RAW_CHUNKS (two sends or receives in flight) and in one message; the best median of
+  these is the transport's limit;
+- exchange: rank 0 sends the checkpoint to rank 1, which receives it into --dir, checks every block
+  and publishes it (deleted between reps, outside the timing);
+- verify: the last received copy checked again alone (``zs.verify``, in this process, after the
+  ranks are done), to show what checking costs.
+
+A time is rank 1's wall time from a barrier to the end of its call; figures are medians over
+reps. Progress goes to stderr, a table to stdout; with --json the last line of stdout is one JSON
+object (keys raw_transport_gbps, exchange_gbps, ratio, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from common import build_state, free_port, init_group, median, print_json, progress, rnd
+
+import zerostall as zs
+from zerostall.tiers.transfer import exchange
+
+RAW_CHUNKS = (4 << 20, 16 << 20, 64 << 20)
+
+
+def raw(rank: int, nbytes: int, chunk: int, buffers: list[torch.Tensor]) -> None:
+    """Send (rank 0) or receive (rank 1) ``nbytes`` in chunks, two in flight."""
+    works: list[dist.Work] = []
+    for i, offset in enumerate(range(0, nbytes, chunk)):
+        buf = buffers[i % 2][:min(chunk, nbytes - offset)]
+        if len(works) == 2:
+            works.pop(0).wait()
+        works.append(dist.isend(buf, 1) if rank == 0 else dist.irecv(buf, 0))
+    for work in works:
+        work.wait()
+
+
+def timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def worker(rank: int, port: int, copy: str, out: str, nbytes: int, reps: int) -> None:
+    torch.set_num_threads(1)
+    init_group(rank, 2, port, timeout=timedelta(seconds=300))
+    largest = max(RAW_CHUNKS)
+    buffers = [torch.ones(largest, dtype=torch.uint8) for _ in range(2)]
+    whole = torch.ones(nbytes, dtype=torch.uint8)
+    held = Path(out) / "held" / "rank_00000"
+    seconds: dict[str, list[float]] = {}
+    for rep in range(reps + 1):  # the first is a warm-up
+        times = {f"raw_{c >> 20}MiB": timed(lambda c=c: raw(rank, nbytes, c, buffers)) for c in RAW_CHUNKS}
+        times["raw_one_message"] = timed(lambda: raw(rank, nbytes, nbytes, [whole, whole]))
+        times["exchange"] = timed(lambda: exchange(dist.group.WORLD, [(1, Path(copy))] if rank == 0 else [],
+                                                   [(0, held)] if rank == 1 else []))
+        if rank == 1 and rep < reps:  # the last copy stays for the verify timing
+            shutil.rmtree(held.parent)
+        dist.barrier()
+        if rep:
+            for name, s in times.items():
+                seconds.setdefault(name, []).append(s)
+            progress(f"rank {rank} rep {rep}: " + ", ".join(f"{k} {nbytes / v / 1e9:.2f} GB/s" for k, v in times.items()))
+    if rank == 1:
+        with open(os.path.join(out, "seconds.json"), "w") as f:
+            json.dump(seconds, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mb", type=int, default=1024)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dir", default="/dev/shm")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    out = Path(args.dir) / f"zs-transfer-bench-{os.getpid()}"
+    out.mkdir(parents=True)
+    try:
+        copy = out / "own"
+        progress(f"saving a {args.size_mb} MiB state into {copy}")
+        zs.save(build_state(args.size_mb << 20), str(copy))
+        nbytes = sum(f.stat().st_size for f in copy.iterdir())
+        mp.spawn(worker, args=(free_port(), str(copy), str(out), nbytes, args.reps), nprocs=2)
+        seconds = json.loads((out / "seconds.json").read_text())
+        held = str(out / "held" / "rank_00000")
+        seconds["verify"] = []
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            zs.verify(held)
+            seconds["verify"].append(time.perf_counter() - start)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    rates = {name: nbytes / median(s) / 1e9 for name, s in seconds.items()}
+    raw_best = max(v for k, v in rates.items() if k.startswith("raw_"))
+    print(f"{'':<18}{'GB/s':>8}{'median s':>10}   ({nbytes / 1e9:.3f} GB, {args.reps} reps, {os.cpu_count()} cores)")
+    for name, s in seconds.items():
+        print(f"{name:<18}{rates[name]:>8.2f}{median(s):>10.3f}")
+    print(f"exchange / best raw: {rates['exchange'] / raw_best:.2f}")
+    if args.json:
+        print_json({"bytes": nbytes, "reps": args.reps, "cores": os.cpu_count(), "dir": args.dir,
+                    "raw_transport_gbps": rnd(raw_best, 3), "exchange_gbps": rnd(rates["exchange"], 3),
+                    "ratio": rnd(rates["exchange"] / raw_best, 3), "verify_gbps": rnd(rates["verify"], 3),
+                    "rates_gbps": {k: rnd(v, 3) for k, v in rates.items()},
+                    "seconds": {k: [rnd(x) for x in v] for k, v in seconds.items()}})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
