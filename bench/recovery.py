@@ -23,7 +23,8 @@ rank) and 1/4 of its own under the rank-local key ``dataloader`` (1/4 GiB over t
    uses, preallocated uint8 tensors; and one pair alone). A time is the slowest rank's, from a
    barrier to the end of ``mgr.restore``; every restored state's digest must equal the saved one.
    The peer restore's exchange (its transfer and the check of every block on arrival) is timed apart
-   from the restore by wrapping the functions it calls, so the table says where the time goes.
+   from the restore by wrapping the functions it calls (``exchange``, and ``verify_all``, which the
+   transfer runs file by file beside the receiving), so the table says where the time goes.
 3. Stall: the same state trained for real (forward, backward, gradients all-reduced, AdamW), in
    blocks of --stall-steps steps with a local save every step and blocks without saves, interleaved;
    ``mgr.wait_staged()`` before each optimizer step, as the docs say. ``save()`` time (median over
@@ -261,7 +262,7 @@ def restore(rank: int, args: argparse.Namespace, port: int, run: dict[str, Any])
     torch.set_num_threads(1)
     init_group(rank, WORLD, port, GROUP_TIMEOUT)
     state = make_state(rank, args.rank_mib)
-    exchanges, verifies = Timed(sources, "exchange"), Timed(transfer, "_verify")
+    exchanges, verifies = Timed(sources, "exchange"), Timed(transfer, "verify_all")
     pg = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)  # the raw transfers' own, as the tier has its own
     buf = torch.zeros(run["copy_bytes"], dtype=torch.uint8)
     buf.fill_(rank)  # touched before any timing
@@ -469,7 +470,7 @@ def print_table(r: dict[str, Any]) -> None:
         seconds = r.get(f"restore_{s}_s")
         print(f"{s:16s} {'' if seconds is None else f'{seconds:8.3f}':>8s} {str(r.get(f'restore_{s}_step')):>5s}  "
               f"{r.get(f'restore_{s}_sources')}")
-    print(f"peer: {r['peer_bytes']} bytes in {r['peer_exchange_s']} s of exchange ({r['peer_verify_s']} s verifying) = "
+    print(f"peer: {r['peer_bytes']} bytes in {r['peer_exchange_s']} s of exchange ({r['peer_verify_s']} s verifying, overlapped) = "
           f"{r['peer_transfer_gbps']} GB/s; raw gloo (same pairs) {r['raw_transport_gbps']} GB/s, one pair "
           f"{r['raw_one_pair_gbps']} GB/s; peer/raw {r['peer_vs_raw']}")
     print(f"local save every step: save() {r['local_save_stall_s']} s ({r['local_save_stall_idle_s']} s when the previous "
