@@ -235,3 +235,46 @@ def test_one_node_keeps_its_own_copies_and_says_there_is_no_replica(ranks, tmp_p
     for step, sources, same, seen in out:
         assert step == 1 and sources == ("local", "local") and same
     assert any("one node, so no replicas" in m for m in out[0][3])
+
+
+def single_state(value: float) -> dict:
+    return {"w": torch.full((1000,), value), "b": torch.arange(10.0) * value, "step": int(value)}
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_step_due_in_both_tiers_copies_the_state_once(tmp_path, monkeypatch, async_save):
+    """The root's save of a step the local tier saves too takes every tensor from the local capture."""
+    from zerostall.saving.capture import Captured
+
+    taken: list[int] = []
+    take = Captured.take
+    monkeypatch.setattr(Captured, "take", lambda self, items, recorded: taken.append(take(self, items, recorded))
+                        or taken[-1])
+    state = single_state(3.0)
+    with zs.CheckpointManager(tmp_path / "root", save_every=2, async_save=async_save, fsync=False,
+                              local=zs.LocalTier(str(tmp_path / "node"), every=2)) as mgr:
+        assert mgr.should_save(2)
+        mgr.save(2, state)
+        mgr.wait()
+    assert taken == [3]  # every tensor of the root's save was found in the local capture: w, b, the torch RNG state
+    for path in (tmp_path / "root", tmp_path / "node"):
+        got = zs.load(single_state(0.0), str(path / "step_000000002") if path.name == "root" else
+                      str(next((path).glob("run-*/step_000000002/rank_00000"))))
+        assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"]) and got["step"] == 3
+
+
+def test_one_process_restores_from_the_local_tier_before_the_older_root(tmp_path):
+    state = single_state(1.0)
+    with zs.CheckpointManager(tmp_path / "root", save_every=4, fsync=False,
+                              local=zs.LocalTier(str(tmp_path / "node"), every=1, keep=1)) as mgr:
+        for step in range(1, 7):
+            state = single_state(float(step))
+            if mgr.should_save(step):
+                mgr.save(step, state)
+    target = single_state(0.0)
+    with zs.CheckpointManager(tmp_path / "root", local=zs.LocalTier(str(tmp_path / "node"), every=1)) as mgr:
+        assert mgr.restore(target) == 6
+        assert mgr.last_restore.sources == ("local",) and mgr.last_restore.tag == "step_000000006"
+    assert torch.equal(target["w"], state["w"]) and target["step"] == 6
+    steps = sorted(p.name for p in (tmp_path / "node").glob("run-*/step_*"))
+    assert steps == ["step_000000005", "step_000000006"]  # keep=1: the newest complete, and the one written last

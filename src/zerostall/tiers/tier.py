@@ -55,7 +55,8 @@ class NodeTier:
         replicas = min(options.replicas, self.nodes.count)
         if options.replicas > 1 and self.nodes.count == 1 and group.is_coordinator:
             log.info("local tier: one node, so no replicas on other nodes (replicas=%d asked for)", options.replicas)
-        self.replicator = Replicator(self.pg, self.nodes, self.directory, group.rank, replicas) if replicas > 1 else None
+        self.replicator = (Replicator(self.pg, self.nodes, self.directory, group.rank, replicas)
+                           if replicas > 1 else None)
         self.saver = AsyncSaver()
         self._space_checked = False
 
@@ -66,6 +67,9 @@ class NodeTier:
         """Start saving this rank's copy of ``step`` (collective: retention and, the first time,
         the space check agree first); replication follows its commit in the background."""
         tree, flat, digest = view(state)
+        with self.group.failing_together(f"the previous local-tier save failed on {{failed}} other rank(s) (their "
+                                         f"errors say why); step {step} was not saved"):
+            self.saver.wait()  # the previous local save, so that retention sees it committed
         self._retire(step)
         if not self._space_checked:
             self._check_space(sum(t.nbytes for t in flat.leaves.values() if isinstance(t, torch.Tensor)))
@@ -89,7 +93,7 @@ class NodeTier:
         complete, oldest_pending = self.group.all_reduce_min([max(own, default=-1), min(pending, default=_NONE)])
         if not self.leader:
             return
-        held = sorted(self.directory.holdings())
+        held = self.directory.steps()
         keep = set(s for s in held if s <= complete)
         keep = set(sorted(keep)[-self.options.keep:]) | {s for s in held if s > complete or s >= oldest_pending}
         self.directory.keep_only(keep | {step})
