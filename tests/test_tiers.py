@@ -5,21 +5,26 @@ on node "b"; a directory each) train a small model whose gradients are averaged 
 (so the model and optimizer state are replicated) and whose data-loader state is each rank's own.
 The local tier saves every 5 steps, the root every 12: a run stopped after step 23 has step 20 in
 the local tier and step 12 in the root. Every restore must give back the state bit-exactly, and
-the resumed losses must equal those of a run never stopped.
+the resumed losses must equal those of a run never stopped. The root is on the SeaweedFS server.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
 import shutil
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import zerostall as zs
+from distributed import RankError
+from zerostall.storage.s3 import S3Storage
+from zerostall.storage.s3client import S3Options
 from zerostall.tiers.local import LocalTier, NodeDirectory, check_space
 
 NODES = ("a", "a", "b", "b")
@@ -49,7 +54,7 @@ def train_step(state: dict, step: int) -> float:
     state["optim"].zero_grad()
     state["dataloader"]["pos"] += 1
     state["dataloader"]["seen"] += x.sum() * (rank + 1)
-    return float(loss)
+    return float(loss.detach())
 
 
 def digest(state: dict) -> str:
@@ -65,18 +70,34 @@ def node_dir(base: str, node: str) -> str:
     return os.path.join(base, f"node-{node}")
 
 
-def train(root: str, base: str, until: int, node: str | None = None, replicas: int = 2, keep: int = 2,
-          **restore) -> dict:
-    """Restore (from whatever survives), train to ``until``, saving as scheduled; returns what happened."""
+def train(root: Any, base: str, until: int, node: str | None = None, replicas: int = 2, keep: int = 2,
+          root_down: bool = False, die_sending: int | None = None, **restore) -> dict:
+    """Restore (from whatever survives), train to ``until``, saving as scheduled; returns what happened.
+    ``root_down``: the root (S3) answers every request with an error while restoring.
+    ``die_sending``: that rank dies as it starts sending a copy to a peer during the restore."""
     node = node or NODES[dist.get_rank()]
     os.environ["ZEROSTALL_NODE_ID"] = node
     state = make_state()
     tier = zs.LocalTier(node_dir(base, node), every=EVERY, keep=keep, replicas=replicas, timeout_s=30)
+    down = [False]
+    if root_down:  # this rank's requests go through a proxy that fails them all while `down`
+        from s3proxy import FaultProxy
+
+        proxy = FaultProxy(root.options.endpoint_url, every=1, kinds=("error",), when=lambda *_: down[0]).__enter__()
+        root = S3Storage(root.location, dataclasses.replace(root.options, endpoint_url=proxy.endpoint, max_attempts=2))
+    if die_sending == dist.get_rank():
+        import zerostall.tiers.sources as sources
+
+        real = sources.exchange
+        sources.exchange = lambda pg, sends, receives: os._exit(3) if sends else real(pg, sends, receives)
     with zs.CheckpointManager(root, save_every=SAVE_EVERY, local=tier, fsync=False) as mgr:
+        down[0] = root_down
         try:
             start = mgr.restore(state, **restore) or 0
         except zs.CheckpointError as exc:
             return {"error": (type(exc).__name__, str(exc)), "info": mgr.last_restore}
+        finally:
+            down[0] = False
         info = mgr.last_restore
         resumed = digest(state)
         losses = {}
@@ -92,10 +113,13 @@ def train(root: str, base: str, until: int, node: str | None = None, replicas: i
 
 # -- the tests -----------------------------------------------------------------------------------
 @pytest.fixture
-def run(ranks, tmp_path):
-    """A 4-rank pool, the root and the node directories' parent; and the uninterrupted run's losses."""
+def run(ranks, tmp_path, s3_server, s3_url):
+    """A 4-rank pool, the root (on S3) and the node directories' parent, after a run stopped at
+    step 23; and the results of a run never stopped."""
     pool = ranks(4)
-    root, base = str(tmp_path / "root"), str(tmp_path / "nodes")
+    options = S3Options(endpoint_url=s3_server.endpoint, region=s3_server.region, access_key_id=s3_server.access_key,
+                        secret_access_key=s3_server.secret_key, addressing_style="path")
+    root, base = S3Storage(s3_url, options), str(tmp_path / "nodes")
     whole = pool.run(train, str(tmp_path / "reference"), str(tmp_path / "reference-nodes"), END)
     first = pool.run(train, root, base, STOP)
     assert [r["replication_failures"] for r in first] == [0, 0, 0, 0]
@@ -172,6 +196,47 @@ def test_a_save_that_never_committed_on_one_rank_restores_the_previous_step(run)
         os.remove(os.path.join(os.path.dirname(copy_files(base, node, 20, 3)[0]), "manifest.json"))
     after = pool.run(train, root, base, END)
     check_resumed(after, whole, 15, ("local",) * 4)
+
+
+def test_the_root_unreachable_at_restore_uses_local_and_peer_copies(run):
+    pool, root, base, whole = run
+    shutil.rmtree(node_dir(base, "b"))
+    after = pool.run_per_rank(train, [(root, base, END, node) for node in ("a", "a", "c", "c")], root_down=True)
+    check_resumed(after, whole, 20, ("local", "local", "peer", "peer"))
+
+
+def test_a_flipped_byte_in_the_root_is_found_when_no_other_copy_is_left(run):
+    pool, root, base, _ = run
+    shutil.rmtree(node_dir(base, "a"))
+    shutil.rmtree(node_dir(base, "b"))
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=root.options.endpoint_url, region_name=root.options.region,
+                      aws_access_key_id=root.options.access_key_id,
+                      aws_secret_access_key=root.options.secret_access_key)
+    bucket, prefix = root.location.removeprefix("s3://").split("/", 1)
+    key = next(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step_000000012/")["Contents"]
+               if o["Key"].endswith(".safetensors"))
+    data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[-7] ^= 0x10
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    after = pool.run(train, root, base, END)
+    assert all(r["error"][0] == "CorruptCheckpointError" and "step_000000012" in r["error"][1] for r in after)
+
+
+def test_a_peer_that_dies_in_the_middle_of_a_restore_fails_every_rank_and_the_next_restore_works(run, ranks):
+    """Rank 0 sends rank 2 its copy (node b is lost): it dies instead. Every other rank raises a
+    typed error (bounded by the tier's timeout), no hang; the restarted job restores from the peers."""
+    pool, root, base, whole = run
+    shutil.rmtree(node_dir(base, "b"))
+    nodes = [(root, base, END, node) for node in ("a", "a", "c", "c")]
+    with pytest.raises(RankError) as failed:
+        pool.run_per_rank(train, nodes, die_sending=0, timeout=100, death_grace=90)
+    assert failed.value.dead == [0] and sorted(failed.value.results) == [1, 2, 3]
+    for got in failed.value.results.values():
+        assert got["error"][0] == "CheckpointError" and got["info"].step is None
+    after = ranks(4).run_per_rank(train, nodes)  # rank 3 got its copy from rank 1 before: it is node c's now
+    check_resumed(after, whole, 20, ("local", "local", "peer", "local"))
 
 
 def test_fallback_false_refuses_a_damaged_copy(run):
