@@ -71,14 +71,14 @@ def node_dir(base: str, node: str) -> str:
 
 
 def train(root: Any, base: str, until: int, node: str | None = None, replicas: int = 2, keep: int = 2,
-          root_down: bool = False, die_sending: int | None = None, **restore) -> dict:
+          root_down: bool = False, die_sending: int | None = None, timeout_s: float = 30, **restore) -> dict:
     """Restore (from whatever survives), train to ``until``, saving as scheduled; returns what happened.
     ``root_down``: the root (S3) answers every request with an error while restoring.
     ``die_sending``: that rank dies as it starts sending a copy to a peer during the restore."""
     node = node or NODES[dist.get_rank()]
     os.environ["ZEROSTALL_NODE_ID"] = node
     state = make_state()
-    tier = zs.LocalTier(node_dir(base, node), every=EVERY, keep=keep, replicas=replicas, timeout_s=30)
+    tier = zs.LocalTier(node_dir(base, node), every=EVERY, keep=keep, replicas=replicas, timeout_s=timeout_s)
     down = [False]
     if root_down:  # this rank's requests go through a proxy that fails them all while `down`
         from s3proxy import FaultProxy
@@ -231,7 +231,7 @@ def test_a_peer_that_dies_in_the_middle_of_a_restore_fails_every_rank_and_the_ne
     shutil.rmtree(node_dir(base, "b"))
     nodes = [(root, base, END, node) for node in ("a", "a", "c", "c")]
     with pytest.raises(RankError) as failed:
-        pool.run_per_rank(train, nodes, die_sending=0, timeout=100, death_grace=90)
+        pool.run_per_rank(train, nodes, die_sending=0, timeout_s=5, timeout=100, death_grace=90)
     assert failed.value.dead == [0] and sorted(failed.value.results) == [1, 2, 3]
     for got in failed.value.results.values():
         assert got["error"][0] == "CheckpointError" and got["info"].step is None

@@ -43,9 +43,11 @@ class NodeTier:
         self.directory = NodeDirectory(options.directory, options.run_id or run_id_for(persistent))
         self.nodes: Nodes = gather_nodes(group)
         self.pg = None
+        self.restoring = group  # the restore's collectives: on the tier's group, bounded by its timeout
         if group.size > 1:
             ranks = dist.get_process_group_ranks(group.pg)
             self.pg = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=options.timeout_s))
+            self.restoring = Group(self.pg)
         node = self.nodes.index(group.rank)
         self.leader = self.nodes.ranks_on(node)[0] == group.rank
         with group.failing_together(f"the local tier in {options.directory} could not be prepared on {{failed}} other "
@@ -122,7 +124,7 @@ class NodeTier:
         steps = [s for tag, damage in candidates if damage is None and (s := tag_step(tag)) is not None]
         _, _, digest = view(state, restoring=True)
         fallbacks: list[tuple[str, str]] = []
-        got = restore_from_tiers(self.group, self.pg, self.nodes, self.directory, digest,
+        got = restore_from_tiers(self.restoring, self.pg, self.nodes, self.directory, digest,
                                  steps[0] - 1 if steps else None, functools.partial(load_copy, state, options=options),
                                  fallback=fallback, fallbacks=fallbacks)
         if got is None:
