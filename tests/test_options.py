@@ -17,7 +17,7 @@ import zerostall as zs
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "options.md"
 SOURCES = {"SaveOptions": "options.py", "LoadOptions": "options.py", "RetentionPolicy": "roots/retention.py",
-           "S3Options": "storage/s3client.py", "ExportOptions": "interop/exporting.py"}
+           "S3Options": "storage/s3client.py", "ExportOptions": "interop/exporting.py", "LocalTier": "tiers/local.py"}
 
 
 def field_docs(cls_name: str) -> tuple[str, dict[str, str]]:
@@ -38,7 +38,8 @@ def render() -> str:
     """docs/options.md as the dataclasses say it should be."""
     out = ["# Options reference", "",
            "Generated from the dataclasses' field docstrings (`src/zerostall/options.py`, "
-           "`src/zerostall/roots/retention.py`, `src/zerostall/storage/s3client.py`, `src/zerostall/interop/exporting.py`); "
+           "`src/zerostall/roots/retention.py`, `src/zerostall/storage/s3client.py`, `src/zerostall/interop/exporting.py`, "
+           "`src/zerostall/tiers/local.py`); "
            "`tests/test_options.py` checks "
            "that it matches them. Every "
            "function that takes an options object also takes its fields as keywords: "
@@ -48,8 +49,13 @@ def render() -> str:
         doc, docs = field_docs(name)
         out += [f"## `zs.{name}`", "", doc, "", "| field | default | meaning |", "|---|---|---|"]
         for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            out.append(f"| `{f.name}` | `{default!r}` | {docs.get(f.name, '')} |")
+            if f.default is not dataclasses.MISSING:
+                default = f"`{f.default!r}`"
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f"`{f.default_factory()!r}`"
+            else:
+                default = "(required)"
+            out.append(f"| `{f.name}` | {default} | {docs.get(f.name, '')} |")
         out.append("")
     return "\n".join(out)
 

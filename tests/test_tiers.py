@@ -5,22 +5,27 @@ on node "b"; a directory each) train a small model whose gradients are averaged 
 (so the model and optimizer state are replicated) and whose data-loader state is each rank's own.
 The local tier saves every 5 steps, the root every 12: a run stopped after step 23 has step 20 in
 the local tier and step 12 in the root. Every restore must give back the state bit-exactly, and
-the resumed losses must equal those of a run never stopped.
+the resumed losses must equal those of a run never stopped. The root is on the SeaweedFS server.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
 import shutil
 import threading
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import zerostall as zs
+from distributed import RankError
+from zerostall.storage.s3 import S3Storage
+from zerostall.storage.s3client import S3Options
 from zerostall.tiers.local import LocalTier, NodeDirectory, check_space
 
 NODES = ("a", "a", "b", "b")
@@ -50,7 +55,7 @@ def train_step(state: dict, step: int) -> float:
     state["optim"].zero_grad()
     state["dataloader"]["pos"] += 1
     state["dataloader"]["seen"] += x.sum() * (rank + 1)
-    return float(loss)
+    return float(loss.detach())
 
 
 def digest(state: dict) -> str:
@@ -66,18 +71,34 @@ def node_dir(base: str, node: str) -> str:
     return os.path.join(base, f"node-{node}")
 
 
-def train(root: str, base: str, until: int, node: str | None = None, replicas: int = 2, keep: int = 2,
-          **restore) -> dict:
-    """Restore (from whatever survives), train to ``until``, saving as scheduled; returns what happened."""
+def train(root: Any, base: str, until: int, node: str | None = None, replicas: int = 2, keep: int = 2,
+          root_down: bool = False, die_sending: int | None = None, timeout_s: float = 30, **restore) -> dict:
+    """Restore (from whatever survives), train to ``until``, saving as scheduled; returns what happened.
+    ``root_down``: the root (S3) answers every request with an error while restoring.
+    ``die_sending``: that rank dies as it starts sending a copy to a peer during the restore."""
     node = node or NODES[dist.get_rank()]
     os.environ["ZEROSTALL_NODE_ID"] = node
     state = make_state()
-    tier = zs.LocalTier(node_dir(base, node), every=EVERY, keep=keep, replicas=replicas, timeout_s=30)
+    tier = zs.LocalTier(node_dir(base, node), every=EVERY, keep=keep, replicas=replicas, timeout_s=timeout_s)
+    down = [False]
+    if root_down:  # this rank's requests go through a proxy that fails them all while `down`
+        from s3proxy import FaultProxy
+
+        proxy = FaultProxy(root.options.endpoint_url, every=1, kinds=("error",), when=lambda *_: down[0]).__enter__()
+        root = S3Storage(root.location, dataclasses.replace(root.options, endpoint_url=proxy.endpoint, max_attempts=2))
+    if die_sending == dist.get_rank():
+        import zerostall.tiers.sources as sources
+
+        real = sources.exchange
+        sources.exchange = lambda pg, sends, receives: os._exit(3) if sends else real(pg, sends, receives)
     with zs.CheckpointManager(root, save_every=SAVE_EVERY, local=tier, fsync=False) as mgr:
+        down[0] = root_down
         try:
             start = mgr.restore(state, **restore) or 0
         except zs.CheckpointError as exc:
             return {"error": (type(exc).__name__, str(exc)), "info": mgr.last_restore}
+        finally:
+            down[0] = False
         info = mgr.last_restore
         resumed = digest(state)
         losses = {}
@@ -93,10 +114,13 @@ def train(root: str, base: str, until: int, node: str | None = None, replicas: i
 
 # -- the tests -----------------------------------------------------------------------------------
 @pytest.fixture
-def run(ranks, tmp_path):
-    """A 4-rank pool, the root and the node directories' parent; and the uninterrupted run's losses."""
+def run(ranks, tmp_path, s3_server, s3_url):
+    """A 4-rank pool, the root (on S3) and the node directories' parent, after a run stopped at
+    step 23; and the results of a run never stopped."""
     pool = ranks(4)
-    root, base = str(tmp_path / "root"), str(tmp_path / "nodes")
+    options = S3Options(endpoint_url=s3_server.endpoint, region=s3_server.region, access_key_id=s3_server.access_key,
+                        secret_access_key=s3_server.secret_key, addressing_style="path")
+    root, base = S3Storage(s3_url, options), str(tmp_path / "nodes")
     whole = pool.run(train, str(tmp_path / "reference"), str(tmp_path / "reference-nodes"), END)
     first = pool.run(train, root, base, STOP)
     assert [r["replication_failures"] for r in first] == [0, 0, 0, 0]
@@ -175,6 +199,47 @@ def test_a_save_that_never_committed_on_one_rank_restores_the_previous_step(run)
     check_resumed(after, whole, 15, ("local",) * 4)
 
 
+def test_the_root_unreachable_at_restore_uses_local_and_peer_copies(run):
+    pool, root, base, whole = run
+    shutil.rmtree(node_dir(base, "b"))
+    after = pool.run_per_rank(train, [(root, base, END, node) for node in ("a", "a", "c", "c")], root_down=True)
+    check_resumed(after, whole, 20, ("local", "local", "peer", "peer"))
+
+
+def test_a_flipped_byte_in_the_root_is_found_when_no_other_copy_is_left(run):
+    pool, root, base, _ = run
+    shutil.rmtree(node_dir(base, "a"))
+    shutil.rmtree(node_dir(base, "b"))
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=root.options.endpoint_url, region_name=root.options.region,
+                      aws_access_key_id=root.options.access_key_id,
+                      aws_secret_access_key=root.options.secret_access_key)
+    bucket, prefix = root.location.removeprefix("s3://").split("/", 1)
+    key = next(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step_000000012/")["Contents"]
+               if o["Key"].endswith(".safetensors"))
+    data = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    data[-7] ^= 0x10
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    after = pool.run(train, root, base, END)
+    assert all(r["error"][0] == "CorruptCheckpointError" and "step_000000012" in r["error"][1] for r in after)
+
+
+def test_a_peer_that_dies_in_the_middle_of_a_restore_fails_every_rank_and_the_next_restore_works(run, ranks):
+    """Rank 0 sends rank 2 its copy (node b is lost): it dies instead. Every other rank raises a
+    typed error (bounded by the tier's timeout), no hang; the restarted job restores from the peers."""
+    pool, root, base, whole = run
+    shutil.rmtree(node_dir(base, "b"))
+    nodes = [(root, base, END, node) for node in ("a", "a", "c", "c")]
+    with pytest.raises(RankError) as failed:
+        pool.run_per_rank(train, nodes, die_sending=0, timeout_s=5, timeout=100, death_grace=90)
+    assert failed.value.dead == [0] and sorted(failed.value.results) == [1, 2, 3]
+    for got in failed.value.results.values():
+        assert got["error"][0] == "CheckpointError" and got["info"].step is None
+    after = ranks(4).run_per_rank(train, nodes)  # rank 3 got its copy from rank 1 before: it is node c's now
+    check_resumed(after, whole, 20, ("local", "local", "peer", "local"))
+
+
 def test_fallback_false_refuses_a_damaged_copy(run):
     pool, root, base, _ = run
     flip_a_byte(copy_files(base, "a", 20, 0)[0])
@@ -238,9 +303,52 @@ def test_one_node_keeps_its_own_copies_and_says_there_is_no_replica(ranks, tmp_p
     assert any("one node, so no replicas" in m for m in out[0][3])
 
 
+def single_state(value: float) -> dict:
+    return {"w": torch.full((1000,), value), "b": torch.arange(10.0) * value, "step": int(value)}
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_step_due_in_both_tiers_copies_the_state_once(tmp_path, monkeypatch, async_save):
+    """The root's save of a step the local tier saves too takes every tensor from the local capture."""
+    from zerostall.saving.capture import Captured
+
+    taken: list[int] = []
+    take = Captured.take
+    monkeypatch.setattr(Captured, "take", lambda self, items, recorded: taken.append(take(self, items, recorded))
+                        or taken[-1])
+    state = single_state(3.0)
+    with zs.CheckpointManager(tmp_path / "root", save_every=2, async_save=async_save, fsync=False,
+                              local=zs.LocalTier(str(tmp_path / "node"), every=2)) as mgr:
+        assert mgr.should_save(2)
+        mgr.save(2, state)
+        mgr.wait()
+    assert taken == [3]  # every tensor of the root's save was found in the local capture: w, b, the torch RNG state
+    for path in (tmp_path / "root", tmp_path / "node"):
+        got = zs.load(single_state(0.0), str(path / "step_000000002") if path.name == "root" else
+                      str(next((path).glob("run-*/step_000000002/rank_00000"))))
+        assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"]) and got["step"] == 3
+
+
+def test_one_process_restores_from_the_local_tier_before_the_older_root(tmp_path):
+    state = single_state(1.0)
+    with zs.CheckpointManager(tmp_path / "root", save_every=4, fsync=False,
+                              local=zs.LocalTier(str(tmp_path / "node"), every=1, keep=1)) as mgr:
+        for step in range(1, 7):
+            state = single_state(float(step))
+            if mgr.should_save(step):
+                mgr.save(step, state)
+    target = single_state(0.0)
+    with zs.CheckpointManager(tmp_path / "root", local=zs.LocalTier(str(tmp_path / "node"), every=1)) as mgr:
+        assert mgr.restore(target) == 6
+        assert mgr.last_restore.sources == ("local",) and mgr.last_restore.tag == "step_000000006"
+    assert torch.equal(target["w"], state["w"]) and target["step"] == 6
+    steps = sorted(p.name for p in (tmp_path / "node").glob("run-*/step_*"))
+    assert steps == ["step_000000005", "step_000000006"]  # keep=1: the newest complete, and the one written last
+
+
 def test_retention_never_deletes_the_local_save_still_being_written(tmp_path, monkeypatch):
     """The next save's retention ran while the last one was still writing (slower than `every` steps):
-    it saw no committed copy of that step and deleted its folder, and that save failed."""
+    it saw no committed copy of that step and deleted its folder: that save failed, or its copy was lost."""
     from zerostall.saving import pipeline
 
     reached, release, publish = threading.Event(), threading.Event(), pipeline.publish_manifest

@@ -15,11 +15,11 @@ import json
 import logging
 import os
 import sys
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 
-from .api import save
 from .collectives import Group
 from .errors import CheckpointError, CheckpointNotFoundError, UnsupportedValueError
 from .format.layout import RNG_KEY
@@ -32,7 +32,7 @@ from .roots.retention import CheckpointRecord, RetentionPolicy, checked_metrics,
 from .roots.root import LATEST_NAME, CheckpointRoot, retained, step_tag, tag_step, validate_tag
 from .roots.schedule import SaveSchedule
 from .saving.asynchronous import AsyncSaver, OneShot, SaveHandle
-from .saving.pipeline import SaveInfo, checked_step
+from .saving.pipeline import SaveInfo, checked_step, persist, prepare
 from .saving.plan import SavePlanner
 from .state import RankLocal, rank_local, rng_state, set_rng_state
 from .storage import Storage, storage_for
@@ -88,6 +88,7 @@ class CheckpointManager:
             raise TypeError(f"local must be a zerostall.LocalTier, not {type(local).__name__}")
         self.tier = NodeTier(local, self.group, self.root) if local is not None else None
         self._due: tuple[int, bool, bool] | None = None  # should_save's last answer: step, persistent, local
+        self._sharing: SaveHandle | None = None  # the root's save copying from the local tier's capture
 
     def _take_root(self, lease_ttl: float) -> bytes:
         """On the coordinator: create the root, take its writer lease, clean up a dead writer's attempt."""
@@ -136,26 +137,33 @@ class CheckpointManager:
         storage = self._create(tag)
         self.loaders.before_save(state, sys._getframe(1))
         wrapped = self._wrap(state)
+        shared = None  # the local save, whose capture the root's save of the same step copies from
         if local:
             assert self.tier is not None
-            handle = self.tier.save(step, wrapped, self.save_options)
+            if self._sharing is not None:  # the root's last save copies from the local saver's buffers
+                futures.wait([self._sharing.staged])
+            shared = self.tier.save(step, wrapped, self.save_options)
             if not persistent:
-                return handle
+                return shared
         self._before_saving(step, tag)
         metadata = {"metrics": metrics, "tag": tag}
         self.schedule.saved()
         self._pinned.add(step)
         if self.saver is None:
             try:
-                info = save(wrapped, storage, self._save_options, process_group=self.process_group, step=step,
-                            metadata=metadata)
+                prepared = prepare(wrapped, storage, self._save_options, process_group=self.process_group, step=step,
+                                   metadata=metadata)
+                if shared is not None:
+                    shared.lend(prepared.items, [None] * len(prepared.items))
+                info = persist(prepared)
             finally:
                 self._pinned.discard(step)
             self._commit(tag, step)
             return info
         handle = self.saver.save(wrapped, storage, self._save_options, process_group=self.process_group, step=step,
-                                 metadata=metadata)
+                                 metadata=metadata, share=shared)
         assert handle is not None
+        self._sharing = handle if shared is not None else None
         self._committing = committing = Future()
         handle.committed.add_done_callback(
             OneShot(functools.partial(self._committed_async, tag=tag, step=step, committing=committing)))

@@ -36,7 +36,8 @@ from ..collectives import Group
 from ..errors import CheckpointError
 from ..options import SaveOptions
 from ..storage import Storage
-from .capture import BufferPool, capture, record_caller_stream, versions
+from .capture import BufferPool, Captured, capture, record_caller_stream, versions
+from .collect import WriteItem
 from .pipeline import Prepared, SaveInfo, abandon, for_writer_process, persist, prepare
 from .writer_process import WriterProcess
 
@@ -85,11 +86,13 @@ class SaveHandle:
     by :meth:`result`, :meth:`wait_staged`) has been seen: the saver does not raise it again at the
     next save or close."""
 
-    def __init__(self, path: str, step: int | None) -> None:
+    def __init__(self, path: str, step: int | None, captured: Captured | None = None) -> None:
         self.path = path
         self.step = step
         self.staged = _Watched()
         self.committed = _Watched()
+        self.captured = captured
+        """Where the capture put each tensor, once ``staged``: another save of this step may read them there."""
 
     @property
     def failure_seen(self) -> bool:
@@ -106,6 +109,13 @@ class SaveHandle:
 
     def done(self) -> bool:
         return self.committed.done()
+
+    def lend(self, items: Sequence[WriteItem], recorded: list[Any]) -> None:
+        """Once this save is staged, point another save's ``items`` of the same tensors at this
+        one's captured copies (see :class:`Captured`); if its capture failed, they stay as they are."""
+        futures.wait([self.staged])
+        if self.captured is not None and self.staged.unseen_exception() is None:
+            self.captured.take(items, recorded)
 
 
 class AsyncSaver:
@@ -151,9 +161,11 @@ class AsyncSaver:
 
     def save(self, state: Any, path: str | os.PathLike[str] | Storage, options: SaveOptions | None = None, *,
              process_group: Any = None, step: int | None = None, metadata: Mapping[str, Any] | None = None,
-             **overrides: Any) -> SaveHandle | None:
+             share: SaveHandle | None = None, **overrides: Any) -> SaveHandle | None:
         """Start saving ``state`` (collective when distributed); the arguments are those of
-        :func:`zerostall.save`. Returns None when skipped (``if_busy="skip"``)."""
+        :func:`zerostall.save`. Returns None when skipped (``if_busy="skip"``). ``share``: another
+        saver's save of the same tensors (another tier's), whose captured copies this one copies
+        from host memory once that one is staged, instead of from the device."""
         if self._closed:
             raise CheckpointError("this AsyncSaver is closed")
         options = SaveOptions.of(options, overrides)
@@ -172,9 +184,10 @@ class AsyncSaver:
         except BaseException as exc:
             abandon(prepared, exc)
             raise
-        handle = SaveHandle(prepared.storage.location, prepared.step)
+        captured = Captured([i.tensor for i in prepared.items], buffers)
+        handle = SaveHandle(prepared.storage.location, prepared.step, captured)
         self._current = handle
-        self._worker.submit(self._run, prepared, buffers, ready, recorded, handle)
+        self._worker.submit(self._run, prepared, buffers, ready, recorded, handle, share)
         return handle
 
     def hold_steps(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -216,8 +229,10 @@ class AsyncSaver:
         return self.pool.alloc_s if self.pool.allocations != allocations else 0.0
 
     def _run(self, prepared: Prepared, buffers: list[Any], ready: Any, recorded: list[Any],
-             handle: SaveHandle) -> None:
+             handle: SaveHandle, share: SaveHandle | None) -> None:
         try:
+            if share is not None:
+                share.lend(prepared.items, recorded)
             capture(prepared.items, buffers, ready, recorded)
         except BaseException as exc:
             abandon(prepared, exc)

@@ -17,6 +17,7 @@ reach the part without counting on it.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import logging
 import math
@@ -168,6 +169,46 @@ def _shortage(nbytes: int) -> str:
 
 
 Version = tuple[int, int] | None
+
+
+class Captured:
+    """Where one save's capture puts each tensor it copies, so that another save of the same step
+    (another tier) reads them from host memory instead of copying them from the device again.
+    Valid once that save is staged, until its buffers are reused by its saver's next save."""
+
+    def __init__(self, sources: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
+        regions: dict[tuple[torch.device, torch.dtype], list[tuple[int, int, torch.Tensor]]] = {}
+        for source, buf in zip(sources, buffers):
+            if source.numel() and source.is_contiguous():
+                regions.setdefault((source.device, source.dtype), []).append((source.data_ptr(), source.numel(), buf))
+        self._regions = {key: sorted(found, key=lambda r: r[0]) for key, found in regions.items()}
+        self._starts = {key: [r[0] for r in found] for key, found in self._regions.items()}
+
+    def view_of(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The captured copy of ``t`` (a contiguous tensor whose bytes lie inside one captured
+        tensor's), or None."""
+        key = (t.device, t.dtype)
+        if not t.numel() or not t.is_contiguous() or key not in self._regions:
+            return None
+        at = bisect.bisect_right(self._starts[key], t.data_ptr()) - 1
+        if at < 0:
+            return None
+        start, numel, buf = self._regions[key][at]
+        offset, rest = divmod(t.data_ptr() - start, t.element_size())
+        if rest or offset + t.numel() > numel:
+            return None
+        return buf.view(-1)[offset:offset + t.numel()].view(t.shape)
+
+    def take(self, items: Sequence[WriteItem], recorded: list[Version]) -> int:
+        """Point each item found here at its captured copy, which :func:`capture` then copies from
+        host memory with no version check (the first capture made it); returns how many were."""
+        found = 0
+        for n, item in enumerate(items):
+            view = self.view_of(item.tensor)
+            if view is not None:
+                item.tensor, recorded[n] = view, None
+                found += 1
+        return found
 
 
 def versions(items: Sequence[WriteItem]) -> list[Version]:

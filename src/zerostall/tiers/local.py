@@ -106,6 +106,10 @@ class NodeDirectory:
     def _steps(self) -> list[tuple[int, Path]]:
         return sorted((int(m.group(1)), p) for p in _entries(self.run) if (m := _STEP_RE.match(p.name)))
 
+    def steps(self) -> list[int]:
+        """Every step with a folder here, its copies committed or not."""
+        return [step for step, _ in self._steps()]
+
     def clean_at_start(self) -> list[str]:
         """Remove other runs' folders, copies that never committed and replicas still arriving (a
         crashed trainer's leftovers); returns what was removed. Run by one rank of the node."""

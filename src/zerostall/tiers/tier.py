@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from concurrent import futures
 from datetime import timedelta
 from typing import Any
 
@@ -44,9 +43,11 @@ class NodeTier:
         self.directory = NodeDirectory(options.directory, options.run_id or run_id_for(persistent))
         self.nodes: Nodes = gather_nodes(group)
         self.pg = None
+        self.restoring = group  # the restore's collectives: on the tier's group, bounded by its timeout
         if group.size > 1:
             ranks = dist.get_process_group_ranks(group.pg)
             self.pg = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=options.timeout_s))
+            self.restoring = Group(self.pg)
         node = self.nodes.index(group.rank)
         self.leader = self.nodes.ranks_on(node)[0] == group.rank
         with group.failing_together(f"the local tier in {options.directory} could not be prepared on {{failed}} other "
@@ -56,9 +57,9 @@ class NodeTier:
         replicas = min(options.replicas, self.nodes.count)
         if options.replicas > 1 and self.nodes.count == 1 and group.is_coordinator:
             log.info("local tier: one node, so no replicas on other nodes (replicas=%d asked for)", options.replicas)
-        self.replicator = Replicator(self.pg, self.nodes, self.directory, group.rank, replicas) if replicas > 1 else None
+        self.replicator = (Replicator(self.pg, self.nodes, self.directory, group.rank, replicas)
+                           if replicas > 1 else None)
         self.saver = AsyncSaver()
-        self._last: SaveHandle | None = None
         self._space_checked = False
 
     def due(self, step: int) -> bool:
@@ -68,8 +69,9 @@ class NodeTier:
         """Start saving this rank's copy of ``step`` (collective: retention and, the first time,
         the space check agree first); replication follows its commit in the background."""
         tree, flat, digest = view(state)
-        if self._last is not None:  # retention must see the last save committed (or failed), not delete it mid-write
-            futures.wait([self._last.committed])  # the saver would wait for it anyway; its failure stays its own
+        with self.group.failing_together(f"the previous local-tier save failed on {{failed}} other rank(s) (their "
+                                         f"errors say why); step {step} was not saved"):
+            self.saver.wait()  # the previous local save, so that retention sees it committed
         self._retire(step)
         if not self._space_checked:
             self._check_space(sum(t.nbytes for t in flat.leaves.values() if isinstance(t, torch.Tensor)))
@@ -80,7 +82,6 @@ class NodeTier:
         local = dataclasses.replace(options, fsync=False, overwrite=True, before_commit=None)
         handle = self.saver.save(tree, str(path), local, process_group=ALONE, step=step, metadata=metadata)
         assert handle is not None
-        self._last = handle
         self.saver.hold_steps([obj for obj, _ in flat.statefuls.values() if isinstance(obj, torch.optim.Optimizer)])
         if self.replicator is not None:
             replicator = self.replicator
@@ -94,7 +95,7 @@ class NodeTier:
         complete, oldest_pending = self.group.all_reduce_min([max(own, default=-1), min(pending, default=_NONE)])
         if not self.leader:
             return
-        held = sorted(self.directory.holdings())
+        held = self.directory.steps()
         keep = set(s for s in held if s <= complete)
         keep = set(sorted(keep)[-self.options.keep:]) | {s for s in held if s > complete or s >= oldest_pending}
         self.directory.keep_only(keep | {step})
@@ -123,7 +124,7 @@ class NodeTier:
         steps = [s for tag, damage in candidates if damage is None and (s := tag_step(tag)) is not None]
         _, _, digest = view(state, restoring=True)
         fallbacks: list[tuple[str, str]] = []
-        got = restore_from_tiers(self.group, self.pg, self.nodes, self.directory, digest,
+        got = restore_from_tiers(self.restoring, self.pg, self.nodes, self.directory, digest,
                                  steps[0] - 1 if steps else None, functools.partial(load_copy, state, options=options),
                                  fallback=fallback, fallbacks=fallbacks)
         if got is None:
