@@ -107,7 +107,7 @@ def train(root: Any, base: str, until: int, node: str | None = None, replicas: i
             if mgr.should_save(step):
                 mgr.save(step, state)
         mgr.wait()
-        failures = mgr.tier.replicator.failures if mgr.tier.replicator else 0
+        failures = mgr.tier.replicator.failures + mgr.tier.failures
     return {"start": start, "info": info, "losses": losses, "resumed": resumed, "end": digest(state),
             "replication_failures": failures}
 
@@ -343,7 +343,7 @@ def test_one_process_restores_from_the_local_tier_before_the_older_root(tmp_path
         assert mgr.last_restore.sources == ("local",) and mgr.last_restore.tag == "step_000000006"
     assert torch.equal(target["w"], state["w"]) and target["step"] == 6
     steps = sorted(p.name for p in (tmp_path / "node").glob("run-*/step_*"))
-    assert steps == ["step_000000005", "step_000000006"]  # keep=1: the newest complete, and the one written last
+    assert steps == ["step_000000006"]  # keep=1: retention after the last save's commit keeps the newest
 
 
 def test_retention_never_deletes_the_local_save_still_being_written(tmp_path, monkeypatch):
@@ -360,7 +360,7 @@ def test_retention_never_deletes_the_local_save_still_being_written(tmp_path, mo
 
     monkeypatch.setattr(pipeline, "publish_manifest", held_back)
     state = {"w": torch.arange(1000.0)}
-    tier = zs.LocalTier(str(tmp_path / "node"), every=1, keep=1, replicas=1)
+    tier = zs.LocalTier(str(tmp_path / "node"), every=1, keep=2, replicas=1)
     with zs.CheckpointManager(str(tmp_path / "root"), local=tier, fsync=False) as mgr:
         directory = mgr.tier.directory
         keep_only = directory.keep_only
@@ -374,3 +374,27 @@ def test_retention_never_deletes_the_local_save_still_being_written(tmp_path, mo
         mgr.wait()
         assert sorted(directory.holdings()) == [1, 2]
         zs.verify(str(directory.copy_path(1, 0)))
+
+
+def test_a_failed_local_save_is_counted_and_training_goes_on(tmp_path, monkeypatch):
+    from zerostall.saving import pipeline
+
+    publish, calls = pipeline.publish_manifest, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return publish(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "publish_manifest", fails_once)
+    tier = zs.LocalTier(str(tmp_path / "node"), every=1, keep=1, replicas=1)
+    with zs.CheckpointManager(str(tmp_path / "root"), local=tier, fsync=False) as mgr:
+        for step in (1, 2):
+            assert mgr.should_save(step)
+            mgr.save(step, single_state(float(step)))
+        mgr.wait()
+        assert mgr.tier.failures == 1 and sorted(mgr.tier.directory.holdings()) == [2]
+    target = single_state(0.0)
+    with zs.CheckpointManager(str(tmp_path / "root"), local=tier) as mgr:
+        assert mgr.restore(target) == 2 and target["step"] == 2

@@ -1,12 +1,16 @@
-"""Replication: after each local save, every rank's copy goes to its holders on other nodes.
+"""After each local save, in the background: replicate it to other nodes, then retire old steps.
 
-One background thread per rank works through the local saves in order. For each step it sends
-this rank's copy to its holders and receives the copies it holds for others, all in one
-:func:`~zerostall.tiers.transfer.exchange` over the tier's own process group (never the training
-group). Every rank takes part in every step, also when its own save failed (it then sends word
-that it has nothing), so the pairs always match. A received copy is published only once every
-block checked. A failure is logged and counted, never raised into training: the step is then
-restored from other copies, or the persistent tier.
+One thread per rank works through the local saves in order, so ``save()`` runs no collective and
+deletes nothing. For each step it sends this rank's copy to its holders and receives the copies
+it holds for others, all in one :func:`~zerostall.tiers.transfer.exchange` over the tier's own
+process group (never the training group). Every rank takes part in every step, also when its own
+save failed (it then sends word that it has nothing), so the pairs always match. A received copy
+is published only once every block checked. A failure is logged and counted, never raised into
+training: the step is then restored from other copies, or the root.
+
+Then, in one small all-reduce on the same group, the ranks agree on the newest step every rank
+has saved and the oldest step some rank still has to replicate; each node's first rank deletes
+every step but the ``keep`` newest saved by every rank and those newer or still to replicate.
 """
 
 from __future__ import annotations
@@ -17,26 +21,32 @@ import threading
 import time
 from typing import Any
 
+from ..collectives import Group
 from .local import NodeDirectory
 from .nodes import Nodes
 from .transfer import exchange
 
 log = logging.getLogger(__name__)
 
+_NONE = 1 << 62  # "no step" in a minimum over ranks
+
 
 class Replicator:
-    """This rank's replication thread (see the module's docstring)."""
+    """This rank's background worker of the local tier (see the module's docstring)."""
 
-    def __init__(self, pg: Any, nodes: Nodes, directory: NodeDirectory, rank: int, replicas: int) -> None:
-        self.pg, self.directory, self.rank = pg, directory, rank
-        self.holders = nodes.holders(rank, replicas)
-        self.sources = nodes.sources(rank, replicas)
+    def __init__(self, group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, replicas: int,
+                 keep: int) -> None:
+        self.group, self.pg, self.directory, self.keep = group, pg, directory, keep
+        self.rank = group.rank
+        self.leader = nodes.ranks_on(nodes.index(self.rank))[0] == self.rank
+        self.holders = nodes.holders(self.rank, replicas)
+        self.sources = nodes.sources(self.rank, replicas)
         self.failures = 0
         """Steps whose replication failed on this rank (logged each time)."""
         self.replicated: list[tuple[int, float]] = []
         """Steps replicated on this rank, with the seconds each took."""
         self._queue: queue.Queue[tuple[int, bool] | None] = queue.Queue()
-        self._pending: set[int] = set()
+        self._pending: list[int] = []
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="zerostall-replication", daemon=True)
         self._thread.start()
@@ -44,23 +54,22 @@ class Replicator:
     def submit(self, step: int, saved: bool) -> None:
         """Replicate ``step`` once its local save is done (``saved``: whether it committed here)."""
         with self._lock:
-            self._pending.add(step)
+            self._pending.append(step)
         self._queue.put((step, saved))
-
-    @property
-    def pending(self) -> set[int]:
-        """Steps submitted and not yet replicated: their copies must stay until they are sent."""
-        with self._lock:
-            return set(self._pending)
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
             step, saved = job
             try:
-                self._replicate(step, saved)
-            finally:
+                if self.holders or self.sources:
+                    self._replicate(step, saved)
                 with self._lock:
-                    self._pending.discard(step)
+                    self._pending.remove(step)
+                self._retire()
+            except Exception as exc:  # the tier's group failed (a peer died): the next restore sorts it out
+                log.warning("local tier: retiring old steps after step %d failed: %s: %s", step,
+                            type(exc).__name__, exc)
+            finally:
                 self._queue.task_done()
         self._queue.task_done()
 
@@ -77,8 +86,19 @@ class Replicator:
             return
         self.replicated.append((step, time.perf_counter() - start))
 
+    def _retire(self) -> None:
+        own = [s for s, ranks in self.directory.holdings().items() if self.rank in ranks]
+        with self._lock:
+            pending = min(self._pending, default=_NONE)
+        complete, oldest_pending = self.group.all_reduce_min([max(own, default=-1), pending])
+        if not self.leader:
+            return
+        held = self.directory.steps()
+        done = sorted(s for s in held if s <= complete)[-self.keep:]
+        self.directory.keep_only({*done, *(s for s in held if s > complete or s >= oldest_pending)})
+
     def wait(self) -> None:
-        """Block until every step submitted so far is replicated (or failed)."""
+        """Block until every step submitted so far is replicated (or failed) and retired."""
         self._queue.join()
 
     def close(self) -> None:

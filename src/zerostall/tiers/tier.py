@@ -3,9 +3,9 @@
 Built once on every rank (collective): the node of every rank, the tier's own gloo process group
 (transfers between nodes never share the training group), and the node's directory cleaned of
 what a crashed trainer or another run left. Each local save captures this rank's whole state
-asynchronously into its own copy, then replication sends it to the holders. Retention keeps the
-``keep`` newest steps saved by every rank, the steps still being replicated, and the one being
-written.
+asynchronously into its own copy, with no collective (but the first save's space check); once it
+committed, the background worker (:mod:`zerostall.tiers.replication`) sends it to the holders and
+retires old steps. A failed local save is logged and counted, never raised into training.
 """
 
 from __future__ import annotations
@@ -32,9 +32,6 @@ from .sources import restore_from_tiers
 
 log = logging.getLogger(__name__)
 
-_NONE = 1 << 62  # "no step" in a minimum over ranks
-
-
 class NodeTier:
     """The local tier of one manager on this rank (see the module's docstring)."""
 
@@ -54,25 +51,23 @@ class NodeTier:
                                     "rank(s) (their errors say why)"):
             if self.leader:
                 self.directory.clean_at_start()
-        replicas = min(options.replicas, self.nodes.count)
+        self.replicas = min(options.replicas, self.nodes.count)
         if options.replicas > 1 and self.nodes.count == 1 and group.is_coordinator:
             log.info("local tier: one node, so no replicas on other nodes (replicas=%d asked for)", options.replicas)
-        self.replicator = (Replicator(self.pg, self.nodes, self.directory, group.rank, replicas)
-                           if replicas > 1 else None)
+        background = self.restoring if group.size > 1 else Group(ALONE)
+        self.replicator = Replicator(background, self.pg, self.nodes, self.directory, self.replicas, options.keep)
         self.saver = AsyncSaver()
+        self.failures = 0
+        """Local saves that failed on this rank (each logged; a restore never uses such a step)."""
         self._space_checked = False
 
     def due(self, step: int) -> bool:
         return step % self.options.every == 0
 
     def save(self, step: int, state: dict[str, Any], options: SaveOptions) -> SaveHandle:
-        """Start saving this rank's copy of ``step`` (collective: retention and, the first time,
-        the space check agree first); replication follows its commit in the background."""
+        """Start saving this rank's copy of ``step`` (collective only the first time: the space
+        check); replication and retention follow its commit in the background."""
         tree, flat, digest = view(state)
-        with self.group.failing_together(f"the previous local-tier save failed on {{failed}} other rank(s) (their "
-                                         f"errors say why); step {step} was not saved"):
-            self.saver.wait()  # the previous local save, so that retention sees it committed
-        self._retire(step)
         if not self._space_checked:
             self._check_space(sum(t.nbytes for t in flat.leaves.values() if isinstance(t, torch.Tensor)))
             self._space_checked = True
@@ -83,22 +78,18 @@ class NodeTier:
         handle = self.saver.save(tree, str(path), local, process_group=ALONE, step=step, metadata=metadata)
         assert handle is not None
         self.saver.hold_steps([obj for obj, _ in flat.statefuls.values() if isinstance(obj, torch.optim.Optimizer)])
-        if self.replicator is not None:
-            replicator = self.replicator
-            handle.committed.add_done_callback(lambda f: replicator.submit(step, f.unseen_exception() is None))
+        handle.committed.add_done_callback(functools.partial(self._committed, step))
         return handle
 
-    def _retire(self, step: int) -> None:
-        """Delete the steps retention lets go (see the module's docstring), on each node's first rank."""
-        own = [s for s, ranks in self.directory.holdings().items() if self.group.rank in ranks]
-        pending = self.replicator.pending if self.replicator is not None else set()
-        complete, oldest_pending = self.group.all_reduce_min([max(own, default=-1), min(pending, default=_NONE)])
-        if not self.leader:
-            return
-        held = self.directory.steps()
-        keep = set(s for s in held if s <= complete)
-        keep = set(sorted(keep)[-self.options.keep:]) | {s for s in held if s > complete or s >= oldest_pending}
-        self.directory.keep_only(keep | {step})
+    def _committed(self, step: int, done: Any) -> None:
+        """A local save ended: a failure is logged and counted (seen: not raised into training);
+        either way the step goes to the background worker, which every rank's must see."""
+        failure = done.exception()
+        if failure is not None:
+            self.failures += 1
+            log.error("local-tier save of step %d failed on rank %d (%d so far): %s", step, self.group.rank,
+                      self.failures, failure)
+        self.replicator.submit(step, failure is None)
 
     def _check_space(self, nbytes: int) -> None:
         """Before the first local save: each node needs room for (keep + 1) steps of its copies."""
@@ -108,9 +99,8 @@ class NodeTier:
             if self.leader:
                 node = self.nodes.index(self.group.rank)
                 held = set(self.nodes.ranks_on(node))
-                if self.replicator is not None:
-                    for r in list(held):
-                        held.update(self.nodes.sources(r, min(self.options.replicas, self.nodes.count)))
+                for r in list(held):
+                    held.update(self.nodes.sources(r, self.replicas))
                 check_space(self.options.directory, (self.options.keep + 1) * sum(sizes[r] for r in held),
                             self.directory.bytes_used())
 
@@ -144,8 +134,7 @@ class NodeTier:
         try:
             self.saver.wait()
         finally:
-            if self.replicator is not None:
-                self.replicator.wait()
+            self.replicator.wait()
 
     def close(self) -> None:
         try:
@@ -154,5 +143,4 @@ class NodeTier:
             try:
                 self.saver.close()
             finally:
-                if self.replicator is not None:
-                    self.replicator.close()
+                self.replicator.close()
