@@ -24,9 +24,6 @@ from ..format.layout import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
 
-INCOMING = ".incoming-"
-"""The prefix of a replica's folder while it arrives (see :mod:`zerostall.tiers.transfer`)."""
-
 _STEP_RE = re.compile(r"^step_(\d{9,})$")
 _COPY_RE = re.compile(r"^rank_(\d{5,})$")
 _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
