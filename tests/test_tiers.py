@@ -398,3 +398,26 @@ def test_a_failed_local_save_is_counted_and_training_goes_on(tmp_path, monkeypat
     target = single_state(0.0)
     with zs.CheckpointManager(str(tmp_path / "root"), local=tier) as mgr:
         assert mgr.restore(target) == 2 and target["step"] == 2
+
+
+def restore_elsewhere(root: Any, base: str) -> tuple:
+    os.environ["ZEROSTALL_NODE_ID"] = "a"
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("zerostall").addHandler(handler)
+    try:
+        state = make_state()
+        with zs.CheckpointManager(root, local=zs.LocalTier(node_dir(base, "a"), every=EVERY)) as mgr:
+            step = mgr.restore(state, strict=False)
+        return step, mgr.last_restore.sources, seen
+    finally:
+        logging.getLogger("zerostall").removeHandler(handler)
+
+
+def test_another_world_size_restores_from_the_root_and_says_why(run, ranks):
+    _, root, base, _ = run
+    out = ranks(2).run(restore_elsewhere, root, base)
+    assert [(step, sources) for step, sources, _ in out] == [(12, ("persistent", "persistent"))] * 2
+    assert any("no step holds a good copy of every rank's state saved from the layout the ranks have now"
+               in m for m in out[0][2])

@@ -92,7 +92,8 @@ class SaveHandle:
         self.staged = _Watched()
         self.committed = _Watched()
         self.captured = captured
-        """Where the capture put each tensor, once ``staged``: another save of this step may read them there."""
+        """Where the capture put each tensor, once ``staged`` and until this saver's next save:
+        another save of this step may read them there."""
 
     @property
     def failure_seen(self) -> bool:
@@ -173,8 +174,10 @@ class AsyncSaver:
         if self.if_busy == "skip" and self._busy_on_any_rank(process_group):
             log.info("skipping the save to %s: a save is still in flight", path)
             return None
-        if self._current is not None and not self._current.done():
-            self.wait()
+        if self._current is not None:
+            if not self._current.done():
+                self.wait()
+            self._current.captured = None  # its buffers are this save's now (or freed, for another structure)
         prepared = prepare(state, path, options, process_group=process_group, step=step, metadata=metadata)
         self.hold_steps(prepared.collected.optimizers)
         recorded = versions(prepared.items)

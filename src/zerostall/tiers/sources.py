@@ -43,8 +43,8 @@ class Choice:
 
 
 def report(directory: NodeDirectory, world: int, leader: bool) -> dict[int, dict[int, str]]:
-    """This node's copies a restore on ``world`` ranks may use: {step: {rank: layout digest}}
-    (only the node's first rank lists them, once for the node)."""
+    """This node's copies: {step: {rank: layout digest}}, the digest empty for copies a restore on
+    ``world`` ranks cannot use (only the node's first rank lists them, once for the node)."""
     held: dict[int, dict[int, str]] = {}
     if not leader:
         return held
@@ -56,8 +56,8 @@ def report(directory: NodeDirectory, world: int, leader: bool) -> dict[int, dict
                 log.warning("local-tier copy of rank %d at step %d is unreadable, not used: %s", rank, step, exc)
                 continue
             meta = head.metadata if isinstance(head.metadata, dict) else {}
-            if head.world_size == 1 and meta.get("world_size") == world and isinstance(meta.get(LAYOUT_KEY), str):
-                held.setdefault(step, {})[rank] = meta[LAYOUT_KEY]
+            usable = head.world_size == 1 and meta.get("world_size") == world and isinstance(meta.get(LAYOUT_KEY), str)
+            held.setdefault(step, {})[rank] = meta[LAYOUT_KEY] if usable else ""  # "": never this layout's
     return held
 
 
