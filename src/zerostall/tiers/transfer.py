@@ -4,13 +4,14 @@ process group, verified where it arrives before it is published.
 Each transfer is one stream between two ranks: a header (the length of a JSON document, then the
 document: the copy's file names and sizes, or why there is nothing), then the bytes of the files,
 manifest first, in chunks, a few on the wire at once. No pickling, no collective: point-to-point
-messages only, every wait bounded by the group's own timeout. Files are memory-mapped on both
-sides, so the network reads and writes the page cache with no copy in between. The receiver
-writes into a sibling folder named ``.incoming-...`` (removed by the local tier at start-up if a
-crash leaves one), checks every block against the checkpoint's checksums with
+messages only, every wait bounded by the group's own timeout. The sender's files are
+memory-mapped (the network reads the page cache, no copy in between); the receiver writes the
+chunks that have arrived from a few threads while the next ones arrive, into a sibling folder
+named ``.incoming-...`` (removed by the local tier at start-up if a crash leaves one), checks
+every block against the checkpoint's checksums with
 :func:`~zerostall.loading.verification.verify_all` (what ``zs.verify`` runs) file by file as
-they arrive, and only then renames the folder into place. Files are not fsynced: a copy torn by
-a power loss fails its checksums when it is read, and another copy is used.
+they are written, and only then renames the folder into place. Files are not fsynced: a copy
+torn by a power loss fails its checksums when it is read, and another copy is used.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import mmap
 import os
 import secrets
 import shutil
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -40,12 +42,13 @@ INCOMING = ".incoming-"
 """The prefix of a copy's folder while it arrives, beside the folder it is published as."""
 
 _HEADER_LIMIT = 64 << 20  # a copy's names and sizes; more is a broken or hostile stream
-_CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 _IN_FLIGHT = 4  # chunks of one transfer on the wire at once
+_WRITERS = 4  # threads writing one arriving copy's chunks into its files
 
 
 def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequence[tuple[int, Path]], *,
-             chunk_bytes: int = 16 << 20) -> list[Path | None]:
+             chunk_bytes: int = 4 << 20) -> list[Path | None]:
     """Run every transfer of this rank at once (no deadlock: each rank may send to and receive from
     several ranks, the same ones included). ``sends``: (destination rank in ``pg``, copy directory,
     or None when this rank has nothing: the receiver is told so). ``receives``: (source rank, the
@@ -113,7 +116,7 @@ def _receive(pg: Any, src: int, final: Path, chunk_bytes: int) -> Path | None:
             return None
         incoming = final.parent / f"{INCOMING}{final.name}-{secrets.token_hex(4)}"
         try:
-            _Arrival(src, final, incoming).receive(_Wire(pg, src), files, chunk_bytes)
+            _Arrival(src, final, incoming, chunk_bytes).receive(_Wire(pg, src), files)
             _publish(incoming, final)
         except BaseException:
             shutil.rmtree(incoming, ignore_errors=True)
@@ -125,36 +128,45 @@ def _receive(pg: Any, src: int, final: Path, chunk_bytes: int) -> Path | None:
 
 
 class _Arrival:
-    """One copy arriving into ``folder``: each file is received straight into its mapped file, and
-    checked (:func:`verify_all` of that file) in the background once whole, while the next ones
-    arrive. A failure (a name that is not a plain file name, a file that cannot be written, a
-    check that fails) is raised once every byte has arrived, the rest dropped, so the stream stays
-    whole for the pair's next transfer."""
+    """One copy arriving into ``folder``. Chunks arrive into a ring of preallocated buffers and are
+    written into their files by a few threads while the next ones arrive; each file is checked
+    (:func:`verify_all` of that file) in the background once written, while the next ones arrive.
+    A failure (a name that is not a plain file name, a file that cannot be written, a check that
+    fails) is raised once every byte has arrived, the rest dropped, so the stream stays whole for
+    the pair's next transfer."""
 
-    def __init__(self, src: int, final: Path, folder: Path) -> None:
-        self.src, self.final, self.folder = src, final, folder
+    def __init__(self, src: int, final: Path, folder: Path, chunk_bytes: int) -> None:
+        self.src, self.final, self.folder, self.chunk_bytes = src, final, folder, chunk_bytes
         self.failure: CheckpointError | None = None
+        self.lock = threading.Lock()
         self.reader: ChunkReader | None = None
+        self.writers = ThreadPoolExecutor(_WRITERS, thread_name_prefix="zerostall-transfer-write")
         self.checks = ThreadPoolExecutor(1, thread_name_prefix="zerostall-transfer-check")
         self.checked: list[Future[int]] = []
+        # a buffer is reused once the chunk in it is written; the wire holds fewer than _IN_FLIGHT chunks
+        self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(_IN_FLIGHT + _WRITERS)]
+        self.writes: list[Future[None] | None] = [None] * len(self.buffers)
+        self.file_writes: dict[str, list[Future[None]]] = {}
 
-    def receive(self, wire: _Wire, files: list[tuple[str, int]], chunk_bytes: int) -> None:
+    def receive(self, wire: _Wire, files: list[tuple[str, int]]) -> None:
         self.names = {name for name, _ in files}
-        targets = self._create(files)
-        drop = None
+        fds = self._create(files)
         try:
-            for i, (name, size) in enumerate(files):
-                for offset in range(0, size, chunk_bytes):
-                    n = min(chunk_bytes, size - offset)
-                    if self.failure is None:
-                        wire.receive(targets[i][offset:offset + n])
-                    else:
-                        drop = torch.empty(chunk_bytes, dtype=torch.uint8) if drop is None else drop
-                        wire.receive(drop[:n])
+            k = 0
+            for name, size in files:
+                for offset in range(0, size, self.chunk_bytes):
+                    slot, k = k % len(self.buffers), k + 1
+                    if self.writes[slot] is not None:
+                        self.writes[slot].result()
+                    buf = self.buffers[slot][:min(self.chunk_bytes, size - offset)]
+                    wire.receive(buf, lambda slot=slot, fd=fds.get(name), name=name, buf=buf, offset=offset:
+                                 self._write_later(slot, fd, name, buf, offset))
                 wire.then(lambda name=name: self._arrived(name))
             wire.finish()
         finally:
-            targets.clear()
+            self.writers.shutdown()
+            for fd in fds.values():
+                os.close(fd)
             self.checks.shutdown()
         for future in self.checked:
             if future.exception() is not None:
@@ -162,35 +174,45 @@ class _Arrival:
         if self.failure is not None:
             raise self.failure
 
-    def _create(self, files: list[tuple[str, int]]) -> list[torch.Tensor]:
-        """Each file, made at its size (space taken now: a full disk fails here, not as a fault
-        in a mapped page) and mapped; nothing after a failure."""
-        targets: list[torch.Tensor] = []
+    def _create(self, files: list[tuple[str, int]]) -> dict[str, int]:
+        """A descriptor of each file, made empty; none after a failure."""
+        fds: dict[str, int] = {}
         try:
             if not files or files[0][0] != MANIFEST_NAME:
                 raise CorruptCheckpointError(f"its file list does not begin with {MANIFEST_NAME}")
             self.folder.mkdir(parents=True)
-            for name, size in files:
-                fd = os.open(self.folder / check_name(name), _CREATE_FLAGS, 0o644)
-                try:
-                    if size:
-                        os.posix_fallocate(fd, 0, size)
-                    mapped = mmap.mmap(fd, size) if size else bytearray()
-                finally:
-                    os.close(fd)
-                targets.append(torch.frombuffer(mapped, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8))
+            for name, _ in files:
+                fds[name] = os.open(self.folder / check_name(name), _CREATE_FLAGS, 0o644)
         except FileExistsError:
             self._fail(CorruptCheckpointError("its file list names a file twice"))
         except (CheckpointError, OSError) as exc:
             self._fail(exc)
-        return targets
+        return fds
+
+    def _write_later(self, slot: int, fd: int | None, name: str, buf: torch.Tensor, offset: int) -> None:
+        """A chunk has arrived in buffer ``slot``: write it into its file in the background."""
+        if self.failure is None and fd is not None:
+            self.writes[slot] = self.writers.submit(self._write, fd, buf, offset)
+            self.file_writes.setdefault(name, []).append(self.writes[slot])
+
+    def _write(self, fd: int, buf: torch.Tensor, offset: int) -> None:
+        try:
+            view = memoryview(buf.numpy())
+            while len(view):
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        except OSError as exc:
+            self._fail(exc)
 
     def _arrived(self, name: str) -> None:
         """File ``name`` is whole: the manifest is read (and the file list checked against it), a
         data file checked in the background."""
         if self.failure is not None:
             return
+        written = self.file_writes.pop(name, [])
         if name == MANIFEST_NAME:
+            for future in written:
+                future.result()
             storage = LocalStorage(os.fspath(self.folder), fsync=False)
             try:
                 manifest = read_manifest(storage)
@@ -205,22 +227,30 @@ class _Arrival:
             self.reader = ChunkReader(storage, manifest, default_threads())
             self.checked.append(self.checks.submit(verify_all, self.reader, allow_pickle=False, files=()))
         elif self.reader is not None:
-            self.checked.append(self.checks.submit(verify_all, self.reader, allow_pickle=False, files={name}))
+            self.checked.append(self.checks.submit(self._check, name, written))
+
+    def _check(self, name: str, written: list[Future[None]]) -> int:
+        for future in written:
+            future.result()
+        assert self.reader is not None  # set before any data file arrives
+        return verify_all(self.reader, allow_pickle=False, files={name})
 
     def _fail(self, exc: BaseException) -> None:
         """Keep the first failure, as the error that names the source rank and what failed."""
-        if self.failure is not None:
-            return
+        with self.lock:
+            if self.failure is None:
+                self.failure = self._error(exc)
+
+    def _error(self, exc: BaseException) -> CheckpointError:
         message = str(exc).replace(str(self.folder), "(as received)")
         if isinstance(exc, CorruptCheckpointError):
-            self.failure = CorruptCheckpointError(f"the copy rank {self.src} sent for {self.final} failed its checks, "
-                                                  f"so it was not kept: {message}")
-        elif isinstance(exc, CheckpointError):
-            self.failure = CheckpointError(f"the copy rank {self.src} sent for {self.final} could not be checked, so "
-                                           f"it was not kept: {message}")
-        else:
-            self.failure = CheckpointError(f"cannot write the copy rank {self.src} sent into {self.folder}: "
-                                           f"{type(exc).__name__}: {exc}")
+            return CorruptCheckpointError(f"the copy rank {self.src} sent for {self.final} failed its checks, so it "
+                                          f"was not kept: {message}")
+        if isinstance(exc, CheckpointError):
+            return CheckpointError(f"the copy rank {self.src} sent for {self.final} could not be checked, so it was "
+                                   f"not kept: {message}")
+        return CheckpointError(f"cannot write the copy rank {self.src} sent into {self.folder}: "
+                               f"{type(exc).__name__}: {exc}")
 
 
 def _publish(incoming: Path, final: Path) -> None:
@@ -276,18 +306,20 @@ class _Wire:
     def send(self, data: torch.Tensor) -> None:
         self._post(dist.isend(data, group_dst=self.peer, group=self.pg), data, None)
 
-    def receive(self, into: torch.Tensor) -> None:
-        self._post(dist.irecv(into, group_src=self.peer, group=self.pg), into, None)
+    def receive(self, into: torch.Tensor, then: Callable[[], None]) -> None:
+        """Receive the next chunk into ``into``; ``then()`` runs once it has arrived."""
+        self._post(dist.irecv(into, group_src=self.peer, group=self.pg), into, then)
 
     def then(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` once every chunk posted so far has arrived (or been sent)."""
-        self.works.append((None, None, fn))
+        self._post(None, None, fn)
 
     def finish(self) -> None:
         while self.works:
             self._complete_one()
 
-    def _post(self, work: Any, data: torch.Tensor, then: Callable[[], None] | None) -> None:
+    def _post(self, work: Any, data: torch.Tensor | None, then: Callable[[], None] | None) -> None:
+        """Queue a transfer (or only a callback); complete the oldest while ``_IN_FLIGHT`` are queued."""
         self.works.append((work, data, then))  # the tensor stays referenced until its transfer is done
         if len(self.works) >= _IN_FLIGHT:
             self._complete_one()
