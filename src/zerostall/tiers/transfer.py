@@ -21,10 +21,12 @@ import os
 import secrets
 import shutil
 import threading
+from itertools import zip_longest
 from collections import deque
+from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,35 +44,61 @@ INCOMING = ".incoming-"
 """The prefix of a copy's folder while it arrives, beside the folder it is published as."""
 
 _HEADER_LIMIT = 64 << 20  # a copy's names and sizes; more is a broken or hostile stream
+_CHUNK_LIMIT = 64 << 20  # the largest chunk a receiver takes (it holds a few)
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 _IN_FLIGHT = 4  # chunks of one transfer on the wire at once
-_WRITERS = 4  # threads writing one arriving copy's chunks into its files
+_WRITERS = 4  # files of one copy that travel, and are written, at once
 
 
 def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequence[tuple[int, Path]], *,
              chunk_bytes: int = 4 << 20) -> list[Path | None]:
     """Run every transfer of this rank at once (no deadlock: each rank may send to and receive from
     several ranks, the same ones included). ``sends``: (destination rank in ``pg``, copy directory,
-    or None when this rank has nothing: the receiver is told so). ``receives``: (source rank, the
-    directory to publish the copy as; one there is replaced). Returns, per receive, that directory,
-    or None when the sender had nothing. Raises once every transfer has ended: a copy that fails its
-    checks is :class:`CorruptCheckpointError` naming the source rank and the file (nothing is
-    published), a peer that died or timed out a :class:`CheckpointError` naming it."""
+    or None when this rank has nothing: the receiver is told so), sent in chunks of ``chunk_bytes``.
+    ``receives``: (source rank, the directory to publish the copy as; one there is replaced).
+    Returns, per receive, that directory, or None when the sender had nothing. Raises once every
+    transfer has ended: a copy that fails its checks is :class:`CorruptCheckpointError` naming the
+    source rank and the file (nothing is published), a peer that died or timed out a
+    :class:`CheckpointError` naming it."""
     me = dist.get_rank(pg)
     for what, peers in (("send to", [r for r, _ in sends]), ("receive from", [r for r, _ in receives])):
         if len(set(peers)) != len(peers) or me in peers or not all(0 <= r < dist.get_world_size(pg) for r in peers):
             raise ValueError(f"exchange on rank {me}: each rank to {what} must be another rank of the group, once: "
                              f"{peers}")
+    if not 0 < chunk_bytes <= _CHUNK_LIMIT:
+        raise ValueError(f"exchange: chunk_bytes must be in 1..{_CHUNK_LIMIT}, not {chunk_bytes}")
     if not (sends or receives):
         return []
     jobs = [lambda r=r, p=p: _send(pg, r, None if p is None else Path(p), chunk_bytes) for r, p in sends]
-    jobs += [lambda r=r, p=p: _receive(pg, r, Path(p), chunk_bytes) for r, p in receives]
+    jobs += [lambda r=r, p=p: _receive(pg, r, Path(p)) for r, p in receives]
     with ThreadPoolExecutor(len(jobs), thread_name_prefix="zerostall-transfer") as pool:
         futures = [pool.submit(job) for job in jobs]
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
         raise errors[0]
     return [f.result() for f in futures[len(sends):]]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a header announces: the files (names and sizes, the manifest first), the chunk size and
+    how many files travel at once."""
+
+    files: list[tuple[str, int]]
+    chunk: int
+    wave: int
+
+    def waves(self) -> Iterator[tuple[list[int], Iterator[tuple[int, int, int]]]]:
+        """The order the chunks travel in, by wave: (its files' indexes, its chunks as (file index,
+        offset, size)). The manifest travels alone, then the other files ``wave`` at a time, their
+        chunks in turn, so the receiver writes that many files at once (writes into one file wait
+        for each other)."""
+        groups = [[0]] + [list(range(i, min(i + self.wave, len(self.files)))) for i in range(1, len(self.files),
+                                                                                             self.wave)]
+        for group in groups:
+            turns = zip_longest(*([(f, offset, min(self.chunk, self.files[f][1] - offset))
+                                   for offset in range(0, self.files[f][1], self.chunk)] for f in group))
+            yield group, (c for turn in turns for c in turn if c is not None)
 
 
 def _send(pg: Any, dst: int, copy: Path | None, chunk_bytes: int) -> None:
@@ -81,11 +109,15 @@ def _send(pg: Any, dst: int, copy: Path | None, chunk_bytes: int) -> None:
         except (CheckpointError, OSError) as exc:  # the receiver learns why, then this rank raises it
             _send_header(pg, dst, {"error": f"{type(exc).__name__}: {exc}"})
             raise CheckpointError(f"cannot send the copy {copy} to rank {dst}: {exc}") from exc
-        _send_header(pg, dst, {"files": None if copy is None else [list(f) for f in files]})
+        if copy is None:
+            _send_header(pg, dst, {"files": None})
+            return
+        plan = _Plan(files, chunk_bytes, _WRITERS)
+        _send_header(pg, dst, {"files": [list(f) for f in files], "chunk": plan.chunk, "wave": plan.wave})
         wire = _Wire(pg, dst)
-        for whole in data:
-            for offset in range(0, whole.numel(), chunk_bytes):
-                wire.send(whole[offset:offset + chunk_bytes])
+        for _, chunks in plan.waves():
+            for f, offset, n in chunks:
+                wire.send(data[f][offset:offset + n])
         wire.finish()
     except RuntimeError as exc:  # what torch.distributed raises for a dead peer or a timeout
         raise CheckpointError(f"sending the copy {copy} to rank {dst} failed (rank {dst} died, or timed out): "
@@ -108,15 +140,15 @@ def _open_copy(copy: Path) -> tuple[list[tuple[str, int]], list[torch.Tensor]]:
     return files, data
 
 
-def _receive(pg: Any, src: int, final: Path, chunk_bytes: int) -> Path | None:
+def _receive(pg: Any, src: int, final: Path) -> Path | None:
     """Receive ``src``'s copy into a folder beside ``final``, verify it, publish it as ``final``."""
     try:
-        files = _receive_header(pg, src, final)
-        if files is None:
+        plan = _receive_header(pg, src, final)
+        if plan is None:
             return None
         incoming = final.parent / f"{INCOMING}{final.name}-{secrets.token_hex(4)}"
         try:
-            _Arrival(src, final, incoming, chunk_bytes).receive(_Wire(pg, src), files)
+            _Arrival(src, final, incoming, plan).receive(_Wire(pg, src))
             _publish(incoming, final)
         except BaseException:
             shutil.rmtree(incoming, ignore_errors=True)
@@ -129,14 +161,15 @@ def _receive(pg: Any, src: int, final: Path, chunk_bytes: int) -> Path | None:
 
 class _Arrival:
     """One copy arriving into ``folder``. Chunks arrive into a ring of preallocated buffers and are
-    written into their files by a few threads while the next ones arrive; each file is checked
-    (:func:`verify_all` of that file) in the background once written, while the next ones arrive.
-    A failure (a name that is not a plain file name, a file that cannot be written, a check that
-    fails) is raised once every byte has arrived, the rest dropped, so the stream stays whole for
-    the pair's next transfer."""
+    written into their files by a few threads while the next ones arrive; each wave of files is
+    checked (:func:`verify_all` of those files) in the background once written, while the next
+    arrives. A failure (a name that is not a plain file name, a file that cannot be written, a
+    check that fails) is raised once every byte has arrived, the rest dropped, so the stream stays
+    whole for the pair's next transfer."""
 
-    def __init__(self, src: int, final: Path, folder: Path, chunk_bytes: int) -> None:
-        self.src, self.final, self.folder, self.chunk_bytes = src, final, folder, chunk_bytes
+    def __init__(self, src: int, final: Path, folder: Path, plan: _Plan) -> None:
+        self.src, self.final, self.folder, self.plan = src, final, folder, plan
+        self.names = [name for name, _ in plan.files]
         self.failure: CheckpointError | None = None
         self.lock = threading.Lock()
         self.reader: ChunkReader | None = None
@@ -144,24 +177,23 @@ class _Arrival:
         self.checks = ThreadPoolExecutor(1, thread_name_prefix="zerostall-transfer-check")
         self.checked: list[Future[int]] = []
         # a buffer is reused once the chunk in it is written; the wire holds fewer than _IN_FLIGHT chunks
-        self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(_IN_FLIGHT + _WRITERS)]
+        self.buffers = [torch.empty(plan.chunk, dtype=torch.uint8) for _ in range(_IN_FLIGHT + _WRITERS)]
         self.writes: list[Future[None] | None] = [None] * len(self.buffers)
-        self.file_writes: dict[str, list[Future[None]]] = {}
+        self.file_writes: dict[int, list[Future[None]]] = {}
 
-    def receive(self, wire: _Wire, files: list[tuple[str, int]]) -> None:
-        self.names = {name for name, _ in files}
-        fds = self._create(files)
+    def receive(self, wire: _Wire) -> None:
+        fds = self._create()
         try:
             k = 0
-            for name, size in files:
-                for offset in range(0, size, self.chunk_bytes):
+            for group, chunks in self.plan.waves():
+                for f, offset, n in chunks:
                     slot, k = k % len(self.buffers), k + 1
                     if self.writes[slot] is not None:
                         self.writes[slot].result()
-                    buf = self.buffers[slot][:min(self.chunk_bytes, size - offset)]
-                    wire.receive(buf, lambda slot=slot, fd=fds.get(name), name=name, buf=buf, offset=offset:
-                                 self._write_later(slot, fd, name, buf, offset))
-                wire.then(lambda name=name: self._arrived(name))
+                    buf = self.buffers[slot][:n]
+                    wire.receive(buf, lambda slot=slot, f=f, buf=buf, offset=offset:
+                                 self._write_later(slot, fds.get(f), f, buf, offset))
+                wire.then(lambda group=group: self._arrived(group))
             wire.finish()
         finally:
             self.writers.shutdown()
@@ -174,26 +206,26 @@ class _Arrival:
         if self.failure is not None:
             raise self.failure
 
-    def _create(self, files: list[tuple[str, int]]) -> dict[str, int]:
-        """A descriptor of each file, made empty; none after a failure."""
-        fds: dict[str, int] = {}
+    def _create(self) -> dict[int, int]:
+        """A descriptor of each file (by index), made empty; none after a failure."""
+        fds: dict[int, int] = {}
         try:
-            if not files or files[0][0] != MANIFEST_NAME:
+            if self.names[0] != MANIFEST_NAME:
                 raise CorruptCheckpointError(f"its file list does not begin with {MANIFEST_NAME}")
             self.folder.mkdir(parents=True)
-            for name, _ in files:
-                fds[name] = os.open(self.folder / check_name(name), _CREATE_FLAGS, 0o644)
+            for f, name in enumerate(self.names):
+                fds[f] = os.open(self.folder / check_name(name), _CREATE_FLAGS, 0o644)
         except FileExistsError:
             self._fail(CorruptCheckpointError("its file list names a file twice"))
         except (CheckpointError, OSError) as exc:
             self._fail(exc)
         return fds
 
-    def _write_later(self, slot: int, fd: int | None, name: str, buf: torch.Tensor, offset: int) -> None:
-        """A chunk has arrived in buffer ``slot``: write it into its file in the background."""
+    def _write_later(self, slot: int, fd: int | None, f: int, buf: torch.Tensor, offset: int) -> None:
+        """A chunk of file ``f`` has arrived in buffer ``slot``: write it in the background."""
         if self.failure is None and fd is not None:
             self.writes[slot] = self.writers.submit(self._write, fd, buf, offset)
-            self.file_writes.setdefault(name, []).append(self.writes[slot])
+            self.file_writes.setdefault(f, []).append(self.writes[slot])
 
     def _write(self, fd: int, buf: torch.Tensor, offset: int) -> None:
         try:
@@ -204,36 +236,35 @@ class _Arrival:
         except OSError as exc:
             self._fail(exc)
 
-    def _arrived(self, name: str) -> None:
-        """File ``name`` is whole: the manifest is read (and the file list checked against it), a
-        data file checked in the background."""
+    def _arrived(self, group: list[int]) -> None:
+        """The files ``group`` have arrived: the manifest is read (and the file list checked against
+        it), data files are checked in the background once written."""
         if self.failure is not None:
             return
-        written = self.file_writes.pop(name, [])
-        if name == MANIFEST_NAME:
-            for future in written:
-                future.result()
-            storage = LocalStorage(os.fspath(self.folder), fsync=False)
-            try:
-                manifest = read_manifest(storage)
-                listed = {MANIFEST_NAME, *manifest.files}
-                if self.names != listed:
-                    raise CorruptCheckpointError(f"its files are not those its manifest lists (not listed: "
-                                                 f"{sorted(self.names - listed)[:5]}, not sent: "
-                                                 f"{sorted(listed - self.names)[:5]})")
-            except CheckpointError as exc:
-                self._fail(exc)
-                return
-            self.reader = ChunkReader(storage, manifest, default_threads())
-            self.checked.append(self.checks.submit(verify_all, self.reader, allow_pickle=False, files=()))
-        elif self.reader is not None:
-            self.checked.append(self.checks.submit(self._check, name, written))
-
-    def _check(self, name: str, written: list[Future[None]]) -> int:
+        written = [future for f in group for future in self.file_writes.pop(f, [])]
+        if group != [0]:
+            self.checked.append(self.checks.submit(self._check, {self.names[f] for f in group}, written))
+            return
         for future in written:
             future.result()
-        assert self.reader is not None  # set before any data file arrives
-        return verify_all(self.reader, allow_pickle=False, files={name})
+        storage = LocalStorage(os.fspath(self.folder), fsync=False)
+        try:
+            manifest = read_manifest(storage)
+            listed, names = {MANIFEST_NAME, *manifest.files}, set(self.names)
+            if names != listed:
+                raise CorruptCheckpointError(f"its files are not those its manifest lists (not listed: "
+                                             f"{sorted(names - listed)[:5]}, not sent: {sorted(listed - names)[:5]})")
+        except CheckpointError as exc:
+            self._fail(exc)
+            return
+        self.reader = ChunkReader(storage, manifest, default_threads())
+        self.checked.append(self.checks.submit(verify_all, self.reader, allow_pickle=False, files=()))
+
+    def _check(self, names: set[str], written: list[Future[None]]) -> int:
+        for future in written:
+            future.result()
+        assert self.reader is not None  # read before any data file arrives
+        return verify_all(self.reader, allow_pickle=False, files=names)
 
     def _fail(self, exc: BaseException) -> None:
         """Keep the first failure, as the error that names the source rank and what failed."""
@@ -271,9 +302,9 @@ def _send_header(pg: Any, dst: int, header: dict[str, Any]) -> None:
     dist.send(data, group_dst=dst, group=pg)
 
 
-def _receive_header(pg: Any, src: int, final: Path) -> list[tuple[str, int]] | None:
-    """The files (names and sizes) of the copy ``src`` sends, or None when it has none; a header
-    of the wrong shape is a :class:`CorruptCheckpointError` (the stream cannot be followed further)."""
+def _receive_header(pg: Any, src: int, final: Path) -> _Plan | None:
+    """What the copy ``src`` sends holds, or None when it has none; a header of the wrong shape is a
+    :class:`CorruptCheckpointError` (the stream cannot be followed further)."""
     length = torch.zeros(1, dtype=torch.int64)
     dist.recv(length, group_src=src, group=pg)
     n = int(length.item())
@@ -285,15 +316,18 @@ def _receive_header(pg: Any, src: int, final: Path) -> list[tuple[str, int]] | N
         header = load_json(data.numpy().tobytes())
     except ValueError as exc:
         raise CorruptCheckpointError(f"rank {src} sent a header for {final} that is not JSON: {exc}") from None
-    if isinstance(header, dict) and "error" in header:
+    if not isinstance(header, dict):
+        header = {}
+    if "error" in header:
         raise CheckpointError(f"rank {src} could not send its copy for {final}: {header['error']}")
-    files = header.get("files", ()) if isinstance(header, dict) else ()
+    files, chunk, wave = header.get("files", ()), header.get("chunk"), header.get("wave")
     if files is None:
         return None
-    if not (isinstance(files, list) and all(isinstance(f, list) and len(f) == 2 and type(f[1]) is int and f[1] >= 0
-                                            for f in files)):
+    if not (isinstance(files, list) and files and all(isinstance(f, list) and len(f) == 2 and type(f[1]) is int
+                                                      and f[1] >= 0 for f in files)
+            and type(chunk) is int and 0 < chunk <= _CHUNK_LIMIT and type(wave) is int and 0 < wave <= 64):
         raise CorruptCheckpointError(f"rank {src} sent a header for {final} of the wrong shape: {header!r:.200}")
-    return [(name, size) for name, size in files]
+    return _Plan([(name, size) for name, size in files], chunk, wave)
 
 
 class _Wire:
