@@ -93,12 +93,15 @@ class _Plan:
         offset, size)). The manifest travels alone, then the other files ``wave`` at a time, their
         chunks in turn, so the receiver writes that many files at once (writes into one file wait
         for each other)."""
-        groups = [[0]] + [list(range(i, min(i + self.wave, len(self.files)))) for i in range(1, len(self.files),
-                                                                                             self.wave)]
-        for group in groups:
-            turns = zip_longest(*([(f, offset, min(self.chunk, self.files[f][1] - offset))
-                                   for offset in range(0, self.files[f][1], self.chunk)] for f in group))
+        starts = range(1, len(self.files), self.wave)
+        for group in [[0]] + [list(range(i, min(i + self.wave, len(self.files)))) for i in starts]:
+            turns = zip_longest(*(self._chunks(f) for f in group))
             yield group, (c for turn in turns for c in turn if c is not None)
+
+    def _chunks(self, f: int) -> Iterator[tuple[int, int, int]]:
+        size = self.files[f][1]
+        for offset in range(0, size, self.chunk):
+            yield f, offset, min(self.chunk, size - offset)
 
 
 def _send(pg: Any, dst: int, copy: Path | None, chunk_bytes: int) -> None:
@@ -126,7 +129,8 @@ def _send(pg: Any, dst: int, copy: Path | None, chunk_bytes: int) -> None:
 
 def _open_copy(copy: Path) -> tuple[list[tuple[str, int]], list[torch.Tensor]]:
     """The files of the committed copy ``copy`` (its manifest, then the data files it lists) with
-    their sizes, and their bytes, mapped (the network reads them from the page cache, no copy)."""
+    their sizes, and their bytes, mapped (the network reads them from the page cache, no copy; a
+    copy's files are never rewritten in place, so none shrinks under its map)."""
     manifest = read_manifest(LocalStorage(os.fspath(copy), fsync=False))
     files, data = [], []
     for name in [MANIFEST_NAME, *manifest.files]:
