@@ -16,7 +16,8 @@ OMP_NUM_THREADS=1) and, rep after rep:
   ranks are done), to show what checking costs.
 
 A time is rank 1's wall time from a barrier to the end of its call; figures are medians over
-reps. Progress goes to stderr, a table to stdout; with --json the last line of stdout is one JSON
+reps. Beside them, each side's CPU time (all its threads) per GB: what the exchange spends beyond
+the raw transport (reading, writing, checking), which a machine with few cores cannot overlap. Progress goes to stderr, a table to stdout; with --json the last line of stdout is one JSON
 object (keys raw_transport_gbps, exchange_gbps, ratio, ...).
 """
 
@@ -54,10 +55,12 @@ def raw(rank: int, nbytes: int, chunk: int, buffers: list[torch.Tensor]) -> None
         work.wait()
 
 
-def timed(fn) -> float:
+def timed(fn, cpu: dict[str, list[float]], name: str) -> float:
+    """The wall time of ``fn()`` from a barrier; this process's CPU time in it (all threads) goes to ``cpu[name]``."""
     dist.barrier()
-    start = time.perf_counter()
+    start, used = time.perf_counter(), time.process_time()
     fn()
+    cpu.setdefault(name, []).append(time.process_time() - used)
     return time.perf_counter() - start
 
 
@@ -69,11 +72,13 @@ def worker(rank: int, port: int, copy: str, out: str, nbytes: int, reps: int) ->
     whole = torch.ones(nbytes, dtype=torch.uint8)
     held = Path(out) / "held" / "rank_00000"
     seconds: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     for rep in range(reps + 1):  # the first is a warm-up
-        times = {f"raw_{c >> 20}MiB": timed(lambda c=c: raw(rank, nbytes, c, buffers)) for c in RAW_CHUNKS}
-        times["raw_one_message"] = timed(lambda: raw(rank, nbytes, nbytes, [whole, whole]))
+        times = {f"raw_{c >> 20}MiB": timed(lambda c=c: raw(rank, nbytes, c, buffers), cpu, f"raw_{c >> 20}MiB")
+                 for c in RAW_CHUNKS}
+        times["raw_one_message"] = timed(lambda: raw(rank, nbytes, nbytes, [whole, whole]), cpu, "raw_one_message")
         times["exchange"] = timed(lambda: exchange(dist.group.WORLD, [(1, Path(copy))] if rank == 0 else [],
-                                                   [(0, held)] if rank == 1 else []))
+                                                   [(0, held)] if rank == 1 else []), cpu, "exchange")
         if rank == 1 and rep < reps:  # the last copy stays for the verify timing
             shutil.rmtree(held.parent)
         dist.barrier()
@@ -81,9 +86,8 @@ def worker(rank: int, port: int, copy: str, out: str, nbytes: int, reps: int) ->
             for name, s in times.items():
                 seconds.setdefault(name, []).append(s)
             progress(f"rank {rank} rep {rep}: " + ", ".join(f"{k} {nbytes / v / 1e9:.2f} GB/s" for k, v in times.items()))
-    if rank == 1:
-        with open(os.path.join(out, "seconds.json"), "w") as f:
-            json.dump(seconds, f)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"seconds": seconds, "cpu": {k: v[1:] for k, v in cpu.items()}}, f)
     dist.destroy_process_group()
 
 
@@ -104,7 +108,8 @@ def main() -> None:
         zs.save(build_state(args.size_mb << 20), str(copy))
         nbytes = sum(f.stat().st_size for f in copy.iterdir())
         mp.spawn(worker, args=(free_port(), str(copy), str(out), nbytes, args.reps), nprocs=2)
-        seconds = json.loads((out / "seconds.json").read_text())
+        sender, receiver = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+        seconds = receiver["seconds"]
         held = str(out / "held" / "rank_00000")
         seconds["verify"] = []
         for _ in range(args.reps):
@@ -114,16 +119,22 @@ def main() -> None:
     finally:
         shutil.rmtree(out, ignore_errors=True)
     rates = {name: nbytes / median(s) / 1e9 for name, s in seconds.items()}
+    cpu = {side: {k: median(v) / nbytes * 1e9 for k, v in ranks["cpu"].items()}
+           for side, ranks in (("sender", sender), ("receiver", receiver))}
     raw_best = max(v for k, v in rates.items() if k.startswith("raw_"))
-    print(f"{'':<18}{'GB/s':>8}{'median s':>10}   ({nbytes / 1e9:.3f} GB, {args.reps} reps, {os.cpu_count()} cores)")
+    print(f"{'':<18}{'GB/s':>8}{'median s':>10}{'CPU s/GB':>20}   ({nbytes / 1e9:.3f} GB, {args.reps} reps, "
+          f"{os.cpu_count()} cores)")
+    print(f"{'':<36}{'sender':>10}{'receiver':>10}")
     for name, s in seconds.items():
-        print(f"{name:<18}{rates[name]:>8.2f}{median(s):>10.3f}")
+        used = "".join(f"{cpu[side][name]:>10.3f}" for side in ("sender", "receiver")) if name in cpu["sender"] else ""
+        print(f"{name:<18}{rates[name]:>8.2f}{median(s):>10.3f}{used}")
     print(f"exchange / best raw: {rates['exchange'] / raw_best:.2f}")
     if args.json:
         print_json({"bytes": nbytes, "reps": args.reps, "cores": os.cpu_count(), "dir": args.dir,
                     "raw_transport_gbps": rnd(raw_best, 3), "exchange_gbps": rnd(rates["exchange"], 3),
                     "ratio": rnd(rates["exchange"] / raw_best, 3), "verify_gbps": rnd(rates["verify"], 3),
                     "rates_gbps": {k: rnd(v, 3) for k, v in rates.items()},
+                    "cpu_s_per_gb": {side: {k: rnd(v, 3) for k, v in c.items()} for side, c in cpu.items()},
                     "seconds": {k: [rnd(x) for x in v] for k, v in seconds.items()}})
 
 

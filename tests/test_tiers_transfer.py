@@ -72,6 +72,16 @@ def test_a_spare_node_keeps_the_placement() -> None:
     assert all(before.holders(r, 3) == after.holders(r, 3) for r in range(6))
 
 
+def test_the_manifest_travels_alone_then_the_files_a_wave_at_a_time_in_turn() -> None:
+    from zerostall.tiers.transfer import _Plan
+
+    plan = _Plan([("manifest.json", 5), ("a", 7), ("b", 3), ("c", 0), ("d", 4)], chunk=3, wave=2)
+    assert [(group, list(chunks)) for group, chunks in plan.waves()] == [
+        ([0], [(0, 0, 3), (0, 3, 2)]),
+        ([1, 2], [(1, 0, 3), (2, 0, 3), (1, 3, 3), (1, 6, 1)]),
+        ([3, 4], [(4, 0, 3), (4, 3, 1)])]
+
+
 # -- over real ranks -----------------------------------------------------------------------------
 
 
@@ -97,7 +107,8 @@ def test_gather_nodes_over_four_ranks(ranks) -> None:
 def _state(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {"w": torch.randn(300, 257, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16),
-            "steps": torch.randint(0, 1 << 40, (33,), generator=g), "epoch": seed, "name": f"rank {seed}"}
+            "steps": torch.randint(0, 1 << 40, (33,), generator=g), "epoch": seed, "name": f"rank {seed}",
+            **{f"layer{i}": torch.randn(5000 * i + 1, generator=g) for i in range(5)}}
 
 
 def _empty_like(state: dict) -> dict:
@@ -115,11 +126,12 @@ def _assert_same(loaded: dict, expected: dict) -> None:
 
 
 def _copies(tmp_path: Path, world: int) -> list[Path]:
-    """One committed one-rank checkpoint per rank, saved here (no process group)."""
+    """One committed one-rank checkpoint per rank, saved here (no process group), in 6 data files
+    (so they travel in two waves, the files of each in turn)."""
     out = []
     for rank in range(world):
         path = tmp_path / f"own_{rank}"
-        zs.save(_state(rank), str(path))
+        zs.save(_state(rank), str(path), threads=6)
         out.append(path)
     return out
 
@@ -222,7 +234,7 @@ def _hostile_then_honest(name: str, held: str, own: str) -> list:
     from zerostall.tiers.transfer import _send_header
 
     if dist.get_rank() == 1:
-        _send_header(dist.group.WORLD, 0, {"files": [[MANIFEST_NAME, 4], [name, 4]]})
+        _send_header(dist.group.WORLD, 0, {"files": [[MANIFEST_NAME, 4], [name, 4]], "chunk": 4096, "wave": 4})
         for _ in range(2):
             dist.send(torch.zeros(4, dtype=torch.uint8), 0)
         return _exchange([(0, own)], [], 4096)
@@ -251,7 +263,8 @@ def _forged(files: list[tuple[str, str]], held: str) -> list:
     if dist.get_rank() == 0:
         return _exchange([], [(1, Path(held))], 1 << 20)
     data = [Path(path).read_bytes() for _, path in files]
-    _send_header(dist.group.WORLD, 0, {"files": [[name, len(d)] for (name, _), d in zip(files, data)]})
+    _send_header(dist.group.WORLD, 0, {"files": [[name, len(d)] for (name, _), d in zip(files, data)],
+                                       "chunk": 1 << 20, "wave": 1})  # one file at a time, each in one chunk
     for d in data:
         if d:
             dist.send(torch.frombuffer(bytearray(d), dtype=torch.uint8), 0)
@@ -277,6 +290,28 @@ def test_a_copy_that_is_not_its_manifest_s_files_is_refused(ranks, tmp_path: Pat
     kind, message = ranks(2).run(_forged, files, str(held))[0]
     assert kind == "CorruptCheckpointError" and "rank 1" in message and expected in message
     assert not held.parent.exists() or os.listdir(held.parent) == []
+
+
+def _header_only(header: dict, held: str) -> list:
+    import torch.distributed as dist
+
+    from zerostall.tiers.transfer import _send_header
+
+    if dist.get_rank() == 0:
+        return _exchange([], [(1, Path(held))], 4096)
+    _send_header(dist.group.WORLD, 0, header)
+    return []
+
+
+@pytest.mark.parametrize("header", [{"files": [[MANIFEST_NAME, 4]], "chunk": 0, "wave": 4},
+                                    {"files": [[MANIFEST_NAME, 4]], "chunk": 1 << 40, "wave": 4},
+                                    {"files": [[MANIFEST_NAME, -4]], "chunk": 4096, "wave": 4},
+                                    {"files": [], "chunk": 4096, "wave": 4}, {"files": [[MANIFEST_NAME, 4]]}, [1]])
+def test_a_malformed_header_is_refused(ranks, tmp_path: Path, header) -> None:
+    held = tmp_path / "node" / "rank_00001"
+    kind, message = ranks(2).run(_header_only, header, str(held))[0]
+    assert kind == "CorruptCheckpointError" and "rank 1" in message and "wrong shape" in message
+    assert not held.parent.exists()
 
 
 def _silent_peer(timeout: float, held: str) -> list:

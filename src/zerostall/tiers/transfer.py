@@ -4,13 +4,14 @@ process group, verified where it arrives before it is published.
 Each transfer is one stream between two ranks: a header (the length of a JSON document, then the
 document: the copy's file names and sizes, or why there is nothing), then the bytes of the files,
 manifest first, in chunks, a few on the wire at once. No pickling, no collective: point-to-point
-messages only, every wait bounded by the group's own timeout. Files are memory-mapped on both
-sides, so the network reads and writes the page cache with no copy in between. The receiver
-writes into a sibling folder named ``.incoming-...`` (removed by the local tier at start-up if a
-crash leaves one), checks every block against the checkpoint's checksums with
+messages only, every wait bounded by the group's own timeout. The sender's files are
+memory-mapped (the network reads the page cache, no copy in between); the receiver writes the
+chunks that have arrived from a few threads while the next ones arrive, into a sibling folder
+named ``.incoming-...`` (removed by the local tier at start-up if a crash leaves one), checks
+every block against the checkpoint's checksums with
 :func:`~zerostall.loading.verification.verify_all` (what ``zs.verify`` runs) file by file as
-they arrive, and only then renames the folder into place. Files are not fsynced: a copy torn by
-a power loss fails its checksums when it is read, and another copy is used.
+they are written, and only then renames the folder into place. Files are not fsynced: a copy
+torn by a power loss fails its checksums when it is read, and another copy is used.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import mmap
 import os
 import secrets
 import shutil
+import threading
+from itertools import zip_longest
 from collections import deque
+from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,34 +44,64 @@ INCOMING = ".incoming-"
 """The prefix of a copy's folder while it arrives, beside the folder it is published as."""
 
 _HEADER_LIMIT = 64 << 20  # a copy's names and sizes; more is a broken or hostile stream
-_CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+_CHUNK_LIMIT = 64 << 20  # the largest chunk a receiver takes (it holds a few)
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 _IN_FLIGHT = 4  # chunks of one transfer on the wire at once
+_WRITERS = 4  # files of one copy that travel, and are written, at once
 
 
 def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequence[tuple[int, Path]], *,
-             chunk_bytes: int = 16 << 20) -> list[Path | None]:
+             chunk_bytes: int = 4 << 20) -> list[Path | None]:
     """Run every transfer of this rank at once (no deadlock: each rank may send to and receive from
     several ranks, the same ones included). ``sends``: (destination rank in ``pg``, copy directory,
-    or None when this rank has nothing: the receiver is told so). ``receives``: (source rank, the
-    directory to publish the copy as; one there is replaced). Returns, per receive, that directory,
-    or None when the sender had nothing. Raises once every transfer has ended: a copy that fails its
-    checks is :class:`CorruptCheckpointError` naming the source rank and the file (nothing is
-    published), a peer that died or timed out a :class:`CheckpointError` naming it."""
+    or None when this rank has nothing: the receiver is told so), sent in chunks of ``chunk_bytes``.
+    ``receives``: (source rank, the directory to publish the copy as; one there is replaced).
+    Returns, per receive, that directory, or None when the sender had nothing. Raises once every
+    transfer has ended: a copy that fails its checks is :class:`CorruptCheckpointError` naming the
+    source rank and the file (nothing is published), a peer that died or timed out a
+    :class:`CheckpointError` naming it."""
     me = dist.get_rank(pg)
     for what, peers in (("send to", [r for r, _ in sends]), ("receive from", [r for r, _ in receives])):
         if len(set(peers)) != len(peers) or me in peers or not all(0 <= r < dist.get_world_size(pg) for r in peers):
             raise ValueError(f"exchange on rank {me}: each rank to {what} must be another rank of the group, once: "
                              f"{peers}")
+    if not 0 < chunk_bytes <= _CHUNK_LIMIT:
+        raise ValueError(f"exchange: chunk_bytes must be in 1..{_CHUNK_LIMIT}, not {chunk_bytes}")
     if not (sends or receives):
         return []
     jobs = [lambda r=r, p=p: _send(pg, r, None if p is None else Path(p), chunk_bytes) for r, p in sends]
-    jobs += [lambda r=r, p=p: _receive(pg, r, Path(p), chunk_bytes) for r, p in receives]
+    jobs += [lambda r=r, p=p: _receive(pg, r, Path(p)) for r, p in receives]
     with ThreadPoolExecutor(len(jobs), thread_name_prefix="zerostall-transfer") as pool:
         futures = [pool.submit(job) for job in jobs]
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
         raise errors[0]
     return [f.result() for f in futures[len(sends):]]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a header announces: the files (names and sizes, the manifest first), the chunk size and
+    how many files travel at once."""
+
+    files: list[tuple[str, int]]
+    chunk: int
+    wave: int
+
+    def waves(self) -> Iterator[tuple[list[int], Iterator[tuple[int, int, int]]]]:
+        """The order the chunks travel in, by wave: (its files' indexes, its chunks as (file index,
+        offset, size)). The manifest travels alone, then the other files ``wave`` at a time, their
+        chunks in turn, so the receiver writes that many files at once (writes into one file wait
+        for each other)."""
+        starts = range(1, len(self.files), self.wave)
+        for group in [[0]] + [list(range(i, min(i + self.wave, len(self.files)))) for i in starts]:
+            turns = zip_longest(*(self._chunks(f) for f in group))
+            yield group, (c for turn in turns for c in turn if c is not None)
+
+    def _chunks(self, f: int) -> Iterator[tuple[int, int, int]]:
+        size = self.files[f][1]
+        for offset in range(0, size, self.chunk):
+            yield f, offset, min(self.chunk, size - offset)
 
 
 def _send(pg: Any, dst: int, copy: Path | None, chunk_bytes: int) -> None:
@@ -78,11 +112,15 @@ def _send(pg: Any, dst: int, copy: Path | None, chunk_bytes: int) -> None:
         except (CheckpointError, OSError) as exc:  # the receiver learns why, then this rank raises it
             _send_header(pg, dst, {"error": f"{type(exc).__name__}: {exc}"})
             raise CheckpointError(f"cannot send the copy {copy} to rank {dst}: {exc}") from exc
-        _send_header(pg, dst, {"files": None if copy is None else [list(f) for f in files]})
+        if copy is None:
+            _send_header(pg, dst, {"files": None})
+            return
+        plan = _Plan(files, chunk_bytes, _WRITERS)
+        _send_header(pg, dst, {"files": [list(f) for f in files], "chunk": plan.chunk, "wave": plan.wave})
         wire = _Wire(pg, dst)
-        for whole in data:
-            for offset in range(0, whole.numel(), chunk_bytes):
-                wire.send(whole[offset:offset + chunk_bytes])
+        for _, chunks in plan.waves():
+            for f, offset, n in chunks:
+                wire.send(data[f][offset:offset + n])
         wire.finish()
     except RuntimeError as exc:  # what torch.distributed raises for a dead peer or a timeout
         raise CheckpointError(f"sending the copy {copy} to rank {dst} failed (rank {dst} died, or timed out): "
@@ -91,7 +129,8 @@ def _send(pg: Any, dst: int, copy: Path | None, chunk_bytes: int) -> None:
 
 def _open_copy(copy: Path) -> tuple[list[tuple[str, int]], list[torch.Tensor]]:
     """The files of the committed copy ``copy`` (its manifest, then the data files it lists) with
-    their sizes, and their bytes, mapped (the network reads them from the page cache, no copy)."""
+    their sizes, and their bytes, mapped (the network reads them from the page cache, no copy; a
+    copy's files are never rewritten in place, so none shrinks under its map)."""
     manifest = read_manifest(LocalStorage(os.fspath(copy), fsync=False))
     files, data = [], []
     for name in [MANIFEST_NAME, *manifest.files]:
@@ -105,15 +144,15 @@ def _open_copy(copy: Path) -> tuple[list[tuple[str, int]], list[torch.Tensor]]:
     return files, data
 
 
-def _receive(pg: Any, src: int, final: Path, chunk_bytes: int) -> Path | None:
+def _receive(pg: Any, src: int, final: Path) -> Path | None:
     """Receive ``src``'s copy into a folder beside ``final``, verify it, publish it as ``final``."""
     try:
-        files = _receive_header(pg, src, final)
-        if files is None:
+        plan = _receive_header(pg, src, final)
+        if plan is None:
             return None
         incoming = final.parent / f"{INCOMING}{final.name}-{secrets.token_hex(4)}"
         try:
-            _Arrival(src, final, incoming).receive(_Wire(pg, src), files, chunk_bytes)
+            _Arrival(src, final, incoming, plan).receive(_Wire(pg, src))
             _publish(incoming, final)
         except BaseException:
             shutil.rmtree(incoming, ignore_errors=True)
@@ -125,36 +164,45 @@ def _receive(pg: Any, src: int, final: Path, chunk_bytes: int) -> Path | None:
 
 
 class _Arrival:
-    """One copy arriving into ``folder``: each file is received straight into its mapped file, and
-    checked (:func:`verify_all` of that file) in the background once whole, while the next ones
-    arrive. A failure (a name that is not a plain file name, a file that cannot be written, a
+    """One copy arriving into ``folder``. Chunks arrive into a ring of preallocated buffers and are
+    written into their files by a few threads while the next ones arrive; each wave of files is
+    checked (:func:`verify_all` of those files) in the background once written, while the next
+    arrives. A failure (a name that is not a plain file name, a file that cannot be written, a
     check that fails) is raised once every byte has arrived, the rest dropped, so the stream stays
     whole for the pair's next transfer."""
 
-    def __init__(self, src: int, final: Path, folder: Path) -> None:
-        self.src, self.final, self.folder = src, final, folder
+    def __init__(self, src: int, final: Path, folder: Path, plan: _Plan) -> None:
+        self.src, self.final, self.folder, self.plan = src, final, folder, plan
+        self.names = [name for name, _ in plan.files]
         self.failure: CheckpointError | None = None
+        self.lock = threading.Lock()
         self.reader: ChunkReader | None = None
+        self.writers = ThreadPoolExecutor(_WRITERS, thread_name_prefix="zerostall-transfer-write")
         self.checks = ThreadPoolExecutor(1, thread_name_prefix="zerostall-transfer-check")
         self.checked: list[Future[int]] = []
+        # a buffer is reused once the chunk in it is written; the wire holds fewer than _IN_FLIGHT chunks
+        self.buffers = [torch.empty(plan.chunk, dtype=torch.uint8) for _ in range(_IN_FLIGHT + _WRITERS)]
+        self.writes: list[Future[None] | None] = [None] * len(self.buffers)
+        self.file_writes: dict[int, list[Future[None]]] = {}
 
-    def receive(self, wire: _Wire, files: list[tuple[str, int]], chunk_bytes: int) -> None:
-        self.names = {name for name, _ in files}
-        targets = self._create(files)
-        drop = None
+    def receive(self, wire: _Wire) -> None:
+        fds = self._create()
         try:
-            for i, (name, size) in enumerate(files):
-                for offset in range(0, size, chunk_bytes):
-                    n = min(chunk_bytes, size - offset)
-                    if self.failure is None:
-                        wire.receive(targets[i][offset:offset + n])
-                    else:
-                        drop = torch.empty(chunk_bytes, dtype=torch.uint8) if drop is None else drop
-                        wire.receive(drop[:n])
-                wire.then(lambda name=name: self._arrived(name))
+            k = 0
+            for group, chunks in self.plan.waves():
+                for f, offset, n in chunks:
+                    slot, k = k % len(self.buffers), k + 1
+                    if self.writes[slot] is not None:
+                        self.writes[slot].result()
+                    buf = self.buffers[slot][:n]
+                    wire.receive(buf, lambda slot=slot, f=f, buf=buf, offset=offset:
+                                 self._write_later(slot, fds.get(f), f, buf, offset))
+                wire.then(lambda group=group: self._arrived(group))
             wire.finish()
         finally:
-            targets.clear()
+            self.writers.shutdown()
+            for fd in fds.values():
+                os.close(fd)
             self.checks.shutdown()
         for future in self.checked:
             if future.exception() is not None:
@@ -162,65 +210,82 @@ class _Arrival:
         if self.failure is not None:
             raise self.failure
 
-    def _create(self, files: list[tuple[str, int]]) -> list[torch.Tensor]:
-        """Each file, made at its size (space taken now: a full disk fails here, not as a fault
-        in a mapped page) and mapped; nothing after a failure."""
-        targets: list[torch.Tensor] = []
+    def _create(self) -> dict[int, int]:
+        """A descriptor of each file (by index), made empty; none after a failure."""
+        fds: dict[int, int] = {}
         try:
-            if not files or files[0][0] != MANIFEST_NAME:
+            if self.names[0] != MANIFEST_NAME:
                 raise CorruptCheckpointError(f"its file list does not begin with {MANIFEST_NAME}")
             self.folder.mkdir(parents=True)
-            for name, size in files:
-                fd = os.open(self.folder / check_name(name), _CREATE_FLAGS, 0o644)
-                try:
-                    if size:
-                        os.posix_fallocate(fd, 0, size)
-                    mapped = mmap.mmap(fd, size) if size else bytearray()
-                finally:
-                    os.close(fd)
-                targets.append(torch.frombuffer(mapped, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8))
+            for f, name in enumerate(self.names):
+                fds[f] = os.open(self.folder / check_name(name), _CREATE_FLAGS, 0o644)
         except FileExistsError:
             self._fail(CorruptCheckpointError("its file list names a file twice"))
         except (CheckpointError, OSError) as exc:
             self._fail(exc)
-        return targets
+        return fds
 
-    def _arrived(self, name: str) -> None:
-        """File ``name`` is whole: the manifest is read (and the file list checked against it), a
-        data file checked in the background."""
+    def _write_later(self, slot: int, fd: int | None, f: int, buf: torch.Tensor, offset: int) -> None:
+        """A chunk of file ``f`` has arrived in buffer ``slot``: write it in the background."""
+        if self.failure is None and fd is not None:
+            self.writes[slot] = self.writers.submit(self._write, fd, buf, offset)
+            self.file_writes.setdefault(f, []).append(self.writes[slot])
+
+    def _write(self, fd: int, buf: torch.Tensor, offset: int) -> None:
+        try:
+            view = memoryview(buf.numpy())
+            while len(view):
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        except OSError as exc:
+            self._fail(exc)
+
+    def _arrived(self, group: list[int]) -> None:
+        """The files ``group`` have arrived: the manifest is read (and the file list checked against
+        it), data files are checked in the background once written."""
         if self.failure is not None:
             return
-        if name == MANIFEST_NAME:
-            storage = LocalStorage(os.fspath(self.folder), fsync=False)
-            try:
-                manifest = read_manifest(storage)
-                listed = {MANIFEST_NAME, *manifest.files}
-                if self.names != listed:
-                    raise CorruptCheckpointError(f"its files are not those its manifest lists (not listed: "
-                                                 f"{sorted(self.names - listed)[:5]}, not sent: "
-                                                 f"{sorted(listed - self.names)[:5]})")
-            except CheckpointError as exc:
-                self._fail(exc)
-                return
-            self.reader = ChunkReader(storage, manifest, default_threads())
-            self.checked.append(self.checks.submit(verify_all, self.reader, allow_pickle=False, files=()))
-        elif self.reader is not None:
-            self.checked.append(self.checks.submit(verify_all, self.reader, allow_pickle=False, files={name}))
+        written = [future for f in group for future in self.file_writes.pop(f, [])]
+        if group != [0]:
+            self.checked.append(self.checks.submit(self._check, {self.names[f] for f in group}, written))
+            return
+        for future in written:
+            future.result()
+        storage = LocalStorage(os.fspath(self.folder), fsync=False)
+        try:
+            manifest = read_manifest(storage)
+            listed, names = {MANIFEST_NAME, *manifest.files}, set(self.names)
+            if names != listed:
+                raise CorruptCheckpointError(f"its files are not those its manifest lists (not listed: "
+                                             f"{sorted(names - listed)[:5]}, not sent: {sorted(listed - names)[:5]})")
+        except CheckpointError as exc:
+            self._fail(exc)
+            return
+        self.reader = ChunkReader(storage, manifest, default_threads())
+        self.checked.append(self.checks.submit(verify_all, self.reader, allow_pickle=False, files=()))
+
+    def _check(self, names: set[str], written: list[Future[None]]) -> int:
+        for future in written:
+            future.result()
+        assert self.reader is not None  # read before any data file arrives
+        return verify_all(self.reader, allow_pickle=False, files=names)
 
     def _fail(self, exc: BaseException) -> None:
         """Keep the first failure, as the error that names the source rank and what failed."""
-        if self.failure is not None:
-            return
+        with self.lock:
+            if self.failure is None:
+                self.failure = self._error(exc)
+
+    def _error(self, exc: BaseException) -> CheckpointError:
         message = str(exc).replace(str(self.folder), "(as received)")
         if isinstance(exc, CorruptCheckpointError):
-            self.failure = CorruptCheckpointError(f"the copy rank {self.src} sent for {self.final} failed its checks, "
-                                                  f"so it was not kept: {message}")
-        elif isinstance(exc, CheckpointError):
-            self.failure = CheckpointError(f"the copy rank {self.src} sent for {self.final} could not be checked, so "
-                                           f"it was not kept: {message}")
-        else:
-            self.failure = CheckpointError(f"cannot write the copy rank {self.src} sent into {self.folder}: "
-                                           f"{type(exc).__name__}: {exc}")
+            return CorruptCheckpointError(f"the copy rank {self.src} sent for {self.final} failed its checks, so it "
+                                          f"was not kept: {message}")
+        if isinstance(exc, CheckpointError):
+            return CheckpointError(f"the copy rank {self.src} sent for {self.final} could not be checked, so it was "
+                                   f"not kept: {message}")
+        return CheckpointError(f"cannot write the copy rank {self.src} sent into {self.folder}: "
+                               f"{type(exc).__name__}: {exc}")
 
 
 def _publish(incoming: Path, final: Path) -> None:
@@ -241,9 +306,9 @@ def _send_header(pg: Any, dst: int, header: dict[str, Any]) -> None:
     dist.send(data, group_dst=dst, group=pg)
 
 
-def _receive_header(pg: Any, src: int, final: Path) -> list[tuple[str, int]] | None:
-    """The files (names and sizes) of the copy ``src`` sends, or None when it has none; a header
-    of the wrong shape is a :class:`CorruptCheckpointError` (the stream cannot be followed further)."""
+def _receive_header(pg: Any, src: int, final: Path) -> _Plan | None:
+    """What the copy ``src`` sends holds, or None when it has none; a header of the wrong shape is a
+    :class:`CorruptCheckpointError` (the stream cannot be followed further)."""
     length = torch.zeros(1, dtype=torch.int64)
     dist.recv(length, group_src=src, group=pg)
     n = int(length.item())
@@ -255,15 +320,18 @@ def _receive_header(pg: Any, src: int, final: Path) -> list[tuple[str, int]] | N
         header = load_json(data.numpy().tobytes())
     except ValueError as exc:
         raise CorruptCheckpointError(f"rank {src} sent a header for {final} that is not JSON: {exc}") from None
-    if isinstance(header, dict) and "error" in header:
+    if not isinstance(header, dict):
+        header = {}
+    if "error" in header:
         raise CheckpointError(f"rank {src} could not send its copy for {final}: {header['error']}")
-    files = header.get("files", ()) if isinstance(header, dict) else ()
+    files, chunk, wave = header.get("files", ()), header.get("chunk"), header.get("wave")
     if files is None:
         return None
-    if not (isinstance(files, list) and all(isinstance(f, list) and len(f) == 2 and type(f[1]) is int and f[1] >= 0
-                                            for f in files)):
+    if not (isinstance(files, list) and files and all(isinstance(f, list) and len(f) == 2 and type(f[1]) is int
+                                                      and f[1] >= 0 for f in files)
+            and type(chunk) is int and 0 < chunk <= _CHUNK_LIMIT and type(wave) is int and 0 < wave <= 64):
         raise CorruptCheckpointError(f"rank {src} sent a header for {final} of the wrong shape: {header!r:.200}")
-    return [(name, size) for name, size in files]
+    return _Plan([(name, size) for name, size in files], chunk, wave)
 
 
 class _Wire:
@@ -276,18 +344,20 @@ class _Wire:
     def send(self, data: torch.Tensor) -> None:
         self._post(dist.isend(data, group_dst=self.peer, group=self.pg), data, None)
 
-    def receive(self, into: torch.Tensor) -> None:
-        self._post(dist.irecv(into, group_src=self.peer, group=self.pg), into, None)
+    def receive(self, into: torch.Tensor, then: Callable[[], None]) -> None:
+        """Receive the next chunk into ``into``; ``then()`` runs once it has arrived."""
+        self._post(dist.irecv(into, group_src=self.peer, group=self.pg), into, then)
 
     def then(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` once every chunk posted so far has arrived (or been sent)."""
-        self.works.append((None, None, fn))
+        self._post(None, None, fn)
 
     def finish(self) -> None:
         while self.works:
             self._complete_one()
 
-    def _post(self, work: Any, data: torch.Tensor, then: Callable[[], None] | None) -> None:
+    def _post(self, work: Any, data: torch.Tensor | None, then: Callable[[], None] | None) -> None:
+        """Queue a transfer (or only a callback); complete the oldest while ``_IN_FLIGHT`` are queued."""
         self.works.append((work, data, then))  # the tensor stays referenced until its transfer is done
         if len(self.works) >= _IN_FLIGHT:
             self._complete_one()
