@@ -87,10 +87,11 @@ def choose(nodes: Nodes, digests: list[str], held: list[dict[int, dict[int, str]
 
 
 def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, digest: str,
-                       newer_than: int | None, load: Callable[[str], Any], *, fallback: bool,
+                       newer_than: int | None, load: Callable[[str, bool], Any], *, fallback: bool,
                        fallbacks: list[tuple[str, str]]) -> tuple[Choice, Any] | None:
     """Restore this rank from the tiers (see the module's docstring): returns the choice made and
-    what ``load(copy path)`` returned, or None when the persistent tier is to be used. Copies
+    what ``load(copy path, checked)`` returned (``checked``: the copy was just received, every block
+    checked on arrival), or None when the persistent tier is to be used. Copies
     found damaged are added to ``fallbacks`` (what, why)."""
     rank = group.rank
     leader = nodes.ranks_on(nodes.index(rank))[0] == rank
@@ -135,7 +136,7 @@ def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirec
 
 
 def _attempt(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, choice: Choice,
-             load: Callable[[str], Any]) -> tuple[tuple[str, str], Any]:
+             load: Callable[[str, bool], Any]) -> tuple[tuple[str, str], Any]:
     """Receive this rank's copy if it is a peer's, send the copies others need from this rank,
     then load; returns (outcome, message) and what ``load`` returned."""
     rank, step = group.rank, choice.step
@@ -145,7 +146,7 @@ def _attempt(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, choi
     try:
         if sends or receives:
             exchange(pg, sends, receives)
-        return (OK, ""), load(str(directory.copy_path(step, rank)))
+        return (OK, ""), load(str(directory.copy_path(step, rank)), bool(receives))
     except Exception as exc:
         return (kind_of(exc) if kind_of(exc) == DAMAGED else FAILED, f"{type(exc).__name__}: {exc}"), None
 

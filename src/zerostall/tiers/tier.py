@@ -115,7 +115,7 @@ class NodeTier:
         _, _, digest = view(state, restoring=True)
         fallbacks: list[tuple[str, str]] = []
         got = restore_from_tiers(self.restoring, self.pg, self.nodes, self.directory, digest,
-                                 steps[0] - 1 if steps else None, functools.partial(load_copy, state, options=options),
+                                 steps[0] - 1 if steps else None, functools.partial(_load, state, options),
                                  fallback=fallback, fallbacks=fallbacks)
         if got is None:
             return RestoreInfo(None, None, (), tuple(fallbacks)), None
@@ -144,3 +144,9 @@ class NodeTier:
                 self.saver.close()
             finally:
                 self.replicator.close()
+
+
+def _load(state: dict[str, Any], options: LoadOptions, path: str, checked: bool) -> Any:
+    """Load a copy into ``state``; one received just now had every block checked on arrival, so it
+    is not checked a second time."""
+    return load_copy(state, path, options=dataclasses.replace(options, verify=False) if checked else options)
