@@ -318,14 +318,6 @@ def stall(rank: int, args: argparse.Namespace, port: int, run: dict[str, Any]) -
     state = make_state(rank, args.rank_mib)
     args = argparse.Namespace(**{**vars(args), "every": 1, "save_every": None})
     mgr = manager(os.path.join(run["base"], "stall-root"), os.path.join(run["base"], "stall"), "aabb"[rank], args)
-    retire, retired = mgr.tier._retire, []
-
-    def timed_retire(step: int) -> None:  # retention: a collective, then the deletions on a node's first rank
-        start = time.monotonic()
-        retire(step)
-        retired.append(time.monotonic() - start)
-
-    mgr.tier._retire = timed_retire  # bench instrumentation only
     log: dict[str, Any] = {"save": [], "none": [], "save_s": [], "staged_s": [], "committed_s": [], "first": None}
     step, handle = 0, None
     for rep in range(args.reps + 1):  # block 0: warm-up (the first save allocates and checks the space)
@@ -340,7 +332,7 @@ def stall(rank: int, args: argparse.Namespace, port: int, run: dict[str, Any]) -
                     called = time.monotonic()
                     handle = mgr.save(step, state)
                     returned = time.monotonic()
-                    times = {"save_s": returned - called, "busy": busy, "retire_s": retired[-1]}
+                    times = {"save_s": returned - called, "busy": busy}
                     handle.staged.add_done_callback(lambda f, t=times: t.setdefault("staged_s", time.monotonic()))
                     handle.committed.add_done_callback(lambda f, t=times: t.setdefault("committed_s", time.monotonic()))
                     if log["first"] is None:
@@ -352,7 +344,7 @@ def stall(rank: int, args: argparse.Namespace, port: int, run: dict[str, Any]) -
                     log[arm].append(seconds)
     mgr.wait()
     for called, times in log.pop("pending", []):
-        for what in ("save_s", "retire_s", "staged_s", "committed_s"):
+        for what in ("save_s", "staged_s", "committed_s"):
             log.setdefault(what, []).append(times[what] - (called if what in ("staged_s", "committed_s") else 0.0))
         log.setdefault("busy", []).append(times["busy"])
     log["replication_s"] = [s for _, s in mgr.tier.replicator.replicated]
@@ -429,8 +421,6 @@ def summarize(args: argparse.Namespace, run: dict[str, Any], trained: list[dict[
         out[f"local_{what}"] = rnd(median([max(v) for v in zip(*(r[what] for r in stalled))]))
     out["local_save_stall_s"] = out.pop("local_save_s")
     out["local_save_stall_last_rank_s"] = rnd(median([min(v) for v in zip(*(r["save_s"] for r in stalled))]))
-    out["local_retire_s"] = rnd(median([max(v) for v in zip(*(r["retire_s"] for r in stalled))]))
-    out["local_retire_last_rank_s"] = rnd(median([min(v) for v in zip(*(r["retire_s"] for r in stalled))]))
     idle = [max(v) for v, *busy in zip(zip(*(r["save_s"] for r in stalled)), *(r["busy"] for r in stalled))
             if not any(busy)]  # saves called when no rank's previous save was still being written
     out["local_save_stall_idle_s"] = rnd(median(idle))
@@ -476,8 +466,8 @@ def print_table(r: dict[str, Any]) -> None:
     print(f"local save every step: save() {r['local_save_stall_s']} s ({r['local_save_stall_idle_s']} s when the previous "
           f"save had committed; {r['local_saves_behind_previous']} saves waited for it; first {r['local_first_save_s']} s), staged "
           f"{r['local_staged_s']} s, committed {r['local_committed_s']} s; step {r['step_s_without_saves']} -> "
-          f"{r['step_s_with_local_saves']} s ({r['step_overhead']}); in save(), retention {r['local_retire_s']} s; the "
-          f"last rank to call save() {r['local_save_stall_last_rank_s']} s (retention {r['local_retire_last_rank_s']} s)")
+          f"{r['step_s_with_local_saves']} s ({r['step_overhead']}); the last rank to call save() "
+          f"{r['local_save_stall_last_rank_s']} s")
     print(f"while training: a local save commits {r['train_commit_s']} s after save(), its replicas are published "
           f"{r['replication_s']} s after its commit")
     print(f"steps lost (every={r['every']}, save_every={r['save_every']}, crash after step {r['stop']}): "

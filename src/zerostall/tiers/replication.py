@@ -9,8 +9,8 @@ is published only once every block checked. A failure is logged and counted, nev
 training: the step is then restored from other copies, or the root.
 
 Then, in one small all-reduce on the same group, the ranks agree on the newest step every rank
-has saved and the oldest step some rank still has to replicate; each node's first rank deletes
-every step but the ``keep`` newest saved by every rank and those newer or still to replicate.
+has saved and replicated (the all-reduce itself waits for every rank's exchange of that step);
+each node's first rank deletes every step but the ``keep`` newest of those and the newer ones.
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ from .transfer import exchange
 
 log = logging.getLogger(__name__)
 
-_NONE = 1 << 62  # "no step" in a minimum over ranks
-
-
 class Replicator:
     """This rank's background worker of the local tier (see the module's docstring)."""
 
@@ -46,15 +43,12 @@ class Replicator:
         self.replicated: list[tuple[int, float]] = []
         """Steps replicated on this rank, with the seconds each took."""
         self._queue: queue.Queue[tuple[int, bool] | None] = queue.Queue()
-        self._pending: list[int] = []
-        self._lock = threading.Lock()
+        self._done = -1  # the newest step this rank saved and replicated
         self._thread = threading.Thread(target=self._run, name="zerostall-replication", daemon=True)
         self._thread.start()
 
     def submit(self, step: int, saved: bool) -> None:
         """Replicate ``step`` once its local save is done (``saved``: whether it committed here)."""
-        with self._lock:
-            self._pending.append(step)
         self._queue.put((step, saved))
 
     def _run(self) -> None:
@@ -63,8 +57,8 @@ class Replicator:
             try:
                 if self.holders or self.sources:
                     self._replicate(step, saved)
-                with self._lock:
-                    self._pending.remove(step)
+                if saved:
+                    self._done = step
                 self._retire()
             except Exception as exc:  # the tier's group failed (a peer died): the next restore sorts it out
                 log.warning("local tier: retiring old steps after step %d failed: %s: %s", step,
@@ -87,15 +81,12 @@ class Replicator:
         self.replicated.append((step, time.perf_counter() - start))
 
     def _retire(self) -> None:
-        own = [s for s, ranks in self.directory.holdings().items() if self.rank in ranks]
-        with self._lock:
-            pending = min(self._pending, default=_NONE)
-        complete, oldest_pending = self.group.all_reduce_min([max(own, default=-1), pending])
+        (complete,) = self.group.all_reduce_min([self._done])
         if not self.leader:
             return
         held = self.directory.steps()
         done = sorted(s for s in held if s <= complete)[-self.keep:]
-        self.directory.keep_only({*done, *(s for s in held if s > complete or s >= oldest_pending)})
+        self.directory.keep_only({*done, *(s for s in held if s > complete)})
 
     def wait(self) -> None:
         """Block until every step submitted so far is replicated (or failed) and retired."""
