@@ -421,3 +421,53 @@ def test_another_world_size_restores_from_the_root_and_says_why(run, ranks):
     assert [(step, sources) for step, sources, _ in out] == [(12, ("persistent", "persistent"))] * 2
     assert any("holds a good copy of every rank's state saved from the layout the ranks have now (another world "
                "size or mesh" in m for m in out[0][2])
+
+
+def replication_of_step_10_held_back(root: str, base: str) -> dict:
+    """Step 5's replication waits until step 10 is saved on this rank; step 10's waits until the
+    node's holdings were read. Returns this node's holdings while step 10 is not replicated yet."""
+    import threading
+    from pathlib import Path
+
+    import zerostall.tiers.replication as replication
+
+    os.environ["ZEROSTALL_NODE_ID"] = NODES[dist.get_rank()]
+    real, saved_10, at_10, looked = replication.exchange, threading.Event(), threading.Event(), threading.Event()
+
+    def held(pg, sends, receives):
+        step = int(Path([*sends, *receives][0][1]).parent.name.removeprefix("step_"))
+        if step == 5:
+            saved_10.wait(60)
+        if step == 10:
+            at_10.set()
+            looked.wait(60)
+        return real(pg, sends, receives)
+
+    replication.exchange = held
+    try:
+        state = make_state()
+        tier = zs.LocalTier(node_dir(base, NODES[dist.get_rank()]), every=5, keep=1, replicas=2, timeout_s=60)
+        with zs.CheckpointManager(root, local=tier, fsync=False) as mgr:
+            for step in range(1, 11):
+                train_step(state, step)
+                if mgr.should_save(step):
+                    mgr.save(step, state)
+            mgr.tier.saver.wait()
+            saved_10.set()
+            assert at_10.wait(60)  # step 5 was replicated and retention ran after it
+            dist.barrier()
+            holdings = mgr.tier.directory.holdings()
+            dist.barrier()
+            looked.set()
+            mgr.wait()
+        return holdings
+    finally:
+        replication.exchange = real
+
+
+def test_a_step_is_kept_until_the_newer_one_is_replicated_everywhere(ranks, tmp_path):
+    """Retention ran after step 5's replication while step 10 was saved but not yet replicated: it
+    deleted step 5, so losing a node then lost both steps."""
+    out = ranks(4).run(replication_of_step_10_held_back, str(tmp_path / "root"), str(tmp_path / "nodes"))
+    for holdings in out:
+        assert holdings[5] == [0, 1, 2, 3]
