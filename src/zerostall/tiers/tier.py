@@ -137,6 +137,7 @@ class NodeTier:
             self.replicator.wait()
 
     def close(self) -> None:
+        """Finish the saves and replication in flight, then stop the saver, the worker and the tier's group."""
         try:
             self.wait()
         finally:
@@ -144,6 +145,8 @@ class NodeTier:
                 self.saver.close()
             finally:
                 self.replicator.close()
+                if self.pg is not None:
+                    dist.destroy_process_group(self.pg)
 
 
 def _load(state: dict[str, Any], options: LoadOptions, path: str, checked: bool) -> Any:
