@@ -5,13 +5,14 @@ Each transfer is one stream between two ranks: a header (the length of a JSON do
 document: the copy's file names and sizes, or why there is nothing), then the bytes of the files,
 manifest first, in chunks, a few on the wire at once. No pickling, no collective: point-to-point
 messages only, every wait bounded by the group's own timeout. The sender's files are
-memory-mapped (the network reads the page cache, no copy in between); the receiver writes the
-chunks that have arrived from a few threads while the next ones arrive, into a sibling folder
-named ``.incoming-...`` (removed by the local tier at start-up if a crash leaves one), checks
-every block against the checkpoint's checksums with
-:func:`~zerostall.loading.verification.verify_all` (what ``zs.verify`` runs) file by file as
-they are written, and only then renames the folder into place. Files are not fsynced: a copy
-torn by a power loss fails its checksums when it is read, and another copy is used.
+memory-mapped (the network reads the page cache, no copy in between). The receiver reads the
+manifest first, then checks each data file from its bytes as they arrive, before it writes them
+(:class:`~zerostall.loading.verification.ArrivingFile`: every check ``zs.verify`` makes, its
+size, header and every block, with no read-back), a few files at once from a few threads while
+the next chunks arrive, into a sibling folder named ``.incoming-...`` (removed by the local tier
+at start-up if a crash leaves one), and only once every file has passed renames the folder into
+place. Files are not fsynced: a copy torn by a power loss fails its checksums when it is read,
+and another copy is used.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError, CorruptCheckpointError
+from ..format.checksums import CACHE_PIECE
 from ..format.layout import MANIFEST_NAME, dump_json, load_json
 from ..loading.opening import read_manifest
 from ..loading.reader import ChunkReader
-from ..loading.verification import verify_all
-from ..options import default_threads
+from ..loading.verification import ArrivingFile, verify_all
 from ..storage.base import check_name
 from ..storage.local import LocalStorage, open_regular
 
@@ -164,49 +165,54 @@ def _receive(pg: Any, src: int, final: Path) -> Path | None:
 
 
 class _Arrival:
-    """One copy arriving into ``folder``. Chunks arrive into a ring of preallocated buffers and are
-    written into their files by a few threads while the next ones arrive; each wave of files is
-    checked (:func:`verify_all` of those files) in the background once written, while the next
-    arrives. A failure (a name that is not a plain file name, a file that cannot be written, a
-    check that fails) is raised once every byte has arrived, the rest dropped, so the stream stays
-    whole for the pair's next transfer."""
+    """One copy arriving into ``folder``. The manifest arrives first; then each chunk of a data file
+    arrives into a ring of preallocated buffers and is hashed into its file's checks
+    (:class:`ArrivingFile`: its size, header and every block, against the manifest) and written,
+    a cache-sized piece at a time, by its file's writer thread while the next ones arrive (a file's
+    chunks go to one writer, in order). A failure (a name that is not a plain file name, a file that
+    cannot be written, a check that fails) is raised once every byte has arrived, the rest dropped,
+    so the stream stays whole for the pair's next transfer."""
 
     def __init__(self, src: int, final: Path, folder: Path, plan: _Plan) -> None:
         self.src, self.final, self.folder, self.plan = src, final, folder, plan
         self.names = [name for name, _ in plan.files]
         self.failure: CheckpointError | None = None
         self.lock = threading.Lock()
-        self.reader: ChunkReader | None = None
-        self.writers = ThreadPoolExecutor(_WRITERS, thread_name_prefix="zerostall-transfer-write")
+        self.writers = [ThreadPoolExecutor(1, thread_name_prefix="zerostall-transfer-write") for _ in range(_WRITERS)]
+        self.lanes: dict[int, ThreadPoolExecutor] = {}  # the writer of each file (by index) of the current wave
+        self.arriving: dict[int, ArrivingFile] = {}  # each data file's checks, once the manifest is read
+        self.passed = 0  # data files whose every byte arrived and passed its checks
         self.checks = ThreadPoolExecutor(1, thread_name_prefix="zerostall-transfer-check")
-        self.checked: list[Future[int]] = []
+        self.described: Future[int] | None = None  # the manifest's entries checked (verify_all of no file)
         # a buffer is reused once the chunk in it is written; the wire holds fewer than _IN_FLIGHT chunks
         self.buffers = [torch.empty(plan.chunk, dtype=torch.uint8) for _ in range(_IN_FLIGHT + _WRITERS)]
         self.writes: list[Future[None] | None] = [None] * len(self.buffers)
-        self.file_writes: dict[int, list[Future[None]]] = {}
 
     def receive(self, wire: _Wire) -> None:
         fds = self._create()
         try:
             k = 0
             for group, chunks in self.plan.waves():
+                self.lanes.update((f, self.writers[i % _WRITERS]) for i, f in enumerate(group))
                 for f, offset, n in chunks:
                     slot, k = k % len(self.buffers), k + 1
                     if self.writes[slot] is not None:
                         self.writes[slot].result()
                     buf = self.buffers[slot][:n]
                     wire.receive(buf, lambda slot=slot, f=f, buf=buf, offset=offset:
-                                 self._write_later(slot, fds.get(f), f, buf, offset))
+                                 self._store_later(slot, fds.get(f), f, buf, offset))
                 wire.then(lambda group=group: self._arrived(group))
             wire.finish()
         finally:
-            self.writers.shutdown()
+            for writer in self.writers:
+                writer.shutdown()
             for fd in fds.values():
                 os.close(fd)
             self.checks.shutdown()
-        for future in self.checked:
-            if future.exception() is not None:
-                self._fail(future.exception())
+        if self.described is not None and self.described.exception() is not None:
+            self._fail(self.described.exception())
+        if self.failure is None and self.passed != len(self.names) - 1:
+            self._fail(CheckpointError(f"only {self.passed} of its {len(self.names) - 1} data files were checked"))
         if self.failure is not None:
             raise self.failure
 
@@ -225,32 +231,39 @@ class _Arrival:
             self._fail(exc)
         return fds
 
-    def _write_later(self, slot: int, fd: int | None, f: int, buf: torch.Tensor, offset: int) -> None:
-        """A chunk of file ``f`` has arrived in buffer ``slot``: write it in the background."""
+    def _store_later(self, slot: int, fd: int | None, f: int, buf: torch.Tensor, offset: int) -> None:
+        """A chunk of file ``f`` has arrived in buffer ``slot``: check and write it in the background."""
         if self.failure is None and fd is not None:
-            self.writes[slot] = self.writers.submit(self._write, fd, buf, offset)
-            self.file_writes.setdefault(f, []).append(self.writes[slot])
+            self.writes[slot] = self.lanes[f].submit(self._store, fd, f, buf, offset)
 
-    def _write(self, fd: int, buf: torch.Tensor, offset: int) -> None:
+    def _store(self, fd: int, f: int, buf: torch.Tensor, offset: int) -> None:
+        """Hash each cache-sized piece of the chunk into its file's checks, then write it (read from
+        the cache once hashed); nothing more once the copy has failed."""
+        if self.failure is not None:
+            return
         try:
-            view = memoryview(buf.numpy())
-            while len(view):
-                n = os.pwrite(fd, view, offset)
-                view, offset = view[n:], offset + n
-        except OSError as exc:
+            data, arriving = memoryview(buf.numpy()), self.arriving.get(f)
+            for lo in range(0, len(data), CACHE_PIECE):
+                view = data[lo:lo + CACHE_PIECE]
+                if arriving is not None:
+                    arriving.update(view)
+                at = offset + lo
+                while len(view):
+                    n = os.pwrite(fd, view, at)
+                    view, at = view[n:], at + n
+        except (CheckpointError, OSError) as exc:
             self._fail(exc)
 
     def _arrived(self, group: list[int]) -> None:
-        """The files ``group`` have arrived: the manifest is read (and the file list checked against
-        it), data files are checked in the background once written."""
+        """The files ``group`` have arrived: the manifest is read (the file list checked against it,
+        each data file's checks made ready), a data file's last checks are made once it is written."""
         if self.failure is not None:
             return
-        written = [future for f in group for future in self.file_writes.pop(f, [])]
         if group != [0]:
-            self.checked.append(self.checks.submit(self._check, {self.names[f] for f in group}, written))
+            for f in group:
+                self.lanes[f].submit(self._finish, f)
             return
-        for future in written:
-            future.result()
+        self.lanes[0].submit(lambda: None).result()  # the manifest is written
         storage = LocalStorage(os.fspath(self.folder), fsync=False)
         try:
             manifest = read_manifest(storage)
@@ -258,17 +271,24 @@ class _Arrival:
             if names != listed:
                 raise CorruptCheckpointError(f"its files are not those its manifest lists (not listed: "
                                              f"{sorted(names - listed)[:5]}, not sent: {sorted(listed - names)[:5]})")
+            reader = ChunkReader(storage, manifest, 1)
+            for f, (name, size) in enumerate(self.plan.files[1:], 1):
+                self.arriving[f] = ArrivingFile(reader, name, size)
         except CheckpointError as exc:
             self._fail(exc)
             return
-        self.reader = ChunkReader(storage, manifest, default_threads())
-        self.checked.append(self.checks.submit(verify_all, self.reader, allow_pickle=False, files=()))
+        self.described = self.checks.submit(verify_all, reader, allow_pickle=False, files=())
 
-    def _check(self, names: set[str], written: list[Future[None]]) -> int:
-        for future in written:
-            future.result()
-        assert self.reader is not None  # read before any data file arrives
-        return verify_all(self.reader, allow_pickle=False, files=names)
+    def _finish(self, f: int) -> None:
+        if self.failure is not None:
+            return
+        try:
+            self.arriving[f].finish()
+        except CheckpointError as exc:
+            self._fail(exc)
+            return
+        with self.lock:
+            self.passed += 1
 
     def _fail(self, exc: BaseException) -> None:
         """Keep the first failure, as the error that names the source rank and what failed."""
