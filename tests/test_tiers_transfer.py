@@ -97,7 +97,7 @@ def test_a_file_checked_as_it_arrives_in_pieces_of_any_size(tmp_path: Path) -> N
 
     from zerostall.errors import CheckpointError, CorruptCheckpointError
     from zerostall.loading.reader import ChunkReader
-    from zerostall.loading.verification import ArrivingFile
+    from zerostall.loading.verification import arriving_files
     from zerostall.storage.local import LocalStorage
 
     zs.save(_state(1), str(tmp_path / "ckpt"), block_size=1000)
@@ -107,7 +107,7 @@ def test_a_file_checked_as_it_arrives_in_pieces_of_any_size(tmp_path: Path) -> N
 
     def feed(name: str, data: bytes) -> None:
         """``data`` arrives as data file ``name`` (its size: the manifest's) in pieces of random sizes."""
-        arriving, at = ArrivingFile(reader, name, manifest.files[name]), 0
+        arriving, at = arriving_files(reader, {name: manifest.files[name]})[name], 0
         while at < len(data):
             n = rng.choice([0, 1, 7, 999, 1000, 1001, 4096, len(data)])
             arriving.update(memoryview(data)[at:at + n])

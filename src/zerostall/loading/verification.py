@@ -138,6 +138,17 @@ def _decode_safely(entry: Entry) -> None:
             raise CorruptCheckpointError(f"entry {entry.fqn}: {exc}") from exc
 
 
+def arriving_files(fetcher: ChunkReader, sizes: dict[str, int]) -> dict[str, ArrivingFile]:
+    """The checks of the manifest's data files ``sizes`` (name: size as it arrives), each with its
+    chunks, found in one pass over the entries."""
+    chunks: dict[str, list[tuple[Entry, Chunk]]] = {name: [] for name in sizes}
+    for entry in fetcher.manifest.entries:
+        for chunk in entry.chunks if entry.kind == "tensor" else ():
+            if chunk.file in chunks:
+                chunks[chunk.file].append((entry, chunk))
+    return {name: ArrivingFile(fetcher, name, size, chunks[name]) for name, size in sizes.items()}
+
+
 def _data_starts(chunks: Iterable[Chunk]) -> dict[str, int]:
     """Where each data file's data section begins (its first chunk): its header ends there."""
     starts: dict[str, int] = {}
@@ -158,19 +169,18 @@ class _Span:
 
 
 class ArrivingFile:
-    """Data file ``name`` of ``fetcher.manifest`` checked from its ``size`` bytes as they arrive,
-    in order (a copy received from another node): every check :func:`verify_all` makes of a data
-    file (its size, its header's checksum, chunks inside the file, every block's checksum), made
-    on the arriving bytes, so the file is never read back. A fault raises
-    :class:`CorruptCheckpointError` naming the file (and entry, and block)."""
+    """Data file ``name`` of ``fetcher.manifest`` (holding ``chunks``) checked from its ``size``
+    bytes as they arrive, in order (a copy received from another node): every check
+    :func:`verify_all` makes of a data file (its size, its header's checksum, chunks inside the
+    file, every block's checksum), made on the arriving bytes, so the file is never read back. A
+    fault raises :class:`CorruptCheckpointError` naming the file (and entry, and block)."""
 
-    def __init__(self, fetcher: ChunkReader, name: str, size: int) -> None:
+    def __init__(self, fetcher: ChunkReader, name: str, size: int, chunks: list[tuple[Entry, Chunk]]) -> None:
         manifest, where = fetcher.manifest, fetcher.path
         self.name, self.size, self.at = name, size, 0
         if size != manifest.files[name]:
             raise CorruptCheckpointError(f"data file {name} of {where} has {size} bytes, the manifest says "
                                          f"{manifest.files[name]}")
-        chunks = [(e, c) for e in manifest.entries if e.kind == "tensor" for c in e.chunks if c.file == name]
         spans = []
         for entry, chunk in chunks:
             if chunk.offset + chunk.nbytes > size:

@@ -5,14 +5,12 @@ Each transfer is one stream between two ranks: a header (the length of a JSON do
 document: the copy's file names and sizes, or why there is nothing), then the bytes of the files,
 manifest first, in chunks, a few on the wire at once. No pickling, no collective: point-to-point
 messages only, every wait bounded by the group's own timeout. The sender's files are
-memory-mapped (the network reads the page cache, no copy in between). The receiver reads the
-manifest first, then checks each data file from its bytes as they arrive, before it writes them
-(:class:`~zerostall.loading.verification.ArrivingFile`: every check ``zs.verify`` makes, its
-size, header and every block, with no read-back), a few files at once from a few threads while
-the next chunks arrive, into a sibling folder named ``.incoming-...`` (removed by the local tier
-at start-up if a crash leaves one), and only once every file has passed renames the folder into
-place. Files are not fsynced: a copy torn by a power loss fails its checksums when it is read,
-and another copy is used.
+memory-mapped (the network reads the page cache, no copy in between). The receiver checks each
+data file's bytes as they arrive, against the manifest that came first, before writing them
+(:class:`~zerostall.loading.verification.ArrivingFile`: every check ``zs.verify`` makes, with no
+read-back), a few files at once, into a sibling folder ``.incoming-...`` (removed by the local
+tier at start-up if a crash leaves one), renamed into place once every file has passed. Files are
+not fsynced: a copy torn by a power loss fails its checksums when it is read, and another is used.
 """
 
 from __future__ import annotations
@@ -35,9 +33,9 @@ import torch.distributed as dist
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.checksums import CACHE_PIECE
 from ..format.layout import MANIFEST_NAME, dump_json, load_json
-from ..loading.opening import read_manifest
+from ..loading.opening import read_manifest, read_manifest_head
 from ..loading.reader import ChunkReader
-from ..loading.verification import ArrivingFile, verify_all
+from ..loading.verification import ArrivingFile, arriving_files, verify_all
 from ..storage.base import check_name
 from ..storage.local import LocalStorage, open_regular
 
@@ -132,9 +130,9 @@ def _open_copy(copy: Path) -> tuple[list[tuple[str, int]], list[torch.Tensor]]:
     """The files of the committed copy ``copy`` (its manifest, then the data files it lists) with
     their sizes, and their bytes, mapped (the network reads them from the page cache, no copy; a
     copy's files are never rewritten in place, so none shrinks under its map)."""
-    manifest = read_manifest(LocalStorage(os.fspath(copy), fsync=False))
+    head = read_manifest_head(LocalStorage(os.fspath(copy), fsync=False))  # the file list: no entries to parse
     files, data = [], []
-    for name in [MANIFEST_NAME, *manifest.files]:
+    for name in [MANIFEST_NAME, *head.files]:
         fd, size = open_regular(os.path.join(copy, check_name(name)))
         try:
             mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else bytearray()
@@ -166,12 +164,11 @@ def _receive(pg: Any, src: int, final: Path) -> Path | None:
 
 class _Arrival:
     """One copy arriving into ``folder``. The manifest arrives first; then each chunk of a data file
-    arrives into a ring of preallocated buffers and is hashed into its file's checks
-    (:class:`ArrivingFile`: its size, header and every block, against the manifest) and written,
-    a cache-sized piece at a time, by its file's writer thread while the next ones arrive (a file's
-    chunks go to one writer, in order). A failure (a name that is not a plain file name, a file that
-    cannot be written, a check that fails) is raised once every byte has arrived, the rest dropped,
-    so the stream stays whole for the pair's next transfer."""
+    arrives into a buffer, is hashed into its file's checks (:class:`ArrivingFile`: its size, header
+    and every block, against the manifest) and written by its file's writer thread (a file's chunks
+    go to one writer, in order) while the next ones arrive. A failure (a name that is not a plain
+    file name, a file that cannot be written, a check that fails) is raised once every byte has
+    arrived, the rest dropped, so the stream stays whole for the pair's next transfer."""
 
     def __init__(self, src: int, final: Path, folder: Path, plan: _Plan) -> None:
         self.src, self.final, self.folder, self.plan = src, final, folder, plan
@@ -181,7 +178,6 @@ class _Arrival:
         self.writers = [ThreadPoolExecutor(1, thread_name_prefix="zerostall-transfer-write") for _ in range(_WRITERS)]
         self.lanes: dict[int, ThreadPoolExecutor] = {}  # the writer of each file (by index) of the current wave
         self.arriving: dict[int, ArrivingFile] = {}  # each data file's checks, once the manifest is read
-        self.passed = 0  # data files whose every byte arrived and passed its checks
         self.checks = ThreadPoolExecutor(1, thread_name_prefix="zerostall-transfer-check")
         self.described: Future[int] | None = None  # the manifest's entries checked (verify_all of no file)
         # a buffer is reused once the chunk in it is written; the wire holds fewer than _IN_FLIGHT chunks
@@ -211,8 +207,6 @@ class _Arrival:
             self.checks.shutdown()
         if self.described is not None and self.described.exception() is not None:
             self._fail(self.described.exception())
-        if self.failure is None and self.passed != len(self.names) - 1:
-            self._fail(CheckpointError(f"only {self.passed} of its {len(self.names) - 1} data files were checked"))
         if self.failure is not None:
             raise self.failure
 
@@ -237,20 +231,10 @@ class _Arrival:
             self.writes[slot] = self.lanes[f].submit(self._store, fd, f, buf, offset)
 
     def _store(self, fd: int, f: int, buf: torch.Tensor, offset: int) -> None:
-        """Hash each cache-sized piece of the chunk into its file's checks, then write it (read from
-        the cache once hashed); nothing more once the copy has failed."""
-        if self.failure is not None:
-            return
+        """Check and write the chunk, unless the copy has failed meanwhile."""
         try:
-            data, arriving = memoryview(buf.numpy()), self.arriving.get(f)
-            for lo in range(0, len(data), CACHE_PIECE):
-                view = data[lo:lo + CACHE_PIECE]
-                if arriving is not None:
-                    arriving.update(view)
-                at = offset + lo
-                while len(view):
-                    n = os.pwrite(fd, view, at)
-                    view, at = view[n:], at + n
+            if self.failure is None:
+                _check_and_write(fd, memoryview(buf.numpy()), offset, self.arriving.get(f))
         except (CheckpointError, OSError) as exc:
             self._fail(exc)
 
@@ -272,23 +256,19 @@ class _Arrival:
                 raise CorruptCheckpointError(f"its files are not those its manifest lists (not listed: "
                                              f"{sorted(names - listed)[:5]}, not sent: {sorted(listed - names)[:5]})")
             reader = ChunkReader(storage, manifest, 1)
-            for f, (name, size) in enumerate(self.plan.files[1:], 1):
-                self.arriving[f] = ArrivingFile(reader, name, size)
+            arriving = arriving_files(reader, dict(self.plan.files[1:]))
+            self.arriving = {f: arriving[name] for f, (name, _) in enumerate(self.plan.files[1:], 1)}
         except CheckpointError as exc:
             self._fail(exc)
             return
         self.described = self.checks.submit(verify_all, reader, allow_pickle=False, files=())
 
     def _finish(self, f: int) -> None:
-        if self.failure is not None:
-            return
         try:
-            self.arriving[f].finish()
+            if self.failure is None:
+                self.arriving[f].finish()
         except CheckpointError as exc:
             self._fail(exc)
-            return
-        with self.lock:
-            self.passed += 1
 
     def _fail(self, exc: BaseException) -> None:
         """Keep the first failure, as the error that names the source rank and what failed."""
@@ -306,6 +286,18 @@ class _Arrival:
                                    f"not kept: {message}")
         return CheckpointError(f"cannot write the copy rank {self.src} sent into {self.folder}: "
                                f"{type(exc).__name__}: {exc}")
+
+
+def _check_and_write(fd: int, data: memoryview, offset: int, arriving: ArrivingFile | None) -> None:
+    """Hash each cache-sized piece of ``data`` into ``arriving``'s checks (None: the manifest, read
+    once written), then write it at ``offset`` of ``fd`` (the piece read from the cache once hashed)."""
+    for lo in range(0, len(data), CACHE_PIECE):
+        view, at = data[lo:lo + CACHE_PIECE], offset + lo
+        if arriving is not None:
+            arriving.update(view)
+        while len(view):
+            n = os.pwrite(fd, view, at)
+            view, at = view[n:], at + n
 
 
 def _publish(incoming: Path, final: Path) -> None:
@@ -340,8 +332,7 @@ def _receive_header(pg: Any, src: int, final: Path) -> _Plan | None:
         header = load_json(data.numpy().tobytes())
     except ValueError as exc:
         raise CorruptCheckpointError(f"rank {src} sent a header for {final} that is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        header = {}
+    header = header if isinstance(header, dict) else {}
     if "error" in header:
         raise CheckpointError(f"rank {src} could not send its copy for {final}: {header['error']}")
     files, chunk, wave = header.get("files", ()), header.get("chunk"), header.get("wave")
