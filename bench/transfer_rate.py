@@ -1,7 +1,7 @@
 """The rate of a copy sent between two ranks with ``zerostall.tiers.transfer.exchange``, against
 the raw gloo send/recv rate of the same bytes (the transport's limit).
 
-    python bench/transfer_rate.py [--size-mb N] [--reps R] [--dir D] [--json]
+    python bench/transfer_rate.py [--size-mb N] [--reps R] [--dir D] [--chunk-mb C] [--json]
 
 A state of --size-mb (``build_state``: 256 tensors of mixed sizes and dtypes) is saved once as a
 one-rank checkpoint under --dir (default /dev/shm). Two processes are spawned (gloo over loopback,
@@ -10,8 +10,9 @@ OMP_NUM_THREADS=1) and, rep after rep:
 - raw: rank 0 sends the same number of bytes to rank 1 from preallocated uint8 tensors, in chunks of
   each size of RAW_CHUNKS (two sends or receives in flight) and in one message; the best median of
   these is the transport's limit;
-- exchange: rank 0 sends the checkpoint to rank 1, which receives it into --dir, checks every block
-  and publishes it (deleted between reps, outside the timing);
+- exchange: rank 0 sends the checkpoint to rank 1 in chunks of --chunk-mb (default: exchange's
+  own), which receives it into --dir, checks every block as it arrives and publishes it (deleted
+  between reps, outside the timing);
 - verify: the last received copy checked again alone (``zs.verify``, in this process, after the
   ranks are done), to show what checking costs.
 
@@ -64,7 +65,7 @@ def timed(fn, cpu: dict[str, list[float]], name: str) -> float:
     return time.perf_counter() - start
 
 
-def worker(rank: int, port: int, copy: str, out: str, nbytes: int, reps: int) -> None:
+def worker(rank: int, port: int, copy: str, out: str, nbytes: int, reps: int, chunk: dict[str, int]) -> None:
     torch.set_num_threads(1)
     init_group(rank, 2, port, timeout=timedelta(seconds=300))
     largest = max(RAW_CHUNKS)
@@ -78,7 +79,7 @@ def worker(rank: int, port: int, copy: str, out: str, nbytes: int, reps: int) ->
                  for c in RAW_CHUNKS}
         times["raw_one_message"] = timed(lambda: raw(rank, nbytes, nbytes, [whole, whole]), cpu, "raw_one_message")
         times["exchange"] = timed(lambda: exchange(dist.group.WORLD, [(1, Path(copy))] if rank == 0 else [],
-                                                   [(0, held)] if rank == 1 else []), cpu, "exchange")
+                                                   [(0, held)] if rank == 1 else [], **chunk), cpu, "exchange")
         if rank == 1 and rep < reps:  # the last copy stays for the verify timing
             shutil.rmtree(held.parent)
         dist.barrier()
@@ -96,6 +97,7 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", default="/dev/shm")
+    parser.add_argument("--chunk-mb", type=float, default=None, help="exchange's chunk_bytes, in MiB")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -107,7 +109,8 @@ def main() -> None:
         progress(f"saving a {args.size_mb} MiB state into {copy}")
         zs.save(build_state(args.size_mb << 20), str(copy))
         nbytes = sum(f.stat().st_size for f in copy.iterdir())
-        mp.spawn(worker, args=(free_port(), str(copy), str(out), nbytes, args.reps), nprocs=2)
+        chunk = {} if args.chunk_mb is None else {"chunk_bytes": int(args.chunk_mb * (1 << 20))}
+        mp.spawn(worker, args=(free_port(), str(copy), str(out), nbytes, args.reps, chunk), nprocs=2)
         sender, receiver = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
         seconds = receiver["seconds"]
         held = str(out / "held" / "rank_00000")
@@ -131,6 +134,7 @@ def main() -> None:
     print(f"exchange / best raw: {rates['exchange'] / raw_best:.2f}")
     if args.json:
         print_json({"bytes": nbytes, "reps": args.reps, "cores": os.cpu_count(), "dir": args.dir,
+                    "chunk_mb": args.chunk_mb,
                     "raw_transport_gbps": rnd(raw_best, 3), "exchange_gbps": rnd(rates["exchange"], 3),
                     "ratio": rnd(rates["exchange"] / raw_best, 3), "verify_gbps": rnd(rates["verify"], 3),
                     "rates_gbps": {k: rnd(v, 3) for k, v in rates.items()},

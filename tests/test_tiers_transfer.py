@@ -82,6 +82,53 @@ def test_the_manifest_travels_alone_then_the_files_a_wave_at_a_time_in_turn() ->
         ([3, 4], [(4, 0, 3), (4, 3, 1)])]
 
 
+def _manifest(folder: Path):
+    from zerostall.loading.opening import read_manifest
+    from zerostall.storage.local import LocalStorage
+
+    return read_manifest(LocalStorage(str(folder), fsync=False))
+
+
+def test_a_file_checked_as_it_arrives_in_pieces_of_any_size(tmp_path: Path) -> None:
+    """Pieces that straddle blocks, chunks and the header, empty ones, one piece for the whole file:
+    the same bytes pass; one flipped byte fails, naming its entry and block; a file that stops
+    short is not passed."""
+    import random
+
+    from zerostall.errors import CheckpointError, CorruptCheckpointError
+    from zerostall.loading.reader import ChunkReader
+    from zerostall.loading.verification import arriving_files
+    from zerostall.storage.local import LocalStorage
+
+    zs.save(_state(1), str(tmp_path / "ckpt"), block_size=1000)
+    manifest = _manifest(tmp_path / "ckpt")
+    reader = ChunkReader(LocalStorage(str(tmp_path / "ckpt"), fsync=False), manifest, 1)
+    rng = random.Random(0)
+
+    def feed(name: str, data: bytes) -> None:
+        """``data`` arrives as data file ``name`` (its size: the manifest's) in pieces of random sizes."""
+        arriving, at = arriving_files(reader, {name: manifest.files[name]})[name], 0
+        while at < len(data):
+            n = rng.choice([0, 1, 7, 999, 1000, 1001, 4096, len(data)])
+            arriving.update(memoryview(data)[at:at + n])
+            at += n
+        arriving.finish()
+
+    for name in manifest.files:
+        data = (tmp_path / "ckpt" / name).read_bytes()
+        for _ in range(3):
+            feed(name, data)
+    name = max(manifest.files, key=manifest.files.get)
+    data = bytearray((tmp_path / "ckpt" / name).read_bytes())
+    with pytest.raises(CheckpointError, match="only 5000 of its"):
+        feed(name, bytes(data[:5000]))
+    chunk = max((c for e in manifest.entries if e.kind == "tensor" for c in e.chunks if c.file == name),
+                key=lambda c: c.nbytes)
+    data[chunk.offset + 2500] ^= 0x40
+    with pytest.raises(CorruptCheckpointError, match=f"checksum mismatch in {name} .*block 2 "):
+        feed(name, bytes(data))
+
+
 # -- over real ranks -----------------------------------------------------------------------------
 
 
@@ -215,6 +262,76 @@ def test_a_flipped_byte_is_caught_and_nothing_is_published(ranks, tmp_path: Path
     assert "rank 0" in message and name in message and "checksum mismatch" in message and str(held) in message
     assert sorted(os.listdir(held.parent)) == ["rank_00000"]
     _assert_same(zs.load(_empty_like(_state(7)), str(held)), _state(7))
+
+
+def _flip_at(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _largest_data_file(folder: Path) -> Path:
+    return max((p for p in folder.iterdir() if p.name != MANIFEST_NAME), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["block", "header", "size"])
+def test_each_check_verify_makes_is_made_on_the_arriving_bytes(ranks, tmp_path: Path, damage: str) -> None:
+    """Blocks of 1000 bytes, chunks of 4096 on the wire (blocks straddle chunks everywhere): a byte
+    flipped in a block, one in a data file's safetensors header, a data file one byte longer than
+    its manifest says: each is caught, named, and nothing is published."""
+    own = tmp_path / "own"
+    zs.save(_state(0), str(own), block_size=1000)
+    target = _largest_data_file(own)
+    data_start = min(c.offset for e in _manifest(own).entries if e.kind == "tensor" for c in e.chunks
+                     if c.file == target.name)
+    if damage == "block":
+        _flip_at(target, data_start + 12345)  # in block 12 of the file's first chunk
+        expected = "checksum mismatch"
+    elif damage == "header":
+        _flip_at(target, 20)
+        expected = f"the safetensors header of data file {target.name} is damaged"
+    else:
+        with open(target, "ab") as f:
+            f.write(b"\0")
+        expected = f"has {target.stat().st_size} bytes, the manifest says {target.stat().st_size - 1}"
+    held = tmp_path / "node_1" / "rank_00000"
+    results = ranks(2).run_per_rank(_exchange, [([(1, own)], [], 4096), ([], [(0, held)], 4096)])
+    kind, message = results[1]
+    assert kind == "CorruptCheckpointError" and "rank 0" in message and expected in message, message
+    assert target.name in message and "(as received)" in message
+    if damage == "block":
+        assert "block 12 " in message
+    assert not held.parent.exists() or os.listdir(held.parent) == []
+
+
+def _exchange_without_reading_back(sends: list, receives: list, chunk_bytes: int) -> list:
+    """_exchange, with every way to read a data file back from local storage failing."""
+    from zerostall.storage.local import LocalStorage
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a received copy's data file was read back")
+
+    saved = {name: getattr(LocalStorage, name) for name in ("read_into", "read_into_many", "read_head", "memory_map")}
+    for name in saved:
+        setattr(LocalStorage, name, refused)
+    try:
+        return _exchange(sends, receives, chunk_bytes)
+    finally:
+        for name, method in saved.items():
+            setattr(LocalStorage, name, method)
+
+
+def test_a_copy_is_checked_as_it_arrives_never_read_back(ranks, tmp_path: Path) -> None:
+    """The receiver checks every block from the bytes it receives, before writing them: reading the
+    files back (the cost that made a copy slower than the wire) is never needed."""
+    own = _copies(tmp_path, 1)[0]
+    held = tmp_path / "node_1" / "rank_00000"
+    results = ranks(2).run_per_rank(_exchange_without_reading_back, [([(1, own)], [], 1 << 16),
+                                                                     ([], [(0, held)], 1 << 16)])
+    assert results == [[], [str(held)]]
+    _assert_same(zs.load(_empty_like(_state(0)), str(held)), _state(0))
 
 
 def test_a_received_copy_replaces_the_one_held(ranks, tmp_path: Path) -> None:

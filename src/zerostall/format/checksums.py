@@ -35,8 +35,8 @@ def pieces(n: int, block_size: int) -> Iterator[tuple[int, int]]:
 
 
 class BlockHasher:
-    """Block checksums of bytes fed in order, in pieces from :func:`pieces` (a piece never
-    straddles a block, so each completes at most one)."""
+    """Block checksums of bytes fed in order, in pieces of any size (those from :func:`pieces`
+    never straddle a block; bytes that arrive as they come, over a network, may)."""
 
     __slots__ = ("block_size", "digests", "_hasher", "_filled")
 
@@ -47,13 +47,16 @@ class BlockHasher:
         self._filled = 0
 
     def update(self, piece: memoryview) -> None:
-        """Hash the next piece of the stream."""
-        self._hasher.update(piece)
-        self._filled += len(piece)
-        if self._filled == self.block_size:
-            self.digests.append(self._hasher.hexdigest())
-            self._hasher.reset()
-            self._filled = 0
+        """Hash the next piece of the stream, completing every block it reaches the end of."""
+        while len(piece):
+            take = min(len(piece), self.block_size - self._filled)
+            self._hasher.update(piece[:take])
+            self._filled += take
+            piece = piece[take:]
+            if self._filled == self.block_size:
+                self.digests.append(self._hasher.hexdigest())
+                self._hasher.reset()
+                self._filled = 0
 
     def finish(self) -> list[str]:
         """The checksums of every block, the last short one included."""

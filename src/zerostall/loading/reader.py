@@ -102,7 +102,7 @@ class ChunkReader:
             piece = out[a:b]
             self._read_raw(entry, chunk, lo + a, piece)
             hasher.update(piece)
-        self._check_digests(entry, chunk, lo, len(out), hasher.finish())
+        self.check_digests(entry, chunk, lo, len(out), hasher.finish())
 
     def _read_raw(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview) -> None:
         self.read_range(chunk.file, chunk.offset + lo, out, entry)
@@ -126,8 +126,12 @@ class ChunkReader:
     def check_header(self, name: str, data: bytes | memoryview) -> None:
         """Check the safetensors header of data file ``name`` (its first bytes, ``data``) against the
         manifest's checksum (manifests before it had none)."""
-        digest = self.manifest.headers.get(name)
-        if digest is not None and checksum(data) != digest:
+        self.check_header_digest(name, checksum(data))
+
+    def check_header_digest(self, name: str, digest: str) -> None:
+        """Check the checksum of data file ``name``'s header, hashed as it arrived, against the manifest's."""
+        expected = self.manifest.headers.get(name)
+        if expected is not None and digest != expected:
             raise CorruptCheckpointError(f"the safetensors header of data file {name} is damaged (fails its "
                                          f"checksum) in {self.path}")
 
@@ -150,8 +154,10 @@ class ChunkReader:
             raise CorruptCheckpointError(f"entry {entry.fqn} in {chunk.file}: {len(chunk.checksums)} checksums for "
                                          f"{expected} blocks")
 
-    def _check_digests(self, entry: Entry, chunk: Chunk, lo: int, length: int, digests: list[str]) -> None:
-        """Compare the checksums of the blocks of chunk bytes ``[lo, lo+length)`` with the manifest's."""
+    def check_digests(self, entry: Entry, chunk: Chunk, lo: int, length: int, digests: list[str]) -> None:
+        """Compare the checksums of the blocks of chunk bytes ``[lo, lo+length)`` (``lo`` block-aligned)
+        with the manifest's."""
+        self._check_count(entry, chunk)
         block = self.manifest.block_size
         for n, digest in enumerate(digests):
             index = lo // block + n
@@ -166,8 +172,7 @@ class ChunkReader:
         checksums (none for a foreign checkpoint)."""
         if self.manifest.foreign:
             return
-        self._check_count(entry, chunk)
-        self._check_digests(entry, chunk, lo, len(data), block_checksums(data, self.manifest.block_size))
+        self.check_digests(entry, chunk, lo, len(data), block_checksums(data, self.manifest.block_size))
 
     def scratch_view(self, n: int) -> memoryview:
         """This thread's reusable scratch bytes, ``n`` of them (reads that are only checked, not kept)."""

@@ -3,16 +3,22 @@
 Faults are collected, not raised one by one, so a report lists all that is wrong. A checkpoint
 whose bytes could not all be read (permissions, I/O errors) is "could not verify", a plain
 ``CheckpointError``, never ``CorruptCheckpointError``: a clean-up script must not delete it.
+A data file that arrives over a network is checked the same way from its bytes as they arrive
+(:class:`ArrivingFile`), so it is never read back.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Collection
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Collection, Iterable
 
 from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError
 from ..format import codec
+from ..format.checksums import BlockHasher
 from ..format.layout import Chunk, Entry
 from .foreign import describe
 from .reader import ChunkReader, resolve
@@ -21,8 +27,8 @@ from .reader import ChunkReader, resolve
 def verify_all(fetcher: ChunkReader, *, allow_pickle: bool, progress: Callable[[int], None] | None = None,
                files: Collection[str] | None = None) -> int:
     """Check every file size and every block checksum; returns bytes checked. ``files``: check
-    only these data files (and every entry's description), so a copy that arrives file by file is
-    checked as it arrives.
+    only these data files (and every entry's description): none, the descriptions alone, for a
+    copy whose data files are checked as they arrive (:class:`ArrivingFile`).
 
     ``progress(nbytes)`` is called from the reader threads as blocks are checked. Raises
     :class:`CorruptCheckpointError` listing every fault found (``.faults``), or a plain
@@ -38,9 +44,7 @@ def verify_all(fetcher: ChunkReader, *, allow_pickle: bool, progress: Callable[[
     unreadable = False
     jobs = [(e, c) for e in manifest.entries if e.kind == "tensor" for c in e.chunks
             if files is None or c.file in files]
-    data_start: dict[str, int] = {}  # where each file's data section begins: its header ends there
-    for _, chunk in jobs:
-        data_start[chunk.file] = min(chunk.offset, data_start.get(chunk.file, chunk.offset))
+    data_start = _data_starts(c for _, c in jobs)
     sizes: dict[str, int] = {}  # the actual size of each data file found
     for name, size in manifest.files.items():
         if files is not None and name not in files:
@@ -132,3 +136,84 @@ def _decode_safely(entry: Entry) -> None:
     except UnsupportedValueError as exc:
         if "pickle" not in str(exc):
             raise CorruptCheckpointError(f"entry {entry.fqn}: {exc}") from exc
+
+
+def arriving_files(fetcher: ChunkReader, sizes: dict[str, int]) -> dict[str, ArrivingFile]:
+    """The checks of the manifest's data files ``sizes`` (name: size as it arrives), each with its
+    chunks, found in one pass over the entries."""
+    chunks: dict[str, list[tuple[Entry, Chunk]]] = {name: [] for name in sizes}
+    for entry in fetcher.manifest.entries:
+        for chunk in entry.chunks if entry.kind == "tensor" else ():
+            if chunk.file in chunks:
+                chunks[chunk.file].append((entry, chunk))
+    return {name: ArrivingFile(fetcher, name, size, chunks[name]) for name, size in sizes.items()}
+
+
+def _data_starts(chunks: Iterable[Chunk]) -> dict[str, int]:
+    """Where each data file's data section begins (its first chunk): its header ends there."""
+    starts: dict[str, int] = {}
+    for chunk in chunks:
+        starts[chunk.file] = min(chunk.offset, starts.get(chunk.file, chunk.offset))
+    return starts
+
+
+@dataclass
+class _Span:
+    """Bytes ``[start, end)`` of a data file under one check, ``check(digests)``: a chunk's blocks,
+    or the file's header (one block)."""
+
+    start: int
+    end: int
+    hasher: BlockHasher
+    check: Callable[[list[str]], None]
+
+
+class ArrivingFile:
+    """Data file ``name`` of ``fetcher.manifest`` (holding ``chunks``) checked from its ``size``
+    bytes as they arrive, in order (a copy received from another node): every check
+    :func:`verify_all` makes of a data file (its size, its header's checksum, chunks inside the
+    file, every block's checksum), made on the arriving bytes, so the file is never read back. A
+    fault raises :class:`CorruptCheckpointError` naming the file (and entry, and block)."""
+
+    def __init__(self, fetcher: ChunkReader, name: str, size: int, chunks: list[tuple[Entry, Chunk]]) -> None:
+        manifest, where = fetcher.manifest, fetcher.path
+        self.name, self.size, self.at = name, size, 0
+        if size != manifest.files[name]:
+            raise CorruptCheckpointError(f"data file {name} of {where} has {size} bytes, the manifest says "
+                                         f"{manifest.files[name]}")
+        spans = []
+        for entry, chunk in chunks:
+            if chunk.offset + chunk.nbytes > size:
+                raise CorruptCheckpointError(f"data file {name} of {where} is truncated: entry {entry.fqn} lies "
+                                             "past its end")
+            spans.append(_Span(chunk.offset, chunk.offset + chunk.nbytes, BlockHasher(manifest.block_size),
+                               partial(fetcher.check_digests, entry, chunk, 0, chunk.nbytes)))
+        header = _data_starts(c for _, c in chunks).get(name)
+        if header is not None and name in manifest.headers:
+            spans.append(_Span(0, header, BlockHasher(max(header, 1)),
+                               lambda digests: fetcher.check_header_digest(name, digests[0])))
+        self.waiting = deque(sorted(spans, key=lambda span: span.start))
+        self.active: list[_Span] = []
+
+    def update(self, data: memoryview) -> None:
+        """Hash the file's next bytes; every span they complete is checked."""
+        start, end = self.at, self.at + len(data)
+        while self.waiting and self.waiting[0].start <= end:
+            self.active.append(self.waiting.popleft())
+        still = []
+        for span in self.active:
+            lo, hi = max(start, span.start), min(end, span.end)
+            if lo < hi:
+                span.hasher.update(data[lo - start:hi - start])
+            if span.end > end:
+                still.append(span)
+            else:
+                span.check(span.hasher.finish())
+        self.active, self.at = still, end
+
+    def finish(self) -> None:
+        """Every byte has arrived: spans without bytes (an empty chunk) are checked too; a file that
+        did not arrive whole is an error."""
+        self.update(memoryview(b""))
+        if self.at != self.size or self.waiting or self.active:
+            raise CheckpointError(f"data file {self.name}: only {self.at} of its {self.size} bytes arrived")

@@ -5,13 +5,12 @@ Each transfer is one stream between two ranks: a header (the length of a JSON do
 document: the copy's file names and sizes, or why there is nothing), then the bytes of the files,
 manifest first, in chunks, a few on the wire at once. No pickling, no collective: point-to-point
 messages only, every wait bounded by the group's own timeout. The sender's files are
-memory-mapped (the network reads the page cache, no copy in between); the receiver writes the
-chunks that have arrived from a few threads while the next ones arrive, into a sibling folder
-named ``.incoming-...`` (removed by the local tier at start-up if a crash leaves one), checks
-every block against the checkpoint's checksums with
-:func:`~zerostall.loading.verification.verify_all` (what ``zs.verify`` runs) file by file as
-they are written, and only then renames the folder into place. Files are not fsynced: a copy
-torn by a power loss fails its checksums when it is read, and another copy is used.
+memory-mapped (the network reads the page cache, no copy in between). The receiver checks each
+data file's bytes as they arrive, against the manifest that came first, before writing them
+(:class:`~zerostall.loading.verification.ArrivingFile`: every check ``zs.verify`` makes, with no
+read-back), a few files at once, into a sibling folder ``.incoming-...`` (removed by the local
+tier at start-up if a crash leaves one), renamed into place once every file has passed. Files are
+not fsynced: a copy torn by a power loss fails its checksums when it is read, and another is used.
 """
 
 from __future__ import annotations
@@ -32,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError, CorruptCheckpointError
+from ..format.checksums import CACHE_PIECE
 from ..format.layout import MANIFEST_NAME, dump_json, load_json
-from ..loading.opening import read_manifest
+from ..loading.opening import read_manifest, read_manifest_head
 from ..loading.reader import ChunkReader
-from ..loading.verification import verify_all
-from ..options import default_threads
+from ..loading.verification import ArrivingFile, arriving_files, verify_all
 from ..storage.base import check_name
 from ..storage.local import LocalStorage, open_regular
 
@@ -131,9 +130,9 @@ def _open_copy(copy: Path) -> tuple[list[tuple[str, int]], list[torch.Tensor]]:
     """The files of the committed copy ``copy`` (its manifest, then the data files it lists) with
     their sizes, and their bytes, mapped (the network reads them from the page cache, no copy; a
     copy's files are never rewritten in place, so none shrinks under its map)."""
-    manifest = read_manifest(LocalStorage(os.fspath(copy), fsync=False))
+    head = read_manifest_head(LocalStorage(os.fspath(copy), fsync=False))  # the file list: no entries to parse
     files, data = [], []
-    for name in [MANIFEST_NAME, *manifest.files]:
+    for name in [MANIFEST_NAME, *head.files]:
         fd, size = open_regular(os.path.join(copy, check_name(name)))
         try:
             mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else bytearray()
@@ -164,49 +163,50 @@ def _receive(pg: Any, src: int, final: Path) -> Path | None:
 
 
 class _Arrival:
-    """One copy arriving into ``folder``. Chunks arrive into a ring of preallocated buffers and are
-    written into their files by a few threads while the next ones arrive; each wave of files is
-    checked (:func:`verify_all` of those files) in the background once written, while the next
-    arrives. A failure (a name that is not a plain file name, a file that cannot be written, a
-    check that fails) is raised once every byte has arrived, the rest dropped, so the stream stays
-    whole for the pair's next transfer."""
+    """One copy arriving into ``folder``. The manifest arrives first; then each chunk of a data file
+    arrives into a buffer, is hashed into its file's checks (:class:`ArrivingFile`: its size, header
+    and every block, against the manifest) and written by its file's writer thread (a file's chunks
+    go to one writer, in order) while the next ones arrive. A failure (a name that is not a plain
+    file name, a file that cannot be written, a check that fails) is raised once every byte has
+    arrived, the rest dropped, so the stream stays whole for the pair's next transfer."""
 
     def __init__(self, src: int, final: Path, folder: Path, plan: _Plan) -> None:
         self.src, self.final, self.folder, self.plan = src, final, folder, plan
         self.names = [name for name, _ in plan.files]
         self.failure: CheckpointError | None = None
         self.lock = threading.Lock()
-        self.reader: ChunkReader | None = None
-        self.writers = ThreadPoolExecutor(_WRITERS, thread_name_prefix="zerostall-transfer-write")
+        self.writers = [ThreadPoolExecutor(1, thread_name_prefix="zerostall-transfer-write") for _ in range(_WRITERS)]
+        self.lanes: dict[int, ThreadPoolExecutor] = {}  # the writer of each file (by index) of the current wave
+        self.arriving: dict[int, ArrivingFile] = {}  # each data file's checks, once the manifest is read
         self.checks = ThreadPoolExecutor(1, thread_name_prefix="zerostall-transfer-check")
-        self.checked: list[Future[int]] = []
+        self.described: Future[int] | None = None  # the manifest's entries checked (verify_all of no file)
         # a buffer is reused once the chunk in it is written; the wire holds fewer than _IN_FLIGHT chunks
         self.buffers = [torch.empty(plan.chunk, dtype=torch.uint8) for _ in range(_IN_FLIGHT + _WRITERS)]
         self.writes: list[Future[None] | None] = [None] * len(self.buffers)
-        self.file_writes: dict[int, list[Future[None]]] = {}
 
     def receive(self, wire: _Wire) -> None:
         fds = self._create()
         try:
             k = 0
             for group, chunks in self.plan.waves():
+                self.lanes.update((f, self.writers[i % _WRITERS]) for i, f in enumerate(group))
                 for f, offset, n in chunks:
                     slot, k = k % len(self.buffers), k + 1
                     if self.writes[slot] is not None:
                         self.writes[slot].result()
                     buf = self.buffers[slot][:n]
                     wire.receive(buf, lambda slot=slot, f=f, buf=buf, offset=offset:
-                                 self._write_later(slot, fds.get(f), f, buf, offset))
+                                 self._store_later(slot, fds.get(f), f, buf, offset))
                 wire.then(lambda group=group: self._arrived(group))
             wire.finish()
         finally:
-            self.writers.shutdown()
+            for writer in self.writers:
+                writer.shutdown()
             for fd in fds.values():
                 os.close(fd)
             self.checks.shutdown()
-        for future in self.checked:
-            if future.exception() is not None:
-                self._fail(future.exception())
+        if self.described is not None and self.described.exception() is not None:
+            self._fail(self.described.exception())
         if self.failure is not None:
             raise self.failure
 
@@ -225,32 +225,29 @@ class _Arrival:
             self._fail(exc)
         return fds
 
-    def _write_later(self, slot: int, fd: int | None, f: int, buf: torch.Tensor, offset: int) -> None:
-        """A chunk of file ``f`` has arrived in buffer ``slot``: write it in the background."""
+    def _store_later(self, slot: int, fd: int | None, f: int, buf: torch.Tensor, offset: int) -> None:
+        """A chunk of file ``f`` has arrived in buffer ``slot``: check and write it in the background."""
         if self.failure is None and fd is not None:
-            self.writes[slot] = self.writers.submit(self._write, fd, buf, offset)
-            self.file_writes.setdefault(f, []).append(self.writes[slot])
+            self.writes[slot] = self.lanes[f].submit(self._store, fd, f, buf, offset)
 
-    def _write(self, fd: int, buf: torch.Tensor, offset: int) -> None:
+    def _store(self, fd: int, f: int, buf: torch.Tensor, offset: int) -> None:
+        """Check and write the chunk, unless the copy has failed meanwhile."""
         try:
-            view = memoryview(buf.numpy())
-            while len(view):
-                n = os.pwrite(fd, view, offset)
-                view, offset = view[n:], offset + n
-        except OSError as exc:
+            if self.failure is None:
+                _check_and_write(fd, memoryview(buf.numpy()), offset, self.arriving.get(f))
+        except (CheckpointError, OSError) as exc:
             self._fail(exc)
 
     def _arrived(self, group: list[int]) -> None:
-        """The files ``group`` have arrived: the manifest is read (and the file list checked against
-        it), data files are checked in the background once written."""
+        """The files ``group`` have arrived: the manifest is read (the file list checked against it,
+        each data file's checks made ready), a data file's last checks are made once it is written."""
         if self.failure is not None:
             return
-        written = [future for f in group for future in self.file_writes.pop(f, [])]
         if group != [0]:
-            self.checked.append(self.checks.submit(self._check, {self.names[f] for f in group}, written))
+            for f in group:
+                self.lanes[f].submit(self._finish, f)
             return
-        for future in written:
-            future.result()
+        self.lanes[0].submit(lambda: None).result()  # the manifest is written
         storage = LocalStorage(os.fspath(self.folder), fsync=False)
         try:
             manifest = read_manifest(storage)
@@ -258,17 +255,20 @@ class _Arrival:
             if names != listed:
                 raise CorruptCheckpointError(f"its files are not those its manifest lists (not listed: "
                                              f"{sorted(names - listed)[:5]}, not sent: {sorted(listed - names)[:5]})")
+            reader = ChunkReader(storage, manifest, 1)
+            arriving = arriving_files(reader, dict(self.plan.files[1:]))
+            self.arriving = {f: arriving[name] for f, (name, _) in enumerate(self.plan.files[1:], 1)}
         except CheckpointError as exc:
             self._fail(exc)
             return
-        self.reader = ChunkReader(storage, manifest, default_threads())
-        self.checked.append(self.checks.submit(verify_all, self.reader, allow_pickle=False, files=()))
+        self.described = self.checks.submit(verify_all, reader, allow_pickle=False, files=())
 
-    def _check(self, names: set[str], written: list[Future[None]]) -> int:
-        for future in written:
-            future.result()
-        assert self.reader is not None  # read before any data file arrives
-        return verify_all(self.reader, allow_pickle=False, files=names)
+    def _finish(self, f: int) -> None:
+        try:
+            if self.failure is None:
+                self.arriving[f].finish()
+        except CheckpointError as exc:
+            self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
         """Keep the first failure, as the error that names the source rank and what failed."""
@@ -286,6 +286,18 @@ class _Arrival:
                                    f"not kept: {message}")
         return CheckpointError(f"cannot write the copy rank {self.src} sent into {self.folder}: "
                                f"{type(exc).__name__}: {exc}")
+
+
+def _check_and_write(fd: int, data: memoryview, offset: int, arriving: ArrivingFile | None) -> None:
+    """Hash each cache-sized piece of ``data`` into ``arriving``'s checks (None: the manifest, read
+    once written), then write it at ``offset`` of ``fd`` (the piece read from the cache once hashed)."""
+    for lo in range(0, len(data), CACHE_PIECE):
+        view, at = data[lo:lo + CACHE_PIECE], offset + lo
+        if arriving is not None:
+            arriving.update(view)
+        while len(view):
+            n = os.pwrite(fd, view, at)
+            view, at = view[n:], at + n
 
 
 def _publish(incoming: Path, final: Path) -> None:
@@ -320,8 +332,7 @@ def _receive_header(pg: Any, src: int, final: Path) -> _Plan | None:
         header = load_json(data.numpy().tobytes())
     except ValueError as exc:
         raise CorruptCheckpointError(f"rank {src} sent a header for {final} that is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        header = {}
+    header = header if isinstance(header, dict) else {}
     if "error" in header:
         raise CheckpointError(f"rank {src} could not send its copy for {final}: {header['error']}")
     files, chunk, wave = header.get("files", ()), header.get("chunk"), header.get("wave")
