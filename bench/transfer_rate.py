@@ -18,7 +18,9 @@ OMP_NUM_THREADS=1) and, rep after rep:
 
 A time is rank 1's wall time from a barrier to the end of its call; figures are medians over
 reps. Beside them, each side's CPU time (all its threads) per GB: what the exchange spends beyond
-the raw transport (reading, writing, checking), which a machine with few cores cannot overlap. Progress goes to stderr, a table to stdout; with --json the last line of stdout is one JSON
+the raw transport (the receiver hashes every block and writes the files), which a machine with
+few cores cannot overlap: where both are bound by CPU, the ratio comes near raw CPU / exchange CPU.
+Progress goes to stderr, a table to stdout; with --json the last line of stdout is one JSON
 object (keys raw_transport_gbps, exchange_gbps, ratio, ...).
 """
 

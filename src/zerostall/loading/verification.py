@@ -157,14 +157,14 @@ def _data_starts(chunks: Iterable[Chunk]) -> dict[str, int]:
     return starts
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Span:
-    """Bytes ``[start, end)`` of a data file under one check, ``check(digests)``: a chunk's blocks,
-    or the file's header (one block)."""
+    """Bytes ``[start, end)`` of a data file under one check, ``check(digests)`` of its blocks of
+    ``block`` bytes: a chunk's, or the file's header (one block)."""
 
     start: int
     end: int
-    hasher: BlockHasher
+    block: int
     check: Callable[[list[str]], None]
 
 
@@ -186,29 +186,30 @@ class ArrivingFile:
             if chunk.offset + chunk.nbytes > size:
                 raise CorruptCheckpointError(f"data file {name} of {where} is truncated: entry {entry.fqn} lies "
                                              "past its end")
-            spans.append(_Span(chunk.offset, chunk.offset + chunk.nbytes, BlockHasher(manifest.block_size),
+            spans.append(_Span(chunk.offset, chunk.offset + chunk.nbytes, manifest.block_size,
                                partial(fetcher.check_digests, entry, chunk, 0, chunk.nbytes)))
         header = _data_starts(c for _, c in chunks).get(name)
         if header is not None and name in manifest.headers:
-            spans.append(_Span(0, header, BlockHasher(max(header, 1)),
+            spans.append(_Span(0, header, max(header, 1),
                                lambda digests: fetcher.check_header_digest(name, digests[0])))
         self.waiting = deque(sorted(spans, key=lambda span: span.start))
-        self.active: list[_Span] = []
+        self.active: list[tuple[_Span, BlockHasher]] = []  # the spans begun, a hasher each (made as each begins)
 
     def update(self, data: memoryview) -> None:
         """Hash the file's next bytes; every span they complete is checked."""
         start, end = self.at, self.at + len(data)
         while self.waiting and self.waiting[0].start <= end:
-            self.active.append(self.waiting.popleft())
+            span = self.waiting.popleft()
+            self.active.append((span, BlockHasher(span.block)))
         still = []
-        for span in self.active:
+        for span, hasher in self.active:
             lo, hi = max(start, span.start), min(end, span.end)
             if lo < hi:
-                span.hasher.update(data[lo - start:hi - start])
+                hasher.update(data[lo - start:hi - start])
             if span.end > end:
-                still.append(span)
+                still.append((span, hasher))
             else:
-                span.check(span.hasher.finish())
+                span.check(hasher.finish())
         self.active, self.at = still, end
 
     def finish(self) -> None:
