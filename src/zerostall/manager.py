@@ -23,6 +23,7 @@ from typing import Any
 from .collectives import Group
 from .errors import CheckpointError, CheckpointNotFoundError, UnsupportedValueError
 from .format.layout import RNG_KEY
+from .gcpause import gc_paused
 from .loading.checkpoint import Checkpoint
 from .options import LoadOptions, SaveOptions
 from .roots.lease import DEFAULT_TTL, WriterLease
@@ -134,7 +135,7 @@ class CheckpointManager:
         metrics = checked_metrics(metrics)
         persistent, local = self._tiers_due(step) if tag is None else (True, False)
         tag = tag or step_tag(step)
-        storage = self._create(tag)
+        storage = self._create(tag) if persistent else None
         self.loaders.before_save(state, sys._getframe(1))
         wrapped = self._wrap(state)
         shared = None  # the local save, whose capture the root's save of the same step copies from
@@ -145,17 +146,19 @@ class CheckpointManager:
             shared = self.tier.save(step, wrapped, self.save_options)
             if not persistent:
                 return shared
+        assert storage is not None
         self._before_saving(step, tag)
         metadata = {"metrics": metrics, "tag": tag}
         self.schedule.saved()
         self._pinned.add(step)
         if self.saver is None:
             try:
-                prepared = prepare(wrapped, storage, self._save_options, process_group=self.process_group, step=step,
-                                   metadata=metadata)
-                if shared is not None:
-                    shared.lend(prepared.items, [None] * len(prepared.items))
-                info = persist(prepared)
+                with gc_paused():  # as zs.save: no cyclic collections over the per-leaf objects
+                    prepared = prepare(wrapped, storage, self._save_options, process_group=self.process_group,
+                                       step=step, metadata=metadata)
+                    if shared is not None:
+                        shared.lend(prepared.items, [None] * len(prepared.items))
+                    info = persist(prepared)
             finally:
                 self._pinned.discard(step)
             self._commit(tag, step)

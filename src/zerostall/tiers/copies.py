@@ -10,7 +10,7 @@ uses the persistent tier, which reshards.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import xxhash
@@ -26,7 +26,15 @@ LAYOUT_KEY = "layout"
 """The copy's metadata key holding the digest of the layout it was saved from (see :func:`view`)."""
 
 
-def view(state: Any, *, restoring: bool = False) -> tuple[dict[Any, Any], Flat, str]:
+class View(NamedTuple):
+    """A state as this rank holds it (see :func:`view`)."""
+
+    tree: dict[Any, Any]
+    flat: Flat
+    digest: str
+
+
+def view(state: Any, *, restoring: bool = False) -> View:
     """``state`` as this rank holds it: nested dicts of its leaves (stateful objects by their
     state dicts, DTensors by their local shards), the flattened state, and a digest of every tensor
     leaf's key, dtype, global shape and this rank's box in it. ``restoring`` gives optimizers
@@ -40,20 +48,20 @@ def view(state: Any, *, restoring: bool = False) -> tuple[dict[Any, Any], Flat, 
             digest.update(repr((path, str(leaf.dtype), tuple(leaf.shape), offsets, sizes)).encode())
             leaf = piece
         _insert(out, path, leaf)
-    return out, flat, digest.hexdigest()
+    return View(out, flat, digest.hexdigest())
 
 
-def load_copy(state: Any, path: str | os.PathLike[str], *, options: LoadOptions) -> Any:
-    """Load the copy at ``path`` into ``state`` in place (tensors filled, python values and stateful
-    objects handed their values) and return it; every block read is checked. The copy must have
-    been saved from this rank's layout (:class:`StateMismatchError` otherwise)."""
-    target, flat, digest = view(state, restoring=True)
+def load_copy(state: Any, target: View, path: str | os.PathLike[str], *, options: LoadOptions) -> Any:
+    """Load the copy at ``path`` into ``state`` (``target``: its :func:`view` made ``restoring``)
+    in place (tensors filled, python values and stateful objects handed their values) and return
+    it. The copy must have been saved from this rank's layout (:class:`StateMismatchError` otherwise)."""
+    tree, flat, digest = target
     with Checkpoint(os.fspath(path), options, process_group=ALONE) as ck:
         saved = ck.metadata.get(LAYOUT_KEY) if isinstance(ck.metadata, dict) else None
         if saved != digest:
             raise StateMismatchError(f"the local-tier copy {path} was saved from another layout of the state (another "
                                      "world size, mesh or model): restore from the persistent tier")
-        loaded = ck.load(target, options, strict=True)
+        loaded = ck.load(tree, options, strict=True)
     values = {p: _get(loaded, p) for p, leaf in flat.leaves.items() if not isinstance(leaf, torch.Tensor)}
     return rebuild(state, flat, values)
 

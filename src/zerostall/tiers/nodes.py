@@ -72,6 +72,10 @@ class Nodes:
         """The ranks on node ``node`` (an index), ascending."""
         return list(self._order[node])
 
+    def leads(self, rank: int) -> bool:
+        """Whether ``rank`` is its node's first: the one that works on the node's shared directory."""
+        return self._order[self._index[rank]][0] == rank
+
     def holders(self, rank: int, replicas: int) -> list[int]:
         """The ranks that keep ``rank``'s replicas when each rank's state has ``replicas`` copies (its
         own included): one on each of the next ``replicas - 1`` nodes (as many as there are other

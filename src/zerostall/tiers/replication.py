@@ -35,7 +35,7 @@ class Replicator:
                  keep: int) -> None:
         self.group, self.pg, self.directory, self.keep = group, pg, directory, keep
         self.rank = group.rank
-        self.leader = nodes.ranks_on(nodes.index(self.rank))[0] == self.rank
+        self.leader = nodes.leads(self.rank)
         self.holders = nodes.holders(self.rank, replicas)
         self.sources = nodes.sources(self.rank, replicas)
         self.failures = 0

@@ -94,8 +94,7 @@ def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirec
     checked on arrival), or None when the persistent tier is to be used. Copies
     found damaged are added to ``fallbacks`` (what, why)."""
     rank = group.rank
-    leader = nodes.ranks_on(nodes.index(rank))[0] == rank
-    reports = group.all_gather_object((digest, report(directory, group.size, leader)))
+    reports = group.all_gather_object((digest, report(directory, group.size, nodes.leads(rank))))
     digests = [d for d, _ in reports]
     held: list[dict[int, dict[int, str]]] = [{} for _ in range(nodes.count)]
     for r, (_, copies) in enumerate(reports):

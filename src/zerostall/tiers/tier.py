@@ -24,7 +24,7 @@ from ..options import LoadOptions, SaveOptions
 from ..roots.restore import RestoreInfo
 from ..roots.root import step_tag, tag_step
 from ..saving.asynchronous import AsyncSaver, SaveHandle
-from .copies import LAYOUT_KEY, load_copy, view
+from .copies import LAYOUT_KEY, View, load_copy, view
 from .local import LocalTier, NodeDirectory, check_space, run_id_for
 from .nodes import Nodes, gather_nodes
 from .replication import Replicator
@@ -45,8 +45,7 @@ class NodeTier:
             ranks = dist.get_process_group_ranks(group.pg)
             self.pg = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=options.timeout_s))
             self.restoring = Group(self.pg)
-        node = self.nodes.index(group.rank)
-        self.leader = self.nodes.ranks_on(node)[0] == group.rank
+        self.leader = self.nodes.leads(group.rank)
         with group.failing_together(f"the local tier in {options.directory} could not be prepared on {{failed}} other "
                                     "rank(s) (their errors say why)"):
             if self.leader:
@@ -112,10 +111,10 @@ class NodeTier:
         over) when the root is to be used."""
         self.wait()
         steps = [s for tag, damage in candidates if damage is None and (s := tag_step(tag)) is not None]
-        _, _, digest = view(state, restoring=True)
+        target = view(state, restoring=True)
         fallbacks: list[tuple[str, str]] = []
-        got = restore_from_tiers(self.restoring, self.pg, self.nodes, self.directory, digest,
-                                 steps[0] - 1 if steps else None, functools.partial(_load, state, options),
+        got = restore_from_tiers(self.restoring, self.pg, self.nodes, self.directory, target.digest,
+                                 steps[0] - 1 if steps else None, functools.partial(_load, state, target, options),
                                  fallback=fallback, fallbacks=fallbacks)
         if got is None:
             return RestoreInfo(None, None, (), tuple(fallbacks)), None
@@ -149,7 +148,7 @@ class NodeTier:
                     dist.destroy_process_group(self.pg)
 
 
-def _load(state: dict[str, Any], options: LoadOptions, path: str, checked: bool) -> Any:
-    """Load a copy into ``state``; one received just now had every block checked on arrival, so it
-    is not checked a second time."""
-    return load_copy(state, path, options=dataclasses.replace(options, verify=False) if checked else options)
+def _load(state: dict[str, Any], target: View, options: LoadOptions, path: str, checked: bool) -> Any:
+    """Load a copy into ``state`` (seen as ``target``); one received just now had every block
+    checked on arrival, so it is not checked a second time."""
+    return load_copy(state, target, path, options=dataclasses.replace(options, verify=False) if checked else options)
