@@ -102,14 +102,27 @@ class Checkpoint:
         return resolve(self.manifest, entry, self.path)
 
     # -- reading -------------------------------------------------------------------------------
-    def read(self, key: str | Path, *, verify: bool | None = None, box: Box | None = None) -> Any:
+    def read(self, key: str | Path, *, verify: bool | None = None, box: Box | None = None,
+             out: torch.Tensor | None = None) -> Any:
         """One entry, whole: a tensor (memory-mapped from the file where possible) or a python value;
-        with ``box`` = ``(offsets, sizes)``, only that part of a tensor entry (for large tensors).
+        with ``box`` = ``(offsets, sizes)``, only that part of a tensor entry (for large tensors);
+        with ``out``, a tensor entry is read into ``out`` (its shape and dtype, contiguous), which
+        is returned: no memory of its own (``out`` may map a file, say).
 
         ``key`` is a dotted name or a key path tuple; a rank-local entry is this rank's copy
         (``"name@rankN"`` names another rank's). A tensor subclass is rebuilt when its class is in
         ``tensor_subclasses``, else returned as a :class:`FlattenedTensor` (see there)."""
         entry = self._entry(key)
+        if out is not None:
+            if entry.kind != "tensor" or tuple(out.shape) != tuple(entry.shape or ()) or \
+                    out.dtype != entry.torch_dtype or not out.is_contiguous() or out.device.type != "cpu":
+                raise ValueError(f"out (a {out.dtype} tensor of shape {list(out.shape)} on {out.device}) cannot "
+                                 f"receive {entry.fqn} ({entry.kind} {entry.dtype} of shape {list(entry.shape or ())}):"
+                                 " pass a contiguous CPU tensor of its shape and dtype")
+            self._fetcher.check_sizes(entry)
+            self._fetcher.fill([(out, whole(out), entry)], self.options.verify if verify is None else verify,
+                               self.options.max_staging_bytes)
+            return out
         if box is not None:
             offsets, sizes = tuple(box[0]), tuple(box[1])
             shape = tuple(entry.shape or ())

@@ -1,0 +1,137 @@
+"""Install zerostall on a DeepSpeed engine after ``deepspeed.initialize``: the checkpoint engine,
+and the engine's own ``save_checkpoint``/``load_checkpoint`` wrapped on the instance (DeepSpeed's
+source is not patched), so that the user's calls stay as they are."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from typing import Any, Iterator
+
+import torch
+
+from .engine import DeepSpeedOptions, ZeroStallCheckpointEngine
+from .swap import SwapFolders
+
+log = logging.getLogger(__name__)
+
+
+def attach(engine: Any, options: DeepSpeedOptions | None = None, **overrides: Any) -> ZeroStallCheckpointEngine:
+    """Make ``engine`` (a ``DeepSpeedEngine``) save and load its checkpoints as zerostall checkpoints;
+    returns the installed :class:`ZeroStallCheckpointEngine`. ``options`` and keyword overrides are
+    :class:`DeepSpeedOptions` fields. Call it on every rank, before the first save or load."""
+    if isinstance(engine.checkpoint_engine, ZeroStallCheckpointEngine):
+        raise ValueError("zerostall is already attached to this DeepSpeed engine")
+    ours = ZeroStallCheckpointEngine(getattr(engine, "_config", None), options, **overrides)
+    previous = engine.checkpoint_engine
+    if previous is not None and previous.is_decoupled():
+        previous.cleanup()  # its writer process
+    engine.checkpoint_engine = ours
+    _decide_writers(engine, ours)
+    save, load = engine.save_checkpoint, engine.load_checkpoint
+    engine.save_checkpoint = functools.wraps(save)(functools.partial(_save_checkpoint, engine, ours, save))
+    engine.load_checkpoint = functools.wraps(load)(functools.partial(_load_checkpoint, engine, ours, load))
+    if ours.saver is not None:
+        ours.saver.hold_steps(_torch_optimizers(engine.optimizer))
+    return ours
+
+
+def _decide_writers(engine: Any, ours: ZeroStallCheckpointEngine) -> None:
+    """Which rank writes the model file is decided at set-up with the engine of then: decide again
+    with ours, as DeepSpeed's ``_configure_checkpointing`` does."""
+    from deepspeed.utils import groups
+
+    rank = engine.local_rank if engine.use_node_local_storage() else groups._get_sequence_data_parallel_rank()
+    engine.save_non_zero_checkpoint = bool(
+        ours.is_data_parallel_writer(rank)
+        or (engine.zero_optimization_partition_weights() and engine.is_first_weights_partition_group()))
+
+
+def _torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside DeepSpeed's wrappers, whose steps wait for a capture in flight."""
+    found = []
+    while optimizer is not None and len(found) < 8:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            found.append(optimizer)
+        optimizer = getattr(optimizer, "optimizer", None)
+    return found
+
+
+def _save_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any, save_dir: str, tag: Any = None,
+                     client_state: Any = None, save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    """DeepSpeed's ``save_checkpoint``, its files gathered into one zerostall checkpoint; its copy
+    of the NVMe swap folder (``copytree``) is skipped, the swap files saved with the rest."""
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    ours.begin(save_dir, tag, step=engine.global_steps, save_latest=save_latest, swap=SwapFolders.of(engine))
+    try:
+        with _without(engine, "zero_nvme_offload_optimizer", lambda: False):
+            return original(save_dir, tag, client_state={} if client_state is None else client_state,
+                            save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters)
+    finally:
+        ours.end()
+
+
+def _load_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any, load_dir: str, tag: Any = None,
+                     **kwargs: Any) -> tuple[Any, Any]:
+    """DeepSpeed's ``load_checkpoint`` between ``open`` and ``close``: swap files restored in place
+    first (DeepSpeed then resets its swap buffers from them), every file read through the session."""
+    opened = ours.open(load_dir, None if tag is None else str(tag))
+    if opened is None:
+        return None, None
+    try:
+        session = ours.session
+        assert session is not None
+        folders = SwapFolders.of(engine)
+        if folders or ours.saved_swap():
+            written = ours.restore_swap(folders)
+            log.info("restored %d bytes of offloaded state into %s", written, ", ".join(folders.folders.values()))
+        path, client_state = original(session.view, opened, **kwargs)
+        if path is not None and engine.zero_nvme_offload_optimizer() and kwargs.get("load_optimizer_states", True):
+            _restore_optimizer_state(engine, ours.load(engine._get_zero_ckpt_name(session.view, opened)))
+        if path is not None:
+            path = os.path.join(load_dir, opened, os.path.relpath(path, session.directory))
+        return path, client_state
+    finally:
+        ours.close()
+
+
+def _restore_optimizer_state(engine: Any, saved: Any) -> None:
+    """With the optimizer swapped to NVMe, DeepSpeed reads the swap files back but skips the rest
+    of the rank's optimizer file, so its optimizer starts again from empty state (Adam's moments
+    zeroed, its ``step`` reset) and a resumed run drifts from an uninterrupted one. Give the
+    optimizer its saved state: the values too small to swap as saved, and the swapped ones as
+    tensors registered with the swapper, which reads them from the restored files at the next step."""
+    zero = engine.optimizer
+    base, swapper = zero.optimizer, zero.optimizer_swapper
+    zero._set_fp32_optimizer_param_groups()  # the base optimizer holds its parameters only around a step
+    try:
+        params = [p for group in base.param_groups for p in group["params"]]
+        for index, state in saved["optimizer_state_dict"]["optimizer_state_dict"]["state"].items():
+            param = params[index]
+            info = swapper.swap_params_info.get(param.ds_id)
+            live = base.state[param]
+            swapped = []
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.numel() == 0 and info is not None:
+                    tensor = torch.empty(0, dtype=param.dtype)  # its data comes from its swap file
+                    tensor.ds_id = f"{key}-{param.ds_id}"
+                    live[key] = tensor
+                    swapped.append(tensor)
+                else:
+                    live[key] = value
+            if swapped and not info.has_state_tensors:
+                info.add_state_tensors(swapped)
+    finally:
+        zero._clear_fp32_optimizer_param_groups()
+
+
+@contextlib.contextmanager
+def _without(engine: Any, name: str, replacement: Any) -> Iterator[None]:
+    """``engine.name`` replaced on the instance for the duration."""
+    setattr(engine, name, replacement)
+    try:
+        yield
+    finally:
+        delattr(engine, name)

@@ -1,0 +1,341 @@
+"""A DeepSpeed ``CheckpointEngine`` whose tags are zerostall checkpoints, and :func:`attach`, which
+installs it on an engine after ``deepspeed.initialize``.
+
+Writing is DeepSpeed's ``create → save → commit``: ``save`` only collects the state dict of each
+file DeepSpeed writes; ``commit`` writes them (and this rank's NVMe swap files) as one checkpoint,
+committed once for all ranks, then points ``latest`` at it. Reading is ``open → load … → close``:
+``open`` decides the tag once on rank 0, every rank opens that checkpoint, and each ``load`` reads
+one file's entries from it, every block verified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import shutil
+import tempfile
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+
+from ... import api
+from ...collectives import Group
+from ...errors import CheckpointError, CheckpointNotFoundError, InsufficientSpaceError
+from ...loading.checkpoint import Checkpoint
+from ...options import LoadOptions, SaveOptions, _Options
+from ...roots.root import LATEST_NAME, CheckpointRoot, validate_tag
+from ...saving.asynchronous import AsyncSaver, OneShot
+from ...state import RankLocal, rank_local
+from ...storage import storage_for
+from . import swap, values
+from .swap import SwapFolders
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeepSpeedOptions(_Options):
+    """How :func:`attach` saves and loads DeepSpeed's checkpoints."""
+
+    asynchronous: bool = False
+    """Return from ``save_checkpoint`` once the state is captured; the checkpoint commits in the
+    background and ``latest`` follows its commit. The next save, :meth:`ZeroStallCheckpointEngine.wait`
+    and the end of the process wait for it. NVMe swap files are captured into host memory too."""
+    allow_pickle: bool = False
+    """Store (and load) with pickle the objects our encoding cannot hold; otherwise such an object
+    is refused with the key that holds it. DeepSpeed's own objects never need it."""
+    save: SaveOptions | None = None
+    """Options of the saves (threads, fsync, block size...); ``allow_pickle`` above wins."""
+    load: LoadOptions | None = None
+    """Options of the loads (threads, verify...); ``allow_pickle`` above wins."""
+
+    def __post_init__(self) -> None:
+        self._check_bools("asynchronous", "allow_pickle")
+        self._check("save", self.save is None or isinstance(self.save, SaveOptions), "None or a SaveOptions")
+        self._check("load", self.load is None or isinstance(self.load, LoadOptions), "None or a LoadOptions")
+
+    @property
+    def save_options(self) -> SaveOptions:
+        return dataclasses.replace(self.save or SaveOptions(), allow_pickle=self.allow_pickle)
+
+    @property
+    def load_options(self) -> LoadOptions:
+        return dataclasses.replace(self.load or LoadOptions(), allow_pickle=self.allow_pickle)
+
+
+@dataclass
+class _Save:
+    """The save between ``create`` and ``commit``: where, and the files DeepSpeed gave so far."""
+
+    save_dir: str
+    tag: str
+    step: int
+    save_latest: bool
+    swap: SwapFolders
+    files: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def directory(self) -> str:
+        return os.path.join(self.save_dir, self.tag)
+
+
+@dataclass
+class _Session:
+    """What ``open`` took: the checkpoint, and a directory that shows DeepSpeed its file names
+    (empty files: every read comes back to :meth:`ZeroStallCheckpointEngine.load`)."""
+
+    load_dir: str
+    tag: str
+    checkpoint: Checkpoint
+    view: str
+
+    @property
+    def directory(self) -> str:
+        return os.path.join(self.view, self.tag)
+
+
+class ZeroStallCheckpointEngine(CheckpointEngine):
+    """DeepSpeed's checkpoint engine for zerostall checkpoints; install it with :func:`attach`."""
+
+    def __init__(self, config_params: Any = None, options: DeepSpeedOptions | None = None, **overrides: Any) -> None:
+        super().__init__(config_params)
+        self.name = "ZeroStallCheckpointEngine"
+        self.options = DeepSpeedOptions.of(options, overrides)
+        self.saver = AsyncSaver() if self.options.asynchronous else None
+        self.group = Group(None)
+        self._save: _Save | None = None
+        self._session: _Session | None = None
+        self._latest: Future | None = None  # rank 0's update of ``latest`` after an asynchronous commit
+
+    # -- writing: create → save → commit -------------------------------------------------------
+    def begin(self, save_dir: str, tag: str, *, step: int, save_latest: bool, swap: SwapFolders) -> None:
+        """Start the save of ``tag`` that DeepSpeed's ``create``/``save``/``commit`` calls then fill
+        (called by the ``save_checkpoint`` that :func:`attach` installs)."""
+        validate_tag(tag)
+        self._save = _Save(os.fspath(save_dir), tag, step, save_latest, swap)
+
+    def end(self) -> None:
+        """Forget a save that DeepSpeed did not commit (it failed half-way)."""
+        self._save = None
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        if self._save is not None and (info.tag, os.fspath(info.save_dir)) != (self._save.tag, self._save.save_dir):
+            raise CheckpointError(f"DeepSpeed creates {info.save_dir}/{info.tag} while "
+                                  f"{self._save.directory} is being saved")
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        if self._save is None or not _inside(path, self._save.directory):
+            os.makedirs(path, exist_ok=exist_ok)  # the tag's directory is the checkpoint's, made by its save
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self._save is None:  # outside save_checkpoint (save_16bit_model): the torch file it promises
+            torch.save(state_dict, path)
+            return
+        if not _inside(path, self._save.directory) or os.path.normpath(path) == os.path.normpath(self._save.directory):
+            raise CheckpointError(f"DeepSpeed saves {path}, outside the checkpoint {self._save.directory} being saved")
+        self._save.files[os.path.relpath(path, self._save.directory)] = state_dict
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        current, self._save = self._save, None
+        if current is None:
+            return True
+        state: dict[str, Any] = {name: values.split(sd) for name, sd in current.files.items()}
+        offloaded = current.swap.tensors() if current.swap else {}
+        if offloaded:
+            state[swap.KEY] = rank_local(offloaded)
+        self._check_space(current, state)
+        storage = CheckpointRoot(storage_for(current.save_dir)).child(current.tag)
+        metadata = {"deepspeed": {"tag": current.tag}}
+        if self.saver is None:
+            api.save(state, storage, self.options.save_options, step=current.step, metadata=metadata)
+            self._point_latest(current)
+            return True
+        self._raise_latest_failure()
+        handle = self.saver.save(state, storage, self.options.save_options, step=current.step, metadata=metadata)
+        assert handle is not None
+        self._latest = latest = Future()
+        handle.committed.add_done_callback(OneShot(functools.partial(self._committed, current, latest)))
+        return True
+
+    def _check_space(self, current: _Save, state: dict[str, Any]) -> None:
+        """Refuse, on every rank and before anything is written, a save that the file system of
+        ``save_dir`` cannot hold: all ranks' bytes against the free space each rank sees there."""
+        mine = sum(t.nbytes for t in _tensors(state))
+        total = self.group.all_reduce_ints([mine])[0] if self.group.size > 1 else mine
+        os.makedirs(current.save_dir, exist_ok=True)
+        fs = os.statvfs(current.save_dir)
+        free = fs.f_bavail * fs.f_frsize
+        short = int(total > free)
+        if (self.group.all_reduce_ints([short])[0] if self.group.size > 1 else short):
+            raise InsufficientSpaceError(
+                f"checkpoint {current.directory} needs {total} bytes (every rank's tensors and swap files), but "
+                f"{'its file system has ' + str(free) + ' bytes free' if short else 'another rank sees less free space'}"
+                ": free space there or save elsewhere; nothing was written")
+
+    def _point_latest(self, current: _Save) -> None:
+        """Rank 0 rewrites ``latest`` (DeepSpeed's plain-text tag, replaced atomically) once the
+        checkpoint committed."""
+        if current.save_latest and self.group.is_coordinator:
+            storage_for(current.save_dir).put(LATEST_NAME, current.tag.encode())
+
+    def _committed(self, current: _Save, latest: Future, fut: Future) -> None:
+        try:
+            if fut.unseen_exception() is None:  # a failed save is the saver's to raise
+                self._point_latest(current)
+        except BaseException as exc:
+            latest.set_exception(exc)
+        else:
+            latest.set_result(None)
+
+    def _raise_latest_failure(self) -> None:
+        latest, self._latest = self._latest, None
+        if latest is not None:
+            latest.result()
+
+    def wait(self) -> None:
+        """Wait for the asynchronous save in flight to commit and ``latest`` to name it; raises
+        what went wrong."""
+        if self.saver is not None:
+            self.saver.wait()
+        self._raise_latest_failure()
+
+    def cleanup(self) -> None:
+        """Finish the save in flight and free the saver's buffers."""
+        try:
+            self.wait()
+        finally:
+            if self.saver is not None:
+                self.saver.close()
+
+    # -- reading: open → load … → close --------------------------------------------------------
+    def open(self, load_dir: str, tag: str | None = None) -> str | None:
+        """Open checkpoint ``tag`` of ``load_dir`` for the loads that follow (collective). ``None``
+        or ``"latest"``: the tag that ``latest`` names, else the newest committed checkpoint; None
+        when there is none. Rank 0 decides; every rank opens the same. Returns the tag opened."""
+        if self._session is not None:
+            raise CheckpointError(f"checkpoint {self._session.tag} of {self._session.load_dir} is still open: "
+                                  "close() it first")
+        load_dir = os.fspath(load_dir)
+        agreed = self.group.agree(lambda: _resolve(load_dir, tag).encode()).decode()
+        if not agreed:
+            log.warning("no checkpoint to load in %s", load_dir)
+            return None
+        checkpoint = Checkpoint(CheckpointRoot(storage_for(load_dir)).child(agreed), self.options.load_options,
+                                process_group=None)
+        view = tempfile.mkdtemp(prefix="zerostall-deepspeed-")
+        try:
+            _show(view, agreed, checkpoint, self.group.rank)
+        except BaseException:
+            checkpoint.close()
+            shutil.rmtree(view, ignore_errors=True)
+            raise
+        self._session = _Session(load_dir, agreed, checkpoint, view)
+        return agreed
+
+    def close(self) -> None:
+        """Free what :meth:`open` took (its files, its directory of names)."""
+        session, self._session = self._session, None
+        if session is not None:
+            session.checkpoint.close()
+            shutil.rmtree(session.view, ignore_errors=True)
+
+    @property
+    def session(self) -> _Session | None:
+        """The checkpoint :meth:`open` opened, until :meth:`close`."""
+        return self._session
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        session = self._session
+        if session is None:
+            raise CheckpointError(f"DeepSpeed reads {path} with no checkpoint open: load through the "
+                                  "load_checkpoint that zerostall.integrations.deepspeed.attach installs")
+        if not _inside(path, session.directory):
+            raise CheckpointError(f"DeepSpeed reads {path}, outside checkpoint {session.tag} of {session.load_dir}")
+        name = os.path.relpath(path, session.directory)
+        ck = session.checkpoint
+        where = f"{name} of checkpoint {ck.path}"
+        try:
+            value = ck.read((name, values.VALUE))
+        except KeyError:
+            raise CheckpointNotFoundError(f"checkpoint {ck.path} holds no {name}") from None
+        device = map_location if isinstance(map_location, (str, torch.device)) else None
+        return values.join(value, lambda t: _to(ck.read((name, values.TENSORS, t)), device), where)
+
+    def restore_swap(self, swap_folders: SwapFolders) -> int:
+        """Write this rank's saved NVMe swap files into place from the open checkpoint; bytes written."""
+        assert self._session is not None
+        return swap_folders.restore(self._session.checkpoint, self.group.rank)
+
+    def saved_swap(self) -> bool:
+        """Whether the open checkpoint holds offloaded swap files (of any rank)."""
+        assert self._session is not None
+        return any(e.path[:1] == (swap.KEY,) for e in self._session.checkpoint.manifest.entries)
+
+    def is_decoupled(self) -> bool:
+        return False  # an asynchronous save commits in the background, without waiting at the next step
+
+    def preserves_storage_sharing(self) -> bool:
+        return True  # a tensor met twice is stored once (values.split): no clones needed
+
+
+def _inside(path: str, directory: str) -> bool:
+    path, directory = os.path.normpath(path), os.path.normpath(directory)
+    return path == directory or path.startswith(directory + os.sep)
+
+
+def _tensors(node: Any) -> list[torch.Tensor]:
+    if isinstance(node, torch.Tensor):
+        return [node]
+    if isinstance(node, RankLocal):
+        node = node.value
+    if isinstance(node, dict):
+        return [t for v in node.values() for t in _tensors(v)]
+    return []
+
+
+def _to(t: torch.Tensor, device: Any) -> torch.Tensor:
+    return t if device is None or torch.device(device).type == "cpu" else t.to(device)
+
+
+def _resolve(load_dir: str, tag: str | None) -> str:
+    """On rank 0: the tag to open (empty when there is none)."""
+    root = CheckpointRoot(storage_for(load_dir))
+    committed = [info.name for info in root.checkpoints()] if os.path.isdir(load_dir) else []
+    if tag is not None and tag != LATEST_NAME:
+        validate_tag(tag)
+        if tag not in committed:
+            raise CheckpointNotFoundError(f"no committed zerostall checkpoint {tag!r} in {load_dir}"
+                                          + (f" (there: {', '.join(committed[-5:])})" if committed else ""))
+        return tag
+    try:
+        with open(os.path.join(load_dir, LATEST_NAME), encoding="utf-8") as f:
+            named = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        named = ""
+    if named in committed:
+        return named
+    if committed:
+        newest = root.latest() or ""
+        log.warning("%s/latest %s; opening the newest committed checkpoint, %s", load_dir,
+                    f"names {named!r}, which is not a committed checkpoint" if named else "is missing", newest)
+        return newest
+    return ""
+
+
+def _show(view: str, tag: str, ck: Checkpoint, rank: int) -> None:
+    """Lay out ``view/tag`` as DeepSpeed expects to find it: an empty file per stored file (it
+    globs and checks names before reading) and this rank's empty swap folder (it copies from there
+    after the swap files were restored)."""
+    directory = os.path.join(view, tag)
+    for name in {e.path[0] for e in ck.manifest.entries if e.path and e.path[0] != swap.KEY}:
+        target = os.path.normpath(os.path.join(directory, str(name)))
+        if not _inside(target, directory) or target == directory:
+            raise CheckpointError(f"checkpoint {ck.path} holds a file named {name!r}, outside its directory")
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        open(target, "wb").close()
+    os.makedirs(os.path.join(directory, swap.KEY, f"rank{rank:0>2d}"), exist_ok=True)

@@ -1,0 +1,174 @@
+"""ZeRO state offloaded to NVMe: a rank's swap files as checkpoint entries under names that survive
+a restart, and their restore in place.
+
+DeepSpeed names a swap file by ``ds_id``, a counter that numbers parameters in the order a process
+creates them; a checkpoint names each file by the parameters it holds instead (optimizer state:
+its state and the names of the first and last parameter of its sub-group, ``exp_avg[0.weight..2.bias]``;
+a parameter: its name). Gradient files are scratch and left out. A file is saved from a memory map
+of it (no copy of its own in memory) and restored into a new file that is renamed over the old one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from ...errors import CheckpointError, InsufficientSpaceError
+from ...loading.checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
+
+KEY = "offloaded_tensors"  # the entries' first key (DeepSpeed's own copy used this folder name)
+OPTIMIZER = "optimizer"
+_OPTIMIZER_FILE = re.compile(r"(?:(?P<state>[A-Za-z0-9_]+)-)?(?P<first>\d+)_(?P<last>\d+)\.tensor\.swp")
+_PARAM_FILE = re.compile(r"(?P<id>\d+)_param\.tensor\.swp")
+_GROUP_NAME = re.compile(r"(?P<state>[A-Za-z0-9_]+)\[(?P<first>[^\[\]]+)\.\.(?P<last>[^\[\]]+)\]")
+_FILE = "file:"  # a file in a swap folder that is none of DeepSpeed's known kinds: stored by its own name
+_INCOMING = ".zerostall-incoming"
+
+
+@dataclass(frozen=True)
+class SwapFolders:
+    """Where this rank's engine swaps to (``{kind: directory}``, kind ``optimizer`` or DeepSpeed's
+    parameter folder name such as ``float32params``) and its parameters' names by ``ds_id``."""
+
+    folders: dict[str, str]
+    names: dict[int, str]
+
+    @classmethod
+    def of(cls, engine: Any) -> "SwapFolders":
+        """The swap folders of a DeepSpeed engine (none without NVMe offload)."""
+        folders: dict[str, str] = {}
+        swapper = getattr(engine.optimizer, "optimizer_swapper", None)
+        if getattr(engine.optimizer, "swap_optimizer", False) and swapper is not None:
+            folders[OPTIMIZER] = swapper.swap_folder
+        names: dict[int, str] = {}
+        for name, param in engine.module.named_parameters():
+            if hasattr(param, "ds_id"):
+                names[param.ds_id] = name
+            nvme = getattr(param, "nvme_swapper", None)
+            if nvme is not None:
+                folders.setdefault(os.path.basename(os.path.dirname(nvme.swap_folder)), nvme.swap_folder)
+        return cls(folders, names)
+
+    def __bool__(self) -> bool:
+        return bool(self.folders)
+
+    # -- saving --------------------------------------------------------------------------------
+    def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{kind: {stable name: the file's bytes, memory-mapped}}`` of every file to save."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for kind, folder in self.folders.items():
+            files = out.setdefault(kind, {})
+            for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+                if not entry.is_file() or entry.name.endswith(_INCOMING) or (kind == OPTIMIZER and "gradient" in entry.name):
+                    continue
+                files[self.stable_name(kind, entry.name)] = _mapped(entry.path, entry.stat().st_size, writable=False)
+        return out
+
+    def stable_name(self, kind: str, filename: str) -> str:
+        """The name a swap file is saved under: from parameter names, else its own (with a warning)."""
+        try:
+            if kind == OPTIMIZER and (m := _OPTIMIZER_FILE.fullmatch(filename)):
+                first, last = self.names[int(m["first"])], self.names[int(m["last"])]
+                return f"{m['state'] or 'fp32'}[{first}..{last}]"
+            if kind != OPTIMIZER and (m := _PARAM_FILE.fullmatch(filename)):
+                return self.names[int(m["id"])]
+        except KeyError:
+            pass
+        log.warning("swap file %s in %s does not name known parameters: saved under its own name, which a "
+                    "restarted process may not use", filename, self.folders[kind])
+        return _FILE + filename
+
+    # -- restoring -----------------------------------------------------------------------------
+    def filename(self, kind: str, stable: str, where: str) -> str:
+        """The file that holds ``stable`` in this process (parameter names to today's ``ds_id``)."""
+        if stable.startswith(_FILE):
+            name = stable[len(_FILE):]
+            if os.path.basename(name) != name or name in ("", ".", ".."):
+                raise CheckpointError(f"{where}: swap file name {name!r} is not a plain file name")
+            return name
+        ids = {name: ds_id for ds_id, name in self.names.items()}
+        try:
+            if kind == OPTIMIZER:
+                m = _GROUP_NAME.fullmatch(stable)
+                if m is None:
+                    raise KeyError(stable)
+                state = "" if m["state"] == "fp32" else f"{m['state']}-"
+                return f"{state}{ids[m['first']]}_{ids[m['last']]}.tensor.swp"
+            return f"{ids[stable]}_param.tensor.swp"
+        except KeyError:
+            raise CheckpointError(f"{where}: the checkpoint's offloaded {kind} state {stable!r} names parameters this "
+                                  "model does not have: load it into the model it was saved from") from None
+
+    def restore(self, ck: Checkpoint, rank: int) -> int:
+        """Write this rank's saved swap files into place (each into a new file, then renamed over
+        the old one), every block verified; returns the bytes written. The space they need is
+        checked first."""
+        where = f"checkpoint {ck.path}"
+        saved = [e for e in ck.manifest.entries if e.rank == rank and len(e.path) == 3 and e.path[0] == KEY]
+        kinds = {e.path[1] for e in saved}
+        if kinds != set(self.folders):
+            raise CheckpointError(f"{where} holds offloaded state for {sorted(kinds) or 'nothing'} on rank {rank}, but "
+                                  f"this engine offloads {sorted(self.folders) or 'nothing'} to NVMe: load it with the "
+                                  "offload settings it was saved with")
+        targets = [(e, os.path.join(self.folders[e.path[1]], self.filename(e.path[1], e.path[2], where)))
+                   for e in saved]
+        _check_space(targets)
+        done = 0
+        for entry, target in targets:
+            size = entry.nbytes
+            incoming = target + _INCOMING
+            with open(incoming, "wb") as f:
+                f.truncate(size)
+            try:
+                ck.read(entry.path, out=_mapped(incoming, size, writable=True))
+                os.replace(incoming, target)
+            except BaseException:
+                _unlink(incoming)
+                raise
+            done += size
+        return done
+
+
+def _mapped(path: str, size: int, *, writable: bool) -> torch.Tensor:
+    """The bytes of the file ``path`` as a uint8 tensor mapped from it (writes reach the file only
+    when ``writable``)."""
+    if size == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_file(path, shared=writable, size=size, dtype=torch.uint8)
+
+
+def _check_space(targets: Iterable[tuple[Any, str]]) -> None:
+    """Each file is replaced one at a time: a file system needs room for the new files and for the
+    largest one that replaces an old one."""
+    need: dict[int, list[int]] = {}
+    where: dict[int, str] = {}
+    for entry, target in targets:
+        folder = os.path.dirname(target)
+        dev = os.stat(folder).st_dev
+        where[dev] = folder
+        new, largest = need.setdefault(dev, [0, 0])
+        if os.path.exists(target):
+            need[dev][1] = max(largest, entry.nbytes)
+        else:
+            need[dev][0] = new + entry.nbytes
+    for dev, (new, largest) in need.items():
+        fs = os.statvfs(where[dev])
+        free = fs.f_bavail * fs.f_frsize
+        if new + largest > free:
+            raise InsufficientSpaceError(
+                f"restoring the offloaded state into {where[dev]} needs {new + largest} bytes free, but its file "
+                f"system has {free}: free space there; nothing was written")
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,104 @@
+"""A DeepSpeed training run for tests/test_deepspeed.py and bench/deepspeed.py: one rank of a gloo
+job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment) on the CPU.
+
+It trains a two-layer model with ZeRO ``--stage`` (and ``--offload PARAM/OPTIMIZER`` devices, ``none``,
+``cpu`` or ``nvme``), saves with zerostall (``attach``) or DeepSpeed's own engine after
+each step of ``--save-at``, writes each step's loss to ``--losses``, and, with ``--kill-at N``, SIGKILLs
+itself after step N. With ``--resume`` it first loads the checkpoint that ``--tag`` names (default:
+latest) and goes on from its step. The batch of a step is drawn from a seed of that step, so a
+resumed run sees the data an uninterrupted one saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+
+
+def config(args: argparse.Namespace) -> dict:
+    zero: dict = {"stage": args.stage}
+    if args.stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0  # every parameter partitioned (and swapped, with nvme)
+    param, optimizer = args.offload.split("/")
+    if param != "none":
+        zero["offload_param"] = {"device": param, "nvme_path": args.nvme}
+    if optimizer != "none":
+        zero["offload_optimizer"] = {"device": optimizer, "nvme_path": args.nvme}
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+            "steps_per_print": 10**9, "wall_clock_breakdown": False}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--offload", default="none/none")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--nvme", default="")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--save-at", type=int, nargs="*", default=[3])
+    p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--tag", default=None)
+    p.add_argument("--engine", choices=["zerostall", "deepspeed"], default="zerostall")
+    p.add_argument("--asynchronous", action="store_true")
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--losses", required=True)
+    p.add_argument("--bump-ids", action="store_true", help="build another ZeRO-3 model first: later ds_ids move")
+    args = p.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    if args.bump_ids:
+        with deepspeed.zero.Init(config_dict_or_path=config(args)):
+            torch.nn.Linear(8, 8)
+    torch.manual_seed(0)
+    w = args.width
+    model = torch.nn.Sequential(torch.nn.Linear(w, 2 * w), torch.nn.Tanh(), torch.nn.Linear(2 * w, w))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(args))
+    if args.engine == "zerostall":
+        from zerostall.integrations.deepspeed import attach
+
+        attach(engine, asynchronous=args.asynchronous)
+    start = 0
+    losses: dict[int, float] = {}
+    if args.resume:
+        path, client = engine.load_checkpoint(args.dir, args.tag)
+        assert path is not None, f"nothing to resume in {args.dir}"
+        start = client["step"]
+        losses["resumed_from"] = start
+    for step in range(start + 1, args.steps + 1):
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(4, w, generator=gen)
+        loss = (engine(x) - x.flip(-1)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses[step] = loss.item()
+        if step in args.save_at:
+            engine.save_checkpoint(args.dir, f"step{step}", client_state={"step": step})
+        if step == args.kill_at:
+            if args.engine == "zerostall" and args.asynchronous:
+                engine.checkpoint_engine.wait()
+            torch.distributed.barrier()
+            _write(args.losses, rank, losses)
+            os.kill(os.getpid(), signal.SIGKILL)
+    if args.engine == "zerostall":
+        engine.checkpoint_engine.wait()
+    _write(args.losses, rank, losses)
+
+
+def _write(path: str, rank: int, losses: dict) -> None:
+    with open(f"{path}.rank{rank}", "w") as f:
+        json.dump({str(k): v for k, v in losses.items()}, f)
+
+
+if __name__ == "__main__":
+    main()
