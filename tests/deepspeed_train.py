@@ -53,6 +53,7 @@ def main() -> None:
     p.add_argument("--asynchronous", action="store_true")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--losses", required=True)
+    p.add_argument("--check-open", default="", help="first open() latest, a tag, this empty directory, a missing tag")
     p.add_argument("--bump-ids", action="store_true", help="build another ZeRO-3 model first: later ds_ids move")
     args = p.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -70,6 +71,8 @@ def main() -> None:
         attach(engine, asynchronous=args.asynchronous)
     start = 0
     losses: dict[int, float] = {}
+    if args.check_open:
+        losses["open"] = check_open(engine.checkpoint_engine, args.dir, args.check_open)
     if args.resume:
         path, client = engine.load_checkpoint(args.dir, args.tag)
         assert path is not None, f"nothing to resume in {args.dir}"
@@ -93,6 +96,24 @@ def main() -> None:
     if args.engine == "zerostall":
         engine.checkpoint_engine.wait()
     _write(args.losses, rank, losses)
+
+
+def check_open(ours, directory: str, empty: str) -> dict:
+    """What open() returns for latest, a named tag, an empty directory, and the error of a missing tag."""
+    from zerostall import CheckpointNotFoundError
+
+    seen = {}
+    for name, where, tag in [("latest", directory, None), ("named", directory, "step3"), ("empty", empty, None)]:
+        seen[name] = ours.open(where, tag)
+        seen[f"{name}_view"] = ours.session is not None and os.path.isdir(ours.session.view)
+        view = ours.session.view if ours.session is not None else None
+        ours.close()
+        seen[f"{name}_closed"] = view is None or not os.path.exists(view)
+    try:
+        ours.open(directory, "step999")
+    except CheckpointNotFoundError as exc:
+        seen["missing"] = str(exc)
+    return seen
 
 
 def _write(path: str, rank: int, losses: dict) -> None:

@@ -39,6 +39,9 @@ ORDER = [
     "tiers.nodes", "tiers.transfer", "tiers.local", "tiers.copies", "tiers.replication", "tiers.sources",
     "tiers.tier", "tiers",
     "manager",
+    # integrations/: adapters for the frameworks users train with, over the public API
+    "integrations.deepspeed.values", "integrations.deepspeed.swap", "integrations.deepspeed.engine",
+    "integrations.deepspeed.attach", "integrations.deepspeed", "integrations",
     "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.copying", "cli.exporting", "cli.importing",
     "cli", "__main__", "__init__",
 ]

@@ -4,10 +4,11 @@ zerostall checkpoints, NVMe-offloaded ZeRO state included."""
 
 from __future__ import annotations
 
-try:
-    import deepspeed  # noqa: F401
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("zerostall.integrations.deepspeed needs DeepSpeed: pip install 'zerostall[deepspeed]'") from exc
+import importlib.util
+
+if importlib.util.find_spec("deepspeed") is None:
+    raise ImportError("zerostall.integrations.deepspeed needs DeepSpeed: pip install 'zerostall[deepspeed]' "
+                      "(with DS_BUILD_OPS=0 its ops are built just in time)")
 
 from .attach import attach
 from .engine import DeepSpeedOptions, ZeroStallCheckpointEngine

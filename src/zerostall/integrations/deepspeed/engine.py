@@ -61,7 +61,8 @@ class DeepSpeedOptions(_Options):
 
     @property
     def save_options(self) -> SaveOptions:
-        return dataclasses.replace(self.save or SaveOptions(), allow_pickle=self.allow_pickle)
+        """A tag saved again replaces its checkpoint (as DeepSpeed's files are replaced)."""
+        return dataclasses.replace(self.save or SaveOptions(), allow_pickle=self.allow_pickle, overwrite=True)
 
     @property
     def load_options(self) -> LoadOptions:
@@ -259,10 +260,7 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
         name = os.path.relpath(path, session.directory)
         ck = session.checkpoint
         where = f"{name} of checkpoint {ck.path}"
-        try:
-            value = ck.read((name, values.VALUE))
-        except KeyError:
-            raise CheckpointNotFoundError(f"checkpoint {ck.path} holds no {name}") from None
+        value = _file_value(ck, name)
         device = map_location if isinstance(map_location, (str, torch.device)) else None
         return values.join(value, lambda t: _to(ck.read((name, values.TENSORS, t)), device), where)
 
@@ -296,6 +294,24 @@ def _tensors(node: Any) -> list[torch.Tensor]:
     if isinstance(node, dict):
         return [t for v in node.values() for t in _tensors(v)]
     return []
+
+
+def _file_value(ck: Checkpoint, name: str) -> Any:
+    """The python value of file ``name``: its own entry, or a part of a larger one where no tensor
+    lies below (a file without tensors is stored whole; a checkpoint without any, as one value)."""
+    path = (name, values.VALUE)
+    for depth in (2, 1, 0):
+        try:
+            value = ck.read(path[:depth])
+        except KeyError:
+            continue
+        try:
+            for key in path[depth:]:
+                value = value[key]
+        except (KeyError, TypeError):
+            break
+        return value
+    raise CheckpointNotFoundError(f"checkpoint {ck.path} holds no {name}")
 
 
 def _to(t: torch.Tensor, device: Any) -> torch.Tensor:

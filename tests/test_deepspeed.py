@@ -1,0 +1,366 @@
+"""zerostall under DeepSpeed (issue 30): the checkpoint engine and attach, tested with the real
+``deepspeed`` on the CPU (gloo).
+
+The training runs are two-rank jobs of tests/deepspeed_train.py in fresh processes: each trains,
+saves at step 3, is SIGKILLed after step 6, and a new job resumes from ``latest`` and must see the
+losses of steps 4-6 that the first job saw, bit for bit. The engine's own rules (tags, ``latest``,
+the space check, DeepSpeed's objects, swap-file names) are tested in this process.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'zerostall[deepspeed]')")
+
+import zerostall as zs  # noqa: E402
+from zerostall.integrations.deepspeed import DeepSpeedOptions, ZeroStallCheckpointEngine  # noqa: E402
+from zerostall.integrations.deepspeed import values  # noqa: E402
+from zerostall.integrations.deepspeed.swap import SwapFolders  # noqa: E402
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # noqa: E402
+from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
+from deepspeed.utils.tensor_fragment import fragment_address  # noqa: E402
+
+from s3server import free_ports  # noqa: E402
+from small_tmpfs import in_small_tmpfs, unavailable  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+TRAIN = HERE / "deepspeed_train.py"
+
+
+# -- two-rank jobs ---------------------------------------------------------------------------------
+def job(tmp: Path, name: str, *args: str, expect_kill: bool = False, timeout: float = 240) -> dict[int, dict]:
+    """Run tests/deepspeed_train.py on two gloo ranks; each rank's losses (and what else it wrote)."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]),
+               WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent / "src"))
+    out = tmp / name
+    procs = [subprocess.Popen([sys.executable, str(TRAIN), *args, "--losses", str(out)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    for r, p in enumerate(procs):
+        want = -signal.SIGKILL if expect_kill else 0
+        assert p.returncode == want, f"rank {r} ended with {p.returncode}, not {want}:\n{logs[r][-6000:]}"
+    return {r: json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)}
+
+
+def losses(run: dict, steps: range) -> list[list[float]]:
+    return [[run[r][str(s)] for s in steps] for r in sorted(run)]
+
+
+def _aio() -> str | None:
+    """Why DeepSpeed's asynchronous I/O (NVMe offload) cannot run here, or None."""
+    from deepspeed.ops.op_builder.cpu import AsyncIOBuilder
+
+    return None if AsyncIOBuilder().is_compatible(verbose=False) else "NVMe offload needs libaio-dev (apt)"
+
+
+NVME = pytest.mark.skipif(_aio() is not None, reason=str(_aio()))
+
+CONFIGS = {  # name: (ZeRO stage, offload param/optimizer)
+    "zero1": (1, "none/none"),
+    "zero2": (2, "none/none"),
+    "zero3": (3, "none/none"),
+    "zero3-offload-cpu-cpu": (3, "cpu/cpu"),
+    "zero3-offload-cpu-nvme": (3, "cpu/nvme"),
+    "zero3-offload-nvme-nvme": (3, "nvme/nvme"),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=NVME) if "nvme" in n else n for n in CONFIGS])
+def test_a_killed_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path: Path, name: str) -> None:
+    stage, offload = CONFIGS[name]
+    common = ["--stage", str(stage), "--offload", offload, "--nvme", str(tmp_path / "nvme"), "--dir",
+              str(tmp_path / "ck"), "--save-at", "3"]
+    first = job(tmp_path, "first", *common, "--kill-at", "6", expect_kill=True)
+    resumed = job(tmp_path, "resumed", *common, "--resume")
+    assert resumed[0]["resumed_from"] == 3
+    assert losses(resumed, range(4, 7)) == losses(first, range(4, 7))
+    ck = tmp_path / "ck"
+    assert (ck / "latest").read_text() == "step3"  # plain text, as DeepSpeed and zero_to_fp32.py read it
+    assert zs.verify(str(ck / "step3")) > 0
+    with zs.open(str(ck / "step3")) as opened:
+        assert opened.step == 3
+        offloaded = [k for k in opened.entries if k.startswith("offloaded_tensors.")]
+    swapped = {"cpu/nvme": {"optimizer"}, "nvme/nvme": {"optimizer", "float32params"}}.get(offload, set())
+    assert {k.split(".")[1] for k in offloaded} == swapped
+    assert not any("gradient" in k for k in offloaded)
+    assert not (ck / "step3" / "offloaded_tensors").exists()  # no copy of DeepSpeed's own beside ours
+
+
+@NVME
+def test_swap_files_come_back_under_parameter_names_when_ds_ids_moved(tmp_path: Path) -> None:
+    """A process that built another ZeRO-3 model first numbers the parameters differently
+    (DeepSpeed names swap files by that number): the resume still finds each parameter's state."""
+    common = ["--stage", "3", "--offload", "nvme/nvme", "--nvme", str(tmp_path / "nvme"), "--dir", str(tmp_path / "ck")]
+    first = job(tmp_path, "first", *common, "--kill-at", "6", expect_kill=True)
+    resumed = job(tmp_path, "resumed", *common, "--resume", "--bump-ids")
+    assert losses(resumed, range(4, 7)) == losses(first, range(4, 7))
+    with zs.open(str(tmp_path / "ck" / "step3")) as opened:
+        assert "offloaded_tensors.optimizer.exp_avg[0.weight..2.bias]@rank0" in opened.entries
+    swapped = os.listdir(tmp_path / "nvme" / "zero_stage_3" / "optimizer" / "rank0")
+    assert "exp_avg-0_3.tensor.swp" in swapped and "exp_avg-2_5.tensor.swp" in swapped  # the ids did move
+
+
+def test_asynchronous_saves_resume_exactly_and_open_resolves_tags(tmp_path: Path) -> None:
+    common = ["--stage", "2", "--dir", str(tmp_path / "ck"), "--asynchronous", "--save-at", "2", "3"]
+    first = job(tmp_path, "first", *common, "--kill-at", "6", expect_kill=True)
+    (tmp_path / "empty").mkdir()
+    resumed = job(tmp_path, "resumed", *common, "--resume", "--check-open", str(tmp_path / "empty"))
+    assert losses(resumed, range(4, 7)) == losses(first, range(4, 7))
+    for r in (0, 1):
+        seen = resumed[r]["open"]
+        assert (seen["latest"], seen["named"], seen["empty"]) == ("step3", "step3", None)
+        assert seen["latest_view"] and seen["latest_closed"] and seen["named_closed"]
+        assert "step999" in seen["missing"] and "step2" in seen["missing"]
+
+
+# -- the engine in this process ----------------------------------------------------------------------
+def save_tag(ours: ZeroStallCheckpointEngine, save_dir: Path, tag: str, files: dict, *, step: int = 1,
+             save_latest: bool = True) -> None:
+    """What DeepSpeed's save_checkpoint does with an engine, through attach's begin."""
+    ours.begin(str(save_dir), tag, step=step, save_latest=save_latest, swap=SwapFolders({}, {}))
+    info = CheckpointCommitInfo(tag=tag, save_dir=str(save_dir), save_latest=save_latest)
+    ours.create(info)
+    ours.makedirs(str(save_dir), exist_ok=True)
+    ours.makedirs(str(save_dir / tag), exist_ok=True)
+    for name, sd in files.items():
+        ours.save(state_dict=sd, path=str(save_dir / tag / name))
+    ours.commit(info)
+
+
+def read_tag(ours: ZeroStallCheckpointEngine, save_dir: Path, tag: str | None, name: str) -> object:
+    opened = ours.open(str(save_dir), tag)
+    assert opened is not None
+    try:
+        return ours.load(os.path.join(ours.session.directory, name), map_location="cpu")
+    finally:
+        ours.close()
+
+
+def deepspeed_like() -> dict:
+    shared = torch.arange(6.0)
+    return {
+        "module": collections.OrderedDict([("w", torch.randn(3, 4)), ("b", torch.zeros(4))]),
+        "optimizer_state_dict": {
+            "loss_scaler": LossScaler(128.0),
+            "dynamic": DynamicLossScaler(init_scale=2.0**16, scale_window=7, min_scale=1, delayed_shift=2, consecutive_hysteresis=False),
+            "zero_stage": ZeroStageEnum.gradients,
+            "param_slice_mappings": [collections.OrderedDict([("w", fragment_address(numel=12, start=0))])],
+            "single_partition_of_fp32_groups": [torch.ones(5), shared],
+            "pair": (torch.full((2,), 3.0), "x"),
+            "same": shared,
+        },
+        "global_steps": 7, "ds_version": deepspeed.__version__, "shape": torch.Size([3, 4]), "nothing": None,
+    }
+
+
+def assert_same(a: object, b: object, where: str = "") -> None:
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), where
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif type(a).__module__.startswith("deepspeed") and hasattr(a, "__dict__"):
+        assert vars(a) == vars(b), where
+    else:
+        assert a == b, where
+
+
+def test_deepspeeds_files_round_trip_with_its_own_objects_and_no_pickle(tmp_path: Path) -> None:
+    ours = ZeroStallCheckpointEngine()
+    sd = deepspeed_like()
+    save_tag(ours, tmp_path, "global_step7", {"mp_rank_00_model_states.pt": sd})
+    back = read_tag(ours, tmp_path, None, "mp_rank_00_model_states.pt")
+    assert_same(sd, back)
+    shared = back["optimizer_state_dict"]
+    assert shared["same"] is shared["single_partition_of_fp32_groups"][1]  # stored once, shared again
+    assert (tmp_path / "latest").read_text() == "global_step7"
+    with zs.open(str(tmp_path / "global_step7")) as ck:  # an ordinary zerostall checkpoint
+        assert ck.step == 1 and ck.metadata["deepspeed"]["tag"] == "global_step7"
+        assert torch.equal(ck.read("mp_rank_00_model_states.pt.tensors.module.w"), sd["module"]["w"])
+
+
+def test_an_object_our_encoding_cannot_hold_is_named_or_pickled_on_request(tmp_path: Path) -> None:
+    class Custom:
+        pass
+
+    with pytest.raises(zs.UnsupportedValueError, match=r"client\.obj.*allow_pickle"):
+        save_tag(ZeroStallCheckpointEngine(), tmp_path, "t1", {"f.pt": {"client": {"obj": Custom()}}})
+    assert not (tmp_path / "t1").exists() and not (tmp_path / "latest").exists()
+    ours = ZeroStallCheckpointEngine(allow_pickle=True)
+    save_tag(ours, tmp_path, "t1", {"f.pt": {"client": {"n": 3}}})
+    assert read_tag(ours, tmp_path, "t1", "f.pt") == {"client": {"n": 3}}
+
+
+def test_saving_a_tag_again_replaces_it_and_latest_follows_the_commit(tmp_path: Path) -> None:
+    ours = ZeroStallCheckpointEngine()
+    save_tag(ours, tmp_path, "best", {"f.pt": {"x": torch.zeros(3)}}, step=1)
+    save_tag(ours, tmp_path, "other", {"f.pt": {"x": torch.ones(3)}}, step=2, save_latest=False)
+    assert (tmp_path / "latest").read_text() == "best"
+    save_tag(ours, tmp_path, "best", {"f.pt": {"x": torch.full((3,), 5.0)}}, step=3)
+    assert torch.equal(read_tag(ours, tmp_path, "best", "f.pt")["x"], torch.full((3,), 5.0))
+    assert torch.equal(read_tag(ours, tmp_path, "latest", "f.pt")["x"], torch.full((3,), 5.0))
+    (tmp_path / "latest").unlink()  # lost (a crash between the commit and its update): the newest by step
+    assert ours.open(str(tmp_path)) == "best"
+    ours.close()
+
+
+FULL_DISK = """
+import os, sys, torch
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
+import zerostall as zs
+from test_deepspeed import ZeroStallCheckpointEngine, read_tag, save_tag
+from pathlib import Path
+d = Path(sys.argv[1])
+ours = ZeroStallCheckpointEngine()
+save_tag(ours, d, "t1", {"f.pt": {"x": torch.zeros(1000)}})
+try:
+    save_tag(ours, d, "t2", {"f.pt": {"x": torch.zeros(2**20)}})
+except zs.InsufficientSpaceError as exc:
+    print("REFUSED", exc)
+print("LEFT", sorted(os.listdir(d)), (d / "latest").read_text(), read_tag(ours, d, None, "f.pt")["x"].shape)
+"""
+
+
+def test_a_save_the_target_cannot_hold_fails_before_any_write_with_the_sizes(tmp_path: Path) -> None:
+    """On a real 2 MiB file system: the save of 4 MiB is refused with the numbers, nothing of it
+    written, ``latest`` and the previous checkpoint as they were."""
+    directory = str(tmp_path / "small")
+    os.makedirs(directory)
+    why = unavailable(directory)
+    if why:
+        pytest.skip(why)
+    done = subprocess.run(in_small_tmpfs(directory, "2m", sys.executable, "-c", FULL_DISK, directory,
+                                         str(HERE.parent / "src"), str(HERE)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"REFUSED checkpoint {directory}/t2 needs 4194304 bytes" in done.stdout
+    assert "bytes free: free space there or save elsewhere; nothing was written" in done.stdout
+    assert "LEFT ['latest', 't1'] t1 torch.Size([1000])" in done.stdout
+
+
+def test_a_damaged_checkpoint_is_named_on_load_and_reads_need_an_open_session(tmp_path: Path) -> None:
+    ours = ZeroStallCheckpointEngine()
+    save_tag(ours, tmp_path, "t1", {"f.pt": {"x": torch.arange(1000.0)}})
+    with pytest.raises(zs.CheckpointError, match="no checkpoint open"):
+        ours.load(str(tmp_path / "t1" / "f.pt"))
+    data = next(p for p in (tmp_path / "t1").iterdir() if p.name != "manifest.json")
+    raw = bytearray(data.read_bytes())
+    raw[-100] ^= 0xFF  # inside the tensor's bytes (the file's end)
+    data.write_bytes(bytes(raw))
+    with pytest.raises(zs.CorruptCheckpointError, match=data.name):
+        read_tag(ours, tmp_path, "t1", "f.pt")
+
+
+def test_outside_save_checkpoint_files_are_plain_torch_files(tmp_path: Path) -> None:
+    """save_16bit_model writes pytorch_model.bin through the engine: the torch file it promises."""
+    ours = ZeroStallCheckpointEngine()
+    info = CheckpointCommitInfo(tag="global_step1", save_dir=str(tmp_path), save_latest=False)
+    ours.create(info)
+    ours.save({"w": torch.ones(2)}, str(tmp_path / "pytorch_model.bin"))
+    assert ours.commit(info)
+    assert torch.equal(torch.load(tmp_path / "pytorch_model.bin")["w"], torch.ones(2))
+
+
+def test_stored_objects_are_rebuilt_only_from_deepspeeds_own_classes() -> None:
+    value = values.split({"s": LossScaler(4.0)})[values.VALUE]
+    value["objects"][0][1:3] = ["os", "system"]
+    with pytest.raises(zs.CorruptCheckpointError, match="only DeepSpeed's own classes"):
+        values.join(value, lambda name: torch.zeros(1), "f.pt")
+    value["objects"][0][1:3] = ["deepspeed.not_imported_module", "X"]
+    with pytest.raises(zs.CorruptCheckpointError, match="not imported"):
+        values.join(value, lambda name: torch.zeros(1), "f.pt")
+
+
+def test_options_are_checked_when_built() -> None:
+    with pytest.raises(ValueError, match="asynchronous"):
+        DeepSpeedOptions(asynchronous="yes")
+    with pytest.raises(TypeError, match="did you mean 'allow_pickle'"):
+        ZeroStallCheckpointEngine(allow_pickles=True)
+
+
+# -- swap files -------------------------------------------------------------------------------------
+def swap_folder(folder: Path, first: int, last: int) -> dict[str, bytes]:
+    folder.mkdir(parents=True)
+    files = {f"{first}_{last}.tensor.swp": os.urandom(3000), f"exp_avg-{first}_{last}.tensor.swp": os.urandom(3000),
+             f"{first}_{last}_gradient_0_10.tensor.swp": os.urandom(40)}
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return files
+
+
+def test_swap_files_are_saved_by_parameter_name_and_restored_in_place(tmp_path: Path) -> None:
+    saved = swap_folder(tmp_path / "a", 0, 3)
+    names = {0: "layer.0.weight", 1: "layer.0.bias", 3: "head.weight"}
+    tensors = SwapFolders({"optimizer": str(tmp_path / "a")}, names).tensors()
+    assert sorted(tensors["optimizer"]) == ["exp_avg[layer.0.weight..head.weight]", "fp32[layer.0.weight..head.weight]"]
+    zs.save({"offloaded_tensors": zs.rank_local(tensors)}, str(tmp_path / "ck"))
+    # a new process: the same parameters, numbered 10.. by DeepSpeed; its files hold other bytes
+    target = tmp_path / "b"
+    stale = swap_folder(target, 10, 13)
+    moved = SwapFolders({"optimizer": str(target)}, {10: "layer.0.weight", 11: "layer.0.bias", 13: "head.weight"})
+    with zs.open(str(tmp_path / "ck")) as ck:
+        assert moved.restore(ck, 0) == 6000
+    assert (target / "10_13.tensor.swp").read_bytes() == saved["0_3.tensor.swp"]
+    assert (target / "exp_avg-10_13.tensor.swp").read_bytes() == saved["exp_avg-0_3.tensor.swp"]
+    assert (target / "10_13_gradient_0_10.tensor.swp").read_bytes() == stale["10_13_gradient_0_10.tensor.swp"]
+    assert sorted(os.listdir(target)) == sorted(stale)
+
+
+def test_a_damaged_swap_file_leaves_the_one_in_place_untouched(tmp_path: Path) -> None:
+    swap_folder(tmp_path / "a", 0, 3)
+    folders = SwapFolders({"optimizer": str(tmp_path / "a")}, {0: "a", 3: "b"})
+    zs.save({"offloaded_tensors": zs.rank_local(folders.tensors())}, str(tmp_path / "ck"))
+    for data in (tmp_path / "ck").iterdir():
+        if data.name != "manifest.json":
+            raw = bytearray(data.read_bytes())
+            raw[-100] ^= 1
+            data.write_bytes(bytes(raw))
+    target = tmp_path / "b"
+    before = swap_folder(target, 0, 3)
+    with zs.open(str(tmp_path / "ck")) as ck, pytest.raises(zs.CorruptCheckpointError):
+        SwapFolders({"optimizer": str(target)}, {0: "a", 3: "b"}).restore(ck, 0)
+    assert {n: (target / n).read_bytes() for n in os.listdir(target)} == before  # no .incoming file left either
+
+
+def test_restoring_swap_files_checks_the_space_first(tmp_path: Path, monkeypatch) -> None:
+    swap_folder(tmp_path / "a", 0, 3)
+    folders = SwapFolders({"optimizer": str(tmp_path / "a")}, {0: "a", 3: "b"})
+    zs.save({"offloaded_tensors": zs.rank_local(folders.tensors())}, str(tmp_path / "ck"))
+    (tmp_path / "b").mkdir()
+    from zerostall.integrations.deepspeed import swap as swap_module
+
+    real = os.statvfs
+
+    class Tiny:
+        def __init__(self, st: os.statvfs_result) -> None:
+            self.f_frsize, self.f_blocks, self.f_bavail = 1, st.f_blocks, 5999
+
+    monkeypatch.setattr(swap_module.os, "statvfs", lambda p: Tiny(real(p)))
+    with zs.open(str(tmp_path / "ck")) as ck, pytest.raises(zs.InsufficientSpaceError, match="needs 6000 bytes"):
+        folders_b = SwapFolders({"optimizer": str(tmp_path / "b")}, {0: "a", 3: "b"})
+        folders_b.restore(ck, 0)
+    assert os.listdir(tmp_path / "b") == []
