@@ -113,9 +113,11 @@ def test_latest_pointer_round_trip(ckroot, tmp_path):
     assert json.loads((tmp_path / LATEST_NAME).read_text()) == {"tag": "step_000000010", "step": 10}
     assert ckroot.read_latest() == "step_000000010"
     assert [n for n in os.listdir(tmp_path) if n.endswith(".tmp")] == []
-    for junk in ("{", "[1]", '{"tag": 3}'):
+    for junk in ("{", "[1]", '{"tag": 3}', "../x", ".hidden"):
         (tmp_path / LATEST_NAME).write_text(junk)
         assert ckroot.read_latest() is None
+    (tmp_path / LATEST_NAME).write_text("global_step10")  # DeepSpeed's: the tag alone
+    assert ckroot.read_latest() == "global_step10"
 
 
 def test_scan_classifies_committed_incomplete_and_corrupt(ckroot, tmp_path):

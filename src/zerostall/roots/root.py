@@ -28,6 +28,7 @@ from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
 log = logging.getLogger(__name__)
 
 LATEST_NAME = "latest"
+_PLAIN_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")  # a tag as DeepSpeed writes ``latest``: the name alone
 LEASE_NAME = ".writer-lease"
 SUPERSEDED_NAME = ".superseded"
 TRASH_PREFIX = ".deleting-"
@@ -287,11 +288,17 @@ class CheckpointRoot:
 
     # -- the latest pointer --------------------------------------------------------------------
     def read_latest(self) -> str | None:
-        """The tag that the ``latest`` file names (a mirror of :meth:`latest` for other tools), or None."""
+        """The tag that the ``latest`` file names (a mirror of :meth:`latest` for other tools; ours
+        is JSON, DeepSpeed's the plain tag), or None."""
         try:
-            pointer = json.loads(self.storage.read_bytes(LATEST_NAME, SMALL_FILE_BYTES))
-        except (OSError, ValueError, RecursionError):  # absent, unreadable, too big or not JSON
+            data = self.storage.read_bytes(LATEST_NAME, SMALL_FILE_BYTES)
+        except OSError:  # absent, unreadable or too big
             return None
+        try:
+            pointer = json.loads(data)
+        except (ValueError, RecursionError):
+            plain = data.decode("utf-8", "replace").strip()
+            return plain if _PLAIN_TAG.fullmatch(plain) else None
         tag = pointer.get("tag") if isinstance(pointer, dict) else None
         return tag if isinstance(tag, str) else None
 

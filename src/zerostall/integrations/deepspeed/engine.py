@@ -328,11 +328,7 @@ def _resolve(load_dir: str, tag: str | None) -> str:
             raise CheckpointNotFoundError(f"no committed zerostall checkpoint {tag!r} in {load_dir}"
                                           + (f" (there: {', '.join(committed[-5:])})" if committed else ""))
         return tag
-    try:
-        with open(os.path.join(load_dir, LATEST_NAME), encoding="utf-8") as f:
-            named = f.read().strip()
-    except (OSError, UnicodeDecodeError):
-        named = ""
+    named = root.read_latest() if committed else None
     if named in committed:
         return named
     if committed:
