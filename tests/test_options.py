@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import sys
 from pathlib import Path
 
@@ -17,7 +18,22 @@ import zerostall as zs
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "options.md"
 SOURCES = {"SaveOptions": "options.py", "LoadOptions": "options.py", "RetentionPolicy": "roots/retention.py",
-           "S3Options": "storage/s3client.py", "ExportOptions": "interop/exporting.py", "LocalTier": "tiers/local.py"}
+           "S3Options": "storage/s3client.py", "ExportOptions": "interop/exporting.py", "LocalTier": "tiers/local.py",
+           "DeepSpeedOptions": "integrations/deepspeed/engine.py"}
+
+
+def options_class(name: str) -> type:
+    """The class, from the public names or (an integration's) its own module."""
+    if hasattr(zs, name):
+        return getattr(zs, name)
+    module = "zerostall." + SOURCES[name].removesuffix(".py").replace("/", ".")
+    return getattr(importlib.import_module(module), name)
+
+
+def title(name: str) -> str:
+    if hasattr(zs, name):
+        return f"zs.{name}"
+    return "zerostall." + SOURCES[name].removesuffix(".py").replace("/", ".").removesuffix(".engine") + f".{name}"
 
 
 def field_docs(cls_name: str) -> tuple[str, dict[str, str]]:
@@ -39,15 +55,15 @@ def render() -> str:
     out = ["# Options reference", "",
            "Generated from the dataclasses' field docstrings (`src/zerostall/options.py`, "
            "`src/zerostall/roots/retention.py`, `src/zerostall/storage/s3client.py`, `src/zerostall/interop/exporting.py`, "
-           "`src/zerostall/tiers/local.py`); "
+           "`src/zerostall/tiers/local.py`, `src/zerostall/integrations/deepspeed/engine.py`); "
            "`tests/test_options.py` checks "
            "that it matches them. Every "
            "function that takes an options object also takes its fields as keywords: "
            "`zs.save(state, path, fsync=False)` is `zs.save(state, path, zs.SaveOptions(fsync=False))`.", ""]
     for name in SOURCES:
-        cls = getattr(zs, name)
+        cls = options_class(name)
         doc, docs = field_docs(name)
-        out += [f"## `zs.{name}`", "", doc, "", "| field | default | meaning |", "|---|---|---|"]
+        out += [f"## `{title(name)}`", "", doc, "", "| field | default | meaning |", "|---|---|---|"]
         for f in dataclasses.fields(cls):
             if f.default is not dataclasses.MISSING:
                 default = f"`{f.default!r}`"
@@ -63,7 +79,7 @@ def render() -> str:
 def test_every_field_has_a_docstring():
     for name in SOURCES:
         _, docs = field_docs(name)
-        fields = [f.name for f in dataclasses.fields(getattr(zs, name))]
+        fields = [f.name for f in dataclasses.fields(options_class(name))]
         assert sorted(docs) == sorted(fields)
         assert all(docs[f] for f in fields), f"{name}: fields without a docstring: {[f for f in fields if not docs[f]]}"
 
