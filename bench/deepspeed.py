@@ -2,7 +2,7 @@
 an NVMe swap folder against ``shutil.copytree`` and the raw copy rate.
 
     python bench/deepspeed.py [--json] [--reps 3] [--dir DIR] [--model-mib 256] [--swap-gib 4]
-                              [--swap-data sparse|real]
+                              [--swap-data sparse|real] [--part both|engines|swap]
 
 1. Engines. Two gloo ranks (spawned, OMP_NUM_THREADS=1, DeepSpeed on its cpu accelerator) each
    build one ZeRO-3 engine per contender from the same seed (a stack of square Linear layers, every
@@ -12,12 +12,15 @@ an NVMe swap folder against ``shutil.copytree`` and the raw copy rate.
    zerostall installs itself with ``attach`` for good, so a contender is an engine of its own:
    ``default`` (DeepSpeed's ``TorchCheckpointEngine``: torch.save of each file), ``fast`` (its
    ``FastCheckpointEngine``: config ``checkpoint.writer`` of type ``fast``, not decoupled; torch.save
-   into DeepSpeed's O_DIRECT writer through the aio op), ``zerostall`` (``attach(engine)``) and
+   into DeepSpeed's O_DIRECT writer through the aio op; on a CPU it needs three settings of this
+   bench, see :func:`fast_writer_on_cpu` and the two ``environ`` calls), ``zerostall`` (``attach(engine)``) and
    ``zerostall_async`` (``attach(engine, asynchronous=True)``: ``save_checkpoint`` returns once the
-   state is captured, ``engine.checkpoint_engine.wait()`` returns once it is committed). Each rep,
+   state is captured, ``engine.checkpoint_engine.wait()`` returns once it is committed) and
+   ``zerostall_unsynced`` (``attach(engine, save=SaveOptions(fsync=False))``: durable only as far as
+   DeepSpeed's default engine is, to set its save against that engine's alone). Each rep,
    in an order rotated by one per rep, each contender saves (``engine.save_checkpoint(dir, tag)``)
    and loads the same tag back into the same engine (``engine.load_checkpoint(dir, tag)``; the
-   asynchronous contender's checkpoint is zerostall's, so it is not loaded again), and ``raw``
+   checkpoints of the last two are zerostall's, so they are not loaded again), and ``raw``
    writes a file of the rank's bytes (those of its files in the default engine's checkpoint) with
    ``os.write`` from a preallocated buffer and fsyncs it, then reads it back with ``os.preadv``. A
    time is the slowest rank's, from a barrier to the end of its call; the figure is the median of
@@ -28,8 +31,9 @@ an NVMe swap folder against ``shutil.copytree`` and the raw copy rate.
    O_DIRECT without an fsync. After every save, outside the timing, rank 0 fsyncs every file of the
    tag (its time is reported as ``<name>_fsync_s``: what the default engine skips) and drops its
    pages from the page cache (``posix_fadvise DONTNEED``), so every load reads from the storage,
-   not from memory. On a tmpfs (/dev/shm) loads always read memory, and the fast engine cannot run
-   (tmpfs refuses O_DIRECT): it is reported as failed.
+   not from memory. On a tmpfs (/dev/shm) loads always read memory, the fsyncs cost nothing, and
+   the fast engine needs a kernel whose tmpfs takes O_DIRECT (6.6 or newer; else it is reported
+   as failed).
 2. Swap folder copy (this process, no process group). A folder of swap files named as DeepSpeed
    names an optimizer's (``exp_avg-0_1.tensor.swp``...: fp32, exp_avg and exp_avg_sq per sub-group)
    totalling --swap-gib, sparse (``truncate`` plus a few written blocks) or, with --swap-data real,
@@ -42,8 +46,9 @@ an NVMe swap folder against ``shutil.copytree`` and the raw copy rate.
    (the same copy, unsynced, of the checkpoint's files: what the restore reads, which holds every
    byte even when the swap files are sparse, whose holes cost no reads). zerostall's save fsyncs;
    its restore and copytree do not; each is set against the raw copy that reads what it reads and
-   syncs as it does: save / raw, restore / raw_restore, copytree / raw_unsynced. Every output is fsynced and dropped from the page cache outside the timing, so a copy does
-   not pay for the write-back of the one before. After the reps, the xxh3-64 of every restored file
+   syncs as it does: save / raw, restore / raw_restore, copytree / raw_unsynced. Every output is
+   fsynced and dropped from the page cache outside the timing, so a copy does not pay for the
+   write-back of the one before. After the reps, the xxh3-64 of every restored file
    must equal the original's.
 3. A table on stdout, progress on stderr; with --json one JSON object as the last stdout line
    (``engines``: bytes, seconds, GB/s, ratios; ``swap``: the same for the copies; ``errors``).
@@ -85,7 +90,7 @@ from zerostall.integrations.deepspeed.swap import SwapFolders  # noqa: E402
 WORLD = 2
 WIDTH = 2048  # the layers are WIDTH x WIDTH
 BYTES_PER_PARAM = 12  # fp32 weights, exp_avg, exp_avg_sq, partitioned over the ranks
-ENGINES = ("default", "fast", "zerostall", "zerostall_async", "raw")
+ENGINES = ("default", "fast", "zerostall", "zerostall_async", "zerostall_unsynced", "raw")
 LOADED = ("default", "fast", "zerostall", "raw")
 SWAPS = ("zerostall_save", "zerostall_restore", "copytree", "raw", "raw_unsynced", "raw_restore")
 SWAP_STATES = ("", "exp_avg-", "exp_avg_sq-")  # DeepSpeed's swap files of one optimizer sub-group
@@ -160,7 +165,7 @@ def build(name: str, layers: int, rank: int) -> Any:
     with environ(name == "fast", DS_PIN_MEMORY_BACKEND="native"):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(name))
     if name.startswith("zerostall"):
-        attach(engine, asynchronous=name == "zerostall_async")
+        attach(engine, asynchronous=name == "zerostall_async", save=zs.SaveOptions(fsync=name != "zerostall_unsynced"))
     x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(rank))
     engine.backward(engine(x).pow(2).mean())
     engine.step()
@@ -356,6 +361,7 @@ def summarize_engines(ranks: list[dict[str, Any]], reps: int) -> dict[str, Any]:
         out["zerostall_vs_default_save_with_fsync"] = rnd(
             (out["default_save_s"] + out["default_fsync_s"]) / out["zerostall_save_s"], 3)
     out["zerostall_async_vs_default_save"] = ratio("zerostall_async_save_s", "default_save_s")
+    out["zerostall_unsynced_vs_default_save"] = ratio("zerostall_unsynced_save_s", "default_save_s")
     out["seconds"] = {name: [[{k: rnd(v) for k, v in r["reps"][k].get(name, {}).items()} for r in ranks]
                              for k in range(1, reps + 1)] for name in ENGINES}
     return out
@@ -493,7 +499,7 @@ def print_table(r: dict[str, Any]) -> None:
 def print_engines(e: dict[str, Any], r: dict[str, Any]) -> None:
     print(f"ZeRO-3 engines, 2 ranks, {e['layers']} layers of {e['width']}x{e['width']}, AdamW; {r['reps']} reps, "
           f"medians of the slowest rank; dir {r['dir']}; same state in every engine: {e['same_state']}")
-    print(f"{'contender':16s} {'bytes':>11s} {'save s':>8s} {'GB/s':>6s} {'+fsync s':>8s} {'commit s':>8s} "
+    print(f"{'contender':18s} {'bytes':>11s} {'save s':>8s} {'GB/s':>6s} {'+fsync s':>8s} {'commit s':>8s} "
           f"{'load s':>8s} {'GB/s':>6s}")
 
     def cell(key: str, fmt: str, width: int) -> str:
@@ -502,10 +508,10 @@ def print_engines(e: dict[str, Any], r: dict[str, Any]) -> None:
 
     for name in ENGINES:
         if name in e["errors"]:
-            print(f"{name:16s} failed: {e['errors'][name][:150]}")
+            print(f"{name:18s} failed: {e['errors'][name][:150]}")
             continue
         nbytes = e["raw_bytes"] if name == "raw" else e.get(f"{name}_bytes")
-        print(f"{name:16s} {'' if nbytes is None else nbytes:>11} {cell(f'{name}_save_s', '.3f', 8)} "
+        print(f"{name:18s} {'' if nbytes is None else nbytes:>11} {cell(f'{name}_save_s', '.3f', 8)} "
               f"{cell(f'{name}_save_gbps', '.2f', 6)} {cell(f'{name}_fsync_s', '.3f', 8)} "
               f"{cell(f'{name}_commit_s', '.3f', 8)} {cell(f'{name}_load_s', '.3f', 8)} "
               f"{cell(f'{name}_load_gbps', '.2f', 6)}")
@@ -513,7 +519,8 @@ def print_engines(e: dict[str, Any], r: dict[str, Any]) -> None:
           f"x{e.get('zerostall_vs_default_save_with_fsync')}), load x{e.get('zerostall_vs_default_load')}; vs fast: "
           f"save x{e.get('zerostall_vs_fast_save')}, load x{e.get('zerostall_vs_fast_load')}; of raw: save "
           f"{e.get('zerostall_vs_raw_save')}, load {e.get('zerostall_vs_raw_load')}; asynchronous save() vs default "
-          f"save x{e.get('zerostall_async_vs_default_save')}")
+          f"save x{e.get('zerostall_async_vs_default_save')}; unsynced vs default save "
+          f"x{e.get('zerostall_unsynced_vs_default_save')}")
 
 
 def print_swap(s: dict[str, Any]) -> None:
@@ -533,8 +540,8 @@ def print_swap(s: dict[str, Any]) -> None:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints and swap files go (a disk: "
-                    "DeepSpeed's fast engine needs O_DIRECT, which a tmpfs refuses)")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints and swap files go "
+                    "(a disk; on a tmpfs every load reads memory)")
     ap.add_argument("--model-mib", type=float, default=256, help="model + optimizer state of each rank, MiB")
     ap.add_argument("--swap-gib", type=float, default=4, help="the swap folder, GiB")
     ap.add_argument("--swap-data", choices=("sparse", "real"), default="sparse",
