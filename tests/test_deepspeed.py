@@ -289,10 +289,10 @@ def test_stored_objects_are_rebuilt_only_from_deepspeeds_own_classes() -> None:
     value = values.split({"s": LossScaler(4.0)})[values.VALUE]
     value["objects"][0][1:3] = ["os", "system"]
     with pytest.raises(zs.CorruptCheckpointError, match="only DeepSpeed's own classes"):
-        values.join(value, lambda name: torch.zeros(1), "f.pt")
+        values.join(value, lambda names: [torch.zeros(1) for _ in names], "f.pt")
     value["objects"][0][1:3] = ["deepspeed.not_imported_module", "X"]
     with pytest.raises(zs.CorruptCheckpointError, match="not imported"):
-        values.join(value, lambda name: torch.zeros(1), "f.pt")
+        values.join(value, lambda names: [torch.zeros(1) for _ in names], "f.pt")
 
 
 def test_options_are_checked_when_built() -> None:

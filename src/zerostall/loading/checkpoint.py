@@ -11,7 +11,7 @@ import contextlib
 import functools
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -106,36 +106,58 @@ class Checkpoint:
              out: torch.Tensor | None = None) -> Any:
         """One entry, whole: a tensor (memory-mapped from the file where possible) or a python value;
         with ``box`` = ``(offsets, sizes)``, only that part of a tensor entry (for large tensors);
-        with ``out``, a tensor entry is read into ``out`` (its shape and dtype, contiguous), which
-        is returned: no memory of its own (``out`` may map a file, say).
+        with ``out``, the tensor (or its ``box``) is read into ``out`` (its shape and dtype,
+        contiguous, on the CPU), which is returned: no memory of its own.
 
         ``key`` is a dotted name or a key path tuple; a rank-local entry is this rank's copy
         (``"name@rankN"`` names another rank's). A tensor subclass is rebuilt when its class is in
         ``tensor_subclasses``, else returned as a :class:`FlattenedTensor` (see there)."""
         entry = self._entry(key)
-        if out is not None:
-            if entry.kind != "tensor" or tuple(out.shape) != tuple(entry.shape or ()) or \
-                    out.dtype != entry.torch_dtype or not out.is_contiguous() or out.device.type != "cpu":
-                raise ValueError(f"out (a {out.dtype} tensor of shape {list(out.shape)} on {out.device}) cannot "
-                                 f"receive {entry.fqn} ({entry.kind} {entry.dtype} of shape {list(entry.shape or ())}):"
-                                 " pass a contiguous CPU tensor of its shape and dtype")
-            self._fetcher.check_sizes(entry)
-            self._fetcher.fill([(out, whole(out), entry)], self.options.verify if verify is None else verify,
-                               self.options.max_staging_bytes)
-            return out
+        verify = self.options.verify if verify is None else verify
         if box is not None:
             offsets, sizes = tuple(box[0]), tuple(box[1])
             shape = tuple(entry.shape or ())
             if entry.kind != "tensor" or len(offsets) != len(shape) or len(sizes) != len(shape) or any(
                     o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, sizes, shape)):
                 raise ValueError(f"box {box} is not a part of {entry.fqn} ({entry.kind} of shape {list(shape)})")
-            return self._tensor(entry, self.options.verify if verify is None else verify, (offsets, sizes))
+            box = (offsets, sizes)
+        if out is not None:
+            want = box[1] if box is not None else tuple(entry.shape or ())
+            if entry.kind != "tensor" or tuple(out.shape) != want or out.dtype != entry.torch_dtype or \
+                    not out.is_contiguous() or out.device.type != "cpu":
+                raise ValueError(f"out (a {out.dtype} tensor of shape {list(out.shape)} on {out.device}) cannot "
+                                 f"receive {entry.fqn} ({entry.kind} {entry.dtype} of shape {list(want)}): pass a "
+                                 "contiguous CPU tensor of its shape and dtype")
+            self._fetcher.check_sizes(entry)
+            self._fetcher.fill([(out, box if box is not None else whole(out), entry)], verify,
+                               self.options.max_staging_bytes)
+            return out
+        if box is not None:
+            return self._tensor(entry, verify, box)
         if entry.kind == "object":
             return codec.decode(entry.value, where=entry.fqn, allow_pickle=self.options.allow_pickle)
-        verify = self.options.verify if verify is None else verify
         if entry.kind == "subclass":
             return self._subclass(entry, self.options.tensor_subclasses, verify)
         return self._tensor(entry, verify)
+
+    def read_many(self, keys: Sequence[str | Path], *, verify: bool | None = None) -> list[Any]:
+        """Several entries whole, as :meth:`read` gives each, their tensors read into new memory
+        together, by the reader threads in parallel (many tensors: one parallel read, not one each)."""
+        verify = self.options.verify if verify is None else verify
+        values: list[Any] = []
+        targets = []
+        for key in keys:
+            entry = self._entry(key)
+            if entry.kind != "tensor":
+                values.append(self.read(key, verify=verify))
+                continue
+            self._fetcher.check_sizes(entry)
+            out = torch.empty(entry.shape or (), dtype=entry.torch_dtype)
+            targets.append((out, whole(out), entry))
+            values.append(out)
+        if targets:
+            self._fetcher.fill(targets, verify, self.options.max_staging_bytes)
+        return values
 
     def _tensor(self, entry: Entry, verify: bool, box: Box | None = None) -> torch.Tensor:
         """Tensor entry ``entry`` whole, or its part ``box``."""

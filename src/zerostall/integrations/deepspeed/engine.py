@@ -262,7 +262,8 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
         where = f"{name} of checkpoint {ck.path}"
         value = _file_value(ck, name)
         device = map_location if isinstance(map_location, (str, torch.device)) else None
-        return values.join(value, lambda t: _to(ck.read((name, values.TENSORS, t)), device), where)
+        return values.join(value, lambda names: [_to(t, device) for t in ck.read_many(
+            [(name, values.TENSORS, t) for t in names])], where)
 
     def restore_swap(self, swap_folders: SwapFolders) -> int:
         """Write this rank's saved NVMe swap files into place from the open checkpoint; bytes written."""

@@ -5,7 +5,8 @@ DeepSpeed names a swap file by ``ds_id``, a counter that numbers parameters in t
 creates them; a checkpoint names each file by the parameters it holds instead (optimizer state:
 its state and the names of the first and last parameter of its sub-group, ``exp_avg[0.weight..2.bias]``;
 a parameter: its name). Gradient files are scratch and left out. A file is saved from a memory map
-of it (no copy of its own in memory) and restored into a new file that is renamed over the old one.
+of it (no copy of its own in memory) and restored into a new file, a buffer's worth at a time,
+that is renamed over the old one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _PARAM_FILE = re.compile(r"(?P<id>\d+)_param\.tensor\.swp")
 _GROUP_NAME = re.compile(r"(?P<state>[A-Za-z0-9_]+)\[(?P<first>[^\[\]]+)\.\.(?P<last>[^\[\]]+)\]")
 _FILE = "file:"  # a file in a swap folder that is none of DeepSpeed's known kinds: stored by its own name
 _INCOMING = ".zerostall-incoming"
+_PIECE = 64 << 20  # bytes of a swap file restored at a time
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class SwapFolders:
             for entry in sorted(os.scandir(folder), key=lambda e: e.name):
                 if not entry.is_file() or entry.name.endswith(_INCOMING) or (kind == OPTIMIZER and "gradient" in entry.name):
                     continue
-                files[self.stable_name(kind, entry.name)] = _mapped(entry.path, entry.stat().st_size, writable=False)
+                files[self.stable_name(kind, entry.name)] = _mapped(entry.path, entry.stat().st_size)
         return out
 
     def stable_name(self, kind: str, filename: str) -> str:
@@ -120,28 +122,48 @@ class SwapFolders:
         targets = [(e, os.path.join(self.folders[e.path[1]], self.filename(e.path[1], e.path[2], where)))
                    for e in saved]
         _check_space(targets)
-        done = 0
+        block = ck.manifest.block_size
+        piece = max(block, _PIECE // block * block)  # whole blocks: each is read and checked once
+        buffer = torch.empty(min(piece, max((e.nbytes for e, _ in targets), default=0)), dtype=torch.uint8)
         for entry, target in targets:
-            size = entry.nbytes
-            incoming = target + _INCOMING
-            with open(incoming, "wb") as f:
-                f.truncate(size)
-            try:
-                ck.read(entry.path, out=_mapped(incoming, size, writable=True))
-                os.replace(incoming, target)
-            except BaseException:
-                _unlink(incoming)
-                raise
-            done += size
-        return done
+            _restore_file(ck, entry, target, buffer)
+        return sum(entry.nbytes for entry, _ in targets)
 
 
-def _mapped(path: str, size: int, *, writable: bool) -> torch.Tensor:
-    """The bytes of the file ``path`` as a uint8 tensor mapped from it (writes reach the file only
-    when ``writable``)."""
+def _mapped(path: str, size: int) -> torch.Tensor:
+    """The bytes of the file ``path`` as a uint8 tensor mapped from it, read-only in effect (a
+    write would stay private)."""
     if size == 0:
         return torch.empty(0, dtype=torch.uint8)
-    return torch.from_file(path, shared=writable, size=size, dtype=torch.uint8)
+    return torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+
+
+def _restore_file(ck: Checkpoint, entry: Any, target: str, buffer: torch.Tensor) -> None:
+    """Entry ``entry`` into a new file beside ``target``, a buffer's worth at a time (read and
+    checked, then written), renamed over ``target`` once whole; removed if anything fails."""
+    size, incoming = entry.nbytes, target + _INCOMING
+    fd = os.open(incoming, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        if size:
+            try:
+                os.posix_fallocate(fd, 0, size)  # the space at once, not a page at a time as it is written
+            except OSError:  # a file system without it: the writes allocate
+                pass
+        view = memoryview(buffer.numpy())
+        for offset in range(0, size, buffer.numel()):
+            n = min(buffer.numel(), size - offset)
+            ck.read(entry.path, box=((offset,), (n,)), out=buffer[:n])
+            written = 0
+            while written < n:
+                written += os.pwrite(fd, view[written:n], offset + written)
+        os.close(fd)
+        fd = -1
+        os.replace(incoming, target)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        _unlink(incoming)
+        raise
 
 
 def _check_space(targets: Iterable[tuple[Any, str]]) -> None:

@@ -70,16 +70,15 @@ class _Splitter:
         return node  # a plain value, or one the encoder pickles (allow_pickle) or refuses, naming its key
 
 
-def join(value: Any, tensor: Callable[[str], torch.Tensor], where: str) -> Any:
-    """The state dict that :func:`split` took apart, with ``tensor(name)`` for each stored tensor."""
+def join(value: Any, tensors: Callable[[list[str]], list[torch.Tensor]], where: str) -> Any:
+    """The state dict that :func:`split` took apart, ``tensors(names)`` reading the stored tensors."""
     try:
         tree, slots, objects = value["tree"], value["tensors"], value["objects"]
         for path, module, qualname, data in objects:
             tree = _place(tree, tuple(path), _rebuild(module, qualname, data, where))
-        read: dict[str, torch.Tensor] = {}
+        names = list(dict.fromkeys(name for _, name in slots))
+        read = dict(zip(names, tensors(names)))
         for path, name in slots:
-            if name not in read:
-                read[name] = tensor(name)
             tree = _place(tree, tuple(path), read[name])
         return tree
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:

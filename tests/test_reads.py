@@ -1,0 +1,54 @@
+"""Reads of single entries into memory the caller gives (``out=``, with or without a box) and of
+several entries at once (``read_many``), every block checked as by any read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import zerostall as zs
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[str, dict]:
+    state = {"a": torch.arange(3000.0), "b": {"c": torch.randn(7, 5), "n": 4}, "d": torch.arange(10, dtype=torch.int16)}
+    zs.save(state, str(tmp_path / "ck"), block_size=4096)
+    return str(tmp_path / "ck"), state
+
+
+def test_a_tensor_is_read_into_the_tensor_given_whole_or_a_box_of_it(saved) -> None:
+    path, state = saved
+    with zs.open(path) as ck:
+        out = torch.empty(3000)
+        assert ck.read("a", out=out) is out and torch.equal(out, state["a"])
+        part = torch.empty(1000)
+        assert torch.equal(ck.read("a", box=((1500,), (1000,)), out=part), state["a"][1500:2500])
+        with pytest.raises(ValueError, match=r"cannot receive a .*shape \[3000\]"):
+            ck.read("a", out=torch.empty(2999))
+        with pytest.raises(ValueError, match="cannot receive b.c"):
+            ck.read("b.c", out=torch.empty(7, 5, dtype=torch.float64))
+
+
+def test_several_entries_are_read_at_once_in_order(saved) -> None:
+    path, state = saved
+    with zs.open(path) as ck:
+        a, c, n, d = ck.read_many(["a", ("b", "c"), "b.n", "d"])
+    assert torch.equal(a, state["a"]) and torch.equal(c, state["b"]["c"]) and n == 4 and torch.equal(d, state["d"])
+
+
+def test_a_flipped_byte_is_found_by_reads_into_given_memory_and_by_read_many(saved) -> None:
+    path, state = saved
+    with zs.open(path) as ck:
+        chunk = ck.entries["a"].chunks[0]
+    data = Path(path) / chunk.file
+    raw = bytearray(data.read_bytes())
+    raw[chunk.offset + 5000] ^= 0x10  # inside a's second block
+    data.write_bytes(bytes(raw))
+    with zs.open(path) as ck:
+        with pytest.raises(zs.CorruptCheckpointError, match=data.name):
+            ck.read_many(["d", "a"])
+        with pytest.raises(zs.CorruptCheckpointError, match=data.name):
+            ck.read("a", box=((1100,), (100,)), out=torch.empty(100))
+        assert torch.equal(ck.read("a", box=((0,), (1000,)), out=torch.empty(1000)), state["a"][:1000])  # block 0 whole
