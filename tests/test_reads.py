@@ -52,3 +52,6 @@ def test_a_flipped_byte_is_found_by_reads_into_given_memory_and_by_read_many(sav
         with pytest.raises(zs.CorruptCheckpointError, match=data.name):
             ck.read("a", box=((1100,), (100,)), out=torch.empty(100))
         assert torch.equal(ck.read("a", box=((0,), (1000,)), out=torch.empty(1000)), state["a"][:1000])  # block 0 whole
+        with pytest.raises(zs.CorruptCheckpointError, match="block 1"):  # a run of whole blocks, read as it is
+            ck.read("a", box=((1024,), (1024,)), out=torch.empty(1024))
+        assert torch.equal(ck.read("a", box=((2048,), (952,)), out=torch.empty(952)), state["a"][2048:])

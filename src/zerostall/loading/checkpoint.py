@@ -21,6 +21,7 @@ from ..format import codec, subclass
 from ..format.boxes import Box, intersect, region, whole
 from ..format.layout import Entry
 from ..gcpause import gc_paused
+from ..memory import tensor_bytes
 from ..options import LoadOptions, default_threads
 from ..state import Path, rebuild
 from ..storage import Storage
@@ -129,8 +130,12 @@ class Checkpoint:
                                  f"receive {entry.fqn} ({entry.kind} {entry.dtype} of shape {list(want)}): pass a "
                                  "contiguous CPU tensor of its shape and dtype")
             self._fetcher.check_sizes(entry)
-            self._fetcher.fill([(out, box if box is not None else whole(out), entry)], verify,
-                               self.options.max_staging_bytes)
+            span = self._span(entry, box, verify)
+            if span is not None:  # one run of the stored bytes: read into out as it is, in this thread
+                self._fetcher.read_piece(entry, entry.chunks[0], span, tensor_bytes(out), verify)
+            else:
+                self._fetcher.fill([(out, box if box is not None else whole(out), entry)], verify,
+                                   self.options.max_staging_bytes)
             return out
         if box is not None:
             return self._tensor(entry, verify, box)
@@ -139,6 +144,18 @@ class Checkpoint:
         if entry.kind == "subclass":
             return self._subclass(entry, self.options.tensor_subclasses, verify)
         return self._tensor(entry, verify)
+
+    def _span(self, entry: Entry, box: Box | None, verify: bool) -> int | None:
+        """Where ``box`` of ``entry`` (whole, or a run of a one-dimensional entry) starts in its one
+        stored chunk, when those bytes are one run of whole blocks (when verifying); else None."""
+        chunk = entry.chunks[0] if len(entry.chunks) == 1 else None
+        shape = tuple(entry.shape or ())
+        if chunk is None or chunk.sizes != shape or (box is not None and len(shape) != 1):
+            return None
+        itemsize, block = entry.torch_dtype.itemsize, self.manifest.block_size
+        lo, hi = (0, chunk.nbytes) if box is None else (box[0][0] * itemsize, (box[0][0] + box[1][0]) * itemsize)
+        whole_blocks = lo % block == 0 and (hi % block == 0 or hi == chunk.nbytes)  # each checked whole
+        return lo if not verify or whole_blocks else None
 
     def read_many(self, keys: Sequence[str | Path], *, verify: bool | None = None) -> list[Any]:
         """Several entries whole, as :meth:`read` gives each, their tensors read into new memory
