@@ -5,8 +5,8 @@ DeepSpeed names a swap file by ``ds_id``, a counter that numbers parameters in t
 creates them; a checkpoint names each file by the parameters it holds instead (optimizer state:
 its state and the names of the first and last parameter of its sub-group, ``exp_avg[0.weight..2.bias]``;
 a parameter: its name). Gradient files are scratch and left out. A file is saved from a memory map
-of it (no copy of its own in memory) and restored into a new file, a buffer's worth at a time,
-that is renamed over the old one.
+of it (no copy of its own in memory) and restored into a new file, read and checked a buffer at a
+time while the buffer before is written, then renamed over the old one.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+from concurrent import futures
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -124,9 +126,11 @@ class SwapFolders:
         _check_space(targets)
         block = ck.manifest.block_size
         piece = max(block, _PIECE // block * block)  # whole blocks: each is read and checked once
-        buffer = torch.empty(min(piece, max((e.nbytes for e, _ in targets), default=0)), dtype=torch.uint8)
-        for entry, target in targets:
-            _restore_file(ck, entry, target, buffer)
+        piece = min(piece, max((e.nbytes for e, _ in targets), default=0))
+        buffers = [torch.empty(piece, dtype=torch.uint8) for _ in range(2)]
+        with ThreadPoolExecutor(1, thread_name_prefix="zerostall-swap-write") as writer:
+            for entry, target in targets:
+                _restore_file(ck, entry, target, buffers, writer)
         return sum(entry.nbytes for entry, _ in targets)
 
 
@@ -138,32 +142,40 @@ def _mapped(path: str, size: int) -> torch.Tensor:
     return torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
 
 
-def _restore_file(ck: Checkpoint, entry: Any, target: str, buffer: torch.Tensor) -> None:
+def _restore_file(ck: Checkpoint, entry: Any, target: str, buffers: list[torch.Tensor], writer: Executor) -> None:
     """Entry ``entry`` into a new file beside ``target``, a buffer's worth at a time (read and
-    checked, then written), renamed over ``target`` once whole; removed if anything fails."""
+    checked into one buffer while ``writer`` writes the other), renamed over ``target`` once
+    whole; removed if anything fails."""
     size, incoming = entry.nbytes, target + _INCOMING
     fd = os.open(incoming, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    pending: Future | None = None
     try:
-        if size:
-            try:
-                os.posix_fallocate(fd, 0, size)  # the space at once, not a page at a time as it is written
-            except OSError:  # a file system without it: the writes allocate
-                pass
-        view = memoryview(buffer.numpy())
-        for offset in range(0, size, buffer.numel()):
-            n = min(buffer.numel(), size - offset)
-            ck.read(entry.path, box=((offset,), (n,)), out=buffer[:n])
-            written = 0
-            while written < n:
-                written += os.pwrite(fd, view[written:n], offset + written)
+        step = buffers[0].numel()
+        for n, offset in enumerate(range(0, size, step)):
+            length = min(step, size - offset)
+            piece = buffers[n % 2][:length]
+            ck.read(entry.path, box=((offset,), (length,)), out=piece)
+            if pending is not None:
+                pending.result()
+            pending = writer.submit(_write, fd, memoryview(piece.numpy()), offset)
+        if pending is not None:
+            pending.result()
         os.close(fd)
         fd = -1
         os.replace(incoming, target)
     except BaseException:
+        if pending is not None:
+            futures.wait([pending])
         if fd >= 0:
             os.close(fd)
         _unlink(incoming)
         raise
+
+
+def _write(fd: int, data: memoryview, offset: int) -> None:
+    written = 0
+    while written < len(data):
+        written += os.pwrite(fd, data[written:], offset + written)
 
 
 def _check_space(targets: Iterable[tuple[Any, str]]) -> None:
