@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import multiprocessing
 import os
 import signal
@@ -494,3 +495,24 @@ def test_a_save_in_flight_cannot_be_cancelled(tmp_path):
     saver.save(state_of(2.0), tmp_path / "ok").result(timeout=GATE_TIMEOUT)
     saver.close()
     assert loaded(tmp_path / "ck")["step"] == 1
+
+
+def test_save_builds_its_bookkeeping_with_the_cyclic_collector_paused(tmp_path):
+    """Like zs.save: collections over a state's per-leaf objects would land in the caller's wait
+    (a full one walks every object of the process)."""
+    state = {"t": [torch.zeros(4) for _ in range(3000)]}
+    collections = []
+
+    def count(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    with zs.AsyncSaver() as saver:
+        saver.save(state, str(tmp_path / "a")).result()
+        gc.callbacks.append(count)
+        try:
+            handle = saver.save(state, str(tmp_path / "b"))
+        finally:
+            gc.callbacks.remove(count)
+        handle.result()
+    assert len(collections) <= 1 and gc.isenabled()  # at most the one its leftovers start once collection resumes

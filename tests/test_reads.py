@@ -55,3 +55,24 @@ def test_a_flipped_byte_is_found_by_reads_into_given_memory_and_by_read_many(sav
         with pytest.raises(zs.CorruptCheckpointError, match="block 1"):  # a run of whole blocks, read as it is
             ck.read("a", box=((1024,), (1024,)), out=torch.empty(1024))
         assert torch.equal(ck.read("a", box=((2048,), (952,)), out=torch.empty(952)), state["a"][2048:])
+
+
+def test_the_first_read_builds_its_index_with_the_cyclic_collector_paused(tmp_path: Path) -> None:
+    """The index by name (an object per entry) is built at the first read: collections over it
+    would walk every object of the process."""
+    import gc
+
+    zs.save({"t": [torch.zeros(2) for _ in range(5000)]}, str(tmp_path / "ck"))
+    collections = []
+
+    def count(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    with zs.open(str(tmp_path / "ck")) as ck:
+        gc.callbacks.append(count)
+        try:
+            ck.read(("t", 7))  # by key path: an index of (path, rank) tuples
+        finally:
+            gc.callbacks.remove(count)
+    assert len(collections) <= 1  # at most the one its objects start once collection resumes

@@ -42,6 +42,7 @@ class Checkpoint:
     Where ``path`` holds no checkpoint, the one ``instead`` names is opened (rank 0 decides which);
     :attr:`path` and :attr:`step` say which was opened."""
 
+    @gc_paused()  # the manifest's per-entry objects: no cyclic collection while they are built
     def __init__(self, path: str | os.PathLike[str] | Storage, options: LoadOptions, *,
                  process_group: Any = None, instead: Instead | None = None) -> None:
         self.group = Group(process_group)
@@ -59,13 +60,15 @@ class Checkpoint:
     @functools.cached_property
     def _by_path(self) -> dict[tuple[Path, int | None], Entry]:
         """Entries by (path, rank): built on first use, since a load matches by path without it."""
-        return {(e.path, e.rank): e for e in self.manifest.entries}
+        with gc_paused():
+            return {(e.path, e.rank): e for e in self.manifest.entries}
 
     @functools.cached_property
     def _by_fqn(self) -> dict[str, Entry]:
         by_fqn: dict[str, Entry] = {}
-        for e in self.manifest.entries:
-            by_fqn.setdefault(e.fqn if e.rank is None else f"{e.fqn}@rank{e.rank}", e)
+        with gc_paused():
+            for e in self.manifest.entries:
+                by_fqn.setdefault(e.fqn if e.rank is None else f"{e.fqn}@rank{e.rank}", e)
         return by_fqn
 
     @property

@@ -34,6 +34,7 @@ import torch
 
 from ..collectives import Group
 from ..errors import CheckpointError
+from ..gcpause import gc_paused
 from ..options import SaveOptions
 from ..storage import Storage
 from .capture import BufferPool, Captured, capture, record_caller_stream, versions
@@ -160,6 +161,7 @@ class AsyncSaver:
         elif previous == signal.SIG_DFL:
             os.kill(os.getpid(), signum)
 
+    @gc_paused()  # the caller waits for the return: no cyclic collections over the per-leaf objects
     def save(self, state: Any, path: str | os.PathLike[str] | Storage, options: SaveOptions | None = None, *,
              process_group: Any = None, step: int | None = None, metadata: Mapping[str, Any] | None = None,
              share: SaveHandle | None = None, **overrides: Any) -> SaveHandle | None:
