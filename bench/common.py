@@ -124,6 +124,12 @@ def init_group(rank: int = 0, world: int = 1, port: int | None = None, timeout: 
 # --- running and reporting ------------------------------------------------------------------
 
 
+def write_all(fd: int, view: memoryview) -> None:
+    """Write all of ``view`` to ``fd`` (``os.write`` may write less than asked)."""
+    while view.nbytes:
+        view = view[os.write(fd, view):]
+
+
 def progress(line: str) -> None:
     """A progress line on stderr, stamped with the seconds since the run started (stdout is for results)."""
     print(f"[{time.perf_counter() - T0:6.1f}s] {line}", file=sys.stderr, flush=True)

@@ -81,7 +81,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import xxhash  # noqa: E402
-from common import describe, free_port, median, print_json, progress, remove, rnd, rotated  # noqa: E402
+from common import describe, free_port, median, print_json, progress, remove, rnd, rotated, write_all  # noqa: E402
 
 import zerostall as zs  # noqa: E402
 from zerostall.integrations.deepspeed import attach, swap  # noqa: E402
@@ -237,9 +237,7 @@ def raw_rep(root: str, rank: int, buffer: torch.Tensor) -> dict[str, float]:
     def write() -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            rest = view
-            while rest.nbytes:
-                rest = rest[os.write(fd, rest):]
+            write_all(fd, view)
             if FSYNC:
                 os.fsync(fd)
         finally:
@@ -399,9 +397,7 @@ def raw_copy(src: str, dst: str, buffer: memoryview, fsync: bool) -> None:
         fout = os.open(os.path.join(dst, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             while got := os.readv(fin, [buffer]):
-                rest = buffer[:got]
-                while rest.nbytes:
-                    rest = rest[os.write(fout, rest):]
+                write_all(fout, buffer[:got])
             if fsync:
                 os.fsync(fout)
         finally:

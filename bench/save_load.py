@@ -49,7 +49,7 @@ import xxhash
 
 import zerostall as zs
 from zerostall.options import default_threads
-from common import N_TENSORS, build_state, print_json, progress, remove, rotated, state_bytes
+from common import N_TENSORS, build_state, print_json, progress, remove, rotated, state_bytes, write_all
 
 HASH_PIECE = 512 << 10  # the raw_hashed anchor hashes what it moves in pieces of this size, as zerostall does
 FSYNC = zs.SaveOptions().fsync  # tuned DCP and raw writes match zerostall's default
@@ -115,8 +115,7 @@ def write_file(path: str, views: list[memoryview], fsync: bool, hashed: bool = F
         for view in hashed_pieces(views) if hashed else views:
             if hashed:
                 xxhash.xxh3_64_intdigest(view)
-            while view.nbytes:
-                view = view[os.write(fd, view) :]
+            write_all(fd, view)
         if fsync:
             os.fsync(fd)
     finally:
