@@ -134,7 +134,7 @@ class Checkpoint:
                                  "contiguous CPU tensor of its shape and dtype")
             self._fetcher.check_sizes(entry)
             span = self._span(entry, box, verify)
-            if span is not None:  # one run of the stored bytes: read into out as it is, in this thread
+            if span is not None:  # a run of whole stored blocks: read into out as it is, in this thread
                 self._fetcher.read_piece(entry, entry.chunks[0], span, tensor_bytes(out), verify)
             else:
                 self._fetcher.fill([(out, box if box is not None else whole(out), entry)], verify,
@@ -149,14 +149,15 @@ class Checkpoint:
         return self._tensor(entry, verify)
 
     def _span(self, entry: Entry, box: Box | None, verify: bool) -> int | None:
-        """Where ``box`` of ``entry`` (whole, or a run of a one-dimensional entry) starts in its one
-        stored chunk, when those bytes are one run of whole blocks (when verifying); else None."""
+        """Where ``box``, a run of a one-dimensional entry stored as one chunk, starts in that
+        chunk, when its bytes are whole blocks (when verifying); else None (the fetcher reads a
+        whole entry straight into ``out`` already, and other boxes through staging)."""
         chunk = entry.chunks[0] if len(entry.chunks) == 1 else None
         shape = tuple(entry.shape or ())
-        if chunk is None or chunk.sizes != shape or (box is not None and len(shape) != 1):
+        if chunk is None or box is None or len(shape) != 1 or chunk.sizes != shape:
             return None
         itemsize, block = entry.torch_dtype.itemsize, self.manifest.block_size
-        lo, hi = (0, chunk.nbytes) if box is None else (box[0][0] * itemsize, (box[0][0] + box[1][0]) * itemsize)
+        lo, hi = box[0][0] * itemsize, (box[0][0] + box[1][0]) * itemsize
         whole_blocks = lo % block == 0 and (hi % block == 0 or hi == chunk.nbytes)  # each checked whole
         return lo if not verify or whole_blocks else None
 

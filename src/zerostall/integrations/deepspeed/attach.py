@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import torch
 
 from .engine import DeepSpeedOptions, ZeroStallCheckpointEngine
+from . import swap
 from .swap import SwapFolders
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,8 @@ def _load_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any
         session = ours.session
         assert session is not None
         folders = SwapFolders.of(engine)
-        if folders or ours.saved_swap():
-            written = ours.restore_swap(folders)
+        if folders or any(e.path[:1] == (swap.KEY,) for e in session.checkpoint.manifest.entries):
+            written = folders.restore(session.checkpoint, ours.group.rank)
             log.info("restored %d bytes of offloaded state into %s", written, ", ".join(folders.folders.values()))
         path, client_state = original(session.view, opened, **kwargs)
         if path is not None and engine.zero_nvme_offload_optimizer() and kwargs.get("load_optimizer_states", True):

@@ -30,7 +30,7 @@ from ...loading.checkpoint import Checkpoint
 from ...options import LoadOptions, SaveOptions, _Options
 from ...roots.root import LATEST_NAME, CheckpointRoot, validate_tag
 from ...saving.asynchronous import AsyncSaver, OneShot
-from ...state import RankLocal, rank_local
+from ...state import rank_local
 from ...storage import storage_for
 from . import swap, values
 from .swap import SwapFolders
@@ -147,9 +147,11 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
             return True
         state: dict[str, Any] = {name: values.split(sd) for name, sd in current.files.items()}
         offloaded = current.swap.tensors() if current.swap else {}
+        tensors = [t for split in state.values() for t in split[values.TENSORS].values()]
+        tensors += [t for files in offloaded.values() for t in files.values()]
         if offloaded:
             state[swap.KEY] = rank_local(offloaded)
-        self._check_space(current, state)
+        self._check_space(current, sum(t.nbytes for t in tensors))
         storage = CheckpointRoot(storage_for(current.save_dir)).child(current.tag)
         metadata = {"deepspeed": {"tag": current.tag}}
         if self.saver is None:
@@ -163,16 +165,16 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
         handle.committed.add_done_callback(OneShot(functools.partial(self._committed, current, latest)))
         return True
 
-    def _check_space(self, current: _Save, state: dict[str, Any]) -> None:
+    def _check_space(self, current: _Save, mine: int) -> None:
         """Refuse, on every rank and before anything is written, a save that the file system of
-        ``save_dir`` cannot hold: all ranks' bytes against the free space each rank sees there."""
-        mine = sum(t.nbytes for t in _tensors(state))
-        total = self.group.all_reduce_ints([mine])[0] if self.group.size > 1 else mine
+        ``save_dir`` cannot hold: all ranks' bytes (``mine`` here) against the free space each
+        rank sees there."""
+        total = self.group.all_reduce_ints([mine])[0]
         os.makedirs(current.save_dir, exist_ok=True)
         fs = os.statvfs(current.save_dir)
         free = fs.f_bavail * fs.f_frsize
         short = int(total > free)
-        if (self.group.all_reduce_ints([short])[0] if self.group.size > 1 else short):
+        if self.group.all_reduce_ints([short])[0]:
             raise InsufficientSpaceError(
                 f"checkpoint {current.directory} needs {total} bytes (every rank's tensors and swap files), but "
                 f"{'its file system has ' + str(free) + ' bytes free' if short else 'another rank sees less free space'}"
@@ -265,16 +267,6 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
         return values.join(value, lambda names: [_to(t, device) for t in ck.read_many(
             [(name, values.TENSORS, t) for t in names])], where)
 
-    def restore_swap(self, swap_folders: SwapFolders) -> int:
-        """Write this rank's saved NVMe swap files into place from the open checkpoint; bytes written."""
-        assert self._session is not None
-        return swap_folders.restore(self._session.checkpoint, self.group.rank)
-
-    def saved_swap(self) -> bool:
-        """Whether the open checkpoint holds offloaded swap files (of any rank)."""
-        assert self._session is not None
-        return any(e.path[:1] == (swap.KEY,) for e in self._session.checkpoint.manifest.entries)
-
     def is_decoupled(self) -> bool:
         return False  # an asynchronous save commits in the background, without waiting at the next step
 
@@ -285,16 +277,6 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
 def _inside(path: str, directory: str) -> bool:
     path, directory = os.path.normpath(path), os.path.normpath(directory)
     return path == directory or path.startswith(directory + os.sep)
-
-
-def _tensors(node: Any) -> list[torch.Tensor]:
-    if isinstance(node, torch.Tensor):
-        return [node]
-    if isinstance(node, RankLocal):
-        node = node.value
-    if isinstance(node, dict):
-        return [t for v in node.values() for t in _tensors(v)]
-    return []
 
 
 def _file_value(ck: Checkpoint, name: str) -> Any:
