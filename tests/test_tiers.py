@@ -363,8 +363,8 @@ def test_retention_never_deletes_the_local_save_still_being_written(tmp_path, mo
     tier = zs.LocalTier(str(tmp_path / "node"), every=1, keep=2, replicas=1)
     with zs.CheckpointManager(str(tmp_path / "root"), local=tier, fsync=False) as mgr:
         directory = mgr.tier.directory
-        keep_only = directory.keep_only
-        directory.keep_only = lambda steps: (keep_only(steps), release.set())  # type: ignore[method-assign]
+        remove_steps = directory.remove_steps
+        directory.remove_steps = lambda steps: (remove_steps(steps), release.set())  # type: ignore[method-assign]
         assert mgr.should_save(1)
         first = mgr.save(1, state)
         assert reached.wait(60)
@@ -374,6 +374,27 @@ def test_retention_never_deletes_the_local_save_still_being_written(tmp_path, mo
         mgr.wait()
         assert sorted(directory.holdings()) == [1, 2]
         zs.verify(str(directory.copy_path(1, 0)))
+
+
+def test_retention_never_deletes_a_step_that_appeared_after_it_listed_the_steps(tmp_path):
+    """The next save created its folder between retention's listing of the steps and its deletions
+    (seen in CI: a failed step's retention deleted the next step's folder while it was written)."""
+    state = {"w": torch.arange(1000.0)}
+    tier = zs.LocalTier(str(tmp_path / "node"), every=1, keep=1, replicas=1)
+    with zs.CheckpointManager(str(tmp_path / "root"), local=tier, fsync=False) as mgr:
+        directory = mgr.tier.directory
+        steps = directory.steps
+
+        def next_save_starts():  # the listing, then the next step's folder, as the next save makes it
+            listed = steps()
+            directory.copy_path(99, 0).mkdir(parents=True, exist_ok=True)
+            return listed
+
+        directory.steps = next_save_starts  # type: ignore[method-assign]
+        for step in (1, 2):
+            mgr.save(step, state)
+        mgr.wait()
+        assert directory.copy_path(99, 0).is_dir() and 2 in directory.steps() and 1 not in directory.steps()
 
 
 def test_a_failed_local_save_is_counted_and_training_goes_on(tmp_path, monkeypatch):

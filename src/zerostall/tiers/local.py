@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,14 +128,15 @@ class NodeDirectory:
             log.info("local tier %s: removed %s", self.top, ", ".join(str(p.relative_to(self.top)) for p in removed))
         return [str(p) for p in removed]
 
-    def keep_only(self, steps: set[int]) -> None:
-        """Delete every step not in ``steps`` (each copy's manifest first, so a half-deleted copy
-        is never taken for a committed one)."""
-        for step, folder in self._steps():
-            if step not in steps:
-                for copy in _entries(folder):
-                    (copy / MANIFEST_NAME).unlink(missing_ok=True)
-                _remove(folder)
+    def remove_steps(self, steps: Iterable[int]) -> None:
+        """Delete these steps' folders (each copy's manifest first, so a half-deleted copy is never
+        taken for a committed one). Only steps named: a folder that appeared since the caller
+        listed them is the next save's, still being written."""
+        for step in steps:
+            folder = self.step_path(step)
+            for copy in _entries(folder):
+                (copy / MANIFEST_NAME).unlink(missing_ok=True)
+            _remove(folder)
 
     def bytes_used(self) -> int:
         """Bytes of every file of this run on this node."""

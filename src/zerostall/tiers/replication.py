@@ -10,7 +10,8 @@ training: the step is then restored from other copies, or the root.
 
 Then, in one small all-reduce on the same group, the ranks agree on the newest step every rank
 has saved and replicated (the all-reduce itself waits for every rank's exchange of that step);
-each node's first rank deletes every step but the ``keep`` newest of those and the newer ones.
+each node's first rank deletes those older than the ``keep`` newest of them (never a newer step:
+its save may still be writing).
 """
 
 from __future__ import annotations
@@ -84,9 +85,8 @@ class Replicator:
         (complete,) = self.group.all_reduce_min([self._done])
         if not self.leader:
             return
-        held = self.directory.steps()
-        done = sorted(s for s in held if s <= complete)[-self.keep:]
-        self.directory.keep_only({*done, *(s for s in held if s > complete)})
+        done = [s for s in self.directory.steps() if s <= complete]
+        self.directory.remove_steps(done[:-self.keep])
 
     def wait(self) -> None:
         """Block until every step submitted so far is replicated (or failed) and retired."""
