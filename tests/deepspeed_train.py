@@ -96,6 +96,9 @@ def main() -> None:
     if args.engine == "zerostall":
         engine.checkpoint_engine.wait()
     _write(args.losses, rank, losses)
+    torch.distributed.barrier()  # no rank tears down while another still talks to it
+    engine.destroy()
+    torch.distributed.destroy_process_group()
 
 
 def check_open(ours, directory: str, empty: str) -> dict:

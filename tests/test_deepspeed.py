@@ -42,7 +42,8 @@ TRAIN = HERE / "deepspeed_train.py"
 def job(tmp: Path, name: str, *args: str, expect_kill: bool = False, timeout: float = 240) -> dict[int, dict]:
     """Run tests/deepspeed_train.py on two gloo ranks; each rank's losses (and what else it wrote)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]),
-               WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent / "src"))
+               WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent / "src"),
+               PYTHONFAULTHANDLER="1")  # an abort prints every thread's stack
     out = tmp / name
     procs = [subprocess.Popen([sys.executable, str(TRAIN), *args, "--losses", str(out)],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
