@@ -189,8 +189,7 @@ class AsyncSaver:
         except BaseException as exc:
             abandon(prepared, exc)
             raise
-        captured = Captured([i.tensor for i in prepared.items], buffers)
-        handle = SaveHandle(prepared.storage.location, prepared.step, captured)
+        handle = SaveHandle(prepared.storage.location, prepared.step)
         self._current = handle
         self._worker.submit(self._run, prepared, buffers, ready, recorded, handle, share)
         return handle
@@ -236,9 +235,12 @@ class AsyncSaver:
     def _run(self, prepared: Prepared, buffers: list[Any], ready: Any, recorded: list[Any],
              handle: SaveHandle, share: SaveHandle | None) -> None:
         try:
+            sources = [i.tensor for i in prepared.items]
             if share is not None:
                 share.lend(prepared.items, recorded)
             capture(prepared.items, buffers, ready, recorded)
+            handle.captured = Captured(sources, buffers)  # here, not in save(): off the caller's stall
+            del sources
         except BaseException as exc:
             abandon(prepared, exc)
             self._fail(handle, exc, staged=True)
