@@ -31,6 +31,7 @@ import torch
 
 from ..devices import CallerStreams, cuda_devices, host_register, host_unregister, on_stream, worker_device
 from ..errors import SharedMemoryError, StateChangedError
+from ..storage.base import free_bytes
 from .collect import WriteItem
 
 log = logging.getLogger(__name__)
@@ -157,8 +158,7 @@ def _shared_arena(nbytes: int) -> torch.Tensor:
 
 
 def _shm_free() -> int:
-    st = os.statvfs(_SHM)
-    return st.f_bavail * st.f_frsize
+    return free_bytes(_SHM)
 
 
 def _shortage(nbytes: int) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -176,3 +177,9 @@ class Storage(ABC):
 
     def close(self) -> None:
         """Release cached handles."""
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still use on the file system holding ``path``."""
+    fs = os.statvfs(path)
+    return fs.f_bavail * fs.f_frsize

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..errors import InsufficientSpaceError
 from ..format.layout import MANIFEST_NAME
+from ..storage.base import free_bytes
 
 log = logging.getLogger(__name__)
 
@@ -147,14 +148,13 @@ def check_space(directory: str, needed: int, reusable: int) -> None:
     """Raise :class:`InsufficientSpaceError` unless ``directory``'s file system has ``needed``
     bytes, counting ``reusable`` bytes already there that retention will free."""
     os.makedirs(directory, exist_ok=True)
-    fs = os.statvfs(directory)
-    free, size = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
+    free = free_bytes(directory)
     if needed <= free + reusable:
         return
     shm = " (a RAM disk: raise its size, e.g. docker run --shm-size)" if directory.startswith("/dev/shm") else ""
     raise InsufficientSpaceError(
         f"the local tier in {directory} needs {needed} bytes ((keep + 1) x this node's copies), but its file system "
-        f"has {free} bytes free (+{reusable} this run's older copies) of {size}{shm}: free space there, lower "
+        f"has {free} bytes free (+{reusable} this run's older copies){shm}: free space there, lower "
         "LocalTier.keep or replicas, or choose a larger directory; nothing was written")
 
 

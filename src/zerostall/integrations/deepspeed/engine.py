@@ -32,6 +32,7 @@ from ...roots.root import LATEST_NAME, CheckpointRoot, validate_tag
 from ...saving.asynchronous import AsyncSaver, OneShot
 from ...state import rank_local
 from ...storage import storage_for
+from ...storage.base import free_bytes
 from . import swap, values
 from .swap import SwapFolders
 
@@ -171,8 +172,7 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
         rank sees there."""
         total = self.group.all_reduce_ints([mine])[0]
         os.makedirs(current.save_dir, exist_ok=True)
-        fs = os.statvfs(current.save_dir)
-        free = fs.f_bavail * fs.f_frsize
+        free = free_bytes(current.save_dir)
         short = int(total > free)
         if self.group.all_reduce_ints([short])[0]:
             raise InsufficientSpaceError(

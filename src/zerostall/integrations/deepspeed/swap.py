@@ -23,6 +23,7 @@ import torch
 
 from ...errors import CheckpointError, InsufficientSpaceError
 from ...loading.checkpoint import Checkpoint
+from ...storage.base import free_bytes
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +194,7 @@ def _check_space(targets: Iterable[tuple[Any, str]]) -> None:
         else:
             need[dev][0] = new + entry.nbytes
     for dev, (new, largest) in need.items():
-        fs = os.statvfs(where[dev])
-        free = fs.f_bavail * fs.f_frsize
+        free = free_bytes(where[dev])
         if new + largest > free:
             raise InsufficientSpaceError(
                 f"restoring the offloaded state into {where[dev]} needs {new + largest} bytes free, but its file "
