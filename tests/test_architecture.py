@@ -22,7 +22,7 @@ ORDER = [
     # shared basics over storage: the process group, the state tree, the options
     "doorbell", "collectives", "state", "options",
     # saving/: collect → plan → write → commit, run in order by pipeline; the asynchronous saver over it
-    "saving.collect", "saving.plan", "saving.write", "saving.commit", "saving.pipeline",
+    "saving.collect", "saving.plan", "saving.recollect", "saving.write", "saving.commit", "saving.pipeline",
     "saving.capture", "saving.writer_process", "saving.asynchronous", "saving",
     # loading/: open (ours or foreign) → reader (bytes, checked) → load plan → fetch (and broadcast) →
     # verification, behind the Checkpoint front; tensor streams for exporters

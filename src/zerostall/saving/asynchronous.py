@@ -40,6 +40,7 @@ from ..storage import Storage
 from .capture import BufferPool, Captured, capture, record_caller_stream, versions
 from .collect import WriteItem
 from .pipeline import Prepared, SaveInfo, abandon, for_writer_process, persist, prepare
+from .recollect import CollectCache
 from .writer_process import WriterProcess
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,8 @@ class AsyncSaver:
         self._process = WriterProcess() if writer == "process" else None
         self.if_busy = if_busy
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerostall-async")
+        self.collections = CollectCache()
+        """The last save's structure: the next save of the same structure collects from it."""
         self._current: SaveHandle | None = None
         self._failure: tuple[BaseException, SaveHandle] | None = None
         self._lock = threading.Lock()
@@ -180,7 +183,8 @@ class AsyncSaver:
             if not self._current.done():
                 self.wait()
             self._current.captured = None  # its buffers are this save's now (or freed, for another structure)
-        prepared = prepare(state, path, options, process_group=process_group, step=step, metadata=metadata)
+        prepared = prepare(state, path, options, process_group=process_group, step=step, metadata=metadata,
+                           cache=self.collections)
         self.hold_steps(prepared.collected.optimizers)
         recorded = versions(prepared.items)
         try:
@@ -225,7 +229,8 @@ class AsyncSaver:
         already fits). Reserve with the structure you will save: an optimizer's state appears only
         after its first step. Waits for the save in flight first, whose copies and writes may still
         use the buffers (its failure stays for that save's handle, the next save or close)."""
-        prepared = prepare(state, os.devnull, SaveOptions.of(options, overrides), process_group=process_group)
+        prepared = prepare(state, os.devnull, SaveOptions.of(options, overrides), process_group=process_group,
+                           cache=self.collections)
         if self._current is not None:
             futures.wait([self._current.committed])
         allocations = self.pool.allocations

@@ -21,6 +21,7 @@ import bisect
 import errno
 import logging
 import math
+import operator
 import os
 import secrets
 import time
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 _ALIGN = 64
 _SHM = "/dev/shm"
 Key = tuple[tuple[tuple[torch.dtype, tuple[int, ...]], ...], bool]  # each buffer's dtype and shape; pinned
+_DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
 
 
 class BufferPool:
@@ -77,7 +79,7 @@ class BufferPool:
         """One host tensor per item (same dtype and shape), reusing the arena when it fits."""
         devices = cuda_devices(i.tensor for i in items)
         pin = bool(devices) if self.pin_memory is None else self.pin_memory
-        key = (tuple((i.tensor.dtype, tuple(i.tensor.shape)) for i in items), pin)
+        key = (tuple(map(_DTYPE_SHAPE, (i.tensor for i in items))), pin)
         if key != self._key:
             self._allocate(key, devices)
         return self._views

@@ -19,7 +19,7 @@ from ..format import codec, subclass
 from ..format.boxes import local_box
 from ..format.layout import Entry, dtype_name
 from ..format.tensor_check import dtype_itemsize
-from ..state import Path, ViewIndex, flatten, fqn
+from ..state import Flat, Path, ViewIndex, flatten, fqn
 
 
 ChunkKey = tuple[str, tuple[int, ...]]  # a leaf's path key and a box's offsets: one chunk of the global state
@@ -156,6 +156,7 @@ class Collected:
     refs: dict[Path, codec.Ref] = field(default_factory=dict)
     keys: dict[Path, str] = field(default_factory=dict)
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    digest: int | None = None  # of ``rows``, when already known (see plan.structure_digest)
 
 
 def optimizers_in(statefuls: Iterable[tuple[Any, Any]]) -> list[torch.optim.Optimizer]:
@@ -171,9 +172,11 @@ def optimizers_in(statefuls: Iterable[tuple[Any, Any]]) -> list[torch.optim.Opti
     return list(found.values())
 
 
-def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
-    """Flatten ``state`` into entries, structure rows for planning, and the tensors to write."""
-    flat = flatten(state, skeleton=True)
+def collect(state: Any, rank: int, *, allow_pickle: bool, flat: Flat | None = None) -> Collected:
+    """Flatten ``state`` (unless ``flat`` is its flattening already) into entries, structure rows
+    for planning, and the tensors to write."""
+    if flat is None:
+        flat = flatten(state, skeleton=True)
     out = Collected(skeleton=flat.skeleton, refs=flat.refs, optimizers=optimizers_in(flat.statefuls.values()))
     seen = ViewIndex()  # view -> the key of the leaf that first held it
     seen_subclasses: dict[int, str] = {}  # id of a subclass leaf -> its key (their views have no data pointer)
@@ -183,12 +186,7 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
         name, key, local = fqn(path), path_key(path), path in flat.rank_local
         out.keys[path] = key
         if not isinstance(value, torch.Tensor):
-            if isinstance(value, torch.utils.data.DataLoader):
-                raise UnsupportedValueError(
-                    f"{name}: a torch DataLoader has no state_dict(), so where it stopped cannot be saved (pickling "
-                    "it would not restore its position either); use torchdata's StatefulDataLoader, or any loader "
-                    "with state_dict()/load_state_dict(), or leave the loader out of the state")
-            encoded = codec.encode(value, where=name, allow_pickle=allow_pickle)
+            encoded = encode_value(value, path, allow_pickle)
             if local:
                 out.rank_local.append(Entry(name, path, "object", value=encoded, rank=rank))
             else:
@@ -213,6 +211,16 @@ def collect(state: Any, rank: int, *, allow_pickle: bool) -> Collected:
                       rank=rank if local else None)
         _add_tensor(out, names, entry, key, plain_source(piece), offsets, sizes, value if piece is not value else None)
     return out
+
+
+def encode_value(value: Any, path: Path, allow_pickle: bool) -> Any:
+    """A python leaf as the manifest stores it."""
+    if isinstance(value, torch.utils.data.DataLoader):
+        raise UnsupportedValueError(
+            f"{fqn(path)}: a torch DataLoader has no state_dict(), so where it stopped cannot be saved (pickling "
+            "it would not restore its position either); use torchdata's StatefulDataLoader, or any loader "
+            "with state_dict()/load_state_dict(), or leave the loader out of the state")
+    return codec.encode(value, where=fqn(path), allow_pickle=allow_pickle)
 
 
 def _add_tensor(out: Collected, names: set[str], entry: Entry, key: str, source: torch.Tensor,

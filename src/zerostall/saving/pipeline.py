@@ -28,6 +28,7 @@ from .collect import Collected, WriteItem, collect
 from .commit import (announce, assemble, await_commit, await_records, clean_up_after_commit, delete_generation,
                      open_doorbell, record, report_failure, write_abort, write_record)
 from .plan import SavePlan, SavePlanner
+from .recollect import CollectCache
 from .write import create, write_data
 
 _PLANNER = SavePlanner()
@@ -68,9 +69,11 @@ class Prepared:
 
 
 def prepare(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOptions, *, process_group: Any = None,
-            step: int | None = None, metadata: Mapping[str, Any] | None = None) -> Prepared:
-    """Check the location, collect and plan a save (collective when distributed); no byte is
-    written yet, and a rank that cannot take part makes every rank raise."""
+            step: int | None = None, metadata: Mapping[str, Any] | None = None,
+            cache: CollectCache | None = None) -> Prepared:
+    """Check the location, collect (through ``cache``, a saver's, when given) and plan a save
+    (collective when distributed); no byte is written yet, and a rank that cannot take part makes
+    every rank raise."""
     t0 = time.perf_counter()
     group = Group(process_group)
     storage = storage_for(path, fsync=options.fsync)
@@ -80,13 +83,15 @@ def prepare(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOpt
             encoded = encoded_metadata(metadata, options.allow_pickle)  # a rank may pass it alone: refuse together
             if group.is_coordinator:
                 check_location(storage, options.overwrite)
-            collected = collect(state, group.rank, allow_pickle=options.allow_pickle)
+            collected = (collect if cache is None else cache.collect)(state, group.rank,
+                                                                      allow_pickle=options.allow_pickle)
         except Exception:
             _PLANNER.refuse(group)
             raise
         t_collect = time.perf_counter()
         plan, generation, replanned = _PLANNER.plan(group, collected)
-        items = [i for i in collected.items if i.rank_local or plan.writes(group.rank, i.key)]
+        items = collected.items if group.size == 1 else [i for i in collected.items
+                                                         if i.rank_local or plan.writes(group.rank, i.key)]
     return Prepared(group, collected, plan, generation, replanned, items, storage, step, encoded, options,
                     t_collect - t0, time.perf_counter() - t_collect)
 

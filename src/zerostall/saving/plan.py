@@ -111,7 +111,7 @@ class SavePlanner:
     def plan(self, group: Group, collected: Collected) -> tuple[SavePlan, str, bool]:
         """The plan, the generation id every rank uses, and whether planning ran (not cached)."""
         cache = self._caches.setdefault(group.pg, [])
-        digest = structure_digest(collected.rows)
+        digest = collected.digest if collected.digest is not None else structure_digest(collected.rows)
         slot = next((n for n, p in enumerate(cache, 1) if p.digests[group.rank] == digest), 0)
         clock = time.time_ns() if group.is_coordinator else 0
         proposals, clock = group.all_reduce_or_fail(
