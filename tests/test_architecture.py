@@ -20,7 +20,7 @@ ORDER = [
     # storage/: one backend a module; a checkpoint's location (what may be written, the commit step)
     "storage.base", "storage.local", "storage.s3client", "storage.s3reads", "storage.s3", "storage", "storage.location",
     # shared basics over storage: the process group, the state tree, the options
-    "doorbell", "collectives", "state", "options",
+    "doorbell", "collectives", "views", "state", "options",
     # saving/: collect → plan → write → commit, run in order by pipeline; the asynchronous saver over it
     "saving.collect", "saving.plan", "saving.recollect", "saving.write", "saving.commit", "saving.pipeline",
     "saving.capture", "saving.writer_process", "saving.asynchronous", "saving",
