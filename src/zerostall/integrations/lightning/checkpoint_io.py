@@ -120,16 +120,18 @@ class ZeroStallCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint ``path`` (its manifest first, so it never looks whole half-way).
-        While an asynchronous save is in flight, the removal runs once that save commits (the
-        replacement is durable before anything is deleted); if that save fails, ``path`` is kept."""
+        After an asynchronous save, the removal runs once that save has committed (the replacement
+        is durable before anything is deleted); if that save failed, ``path`` is kept."""
         target = _plain(path)
-        pending = self._pending
-        if pending is None or pending.done():
+        if self._pending is None:
             _remove(target)
             return
         removal: Future = Future()
-        self._removals.append(removal)
-        pending.committed.add_done_callback(OneShot(functools.partial(_remove_after, target, removal)))
+        self._pending.committed.add_done_callback(OneShot(functools.partial(_remove_after, target, removal)))
+        if removal.done():  # that save was done: removed (or kept) at once
+            removal.result()
+        else:
+            self._removals.append(removal)
 
     def wait(self) -> None:
         """Block until the asynchronous save in flight has committed and the removals queued behind
