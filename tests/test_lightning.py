@@ -30,7 +30,7 @@ L = pytest.importorskip("lightning", reason="Lightning is not installed (pip ins
 import zerostall as zs  # noqa: E402
 from zerostall.errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError  # noqa: E402
 from zerostall.format.layout import MANIFEST_NAME  # noqa: E402
-from zerostall.integrations.lightning import LightningOptions, ZeroStallCheckpointIO  # noqa: E402
+from zerostall.integrations.lightning import LightningOptions, ZeroStallCheckpointIO, last_checkpoint  # noqa: E402
 from zerostall.integrations.lightning import values  # noqa: E402
 from zerostall.saving import asynchronous  # noqa: E402
 from zerostall.storage import storage_for  # noqa: E402
@@ -296,6 +296,19 @@ def test_top_k_and_last_with_asynchronous_saves(tmp_path: Path) -> None:
     data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 2))
     resumed.fit(Tiny({"width": 4}), torch.utils.data.DataLoader(data, batch_size=4), ckpt_path="last")
     assert resumed.ckpt_path == str(tmp_path / "ck" / "last.ckpt") and resumed.global_step == 5
+    assert last_checkpoint(tmp_path / "ck") == str(tmp_path / "ck" / "last.ckpt")
+
+
+def test_last_checkpoint_is_the_newest_committed_last(tmp_path: Path) -> None:
+    io = ZeroStallCheckpointIO()
+    assert last_checkpoint(tmp_path / "nothing-yet") is None
+    io.save_checkpoint({"global_step": 2}, tmp_path / "last-v1.ckpt")
+    io.save_checkpoint({"global_step": 3}, tmp_path / "epoch=0-step=3.ckpt")
+    io.save_checkpoint({"global_step": 1}, tmp_path / "last.ckpt")  # the newest last, whatever its name
+    (tmp_path / "last-v2.ckpt").mkdir()  # a save that never committed (killed before its manifest)
+    assert last_checkpoint(tmp_path) == str(tmp_path / "last.ckpt")
+    io.save_checkpoint({"global_step": 4}, tmp_path / "final.ckpt")
+    assert last_checkpoint(tmp_path, name="final") == str(tmp_path / "final.ckpt")
 
 
 # -- paths Lightning hands over ---------------------------------------------------------------------
@@ -341,4 +354,5 @@ def test_saves_loads_and_removals_on_s3(s3_url: str, asynchronous: bool) -> None
     assert type(loaded["state_dict"]) is OrderedDict and torch.equal(loaded["state_dict"]["w"], torch.full((3,), 2.0))
     io.teardown()
     assert not storage_for(f"{s3_url}/epoch=0-step=1.ckpt").exists()  # no object left under it
+    assert last_checkpoint(s3_url) == f"{s3_url}/last.ckpt"  # ckpt_path="last" does not look on s3://
     assert zs.verify(f"{s3_url}/last.ckpt") > 0

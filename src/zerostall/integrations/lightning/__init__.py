@@ -9,6 +9,6 @@ import importlib.util
 if importlib.util.find_spec("lightning") is None:
     raise ImportError("zerostall.integrations.lightning needs Lightning: pip install 'zerostall[lightning]'")
 
-from .checkpoint_io import LightningOptions, ZeroStallCheckpointIO
+from .checkpoint_io import LightningOptions, ZeroStallCheckpointIO, last_checkpoint
 
-__all__ = ["LightningOptions", "ZeroStallCheckpointIO"]
+__all__ = ["LightningOptions", "ZeroStallCheckpointIO", "last_checkpoint"]

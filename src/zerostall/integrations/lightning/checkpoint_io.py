@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -63,7 +64,9 @@ class LightningOptions(_Options):
         return dataclasses.replace(given or self.save or SaveOptions(), allow_pickle=self.allow_pickle, overwrite=True)
 
     def load_options(self, weights_only: bool | None) -> LoadOptions:
-        return dataclasses.replace(self.load or LoadOptions(), allow_pickle=self.allow_pickle and weights_only is not True)
+        """The options of one load: Lightning's ``weights_only=True`` never unpickles."""
+        unpickle = self.allow_pickle and weights_only is not True
+        return dataclasses.replace(self.load or LoadOptions(), allow_pickle=unpickle)
 
 
 class ZeroStallCheckpointIO(CheckpointIO):
@@ -112,11 +115,11 @@ class ZeroStallCheckpointIO(CheckpointIO):
         options = self.options.load_options(weights_only)
         with Checkpoint(storage_for(target), options, process_group=ALONE) as ck:
             tree = ck.state()
-            stored = ck.metadata.get(values.METADATA_KEY) or {}
+            stored = ck.metadata.get(values.METADATA_KEY)
         device = torch.device(map_location) if map_location is not None else None
         move = None if device is None or device.type == "cpu" else functools.partial(torch.Tensor.to, device=device)
-        return values.join(tree, stored.get("objects", []), allow_pickle=options.allow_pickle, where=ck.path,
-                           tensor=move)
+        objects = stored.get("objects", []) if isinstance(stored, dict) else []  # none: saved by zs.save itself
+        return values.join(tree, objects, allow_pickle=options.allow_pickle, where=ck.path, tensor=move)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint ``path`` (its manifest first, so it never looks whole half-way).
@@ -158,6 +161,15 @@ class ZeroStallCheckpointIO(CheckpointIO):
         futures.wait(removals)
         for removal in removals:
             removal.result()
+
+
+def last_checkpoint(dirpath: Any, name: str = "last") -> str | None:
+    """The newest committed ``last.ckpt`` (or ``last-vN.ckpt``; ``name``: ``ModelCheckpoint``'s
+    ``CHECKPOINT_NAME_LAST``) under ``dirpath``, or None: ``ckpt_path="last"`` for an ``s3://``
+    ``dirpath``, where Lightning's own lookup finds nothing. A save that never committed is skipped."""
+    pattern = re.compile(rf"{re.escape(name)}(-\d+)?\.ckpt")
+    found = [i for i in CheckpointRoot(storage_for(_plain(dirpath))).checkpoints() if pattern.fullmatch(i.name)]
+    return max(found, key=lambda i: i.created or 0.0).location if found else None
 
 
 def _remove_after(path: str, removal: Future, committed: Future) -> None:
