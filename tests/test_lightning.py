@@ -210,7 +210,7 @@ def test_an_object_our_encoding_cannot_hold_is_named_or_pickled_on_request(tmp_p
         ZeroStallCheckpointIO().load_checkpoint(tmp_path / "pickled.ckpt")
 
 
-def test_stored_classes_are_rebuilt_only_from_modules_already_imported() -> None:
+def test_stored_classes_are_rebuilt_only_from_modules_already_imported(tmp_path: Path) -> None:
     tree, objects = values.split({"t": OrderedDict(a=1), "k": torch.optim.Adam}, allow_pickle=False)
     assert values.join(tree, objects, allow_pickle=False, where="x") == {"t": OrderedDict(a=1), "k": torch.optim.Adam}
     forged = [[("t",), "dict", ["os", "_Environ", None]]]
@@ -218,6 +218,9 @@ def test_stored_classes_are_rebuilt_only_from_modules_already_imported() -> None
         values.join(tree, forged, allow_pickle=False, where="x")
     with pytest.raises(CheckpointError, match="not_imported_anywhere is not imported"):
         values.join(tree, [[("k",), "type", ["not_imported_anywhere", "Thing"]]], allow_pickle=False, where="x")
+    local = type("Local", (), {})  # a class its module does not name: the pickle policy decides
+    with pytest.raises(UnsupportedValueError, match=r"type at \.?k: .*allow_pickle"):
+        ZeroStallCheckpointIO().save_checkpoint({"k": local}, tmp_path / "local.ckpt")
     with pytest.raises(CorruptCheckpointError, match="unknown kind"):
         values.join(tree, [[("k",), "exec", None]], allow_pickle=False, where="x")
 

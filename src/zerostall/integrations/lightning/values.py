@@ -10,8 +10,8 @@ metadata), without running any of their code on load:
 - ``argparse.Namespace``: its attributes, rebuilt as a Namespace;
 - OmegaConf ``DictConfig``/``ListConfig`` (hyper-parameters): their container, interpolations
   unresolved, rebuilt with ``OmegaConf.create``;
-- a class (``hparams_type``): its module and name, looked up on load among the modules already
-  imported (nothing is imported);
+- a class (``hparams_type``) that its module names: its module and name, looked up on load among
+  the modules already imported (nothing is imported);
 - anything else our encoding cannot hold: pickled with ``allow_pickle=True``, else refused with an
   :class:`~zerostall.errors.UnsupportedValueError` naming its key (on load, a pickled value needs
   ``allow_pickle`` too).
@@ -64,7 +64,7 @@ def split(checkpoint: dict[str, Any], *, allow_pickle: bool) -> tuple[dict[str, 
 
             objects.append([path, "omegaconf", None])
             return walk(OmegaConf.to_container(node, resolve=False), path)
-        if isinstance(node, type):
+        if isinstance(node, type) and _named(node):
             objects.append([path, "type", [node.__module__, node.__qualname__]])
             return None
         if isinstance(node, dict) or is_stateful(node):  # the save would walk into these: the codec decides here
@@ -153,6 +153,14 @@ def _lookup(module: Any, qualname: Any, at: str) -> type:
     if not isinstance(found, type):
         raise CorruptCheckpointError(f"{at}: {module}.{qualname} is not a class")
     return found
+
+
+def _named(cls: type) -> bool:
+    """Whether ``cls`` is found again by its module and name (not a class made inside a function)."""
+    found: Any = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is cls
 
 
 def _encoded(value: Any, path: tuple[Any, ...], allow_pickle: bool) -> Any:
