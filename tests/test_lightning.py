@@ -1,12 +1,12 @@
-"""zerostall under Lightning (issue 32): ``ZeroStallCheckpointIO``, tested with the real
-``lightning`` on the CPU.
+"""zerostall under Lightning (issue 32): ``ZeroStallCheckpointIO`` and
+``ZeroStallModelParallelStrategy``, tested with the real ``lightning`` on the CPU.
 
-The training runs are jobs of tests/lightning_train.py in fresh processes (one process, and DDP on
-two gloo ranks that Lightning starts): each is SIGKILLed mid-epoch, and a new job resumes with
-``ckpt_path="last"``; what it restores, its losses, its end state and the checkpoints
-``ModelCheckpoint`` kept must be those of the same two jobs under Lightning's own
-``TorchCheckpointIO``. The plugin's rules (Lightning's objects, pickle, asynchronous saves and
-removals, links, S3) are tested in this process.
+The training runs are jobs of tests/lightning_train.py in fresh processes (one process, and DDP or
+FSDP2 on two gloo ranks that Lightning starts): each is SIGKILLed mid-epoch, and a new job resumes
+with ``ckpt_path="last"``; what it restores, its losses, its end state and the checkpoints
+``ModelCheckpoint`` kept must be those of the same two jobs under Lightning's own checkpointing
+(``TorchCheckpointIO``; ``ModelParallelStrategy``'s DCP). The plugin's rules (Lightning's objects,
+pickle, asynchronous saves and removals, links, S3) are tested in this process.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ L = pytest.importorskip("lightning", reason="Lightning is not installed (pip ins
 import zerostall as zs  # noqa: E402
 from zerostall.errors import CheckpointError, CorruptCheckpointError, UnsupportedValueError  # noqa: E402
 from zerostall.format.layout import MANIFEST_NAME  # noqa: E402
-from zerostall.integrations.lightning import LightningOptions, ZeroStallCheckpointIO, last_checkpoint  # noqa: E402
+from zerostall.integrations.lightning import (LightningOptions, ZeroStallCheckpointIO,  # noqa: E402
+                                             ZeroStallModelParallelStrategy, last_checkpoint)
 from zerostall.integrations.lightning import values  # noqa: E402
 from zerostall.saving import asynchronous  # noqa: E402
 from zerostall.storage import storage_for  # noqa: E402
@@ -45,15 +46,15 @@ STEPS_PER_EPOCH = {1: 8, 2: 4}  # 64 samples in batches of 8, split over the ran
 
 
 # -- training jobs ----------------------------------------------------------------------------------
-def job(tmp: Path, name: str, io: str, devices: int, *args: str, expect_kill: bool = False,
+def job(tmp: Path, name: str, io: str, devices: int, strategy: str, *args: str, expect_kill: bool = False,
         timeout: float = 240) -> dict[str, Any]:
     """Run tests/lightning_train.py (Lightning starts the other ranks); each rank's losses and
     what rank 0 wrote of its state."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]), OMP_NUM_THREADS="1",
                PYTHONPATH=str(HERE.parent / "src"), PYTHONFAULTHANDLER="1", PYTHONWARNINGS="ignore")
-    out = tmp / f"{io}-{devices}-{name}"
-    proc = subprocess.Popen([sys.executable, str(TRAIN), "--io", io, "--devices", str(devices), "--dir",
-                             str(tmp / f"{io}-{devices}-ck"), "--out", str(out), "--epochs", "5", *args],
+    out = tmp / f"{io}-{name}"
+    proc = subprocess.Popen([sys.executable, str(TRAIN), "--io", io, "--devices", str(devices), "--strategy", strategy,
+                             "--dir", str(tmp / f"{io}-ck"), "--out", str(out), "--epochs", "5", *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # the ranks Lightning starts are killed with it on a time-out
     try:
@@ -67,16 +68,16 @@ def job(tmp: Path, name: str, io: str, devices: int, *args: str, expect_kill: bo
     for what in ("restored", "final"):
         if Path(f"{out}.{what}").exists():
             run[what] = torch.load(f"{out}.{what}", weights_only=False)
-    run["kept"] = sorted(os.listdir(tmp / f"{io}-{devices}-ck"))
+    run["kept"] = sorted(os.listdir(tmp / f"{io}-ck"))
     return run
 
 
-def killed_and_resumed(tmp: Path, io: str, devices: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def killed_and_resumed(tmp: Path, io: str, devices: int, strategy: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Kill a job half-way through its fourth epoch (after three epoch-end saves, one top-k
     removal), then resume it from ``last``."""
     kill_at = str(3 * STEPS_PER_EPOCH[devices] + STEPS_PER_EPOCH[devices] // 2)
-    first = job(tmp, "first", io, devices, "--kill-at", kill_at, expect_kill=True)
-    return first, job(tmp, "resumed", io, devices, "--resume")
+    first = job(tmp, "first", io, devices, strategy, "--kill-at", kill_at, expect_kill=True)
+    return first, job(tmp, "resumed", io, devices, strategy, "--resume")
 
 
 def same(a: Any, b: Any, where: str = "") -> None:
@@ -99,24 +100,28 @@ def same(a: Any, b: Any, where: str = "") -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], tuple[dict, dict]]:
-    """The killed and resumed jobs under Lightning's own TorchCheckpointIO, per device count."""
-    runs: dict[int, tuple[dict, dict]] = {}
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, str], tuple[dict, dict]]:
+    """The killed and resumed jobs under Lightning's own checkpointing (TorchCheckpointIO, or
+    ModelParallelStrategy's DCP), per device count and strategy."""
+    runs: dict[tuple[int, str], tuple[dict, dict]] = {}
 
-    def get(devices: int) -> tuple[dict, dict]:
-        if devices not in runs:
-            runs[devices] = killed_and_resumed(tmp_path_factory.mktemp(f"torch{devices}"), "torch", devices)
-        return runs[devices]
+    def get(devices: int, strategy: str) -> tuple[dict, dict]:
+        if (devices, strategy) not in runs:
+            tmp = tmp_path_factory.mktemp(f"torch-{devices}-{strategy}")
+            runs[devices, strategy] = killed_and_resumed(tmp, "torch", devices, strategy)
+        return runs[devices, strategy]
 
     return get
 
 
-@pytest.mark.parametrize("devices,io", [(1, "zerostall"), (1, "zerostall-async"), (2, "zerostall"),
-                                        (2, "zerostall-async")])
-def test_a_killed_run_resumes_from_last_as_under_lightnings_own_checkpoint_io(
-        tmp_path: Path, reference: Callable[[int], tuple[dict, dict]], devices: int, io: str) -> None:
-    first, resumed = killed_and_resumed(tmp_path, io, devices)
-    torch_first, torch_resumed = reference(devices)
+@pytest.mark.parametrize("devices,strategy,io", [(1, "ddp", "zerostall"), (1, "ddp", "zerostall-async"),
+                                                 (2, "ddp", "zerostall"), (2, "ddp", "zerostall-async"),
+                                                 (2, "model-parallel", "zerostall")])
+def test_a_killed_run_resumes_from_last_as_under_lightnings_own_checkpointing(
+        tmp_path: Path, reference: Callable[[int, str], tuple[dict, dict]], devices: int, strategy: str,
+        io: str) -> None:
+    first, resumed = killed_and_resumed(tmp_path, io, devices, strategy)
+    torch_first, torch_resumed = reference(devices, strategy)
     resumed_at = 3 * STEPS_PER_EPOCH[devices]
     assert torch_resumed["restored"]["global_step"] == resumed_at  # the end of the third epoch
     same(resumed["restored"], torch_resumed["restored"], "restored")  # weights, optimizer, scheduler, loops
@@ -128,7 +133,10 @@ def test_a_killed_run_resumes_from_last_as_under_lightnings_own_checkpoint_io(
     # ModelCheckpoint kept the same top 2 and last, each a whole zerostall checkpoint
     assert resumed["kept"] == torch_resumed["kept"] and "last.ckpt" in resumed["kept"] and len(resumed["kept"]) == 3
     for name in resumed["kept"]:
-        assert zs.verify(str(tmp_path / f"{io}-{devices}-ck" / name)) > 0
+        assert zs.verify(str(tmp_path / f"{io}-ck" / name)) > 0
+    # the last save holds the final state; the plugin reads even a sharded one back whole, on one process
+    last = ZeroStallCheckpointIO().load_checkpoint(tmp_path / f"{io}-ck" / "last.ckpt")
+    same(dict(last["state_dict"]), dict(resumed["final"]["weights"]), "last.ckpt")
 
 
 # -- the checkpoint dict ----------------------------------------------------------------------------
@@ -344,6 +352,9 @@ def test_saving_again_replaces_and_loads_move_tensors_where_asked(tmp_path: Path
         LightningOptions(asynchronous="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="did you mean 'allow_pickle'"):
         ZeroStallCheckpointIO(allow_pickles=True)
+    with pytest.raises(ValueError, match="synchronously"):
+        ZeroStallModelParallelStrategy(options=LightningOptions(asynchronous=True))
+    assert isinstance(ZeroStallModelParallelStrategy().checkpoint_io, ZeroStallCheckpointIO)  # removals are ours
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])

@@ -104,7 +104,9 @@ class ZeroStallCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint dict saved at ``path``, tensors on the CPU or on ``map_location`` (a
         device or its name), every block verified. A file written by Lightning's own
-        ``TorchCheckpointIO`` is read by it (``torch.load``)."""
+        ``TorchCheckpointIO`` is read by it (``torch.load``); a sharded checkpoint of
+        :class:`ZeroStallModelParallelStrategy` comes back whole, its optimizer states keyed by
+        parameter name (as ``torch.distributed.checkpoint.state_dict`` gives them)."""
         target = _plain(path)
         if not _is_url(target) and os.path.isfile(target):
             return TorchCheckpointIO().load_checkpoint(target, map_location, weights_only)
@@ -119,6 +121,10 @@ class ZeroStallCheckpointIO(CheckpointIO):
         device = torch.device(map_location) if map_location is not None else None
         move = None if device is None or device.type == "cpu" else functools.partial(torch.Tensor.to, device=device)
         objects = stored.get("objects", []) if isinstance(stored, dict) else []  # none: saved by zs.save itself
+        if isinstance(stored, dict) and stored.get("layout") == values.SHARDED:  # whole tensors, names for keys
+            rest = values.join(tree.pop(values.REST, {}), objects, allow_pickle=options.allow_pickle, where=ck.path,
+                               tensor=move, apart=tree.pop(values.REST_TENSORS, {}))
+            return {**rest, **values.join(tree, [], allow_pickle=False, where=ck.path, tensor=move)}
         return values.join(tree, objects, allow_pickle=options.allow_pickle, where=ck.path, tensor=move)
 
     def remove_checkpoint(self, path: Any) -> None:

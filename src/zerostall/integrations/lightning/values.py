@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -30,21 +30,31 @@ from ...errors import CheckpointError, CorruptCheckpointError
 from ...format import codec
 from ...state import is_stateful
 
-METADATA_KEY = "lightning"  # the manifest metadata key holding the objects table
+METADATA_KEY = "lightning"  # the manifest metadata key holding the objects table (and the layout)
+SHARDED = "sharded"  # the layout of a strategy's sharded checkpoint (a CheckpointIO's names none)
+REST = "lightning"  # there, Lightning's dict but the weights and optimizer states: one python value
+REST_TENSORS = "lightning_tensors"  # and the tensors of that rest, by name
 _PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric")  # whose dict subclasses are rebuilt by class
 _SCALARS = (str, int, float, bool, type(None))
 _HINT = ("not a tensor, a plain python value or one of Lightning's objects zerostall stores; pass "
          "allow_pickle=True to ZeroStallCheckpointIO to store it with pickle")
 
 
-def split(checkpoint: dict[str, Any], *, allow_pickle: bool) -> tuple[dict[str, Any], list[list[Any]]]:
+def split(checkpoint: dict[str, Any], *, allow_pickle: bool,
+          apart: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, Any], list[list[Any]]]:
     """``checkpoint`` as a tree of dicts, lists, tuples, tensors and plain values, and the table of
-    objects to rebuild: ``[key path, kind, data]``, parents before what they hold. The caller's
-    dict is not modified."""
+    objects to rebuild: ``[key path, kind, data]``, parents before what they hold. With ``apart``,
+    the tensors go there instead, by name (the tree is then one python value, read in one go).
+    The caller's dict is not modified."""
     objects: list[list[Any]] = []
 
     def walk(node: Any, path: tuple[Any, ...]) -> Any:
         cls = type(node)
+        if isinstance(node, torch.Tensor) and apart is not None:
+            name = str(len(apart))
+            apart[name] = node
+            objects.append([path, "tensor", name])
+            return None
         if cls in _SCALARS or isinstance(node, torch.Tensor):
             return node
         if cls is dict:
@@ -76,30 +86,46 @@ def split(checkpoint: dict[str, Any], *, allow_pickle: bool) -> tuple[dict[str, 
 
 
 def join(tree: Any, objects: Any, *, allow_pickle: bool, where: str,
-         tensor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+         tensor: Callable[[torch.Tensor], torch.Tensor] | None = None,
+         apart: Mapping[str, torch.Tensor] | None = None) -> Any:
     """The checkpoint dict that :func:`split` took apart: ``tree`` (loaded) with the objects of
-    ``objects`` rebuilt, each after what it holds, and each tensor passed through ``tensor`` (once
-    per tensor: a tensor met twice stays shared)."""
+    ``objects`` rebuilt, each after what it holds, the tensors kept ``apart`` put back, and each
+    tensor passed through ``tensor`` (once per tensor: a tensor met twice stays shared)."""
     try:
         table = {tuple(path): (kind, data) for path, kind, data in objects}
     except (TypeError, ValueError) as exc:
         raise CorruptCheckpointError(f"{where}: the stored table of Lightning objects is malformed: {exc!r}") from None
     moved: dict[int, torch.Tensor] = {}
 
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if tensor is None:
+            return t
+        if id(t) not in moved:
+            moved[id(t)] = tensor(t)
+        return moved[id(t)]
+
     def walk(node: Any, path: tuple[Any, ...]) -> Any:
+        found = table.get(path)
+        if found is not None and found[0] == "tensor":
+            return move(_kept_apart(apart, found[1], path, where))
         if isinstance(node, torch.Tensor):
-            if tensor is not None:
-                if id(node) not in moved:
-                    moved[id(node)] = tensor(node)
-                node = moved[id(node)]
+            node = move(node)
         elif type(node) is dict:
             node = {k: walk(v, path + (k,)) for k, v in node.items()}
         elif type(node) in (list, tuple):
             node = type(node)(walk(v, path + (i,)) for i, v in enumerate(node))
-        found = table.get(path)
         return node if found is None else _rebuild(*found, node, path, allow_pickle, where)
 
     return walk(tree, ())
+
+
+def _kept_apart(apart: Mapping[str, torch.Tensor] | None, name: Any, path: tuple[Any, ...],
+                where: str) -> torch.Tensor:
+    """The tensor :func:`split` kept apart under ``name``."""
+    found = apart.get(name) if apart is not None and type(name) is str else None
+    if not isinstance(found, torch.Tensor):
+        raise CorruptCheckpointError(f"{where}, key {_dotted(path)}: its tensor {name!r} is not in the checkpoint")
+    return found
 
 
 def _rebuild(kind: Any, data: Any, node: Any, path: tuple[Any, ...], allow_pickle: bool, where: str) -> Any:
