@@ -354,6 +354,8 @@ def test_saving_again_replaces_and_loads_move_tensors_where_asked(tmp_path: Path
         ZeroStallCheckpointIO(allow_pickles=True)
     with pytest.raises(ValueError, match="synchronously"):
         ZeroStallModelParallelStrategy(options=LightningOptions(asynchronous=True))
+    with pytest.raises(ValueError, match="always saves sharded"):
+        ZeroStallModelParallelStrategy(save_distributed_checkpoint=False)
     assert isinstance(ZeroStallModelParallelStrategy().checkpoint_io, ZeroStallCheckpointIO)  # removals are ours
 
 

@@ -2,8 +2,8 @@
 zerostall checkpoints.
 
 That strategy saves and loads by itself on every rank (DCP plus a pickle of the rest on rank 0),
-never through a ``CheckpointIO``; this subclass makes its distributed checkpoints zerostall
-checkpoints instead: one collective save, each rank writing its shards of the weights and of the
+never through a ``CheckpointIO``; this subclass makes its checkpoints zerostall checkpoints
+instead: one collective save, each rank writing its shards of the weights and of the
 optimizer state, committed once; a load reshards from any saved layout. The rest of Lightning's
 dict (loops, callbacks, schedulers...) is rank 0's, as in Lightning, stored by the policy of
 :mod:`~zerostall.integrations.lightning.values` as one python value plus its few tensors, so a load
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ... import api
@@ -27,13 +27,12 @@ from . import values
 from .checkpoint_io import LightningOptions, ZeroStallCheckpointIO
 
 
-
 class ZeroStallModelParallelStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` whose distributed checkpoints are sharded zerostall checkpoints
+    """``ModelParallelStrategy`` whose checkpoints are sharded zerostall checkpoints
     (``Trainer(strategy=ZeroStallModelParallelStrategy(...))``; its arguments are
-    ``ModelParallelStrategy``'s, plus ``options``). Saves are synchronous. With
-    ``save_distributed_checkpoint=False`` rank 0 saves the gathered state through
-    :class:`ZeroStallCheckpointIO`, which also removes checkpoints for ``ModelCheckpoint``."""
+    ``ModelParallelStrategy``'s, plus ``options``). Saves are synchronous and always sharded: a
+    consolidated copy is a read away (:meth:`ZeroStallCheckpointIO.load_checkpoint` on one
+    process, or ``zerostall.export``). Checkpoints are removed through :class:`ZeroStallCheckpointIO`."""
 
     def __init__(self, *args: Any, options: LightningOptions | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -41,13 +40,15 @@ class ZeroStallModelParallelStrategy(ModelParallelStrategy):
         if self.options.asynchronous:
             raise ValueError("ZeroStallModelParallelStrategy saves synchronously: pass options without "
                              "asynchronous=True")
+        if not self._save_distributed_checkpoint:
+            raise ValueError("ZeroStallModelParallelStrategy always saves sharded (each rank its shards, one "
+                             "checkpoint): drop save_distributed_checkpoint=False; ZeroStallCheckpointIO()."
+                             "load_checkpoint(path) reads one back whole")
         self.checkpoint_io = ZeroStallCheckpointIO(self.options)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Save ``checkpoint`` (every rank calls this) as the zerostall checkpoint ``filepath``,
         replacing one there once this one commits."""
-        if not self._save_distributed_checkpoint:
-            return Strategy.save_checkpoint(self, checkpoint, filepath, storage_options)  # rank 0, CheckpointIO
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options: pass "
                             "options=LightningOptions(save=SaveOptions(...)) to the strategy")
