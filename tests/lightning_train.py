@@ -5,7 +5,8 @@ or, with ``--strategy model-parallel``, FSDP2 (``ModelParallelStrategy``, or zer
 ``ModelCheckpoint`` keeps the top 2 epochs by training loss and ``last.ckpt``, saved through
 ``--io`` (``zerostall``, ``zerostall-async`` or Lightning's default ``torch``). Each rank writes
 each step's loss to ``--out``.rankN as it goes. With ``--kill-at N`` every rank SIGKILLs itself
-after step N (an asynchronous save in flight is let commit first). With ``--resume`` the run
+after step N (an asynchronous save in flight is let commit first); with ``--kill-at-epoch N``, as
+epoch N starts (the saves of the epoch before may be in flight). With ``--resume`` the run
 starts from ``ckpt_path="last"`` and rank 0 writes what it restored (weights, optimizer and
 scheduler state) to ``--out``.restored; at the end rank 0 writes the final state to ``--out``.final.
 """
@@ -70,6 +71,10 @@ class Record(L.Callback):
             if trainer.is_global_zero:
                 torch.save(restored, f"{self.args.out}.restored")
 
+    def on_train_epoch_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.current_epoch == self.args.kill_at_epoch:  # the last epoch's saves may be in flight
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: dict, batch: list,
                            batch_idx: int) -> None:
         self.losses[trainer.global_step] = outputs["loss"].item()
@@ -108,6 +113,7 @@ def main() -> None:
     p.add_argument("--strategy", choices=("ddp", "model-parallel"), default="ddp")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--kill-at", type=int, default=-1)
+    p.add_argument("--kill-at-epoch", type=int, default=-1)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--out", required=True)
     args = p.parse_args()

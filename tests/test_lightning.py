@@ -139,6 +139,14 @@ def test_a_killed_run_resumes_from_last_as_under_lightnings_own_checkpointing(
     same(dict(last["state_dict"]), dict(resumed["final"]["weights"]), "last.ckpt")
 
 
+def test_a_run_killed_with_saves_in_flight_resumes_from_a_committed_last(tmp_path: Path) -> None:
+    job(tmp_path, "first", "zerostall-async", 1, "ddp", "--kill-at-epoch", "3", expect_kill=True)
+    resumed = job(tmp_path, "resumed", "zerostall-async", 1, "ddp", "--resume")
+    # last.ckpt was being replaced: it holds the old epoch's state or the new one's, never a torn one
+    assert resumed["restored"]["global_step"] in (2 * STEPS_PER_EPOCH[1], 3 * STEPS_PER_EPOCH[1])
+    assert resumed["final"]["global_step"] == 5 * STEPS_PER_EPOCH[1]
+
+
 # -- the checkpoint dict ----------------------------------------------------------------------------
 class Tiny(L.LightningModule):
     def __init__(self, config: Any) -> None:
