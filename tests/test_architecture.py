@@ -41,7 +41,9 @@ ORDER = [
     "manager",
     # integrations/: adapters for the frameworks users train with, over the public API
     "integrations.deepspeed.values", "integrations.deepspeed.swap", "integrations.deepspeed.engine",
-    "integrations.deepspeed.attach", "integrations.deepspeed", "integrations",
+    "integrations.deepspeed.attach", "integrations.deepspeed",
+    "integrations.lightning.values", "integrations.lightning.checkpoint_io",
+    "integrations.lightning.model_parallel", "integrations.lightning", "integrations",
     "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.copying", "cli.exporting", "cli.importing",
     "cli", "__main__", "__init__",
 ]
