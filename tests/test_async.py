@@ -516,3 +516,16 @@ def test_save_builds_its_bookkeeping_with_the_cyclic_collector_paused(tmp_path):
             gc.callbacks.remove(count)
         handle.result()
     assert len(collections) <= 1 and gc.isenabled()  # at most the one its leftovers start once collection resumes
+
+
+def test_a_state_with_an_inference_mode_tensor_saves_asynchronously(tmp_path):
+    """Inference-mode tensors keep no version counter: the change check skips them, the save goes on."""
+    with torch.inference_mode():
+        frozen = torch.arange(10.0)
+    state = {"frozen": frozen, "w": torch.ones(3)}
+    with zs.AsyncSaver() as saver:
+        for n in range(2):  # the second save collects again from the first
+            saver.save(state, tmp_path / f"s{n}").result()
+    for n in range(2):
+        with zs.open(tmp_path / f"s{n}") as ck:
+            assert torch.equal(ck.read("frozen"), frozen) and torch.equal(ck.read("w"), state["w"])

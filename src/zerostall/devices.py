@@ -20,18 +20,22 @@ Nothing here calls CUDA unless a tensor is on a CUDA device (or pinning is asked
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Iterator, Sequence
 
 import torch
 
+_IS_CUDA = operator.attrgetter("is_cuda")
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, not one
 
 
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
     """The indices of the CUDA devices ``tensors`` are on, in order."""
-    return sorted({t.device.index for t in tensors if t.is_cuda})
+    tensors = list(tensors)
+    on_cuda = list(map(_IS_CUDA, tensors))  # read in C: a save may hold 100,000 tensors, mostly on the host
+    return sorted({t.device.index for t, cuda in zip(tensors, on_cuda) if cuda}) if any(on_cuda) else []
 
 
 def worker_device(current: int, devices: Sequence[int]) -> int:

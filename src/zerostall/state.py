@@ -48,6 +48,7 @@ def rank_local(value: Any) -> RankLocal:
 
 
 _PLAIN = frozenset((dict, list, tuple, str, int, float, bool, type(None), torch.Tensor, torch.nn.Parameter))
+_SCALARS = frozenset((str, int, float, bool, type(None)))  # leaves a walk meets and keeps as they are
 
 
 def is_stateful(obj: Any) -> bool:
@@ -164,6 +165,9 @@ class _Flattener:
         if is_container(node) and len(node) > 0:
             start = len(order)
             items = list(node.items()) if isinstance(node, dict) else list(enumerate(node))
+            if _SCALARS.issuperset(map(type, node.values() if isinstance(node, dict) else node)):
+                node = _same_container(node, items)  # a container of scalars: one value, as walking it would find
+                return False, node, self.leaf(path, node), None
             walked = [(k, *self.walk(v, path + (k,), local)) for k, v in items]
             if any(has_tensor for _, has_tensor, _, _, _ in walked):
                 skeleton = _same_container(node, [(k, skel) for k, _, _, skel, _ in walked]) if self.skeleton else None
