@@ -41,7 +41,8 @@ ORDER = [
     "manager",
     # integrations/: adapters for the frameworks users train with, over the public API
     "integrations.deepspeed.values", "integrations.deepspeed.swap", "integrations.deepspeed.engine",
-    "integrations.deepspeed.attach", "integrations.deepspeed", "integrations",
+    "integrations.deepspeed.attach", "integrations.deepspeed",
+    "integrations.torchtitan.hf", "integrations.torchtitan.manager", "integrations.torchtitan", "integrations",
     "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.copying", "cli.exporting", "cli.importing",
     "cli", "__main__", "__init__",
 ]
