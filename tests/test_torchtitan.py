@@ -214,3 +214,41 @@ def test_saves_and_loads_on_s3(s3_url):
     assert again.ckpt.load() is True
     assert same(again.snapshot(), expected)
     again.ckpt.close()
+
+
+def test_initial_load_path_reads_a_zerostall_or_a_torchtitan_dcp_checkpoint(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    source = Run("source", str(tmp_path), async_mode="disabled", last_save_model_only=False)
+    source.steps(1, 4, 10)
+    expected = source.snapshot()
+    source.ckpt.close()
+    flat = {**source.model.state_dict(), "optimizer": source.optim.state_dict(),
+            "lr_scheduler": source.sched.state_dict(), "train_state": source.train.state_dict()}
+    dcp.save(flat, checkpoint_id=str(tmp_path / "dcp" / "step-4"))  # torchtitan's DCP manager's layout
+
+    for path, allow_pickle in ((tmp_path / "source" / step_tag(4), False), (tmp_path / "dcp" / "step-4", True)):
+        fresh = Run(f"fresh-{path.name}", str(tmp_path), initial_load_path=str(path), initial_load_model_only=False,
+                    allow_pickle=allow_pickle)
+        assert fresh.ckpt.load() is True
+        got = fresh.snapshot()
+        assert same(got["model"], expected["model"]) and same(got["optim"], expected["optim"])
+        assert got["sched"] == expected["sched"] and got["train"] == expected["train"]
+        fresh.ckpt.close()
+
+
+def test_a_model_only_checkpoint_restores_the_model_only(tmp_path):
+    run = Run("ckpt", str(tmp_path), async_mode="async", last_save_model_only=True)
+    run.steps(1, 3, 3)
+    expected = run.snapshot()["model"]
+    run.ckpt.close()
+    again = Run("ckpt", str(tmp_path), async_mode="async")
+    assert again.ckpt.load() is True
+    assert same(again.snapshot()["model"], expected) and again.train.step == 0
+
+
+def test_exclude_from_loading_must_name_a_state_key(tmp_path):
+    run = Run("ckpt", str(tmp_path), exclude_from_loading=["dataloader"])  # None here: not in the state
+    with pytest.raises(zs.UnsupportedValueError, match="dataloader"):
+        run.ckpt.load()
+    run.ckpt.close()

@@ -42,6 +42,10 @@ class ZeroStallCheckpointManager(BaseCheckpointManager):
         """Flush each file to stable storage before the commit; False is faster but a power loss
         may lose checkpoints already reported committed."""
 
+        allow_pickle: bool = False
+        """Let ``initial_load_path`` name a PyTorch DCP checkpoint (torchtitan's own manager writes
+        those): its metadata is a pickle, which can run code when read, so only one you trust."""
+
         hf_folder: str = "hf"
         """With ``last_save_in_hf``, where the final model's safetensors go (``<hf_folder>/step-N``),
         relative to the dump folder: outside ``folder``, which holds only zerostall checkpoints."""
@@ -116,9 +120,14 @@ class ZeroStallCheckpointManager(BaseCheckpointManager):
     # -- loading -------------------------------------------------------------------------------
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
-        """Restore the checkpoint of ``step`` (-1: the newest committed; a missing one raises
-        ``CheckpointNotFoundError``), else the ``initial_load_path``; False on a fresh start. Step 0
-        (a seed checkpoint) restores the model only; ``exclude_from_loading`` keys are left as they are."""
+        """Restore the checkpoint of ``step`` (-1: the newest committed, or the previous one if the
+        newest is damaged; a missing ``step`` raises ``CheckpointNotFoundError``), else the
+        ``initial_load_path``; False on a fresh start. A model-only checkpoint (a seed checkpoint,
+        step 0, or a last one) restores the model only; ``exclude_from_loading`` keys stay as they are."""
+        unknown = set(self.config.exclude_from_loading) - set(self.states)
+        if unknown:
+            raise UnsupportedValueError(f"checkpoint.exclude_from_loading names {sorted(unknown)}, which the "
+                                        f"state does not hold (it holds {sorted(self.states)})")
         tag = None if step == -1 else step_tag(step)
         try:
             ck = self.manager.open(tag)  # every rank agrees on the newest
@@ -128,15 +137,10 @@ class ZeroStallCheckpointManager(BaseCheckpointManager):
         if ck is None:
             return self._initial_load()
         with ck:
-            found = ck.step
-        keep = [MODEL] if found == 0 else [k for k in self.states if k not in self.config.exclude_from_loading]
-        unknown = set(self.config.exclude_from_loading) - set(self.states)
-        if unknown:
-            raise UnsupportedValueError(f"checkpoint.exclude_from_loading names {sorted(unknown)}, which the "
-                                        f"state does not hold (it holds {sorted(self.states)})")
-        state = {k: self.states[k] for k in keep}
-        self.manager.restore(state, step_tag(found), keys=keep + [RNG_KEY])
-        log.info("restored step %d from %s", found, self.folder)
+            model_only = ck.step == 0 or all(k.split(".")[0] in (MODEL, RNG_KEY) for k in ck.entries)
+        keep = [MODEL] if model_only else [k for k in self.states if k not in self.config.exclude_from_loading]
+        restored = self.manager.restore({k: self.states[k] for k in keep}, tag, keys=keep + [RNG_KEY])
+        log.info("restored step %s from %s", restored, self.folder)
         return True
 
     def _initial_load(self) -> bool:
@@ -156,7 +160,15 @@ class ZeroStallCheckpointManager(BaseCheckpointManager):
             return False
         keep = [MODEL] if self.config.initial_load_model_only else \
             [k for k in self.states if k not in self.config.exclude_from_loading]
-        api.load({k: self.states[k] for k in keep}, path, process_group=self.manager.process_group, keys=keep)
+        model = self.states[MODEL]
+        with api.open(path, process_group=self.manager.process_group, allow_pickle=self.config.allow_pickle) as ck:
+            if all(f"{MODEL}.{k}" in ck.entries for k in model.state_dict()):  # ours: the model under "model"
+                ck.load({k: self.states[k] for k in keep}, keys=keep)
+                return True
+            # torchtitan's DCP layout: the model's keys at the top, beside "optimizer", "lr_scheduler"...
+            flat = {**model.state_dict(), **{k: self.states[k] for k in keep if k != MODEL}}
+            loaded = ck.load(flat, keys=list(flat))
+        model.load_state_dict({k: loaded[k] for k in model.state_dict()})
         return True
 
     # -- waiting and closing -------------------------------------------------------------------
