@@ -15,6 +15,7 @@ pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed:
 
 import zerostall as zs  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer  # noqa: E402
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig  # noqa: E402
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter  # noqa: E402
@@ -33,6 +34,17 @@ class TrainState:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step, self.ntokens_seen = state_dict["step"], state_dict["ntokens_seen"]
+
+
+class Data(torch.utils.data.IterableDataset):
+    """Each data-parallel rank's own samples, in order."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __iter__(self) -> Any:
+        for i in range(10_000):
+            yield torch.full((8,), (i + 1000 * self.rank) / 1000)
 
 
 class Adapter(BaseStateDictAdapter):
@@ -64,15 +76,19 @@ class Run:
             implementation="for-loop"), model_parts=[self.model])
         self.sched = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.optim, training_steps=20)
         self.train = TrainState()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.loader = ParallelAwareDataloader(Data(rank), rank, world, batch_size=4)  # torchtitan's, per dp rank
+        self.batches: Any = None
         cfg = ZeroStallCheckpointManager.Config(folder=folder, **{"enable": True, "interval": 2, **config})
-        self.ckpt = cfg.build(dataloader=None, model_parts=[self.model], optimizers=self.optim,
+        self.ckpt = cfg.build(dataloader=self.loader, model_parts=[self.model], optimizers=self.optim,
                               lr_schedulers=self.sched, states={"train_state": self.train}, sd_adapter=sd_adapter,
                               base_folder=base)
 
     def steps(self, first: int, last: int, total: int) -> list[float]:
         losses = []
+        self.batches = self.batches or iter(self.loader)  # after load(): from the restored position
         for step in range(first, last + 1):
-            x = torch.randn(4, 8)  # the global RNG, restored with the checkpoint
+            x = next(self.batches) + torch.randn(4, 8)  # and the global RNG, restored with the checkpoint
             loss = self.model(x).square().mean()
             loss.backward()
             if dist.is_initialized():  # replicas stay equal, as data parallelism keeps them
@@ -224,7 +240,8 @@ def test_initial_load_path_reads_a_zerostall_or_a_torchtitan_dcp_checkpoint(tmp_
     expected = source.snapshot()
     source.ckpt.close()
     flat = {**source.model.state_dict(), "optimizer": source.optim.state_dict(),
-            "lr_scheduler": source.sched.state_dict(), "train_state": source.train.state_dict()}
+            "lr_scheduler": source.sched.state_dict(), "train_state": source.train.state_dict(),
+            "dataloader": source.loader.state_dict()}
     dcp.save(flat, checkpoint_id=str(tmp_path / "dcp" / "step-4"))  # torchtitan's DCP manager's layout
 
     for path, allow_pickle in ((tmp_path / "source" / step_tag(4), False), (tmp_path / "dcp" / "step-4", True)):
@@ -248,7 +265,7 @@ def test_a_model_only_checkpoint_restores_the_model_only(tmp_path):
 
 
 def test_exclude_from_loading_must_name_a_state_key(tmp_path):
-    run = Run("ckpt", str(tmp_path), exclude_from_loading=["dataloader"])  # None here: not in the state
-    with pytest.raises(zs.UnsupportedValueError, match="dataloader"):
+    run = Run("ckpt", str(tmp_path), exclude_from_loading=["dataset"])
+    with pytest.raises(zs.UnsupportedValueError, match="dataset"):
         run.ckpt.load()
     run.ckpt.close()
