@@ -4,6 +4,7 @@ torchtitan 0.3.0's own optimizer and lr-scheduler containers and model wrapper, 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -199,8 +200,11 @@ def test_a_disabled_manager_does_nothing(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_the_last_step_exports_hf_safetensors_through_the_sd_adapter(tmp_path):
-    run = Run("ckpt", str(tmp_path), sd_adapter=Adapter(), async_mode="async", last_save_model_only=True,
+def hf_export(base: str) -> bool:
+    """The last step's model, cast to bfloat16, as safetensors under the adapter's names; read back
+    by ``initial_load_in_hf`` into a fresh run."""
+    tmp_path = Path(base)
+    run = Run("ckpt", base, sd_adapter=Adapter(), async_mode="async", last_save_model_only=True,
               last_save_in_hf=True, export_dtype="bfloat16")
     run.steps(1, 3, 3)
     weights = load_file(str(tmp_path / "hf" / "step-3" / "model.safetensors"))
@@ -208,15 +212,22 @@ def test_the_last_step_exports_hf_safetensors_through_the_sd_adapter(tmp_path):
     assert same(weights, expected)
     assert not (tmp_path / "hf" / "step-3.zerostall-staging").exists()
     with zs.open_latest(str(tmp_path / "ckpt")) as ck:  # the last checkpoint holds the model only
-        assert ck.step == 3 and {k for k in ck.entries if not k.startswith("__rng__")} == {f"model.{k}" for k in run.model.state_dict()}
+        assert ck.step == 3
+        assert {k for k in ck.entries if not k.startswith("__rng__")} == {f"model.{k}" for k in run.model.state_dict()}
     run.ckpt.close()
 
-    fresh = Run("fresh", str(tmp_path), sd_adapter=Adapter(), initial_load_in_hf=True,
+    fresh = Run("fresh", base, sd_adapter=Adapter(), initial_load_in_hf=True,
                 initial_load_path=str(tmp_path / "hf" / "step-3"))
     assert fresh.ckpt.load() is True
     assert same({k: v.to(torch.bfloat16) for k, v in fresh.model.state_dict().items()},
                 {k.removeprefix("model.layers."): v for k, v in expected.items()})
     fresh.ckpt.close()
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_last_step_exports_hf_safetensors_through_the_sd_adapter(ranks, tmp_path, world):
+    assert ranks(world).run(hf_export, str(tmp_path), timeout=240) == [True] * world
 
 
 def test_saves_and_loads_on_s3(s3_url):

@@ -108,6 +108,7 @@ class ZeroStallCheckpointManager(BaseCheckpointManager):
         return True
 
     def _save_model_only(self, step: int) -> None:
+        """The end of training: the model alone, cast, committed before returning; then its safetensors."""
         dtype = TORCH_DTYPE_MAP[self.config.export_dtype]
         model = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                  for k, v in self.states[MODEL].state_dict().items()}
