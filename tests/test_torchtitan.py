@@ -11,6 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed: ./dev setup installs it")
 
@@ -69,9 +72,14 @@ class Adapter(BaseStateDictAdapter):
 class Run:
     """A small model, torchtitan's optimizer and scheduler containers, its train state, and the manager."""
 
-    def __init__(self, folder: str, base: str = "", sd_adapter: Any = None, **config: Any) -> None:
+    def __init__(self, folder: str, base: str = "", sd_adapter: Any = None, fsdp: bool = False, **config: Any) -> None:
         torch.manual_seed(0)
         self.model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.fsdp = fsdp
+        if fsdp:  # torchtitan's data parallelism: FSDP2, parameters sharded as DTensors
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for layer in (self.model[0], self.model[2], self.model):
+                fully_shard(layer, mesh=mesh)
         self.optim = OptimizersContainer(OptimizersContainer.Config(
             param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})],
             implementation="for-loop"), model_parts=[self.model])
@@ -92,7 +100,7 @@ class Run:
             x = next(self.batches) + torch.randn(4, 8)  # and the global RNG, restored with the checkpoint
             loss = self.model(x).square().mean()
             loss.backward()
-            if dist.is_initialized():  # replicas stay equal, as data parallelism keeps them
+            if dist.is_initialized() and not self.fsdp:  # replicas stay equal, as data parallelism keeps them
                 for p in self.model.parameters():
                     dist.all_reduce(p.grad)
                     p.grad /= dist.get_world_size()
@@ -106,11 +114,17 @@ class Run:
         return losses
 
     def snapshot(self) -> dict[str, Any]:
-        return {"model": {k: v.clone() for k, v in self.model.state_dict().items()},
-                "optim": {k: v.clone() if isinstance(v, torch.Tensor) else v
-                          for k, v in self.optim.state_dict().items()},
+        return {"model": {k: local(v) for k, v in self.model.state_dict().items()},
+                "optim": {k: local(v) for k, v in self.optim.state_dict().items()},
                 "sched": self.sched.state_dict(), "train": self.train.state_dict(),
                 "lr": [g["lr"] for o in self.optim.optimizers for g in o.param_groups]}
+
+
+def local(value: Any) -> Any:
+    """A copy of this rank's part of a tensor (its shard, for a DTensor)."""
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def same(a: Any, b: Any) -> bool:
@@ -123,20 +137,20 @@ def same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def resume_bit_exact(base: str, async_mode: str) -> bool:
+def resume_bit_exact(base: str, async_mode: str, fsdp: bool = False) -> bool:
     """Runs 6 steps straight, then 4 steps, a fresh process state, ``load()`` and 2 more: the same
     losses and the same model, optimizer, scheduler and train state at the end."""
-    straight = Run("straight", base, async_mode=async_mode, last_save_model_only=False)
+    straight = Run("straight", base, async_mode=async_mode, last_save_model_only=False, fsdp=fsdp)
     losses = straight.steps(1, 6, 6)
     expected = straight.snapshot()
     straight.ckpt.close()
 
-    first = Run("resumed", base, async_mode=async_mode, last_save_model_only=False)
+    first = Run("resumed", base, async_mode=async_mode, last_save_model_only=False, fsdp=fsdp)
     assert first.ckpt.load() is False  # nothing saved yet: a fresh start
     head = first.steps(1, 4, 6)
     first.ckpt.close()
     torch.manual_seed(123)  # the checkpoint's RNG states must win
-    second = Run("resumed", base, async_mode=async_mode, last_save_model_only=False)
+    second = Run("resumed", base, async_mode=async_mode, last_save_model_only=False, fsdp=fsdp)
     assert second.ckpt.load(step=-1) is True
     assert second.train.step == 4
     tail = second.steps(5, 6, 6)
@@ -148,6 +162,11 @@ def resume_bit_exact(base: str, async_mode: str) -> bool:
 @pytest.mark.parametrize("async_mode", ["async", "disabled"])
 def test_a_resume_is_bit_exact_on_gloo_ranks(ranks, tmp_path, world, async_mode):
     assert ranks(world).run(resume_bit_exact, str(tmp_path), async_mode, timeout=240) == [True] * world
+
+
+@pytest.mark.parametrize("async_mode", ["async", "disabled"])
+def test_an_fsdp_sharded_resume_is_bit_exact_on_2_ranks(ranks, tmp_path, async_mode):
+    assert ranks(2).run(resume_bit_exact, str(tmp_path), async_mode, True, timeout=240) == [True, True]
 
 
 def retention(base: str) -> list[list[str]]:
