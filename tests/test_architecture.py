@@ -20,7 +20,7 @@ ORDER = [
     # storage/: one backend a module; a checkpoint's location (what may be written, the commit step)
     "storage.base", "storage.local", "storage.s3client", "storage.s3reads", "storage.s3", "storage", "storage.location",
     # shared basics over storage: the process group, the state tree, the options
-    "doorbell", "collectives", "state", "options",
+    "doorbell", "collectives", "views", "state", "options",
     # saving/: collect → plan → write → commit, run in order by pipeline; the asynchronous saver over it
     "saving.collect", "saving.plan", "saving.recollect", "saving.write", "saving.commit", "saving.pipeline",
     "saving.capture", "saving.writer_process", "saving.asynchronous", "saving",
@@ -42,6 +42,8 @@ ORDER = [
     # integrations/: adapters for the frameworks users train with, over the public API
     "integrations.deepspeed.values", "integrations.deepspeed.swap", "integrations.deepspeed.engine",
     "integrations.deepspeed.attach", "integrations.deepspeed",
+    "integrations.lightning.values", "integrations.lightning.checkpoint_io",
+    "integrations.lightning.model_parallel", "integrations.lightning",
     "integrations.torchtitan.hf", "integrations.torchtitan.manager", "integrations.torchtitan", "integrations",
     "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.copying", "cli.exporting", "cli.importing",
     "cli", "__main__", "__init__",

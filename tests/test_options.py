@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "options.md"
 SOURCES = {"SaveOptions": "options.py", "LoadOptions": "options.py", "RetentionPolicy": "roots/retention.py",
            "S3Options": "storage/s3client.py", "ExportOptions": "interop/exporting.py", "LocalTier": "tiers/local.py",
-           "DeepSpeedOptions": "integrations/deepspeed/engine.py"}
+           "DeepSpeedOptions": "integrations/deepspeed/engine.py",
+           "LightningOptions": "integrations/lightning/checkpoint_io.py"}
 
 
 def options_class(name: str) -> type:
@@ -33,7 +34,8 @@ def options_class(name: str) -> type:
 def title(name: str) -> str:
     if hasattr(zs, name):
         return f"zs.{name}"
-    return "zerostall." + SOURCES[name].removesuffix(".py").replace("/", ".").removesuffix(".engine") + f".{name}"
+    module = SOURCES[name].removesuffix(".py").replace("/", ".")
+    return f"zerostall.{module.rsplit('.', 1)[0] if module.startswith('integrations.') else module}.{name}"
 
 
 def field_docs(cls_name: str) -> tuple[str, dict[str, str]]:
@@ -55,7 +57,8 @@ def render() -> str:
     out = ["# Options reference", "",
            "Generated from the dataclasses' field docstrings (`src/zerostall/options.py`, "
            "`src/zerostall/roots/retention.py`, `src/zerostall/storage/s3client.py`, `src/zerostall/interop/exporting.py`, "
-           "`src/zerostall/tiers/local.py`, `src/zerostall/integrations/deepspeed/engine.py`); "
+           "`src/zerostall/tiers/local.py`, `src/zerostall/integrations/deepspeed/engine.py`, "
+           "`src/zerostall/integrations/lightning/checkpoint_io.py`); "
            "`tests/test_options.py` checks "
            "that it matches them. Every "
            "function that takes an options object also takes its fields as keywords: "

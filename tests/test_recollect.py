@@ -41,7 +41,8 @@ def base_state() -> dict:
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    return {"model": model, "opt": opt, "extra": {"t": torch.arange(6.0).reshape(2, 3), 1: torch.zeros(0),
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    return {"model": model, "opt": opt, "sched": sched, "extra": {"t": torch.arange(6.0).reshape(2, 3), 1: torch.zeros(0),
                                                   "pair": (torch.ones(2), 3), "lr": 0.1},
             "mine": zs.rank_local(torch.full((2,), 7.0)), "note": zs.rank_local("rank note"), "step": 5}
 
@@ -107,6 +108,7 @@ def in_place(s):
 def optimizer_step(s):
     s["model"](torch.randn(2, 4)).sum().backward()
     s["opt"].step()
+    s["sched"].step()
 
 
 def subclass(s):  # a wrapper subclass: collected in full, as its inner tensors
@@ -119,7 +121,40 @@ def parameter(s):
     s["extra"]["t"] = torch.nn.Parameter(s["extra"]["t"])
 
 
-CHANGES = [grow, retype, replace, transpose, tie, bool_key, to_value, add_leaf, drop_leaf, grad_on, conj, local,
+def local_value(s):
+    s["extra"]["lr"] = zs.rank_local(0.1)
+
+
+def reorder(s):
+    s["extra"] = dict(reversed(list(s["extra"].items())))
+
+
+def to_list(s):
+    s["extra"]["pair"] = list(s["extra"]["pair"])
+
+
+def value_to_tensors(s):
+    s["extra"]["lr"] = {"x": torch.ones(1)}
+
+
+def tensor_to_dict(s):
+    s["extra"]["t"] = {"y": torch.ones(2)}
+
+
+def tensor_free(s):  # a container that held a tensor holds none: one python value now
+    s["extra"]["pair"] = (1, 3)
+
+
+def unwrap_stateful(s):
+    s["model"] = s["model"].state_dict()
+
+
+def unwrap_local(s):
+    s["mine"] = s["mine"].value
+
+
+CHANGES = [local_value, reorder, to_list, value_to_tensors, tensor_to_dict, tensor_free, unwrap_stateful, unwrap_local,
+           grow, retype, replace, transpose, tie, bool_key, to_value, add_leaf, drop_leaf, grad_on, conj, local,
            value_change, in_place, optimizer_step, subclass, parameter]
 REUSED = {replace, transpose, grad_on, value_change, in_place, optimizer_step}  # bytes, memory, grad or values
 

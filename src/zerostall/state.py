@@ -79,60 +79,149 @@ class Flat:
     statefuls: dict[Path, tuple[Any, Any]] = field(default_factory=dict)
     skeleton: Any = None
     refs: dict[Path, Ref] = field(default_factory=dict)
+    shape: Shape | None = None
 
 
-def flatten(state: Any, *, prepare: Callable[[Path, Any], None] | None = None, skeleton: bool = False) -> Flat:
+@dataclass(slots=True)
+class Shape:
+    """A container that held a tensor when walked, for :func:`rewalk`: its kind, keys and their
+    types, whether a :class:`RankLocal` or a stateful object held it, and per child its shape,
+    ``TENSOR`` (a plain tensor) or ``OTHER`` (a leaf walked again)."""
+
+    kind: Any
+    keys: list[Any]
+    types: list[type]
+    children: list[Any]
+    wrapped: bool = False
+    stateful: bool = False
+
+
+TENSOR, OTHER = 0, 1
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+class Changed(Exception):
+    """:func:`rewalk` met a state whose shape is not the one it was given."""
+
+
+def flatten(state: Any, *, prepare: Callable[[Path, Any], None] | None = None, skeleton: bool = False,
+            shape: bool = False) -> Flat:
     """Walk ``state`` once. ``prepare(path, obj)`` runs on each stateful object before its
-    ``state_dict()`` is taken (the loader uses it to create a fresh optimizer's state)."""
-    walker = _Flattener(prepare, skeleton)
-    walker.flat.skeleton = walker.walk(state, ())[2]
+    ``state_dict()`` is taken (the loader uses it to create a fresh optimizer's state). With
+    ``shape``, also record the state's :class:`Shape` (None when no tensor is in it)."""
+    walker = _Flattener(prepare, skeleton, shape)
+    _, _, walker.flat.skeleton, walker.flat.shape = walker.walk(state, ())
     return walker.flat
+
+
+def rewalk(state: Any, shape: Shape) -> tuple[list[Any], dict[Path, tuple[Any, Any]], set[Path]]:
+    """The leaf values (in :func:`flatten`'s order), stateful objects and rank-local paths of a
+    state whose :class:`Shape` a walk found before: its containers are checked against it (kind,
+    keys, key types) and a plain tensor costs a type test. Raises :class:`Changed` where the state's
+    shape differs (walk it again then)."""
+    walker = _Flattener(None, False, False)
+    values: list[Any] = []
+    walker.rewalk(state, (), shape, values, False)
+    return values, walker.flat.statefuls, walker.flat.rank_local
 
 
 class _Flattener:
     """One walk over a state (a class, not a recursive closure: a closure that calls itself is a
     reference cycle, which would keep every per-leaf object alive until a cyclic collection)."""
 
-    __slots__ = ("flat", "order", "prepare", "skeleton")
+    __slots__ = ("flat", "order", "prepare", "skeleton", "shape")
 
-    def __init__(self, prepare: Callable[[Path, Any], None] | None, skeleton: bool) -> None:
+    def __init__(self, prepare: Callable[[Path, Any], None] | None, skeleton: bool, shape: bool) -> None:
         self.flat = Flat()
         self.order: list[Path] = []  # flat.leaves' keys in insertion order, so a subtree's leaves can be dropped
         self.prepare = prepare
         self.skeleton = skeleton
+        self.shape = shape
 
-    def walk(self, node: Any, path: Path, local: bool = False) -> tuple[bool, Any, Any]:
-        """Whether a tensor lies below ``node``, its plain value (what a leaf stores) and its skeleton."""
+    def walk(self, node: Any, path: Path, local: bool = False) -> tuple[bool, Any, Any, Shape | None]:
+        """Whether a tensor lies below ``node``, its plain value (what a leaf stores), its skeleton
+        and (when recording) its shape, for a container holding a tensor."""
         flat, order = self.flat, self.order
         if len(path) > MAX_DEPTH:
             raise UnsupportedValueError(f"{fqn(path[:4])}…: the state nests more than {MAX_DEPTH} containers deep "
                                         "(the most zerostall walks, well inside Python's recursion limit)")
         if isinstance(node, RankLocal):
-            return self.walk(node.value, path, True)
+            walked = self.walk(node.value, path, True)
+            if walked[3] is not None:
+                walked[3].wrapped = True
+            return walked
         if local:
             flat.rank_local.add(path)
-        if is_stateful(node):
+        stateful = is_stateful(node)
+        if stateful:
             if self.prepare is not None:
                 self.prepare(path, node)
             sd = node.state_dict()
             flat.statefuls[path] = (node, sd)
             node = sd
         if isinstance(node, torch.Tensor):
-            return True, node, self.leaf(path, node)
+            return True, node, self.leaf(path, node), None
         if is_container(node) and len(node) > 0:
             start = len(order)
-            items = node.items() if isinstance(node, dict) else enumerate(node)
+            items = list(node.items()) if isinstance(node, dict) else list(enumerate(node))
             walked = [(k, *self.walk(v, path + (k,), local)) for k, v in items]
-            if any(has_tensor for _, has_tensor, _, _ in walked):
-                shape = _same_container(node, [(k, skel) for k, _, _, skel in walked]) if self.skeleton else None
-                return True, None, shape
+            if any(has_tensor for _, has_tensor, _, _, _ in walked):
+                skeleton = _same_container(node, [(k, skel) for k, _, _, skel, _ in walked]) if self.skeleton else None
+                return True, None, skeleton, self.shape_of(node, items, walked, stateful)
             for p in order[start:]:
                 del flat.leaves[p]
                 flat.rank_local.discard(p)
                 flat.refs.pop(p, None)
             del order[start:]
-            node = _same_container(node, [(k, plain) for k, _, plain, _ in walked])
-        return False, node, self.leaf(path, node)
+            node = _same_container(node, [(k, plain) for k, _, plain, _, _ in walked])
+        return False, node, self.leaf(path, node), None
+
+    def shape_of(self, node: Any, items: list[tuple[Any, Any]], walked: list[tuple[Any, ...]],
+                 stateful: bool) -> Shape | None:
+        """The shape of a container holding a tensor, when recording."""
+        if not self.shape:
+            return None
+        keys = [k for k, _ in items]
+        children = [shape if shape is not None else TENSOR if type(v) in _PLAIN_TENSORS else OTHER
+                    for (_, v), (_, _, _, _, shape) in zip(items, walked)]
+        return Shape("dict" if isinstance(node, dict) else type(node), keys, list(map(type, keys)), children,
+                     stateful=stateful)
+
+    def rewalk(self, node: Any, path: Path, shape: Shape, values: list[Any], local: bool) -> None:
+        """:meth:`walk` of a node that had ``shape``: its leaves' values appended to ``values``."""
+        if shape.wrapped:
+            if not isinstance(node, RankLocal):
+                raise Changed(path)
+            node, local = node.value, True
+        if local:
+            self.flat.rank_local.add(path)
+        if shape.stateful:
+            if not is_stateful(node):
+                raise Changed(path)
+            sd = node.state_dict()
+            self.flat.statefuls[path] = (node, sd)
+            node = sd
+        if shape.kind == "dict" and isinstance(node, dict) and list(node) == shape.keys and \
+                list(map(type, node)) == shape.types:
+            children: Any = node.values()
+        elif type(node) is shape.kind and len(node) == len(shape.keys):
+            children = node
+        else:
+            raise Changed(path)
+        for k, v, child in zip(shape.keys, children, shape.children):
+            if child is TENSOR and type(v) in _PLAIN_TENSORS:
+                if local:
+                    self.flat.rank_local.add(path + (k,))
+                values.append(v)
+            elif type(child) is Shape:
+                self.rewalk(v, path + (k,), child, values, local)
+            elif child is OTHER:
+                has_tensor, plain, _, _ = self.walk(v, path + (k,), local)
+                if has_tensor and self.order[-1:] != [path + (k,)]:  # a tensor below, where a leaf was
+                    raise Changed(path + (k,))
+                values.append(plain)
+            else:
+                raise Changed(path + (k,))
 
     def leaf(self, path: Path, value: Any) -> Ref | None:
         self.flat.leaves[path] = value
@@ -257,39 +346,6 @@ def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
                 group["lr"] = lr
         for p, grad in saved_grads.items():
             p.grad = grad
-
-
-def view_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """Identity of a tensor view: two leaves with the same key hold the very same bytes."""
-    return t.device, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg()
-
-
-class ViewIndex:
-    """Tensor views seen so far, each with a value, found by :func:`view_key` identity. Views are
-    filed by data pointer and compared by whole key only when pointers meet (tied weights), so
-    each of thousands of distinct leaves costs one pointer read, not seven attribute reads."""
-
-    __slots__ = ("_by_pointer",)
-
-    def __init__(self) -> None:
-        self._by_pointer: dict[int, Any] = {}  # a (view, value) pair, or a list of them once pointers meet
-
-    def first(self, t: torch.Tensor, value: Any) -> Any:
-        """The value filed for ``t``'s view by an earlier call, or None after filing ``value`` for it."""
-        pointer = t.data_ptr()
-        filed = self._by_pointer.get(pointer)
-        if filed is None:
-            self._by_pointer[pointer] = (t, value)
-            return None
-        key = view_key(t)
-        for view, earlier in filed if type(filed) is list else (filed,):
-            if view_key(view) == key:
-                return earlier
-        if type(filed) is list:
-            filed.append((t, value))
-        else:
-            self._by_pointer[pointer] = [filed, (t, value)]
-        return None
 
 
 def rng_state() -> dict[str, Any]:

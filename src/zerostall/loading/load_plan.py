@@ -24,7 +24,8 @@ from ..format import codec, subclass
 from ..format.boxes import Box, local_box
 from ..format.layout import INTERNAL_KEYS, Entry, Manifest
 from ..options import KeyFilter, LoadOptions
-from ..state import Flat, Path, ViewIndex, flatten, fqn, init_optimizer_state
+from ..state import Flat, Path, flatten, fqn, init_optimizer_state
+from ..views import ViewIndex
 from .optimizers import key_by_name
 from .reader import resolve
 

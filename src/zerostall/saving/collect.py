@@ -19,7 +19,8 @@ from ..format import codec, subclass
 from ..format.boxes import local_box
 from ..format.layout import Entry, dtype_name
 from ..format.tensor_check import dtype_itemsize
-from ..state import Flat, Path, ViewIndex, flatten, fqn
+from ..state import Flat, Path, flatten, fqn
+from ..views import ViewIndex
 
 
 ChunkKey = tuple[str, tuple[int, ...]]  # a leaf's path key and a box's offsets: one chunk of the global state
