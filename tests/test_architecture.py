@@ -43,7 +43,8 @@ ORDER = [
     "integrations.deepspeed.values", "integrations.deepspeed.swap", "integrations.deepspeed.engine",
     "integrations.deepspeed.attach", "integrations.deepspeed",
     "integrations.lightning.values", "integrations.lightning.checkpoint_io",
-    "integrations.lightning.model_parallel", "integrations.lightning", "integrations",
+    "integrations.lightning.model_parallel", "integrations.lightning",
+    "integrations.torchtitan.hf", "integrations.torchtitan.manager", "integrations.torchtitan", "integrations",
     "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.copying", "cli.exporting", "cli.importing",
     "cli", "__main__", "__init__",
 ]

@@ -1,0 +1,301 @@
+"""torchtitan's checkpoint-manager contract over zerostall (zerostall.integrations.torchtitan), with
+torchtitan 0.3.0's own optimizer and lr-scheduler containers and model wrapper, on CPU with gloo."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed: ./dev setup installs it")
+
+import zerostall as zs  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
+from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer  # noqa: E402
+from torchtitan.components.optimizer.optimizer import ParamGroupConfig  # noqa: E402
+from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter  # noqa: E402
+from zerostall.integrations.torchtitan import ZeroStallCheckpointManager  # noqa: E402
+from zerostall.roots.root import step_tag  # noqa: E402
+
+
+class TrainState:
+    """What torchtitan's Trainer saves as ``train_state``."""
+
+    def __init__(self) -> None:
+        self.step, self.ntokens_seen = 0, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step, self.ntokens_seen = state_dict["step"], state_dict["ntokens_seen"]
+
+
+class Data(torch.utils.data.IterableDataset):
+    """Each data-parallel rank's own samples, in order."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __iter__(self) -> Any:
+        for i in range(10_000):
+            yield torch.full((8,), (i + 1000 * self.rank) / 1000)
+
+
+class Adapter(BaseStateDictAdapter):
+    """A model's HF key mapping, as torchtitan's models define one."""
+
+    fqn_to_index_mapping = None
+
+    def __init__(self, model_config: Any = None, hf_assets_path: str | None = None) -> None:
+        self.hf_assets_path = hf_assets_path
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {f"model.layers.{k}": v for k, v in state_dict.items()}
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {k.removeprefix("model.layers."): v for k, v in hf_state_dict.items()}
+
+    def get_hf_storage_reader(self, path: str, from_quantized: bool = False) -> Any:
+        raise NotImplementedError
+
+
+class Run:
+    """A small model, torchtitan's optimizer and scheduler containers, its train state, and the manager."""
+
+    def __init__(self, folder: str, base: str = "", sd_adapter: Any = None, fsdp: bool = False, **config: Any) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.fsdp = fsdp
+        if fsdp:  # torchtitan's data parallelism: FSDP2, parameters sharded as DTensors
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for layer in (self.model[0], self.model[2], self.model):
+                fully_shard(layer, mesh=mesh)
+        self.optim = OptimizersContainer(OptimizersContainer.Config(
+            param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})],
+            implementation="for-loop"), model_parts=[self.model])
+        self.sched = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.optim, training_steps=20)
+        self.train = TrainState()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.loader = ParallelAwareDataloader(Data(rank), rank, world, batch_size=4)  # torchtitan's, per dp rank
+        self.batches: Any = None
+        cfg = ZeroStallCheckpointManager.Config(folder=folder, **{"enable": True, "interval": 2, **config})
+        self.ckpt = cfg.build(dataloader=self.loader, model_parts=[self.model], optimizers=self.optim,
+                              lr_schedulers=self.sched, states={"train_state": self.train}, sd_adapter=sd_adapter,
+                              base_folder=base)
+
+    def steps(self, first: int, last: int, total: int) -> list[float]:
+        losses = []
+        self.batches = self.batches or iter(self.loader)  # after load(): from the restored position
+        for step in range(first, last + 1):
+            x = next(self.batches) + torch.randn(4, 8)  # and the global RNG, restored with the checkpoint
+            loss = self.model(x).square().mean()
+            loss.backward()
+            if dist.is_initialized() and not self.fsdp:  # replicas stay equal, as data parallelism keeps them
+                for p in self.model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= dist.get_world_size()
+            self.ckpt.maybe_wait_for_staging()
+            self.optim.step()
+            self.sched.step()
+            self.optim.zero_grad()
+            self.train.step, self.train.ntokens_seen = step, self.train.ntokens_seen + 32
+            self.ckpt.save(step, last_step=step == total)
+            losses.append(loss.item())
+        return losses
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"model": {k: local(v) for k, v in self.model.state_dict().items()},
+                "optim": {k: local(v) for k, v in self.optim.state_dict().items()},
+                "sched": self.sched.state_dict(), "train": self.train.state_dict(),
+                "lr": [g["lr"] for o in self.optim.optimizers for g in o.param_groups]}
+
+
+def local(value: Any) -> Any:
+    """A copy of this rank's part of a tensor (its shard, for a DTensor)."""
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def resume_bit_exact(base: str, async_mode: str, fsdp: bool = False) -> bool:
+    """Runs 6 steps straight, then 4 steps, a fresh process state, ``load()`` and 2 more: the same
+    losses and the same model, optimizer, scheduler and train state at the end."""
+    straight = Run("straight", base, async_mode=async_mode, last_save_model_only=False, fsdp=fsdp)
+    losses = straight.steps(1, 6, 6)
+    expected = straight.snapshot()
+    straight.ckpt.close()
+
+    first = Run("resumed", base, async_mode=async_mode, last_save_model_only=False, fsdp=fsdp)
+    assert first.ckpt.load() is False  # nothing saved yet: a fresh start
+    head = first.steps(1, 4, 6)
+    first.ckpt.close()
+    torch.manual_seed(123)  # the checkpoint's RNG states must win
+    second = Run("resumed", base, async_mode=async_mode, last_save_model_only=False, fsdp=fsdp)
+    assert second.ckpt.load(step=-1) is True
+    assert second.train.step == 4
+    tail = second.steps(5, 6, 6)
+    second.ckpt.close()
+    return head + tail == losses and same(second.snapshot(), expected)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("async_mode", ["async", "disabled"])
+def test_a_resume_is_bit_exact_on_gloo_ranks(ranks, tmp_path, world, async_mode):
+    assert ranks(world).run(resume_bit_exact, str(tmp_path), async_mode, timeout=240) == [True] * world
+
+
+@pytest.mark.parametrize("async_mode", ["async", "disabled"])
+def test_an_fsdp_sharded_resume_is_bit_exact_on_2_ranks(ranks, tmp_path, async_mode):
+    assert ranks(2).run(resume_bit_exact, str(tmp_path), async_mode, True, timeout=240) == [True, True]
+
+
+def retention(base: str) -> list[list[str]]:
+    """Saves every step with keep_latest_k=2, asynchronously: the two newest stay."""
+    run = Run("ckpt", base, interval=1, keep_latest_k=2, async_mode="async", last_save_model_only=False)
+    run.steps(1, 5, 5)
+    run.ckpt.maybe_wait_for_saving()  # on rank 0, which deletes, retention has run too
+    if dist.is_initialized():
+        dist.barrier()
+    tags = [tag for tag, _ in run.ckpt.manager.checkpoints()]
+    run.ckpt.close()
+    return [tags, sorted(n for n in os.listdir(os.path.join(base, "ckpt")) if n.startswith("step"))]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_keep_latest_k_keeps_the_newest_k(ranks, tmp_path, world):
+    kept = [step_tag(4), step_tag(5)]
+    assert ranks(world).run(retention, str(tmp_path), timeout=240) == [[kept, kept]] * world
+
+
+def test_an_async_save_is_committed_once_waited_for(tmp_path):
+    run = Run("ckpt", str(tmp_path), async_mode="async", last_save_model_only=False)
+    run.steps(1, 2, 10)
+    assert run.ckpt.save_future is not None
+    run.ckpt.maybe_wait_for_saving()
+    assert run.ckpt.save_future is None
+    with zs.open_latest(str(tmp_path / "ckpt")) as ck:
+        assert ck.step == 2
+        assert ck.verify() > 0
+    run.ckpt.close()
+
+
+def test_load_step_names_a_step_or_raises(tmp_path):
+    run = Run("ckpt", str(tmp_path), interval=2, async_mode="disabled", last_save_model_only=False)
+    run.steps(1, 4, 10)
+    at_2 = None
+    with zs.open(str(tmp_path / "ckpt" / step_tag(2))) as ck:
+        at_2 = ck.read("model.0.weight")
+    with pytest.raises(zs.CheckpointNotFoundError, match="load_step=3"):
+        run.ckpt.load(step=3)
+    assert run.ckpt.load(step=2) is True
+    assert run.train.step == 2 and torch.equal(run.model[0].weight, at_2)
+    run.ckpt.close()
+
+
+def test_a_disabled_manager_does_nothing(tmp_path):
+    run = Run("ckpt", str(tmp_path), enable=False)
+    assert run.ckpt.save(2) is False and run.ckpt.load() is False
+    run.ckpt.close()
+    assert not (tmp_path / "ckpt").exists()
+
+
+def hf_export(base: str) -> bool:
+    """The last step's model, cast to bfloat16, as safetensors under the adapter's names; read back
+    by ``initial_load_in_hf`` into a fresh run."""
+    tmp_path = Path(base)
+    run = Run("ckpt", base, sd_adapter=Adapter(), async_mode="async", last_save_model_only=True,
+              last_save_in_hf=True, export_dtype="bfloat16")
+    run.steps(1, 3, 3)
+    weights = load_file(str(tmp_path / "hf" / "step-3" / "model.safetensors"))
+    expected = {f"model.layers.{k}": v.to(torch.bfloat16) for k, v in run.model.state_dict().items()}
+    assert same(weights, expected)
+    assert not (tmp_path / "hf" / "step-3.zerostall-staging").exists()
+    with zs.open_latest(str(tmp_path / "ckpt")) as ck:  # the last checkpoint holds the model only
+        assert ck.step == 3
+        assert {k for k in ck.entries if not k.startswith("__rng__")} == {f"model.{k}" for k in run.model.state_dict()}
+    run.ckpt.close()
+
+    fresh = Run("fresh", base, sd_adapter=Adapter(), initial_load_in_hf=True,
+                initial_load_path=str(tmp_path / "hf" / "step-3"))
+    assert fresh.ckpt.load() is True
+    assert same({k: v.to(torch.bfloat16) for k, v in fresh.model.state_dict().items()},
+                {k.removeprefix("model.layers."): v for k, v in expected.items()})
+    fresh.ckpt.close()
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_last_step_exports_hf_safetensors_through_the_sd_adapter(ranks, tmp_path, world):
+    assert ranks(world).run(hf_export, str(tmp_path), timeout=240) == [True] * world
+
+
+def test_saves_and_loads_on_s3(s3_url):
+    run = Run(s3_url, async_mode="async", interval=2, keep_latest_k=2, last_save_model_only=False)
+    run.steps(1, 6, 10)
+    run.ckpt.maybe_wait_for_saving()
+    assert [tag for tag, _ in run.ckpt.manager.checkpoints()] == [step_tag(4), step_tag(6)]
+    expected = run.snapshot()
+    run.ckpt.close()
+    again = Run(s3_url, async_mode="async", last_save_model_only=False)
+    assert again.ckpt.load() is True
+    assert same(again.snapshot(), expected)
+    again.ckpt.close()
+
+
+def test_initial_load_path_reads_a_zerostall_or_a_torchtitan_dcp_checkpoint(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    source = Run("source", str(tmp_path), async_mode="disabled", last_save_model_only=False)
+    source.steps(1, 4, 10)
+    expected = source.snapshot()
+    source.ckpt.close()
+    flat = {**source.model.state_dict(), "optimizer": source.optim.state_dict(),
+            "lr_scheduler": source.sched.state_dict(), "train_state": source.train.state_dict(),
+            "dataloader": source.loader.state_dict()}
+    dcp.save(flat, checkpoint_id=str(tmp_path / "dcp" / "step-4"))  # torchtitan's DCP manager's layout
+
+    for path, allow_pickle in ((tmp_path / "source" / step_tag(4), False), (tmp_path / "dcp" / "step-4", True)):
+        fresh = Run(f"fresh-{path.name}", str(tmp_path), initial_load_path=str(path), initial_load_model_only=False,
+                    allow_pickle=allow_pickle)
+        assert fresh.ckpt.load() is True
+        got = fresh.snapshot()
+        assert same(got["model"], expected["model"]) and same(got["optim"], expected["optim"])
+        assert got["sched"] == expected["sched"] and got["train"] == expected["train"]
+        fresh.ckpt.close()
+
+
+def test_a_model_only_checkpoint_restores_the_model_only(tmp_path):
+    run = Run("ckpt", str(tmp_path), async_mode="async", last_save_model_only=True)
+    run.steps(1, 3, 3)
+    expected = run.snapshot()["model"]
+    run.ckpt.close()
+    again = Run("ckpt", str(tmp_path), async_mode="async")
+    assert again.ckpt.load() is True
+    assert same(again.snapshot()["model"], expected) and again.train.step == 0
+
+
+def test_exclude_from_loading_must_name_a_state_key(tmp_path):
+    run = Run("ckpt", str(tmp_path), exclude_from_loading=["dataset"])
+    with pytest.raises(zs.UnsupportedValueError, match="dataset"):
+        run.ckpt.load()
+    run.ckpt.close()
