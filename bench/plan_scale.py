@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem as D
 from torch.distributed.checkpoint.storage import WriteResult
 
 from zerostall.format import codec
+from zerostall.gcpause import gc_paused
 from zerostall.format.layout import DEFAULT_BLOCK_SIZE, Chunk, Entry, FileItem, dump_json, load_json, safetensors_header
 from zerostall.format.manifest_check import max_manifest_bytes, parse_manifest
 from zerostall.loading.fetch import Fetcher
@@ -152,6 +153,13 @@ class Layout:
             offsets, sizes = box(self.layout, shape, tp, rank, self.ranks)
             out.append(Row(key, "tensor", "float32", shape, offsets, sizes, math.prod(sizes) * ITEMSIZE))
         return out
+
+
+def distinct_chunks(lay: Layout) -> int:
+    """The chunks of the global state (distinct boxes of every tensor, the python value's one), from the layout alone."""
+    boxes = {(shape, tp): len({box(lay.layout, shape, tp, r, lay.ranks) for r in range(lay.ranks)})
+             for _, _, shape, tp in lay.leaves if shape}
+    return sum(boxes[(shape, tp)] if shape else 1 for _, _, shape, tp in lay.leaves)
 
 
 def timed(fn: Callable[[], Any], reps: int = 1, budget: float = 20.0) -> tuple[Any, float]:
@@ -315,12 +323,15 @@ def dcp_plans(lay: Layout, structures: list[list[Row]]) -> list[DcpSavePlan]:
     return plans
 
 
-def dcp_stage(lay: Layout, structures: list[list[Row]], sample: list[int], reps: int, res: dict[str, Any]) -> None:
-    """DCP's global save plan, its pickled plans and metadata (with ``storage_data``) and its unpickling."""
+def dcp_stage(lay: Layout, structures: list[list[Row]], sample: list[int], reps: int, res: dict[str, Any],
+              timeout: float) -> None:
+    """DCP's global save plan, its pickled plans and metadata (with ``storage_data``) and its unpickling
+    (collection on, as DCP runs; each of the two parts under ``timeout``)."""
     plans = dcp_plans(lay, structures)
     res["local_plan_bytes"] = max(len(pickle.dumps(plans[r])) for r in sample)
     (global_plan, metadata), res["global_plan_s"] = timed(lambda: DefaultSavePlanner().create_global_plan(plans),
                                                           reps=reps)
+    deadline(timeout)
     res["global_plan_bytes"] = max(len(pickle.dumps(global_plan[r])) for r in sample)
     storage, results = {}, []
     for rank, plan in enumerate(global_plan):
@@ -352,27 +363,30 @@ def global_stages(layout: str, specs: list[Spec], n: int, after: int, sample: li
     stage = "rows"
     try:
         deadline(args.timeout)
-        structures = [lay.rows(r) for r in range(n)]
-        stage = "build_plan"
-        digests = [structure_digest(structures[r]) if r in sample else r for r in range(n)]
-        plan, zs["build_plan_s"] = timed(lambda: build_plan(structures, digests), reps=args.reps)
-        zs["chunks"], zs["entries"] = len(plan.holders), len(plan.entries)
-        zs["replica_payload"] = max(replica_payload(plan, structures[r]) for r in sample)
-        stage = "manifest"
-        deadline(args.timeout)
-        manifest = manifest_stage(lay, plan, structures, zs)
-        stage = "load"
-        deadline(args.timeout)
-        load_stage(lay, manifest, after, sample_ranks(after, len(sample)), zs.setdefault("load", {}))
-        del manifest, plan
+        with gc_paused():  # zerostall plans, assembles and parses with collection paused, as its save and load do
+            structures = [lay.rows(r) for r in range(n)]
+            stage = "build_plan"
+            digests = [structure_digest(structures[r]) if r in sample else r for r in range(n)]
+            plan, zs["build_plan_s"] = timed(lambda: build_plan(structures, digests), reps=args.reps)
+            zs["entries"] = len(plan.entries)
+            zs["replica_payload"] = max(replica_payload(plan, structures[r]) for r in sample)
+            stage = "manifest"
+            deadline(args.timeout)
+            manifest = manifest_stage(lay, plan, structures, zs)
+            stage = "load"
+            deadline(args.timeout)
+            load_stage(lay, manifest, after, sample_ranks(after, len(sample)), zs.setdefault("load", {}))
+            del manifest, plan
         gc.collect()
+        gc.freeze()  # the rows are the bench's, not DCP's: its collections walk only what DCP holds
         stage = "dcp"
         deadline(args.timeout)
-        dcp_stage(lay, structures, sample, args.reps, dcp)
+        dcp_stage(lay, structures, sample, args.reps, dcp, args.timeout)
     except StageTimeout as exc:
         res.setdefault("timeouts", []).append(f"{stage}: {exc}")
     finally:
         deadline(0)
+        gc.unfreeze()
 
 
 def run_layout(layout: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -391,14 +405,23 @@ def run_layout(layout: str, args: argparse.Namespace) -> dict[str, Any]:
         progress(f"{layout}: {n} x {rows} rows over --max-rows: global stages run at {fit} ranks, scaled by {n // fit}")
     after_fit = max(after * fit // n // TP * TP, TP) if layout != "fsdp" else max(after * fit // n, 1)
     global_stages(layout, specs, fit, after_fit, sample_ranks(fit, args.sample), args, res)
-    factor = n / fit
-    if fit != n:
-        for part, fields in (("zerostall", ("build_plan_s", "chunks", "assemble_s", "to_bytes_s", "manifest_bytes",
-                                            "parse_s", "record_bytes_total", "records_roundtrip_s")),
-                             ("dcp", ("global_plan_s", "metadata_bytes", "metadata_unpickle_s"))):
+    zs["chunks"] = distinct_chunks(lay)
+    if fit != n:  # work over every rank's rows grows with N x rows, the rest with the chunks
+        by_rows, by_chunks = n / fit, zs["chunks"] / distinct_chunks(Layout(layout, specs, fit))
+        for part, fields, factor in (("zerostall", ("build_plan_s",), by_rows), ("dcp", ("global_plan_s",), by_rows),
+                                     ("zerostall", ("assemble_s", "to_bytes_s", "manifest_bytes", "parse_s",
+                                                    "record_bytes_total", "records_roundtrip_s"), by_chunks),
+                                     ("dcp", ("metadata_bytes", "metadata_unpickle_s"), by_chunks)):
             for f in fields:
                 if f in res[part]:
                     res[part][f] = res[part][f] * factor
+        load = res["zerostall"].get("load", {})
+        if "route_s" in load:  # each rank routes its boxes over every chunk of the entries it loads
+            load["route_s"] *= by_chunks
+        if "manifest_bytes" in res["zerostall"]:
+            size = int(res["zerostall"]["manifest_bytes"])
+            res["zerostall"]["over_reader_limit"] = size > max_manifest_bytes()
+            res["zerostall"]["load_broadcast"] = {"send_root": 9 + size, "recv": 9 + size}
     zs = res["zerostall"]
     gather = gathered(zs["gather_payload"], n)
     replicas = gathered(zs.get("replica_payload", 0), n)  # per rank: as many replicated chunks at any N
@@ -433,9 +456,10 @@ def show(res: dict[str, Any]) -> None:
     t = zs["traffic"]
     print(f"  zerostall traffic/rank: send {t['send'] * mb:.2f} MB, recv {t['recv'] * mb:.1f} MB")
     if "global_plan_s" in dcp:
+        print(f"  dcp: create_global_plan {dcp['global_plan_s']:.2f} s, local plan {dcp['local_plan_bytes'] * mb:.2f} MB")
+    if "traffic" in dcp:
         t = dcp["traffic"]
-        print(f"  dcp: create_global_plan {dcp['global_plan_s']:.2f} s, local plan {dcp['local_plan_bytes'] * mb:.2f} MB,"
-              f" metadata {dcp['metadata_bytes'] * mb:.1f} MB (unpickle {dcp['metadata_unpickle_s']:.2f} s)")
+        print(f"  dcp: metadata {dcp['metadata_bytes'] * mb:.1f} MB (unpickle {dcp['metadata_unpickle_s']:.2f} s)")
         print(f"  dcp traffic/rank: send {t['send'] * mb:.2f} MB, recv {t['recv'] * mb:.1f} MB, "
               f"coordinator recv {t['coordinator_recv'] * mb:.1f} MB")
     for line in res.get("timeouts", []):
