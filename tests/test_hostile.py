@@ -502,6 +502,8 @@ def test_values_nested_as_deep_as_allowed_round_trip(tmp_path):
         assert ck.metadata["m"] == nested(MAX_DEPTH - 1)
     with pytest.raises(zs.UnsupportedValueError, match=f"more than {MAX_DEPTH}"):
         zs.save({"t": torch.ones(2)}, tmp_path / "ck2", metadata={"m": nested(MAX_DEPTH)})
+    with pytest.raises(zs.UnsupportedValueError, match=f"more than {MAX_DEPTH}"):  # scalars at the bottom too
+        zs.save({"t": torch.ones(2), "x": nested(MAX_DEPTH)}, tmp_path / "ck3")
     assert math.isfinite(zs.verify(tmp_path / "ck"))
 
 

@@ -165,8 +165,9 @@ class _Flattener:
         if is_container(node) and len(node) > 0:
             start = len(order)
             items = list(node.items()) if isinstance(node, dict) else list(enumerate(node))
-            if _SCALARS.issuperset(map(type, node.values() if isinstance(node, dict) else node)):
-                node = _same_container(node, items)  # a container of scalars: one value, as walking it would find
+            scalars = _SCALARS.issuperset(map(type, node.values() if isinstance(node, dict) else node))
+            if scalars and len(path) < MAX_DEPTH:  # a container of scalars: one value, as walking it would find
+                node = _same_container(node, items)
                 return False, node, self.leaf(path, node), None
             walked = [(k, *self.walk(v, path + (k,), local)) for k, v in items]
             if any(has_tensor for _, has_tensor, _, _, _ in walked):
