@@ -444,6 +444,7 @@ def start_then_roll_back_without_the_lease(root: str) -> list[str]:
     try:
         for step in (1, 2):
             mgr.save(step, part(step))
+        mgr.wait()  # step 2's retention done while this process still holds the lease (it would fail after)
         dist.barrier()
         if dist.get_rank() == 0:
             lease = json.loads((Path(root) / LEASE_NAME).read_text())
