@@ -181,7 +181,7 @@ class Saves(L.Callback):
                  f"done {done:7.3f} s  +fsync {fsync:6.3f} s  {nbytes / 2**30:.2f} GiB")
 
 
-def check(name: str, io: Any, path: str, expected: str) -> bool:
+def check(io: Any, path: str, expected: str) -> bool:
     """Whether the checkpoint at path, loaded by its own plugin, holds the state it was saved from."""
     loaded = io.load_checkpoint(path, weights_only=False)
     return digest(loaded) == expected
@@ -270,7 +270,7 @@ def main() -> None:
             io.teardown()
             if name in saves.last:
                 try:
-                    loads[name] = check(name, io, *saves.last[name])
+                    loads[name] = check(io, *saves.last[name])
                 except Exception as exc:  # noqa: BLE001
                     saves.errors[f"{name}_load"] = describe(exc)
                     loads[name] = False
