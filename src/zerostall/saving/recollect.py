@@ -2,16 +2,16 @@
 
 An :class:`~zerostall.saving.asynchronous.AsyncSaver` saves the same structure over and over. The
 first save collects in full (:func:`~zerostall.saving.collect.collect`) and this module keeps what
-depends only on the structure: its shape (:class:`~zerostall.state.Shape`), each tensor leaf's
-fingerprint (its type, dtype, shape, device and layout), the keys, rows, entry names and file names,
-and the structure's digest. A later save walks the state again along that shape
+depends only on the structure: its shape (:class:`~zerostall.state.Shape`) and skeleton, each
+tensor leaf's fingerprint (its type, dtype, shape, device and layout), the keys, rows, entry names
+and file names, and the structure's digest. A later save walks the state again along that shape
 (:func:`~zerostall.state.rewalk`: containers checked by kind, keys and key types, a plain tensor by
-a type test), compares fingerprints, and on a match
-builds the same :class:`~zerostall.saving.collect.Collected` the full collection would, without the
-per-leaf checks, key encodings and names; python values are encoded anew each time. Anything it
-does not hold (a tensor subclass, a DTensor, tensors sharing memory, a key that is not a str or an
-int) is collected in full.
-No tensor is kept between saves: only fingerprints (a data pointer is a number, not a reference).
+a type test), compares fingerprints, and on a match builds the same
+:class:`~zerostall.saving.collect.Collected` the full collection would, without the per-leaf
+checks, key encodings and names; python values are encoded anew each time. Anything it does not
+hold (a tensor subclass, a DTensor, tensors sharing memory, a key that is not a str or an int) is
+collected in full. No tensor is kept between saves; the skeleton is shared by the saves of one
+saver, which never overlap (each commit numbers its refs the same way).
 """
 
 from __future__ import annotations
