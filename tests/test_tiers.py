@@ -492,3 +492,14 @@ def test_a_step_is_kept_until_the_newer_one_is_replicated_everywhere(ranks, tmp_
     out = ranks(4).run(replication_of_step_10_held_back, str(tmp_path / "root"), str(tmp_path / "nodes"))
     for holdings in out:
         assert holdings[5] == [0, 1, 2, 3]
+
+
+def test_a_local_tier_inside_the_root_is_refused_before_anything_is_written(tmp_path):
+    """The tier's folder inside the root worked once, then the restarted manager refused the root
+    (files that are not checkpoints): refused up front now, naming both."""
+    root = tmp_path / "root"
+    with pytest.raises(zs.InvalidPathError, match="inside the checkpoint root"):
+        zs.CheckpointManager(str(root), local=zs.LocalTier(str(root / "local"), every=1, replicas=1))
+    assert not root.exists() or not any(root.iterdir())
+    with zs.CheckpointManager(str(root), local=zs.LocalTier(str(tmp_path / "node"), every=1, replicas=1)) as mgr:
+        mgr.save(1, single_state(1.0))  # beside the root: fine

@@ -37,7 +37,7 @@ from .saving.pipeline import SaveInfo, checked_step, persist, prepare
 from .saving.plan import SavePlanner
 from .state import RankLocal, rank_local, rng_state, set_rng_state
 from .storage import Storage, storage_for
-from .tiers.local import LocalTier
+from .tiers.local import LocalTier, check_outside
 from .tiers.tier import NodeTier
 
 log = logging.getLogger(__name__)
@@ -84,9 +84,11 @@ class CheckpointManager:
         """What the last :meth:`restore` restored: step, source(s), checkpoints passed over as damaged."""
         self._save_options = self.save_options
         self.loaders = LoaderGuard()  # data loaders' draws from the global RNG kept in step with a resume
-        self.group.agree(functools.partial(self._take_root, lease_ttl))  # a refusal is raised on every rank
         if local is not None and not isinstance(local, LocalTier):
             raise TypeError(f"local must be a zerostall.LocalTier, not {type(local).__name__}")
+        if local is not None:
+            check_outside(local, self.root)
+        self.group.agree(functools.partial(self._take_root, lease_ttl))  # a refusal is raised on every rank
         self.tier = NodeTier(local, self.group, self.root) if local is not None else None
         self._due: tuple[int, bool, bool] | None = None  # should_save's last answer: step, persistent, local
         self._sharing: SaveHandle | None = None  # the root's save copying from the local tier's capture

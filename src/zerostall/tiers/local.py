@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InsufficientSpaceError
+from ..errors import InsufficientSpaceError, InvalidPathError
 from ..format.layout import MANIFEST_NAME
 from ..storage.base import free_bytes
 
@@ -38,7 +38,7 @@ class LocalTier:
 
     directory: str
     """A directory on this node (a RAM disk such as ``/dev/shm/zs``, or local NVMe), the same path on
-    every node; it outlives the trainer, so a restarted job restores from it."""
+    every node, outside the checkpoint root; it outlives the trainer, so a restarted job restores from it."""
 
     every: int = 10
     """Save to this tier every ``every`` steps (``should_save`` is True at these steps too)."""
@@ -71,6 +71,16 @@ class LocalTier:
                              f"not {self.run_id!r}")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ValueError(f"LocalTier.timeout_s must be a number > 0, not {self.timeout_s!r}")
+
+
+def check_outside(tier: LocalTier, root: str) -> None:
+    """Refuse a tier directory inside the persistent root (a local path): the root holds only
+    checkpoints, so the next manager on it would refuse to start."""
+    inner, outer = os.path.realpath(tier.directory), os.path.realpath(root)
+    if "://" not in root and os.path.commonpath([inner, outer]) == outer:
+        raise InvalidPathError(f"LocalTier.directory {tier.directory} lies inside the checkpoint root {root}, which "
+                               "holds only checkpoints (a restarted manager would refuse it): give the local tier a "
+                               "directory of its own, such as /dev/shm/zs or one on local NVMe")
 
 
 def run_id_for(persistent: str) -> str:
