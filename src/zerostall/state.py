@@ -98,7 +98,7 @@ class Shape:
 
 
 TENSOR, OTHER = 0, 1
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # leaves a re-walk takes by a type test
 
 
 class Changed(Exception):
@@ -187,7 +187,7 @@ class _Flattener:
         if not self.shape:
             return None
         keys = [k for k, _ in items]
-        children = [shape if shape is not None else TENSOR if type(v) in _PLAIN_TENSORS else OTHER
+        children = [shape if shape is not None else TENSOR if type(v) in PLAIN_TENSORS else OTHER
                     for (_, v), (_, _, _, _, shape) in zip(items, walked)]
         return Shape("dict" if isinstance(node, dict) else type(node), keys, list(map(type, keys)), children,
                      stateful=stateful)
@@ -214,7 +214,7 @@ class _Flattener:
         else:
             raise Changed(path)
         for k, v, child in zip(shape.keys, children, shape.children):
-            if child is TENSOR and type(v) in _PLAIN_TENSORS:
+            if child is TENSOR and type(v) in PLAIN_TENSORS:
                 if local:
                     self.flat.rank_local.add(path + (k,))
                 values.append(v)

@@ -24,11 +24,10 @@ from typing import Any
 import torch
 
 from ..format.layout import Entry
-from ..state import Changed, Path, Shape, flatten, fqn, rewalk
+from ..state import PLAIN_TENSORS, Changed, Path, Shape, flatten, fqn, rewalk
 from .collect import Collected, Row, WriteItem, collect, encode_value, optimizers_in, plain_source
 from .plan import structure_digest
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _META = operator.attrgetter("dtype", "shape", "device", "layout", "is_nested")
 
 
@@ -110,7 +109,7 @@ def _fingerprints(values: list[Any]) -> tuple[list[Any], bool]:
 
 def _learn(out: Collected, flat: Any, paths: list[Path], values: list[Any], prints: list[Any]) -> _Template | None:
     """The template of a full collection, or None when it holds what a template does not."""
-    if flat.shape is None or out.shards or any(isinstance(v, torch.Tensor) and type(v) not in _PLAIN_TYPES
+    if flat.shape is None or out.shards or any(isinstance(v, torch.Tensor) and type(v) not in PLAIN_TENSORS
                                            for v in values):
         return None
     if any(t is not str and t is not int for t in map(type, itertools.chain.from_iterable(paths))):
