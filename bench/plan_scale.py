@@ -69,7 +69,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from zerostall.format import codec
 from zerostall.gcpause import gc_paused
-from zerostall.format.layout import DEFAULT_BLOCK_SIZE, Chunk, Entry, FileItem, dump_json, load_json, safetensors_header
+from zerostall.format.layout import DEFAULT_BLOCK_SIZE, Chunk, Entry, dump_json, load_json
+from zerostall.format.safetensors_file import FileItem, safetensors_header
 from zerostall.format.manifest_check import max_manifest_bytes, parse_manifest
 from zerostall.loading.fetch import Fetcher
 from zerostall.loading.load_plan import LoadPlanner

@@ -201,6 +201,12 @@ class FaultyStorage(Storage):
         return self._run("child", name, lambda: FaultyStorage(self.inner.child(name), parent=self,
                                                               prefix=f"{self._prefix}{name}/"))
 
+    def sibling(self, name: str) -> FaultyStorage:
+        """The wrapped location beside this one (another checkpoint of the root): faults and log shared."""
+        parent = self._prefix.rstrip("/").rpartition("/")[0]
+        return self._run("sibling", name, lambda: FaultyStorage(self.inner.sibling(name), parent=self,
+                                                                prefix=f"{parent}/{name}/" if parent else f"{name}/"))
+
     def children(self) -> list[str]:
         return self._run("children", "", self.inner.children)
 

@@ -15,14 +15,15 @@ ORDER = [
     # shared basics that import nothing above them
     "errors", "memory", "devices", "gcpause", "balance",
     # format/: the on-disk contract, no I/O
-    "format.codec", "format.checksums", "format.boxes", "format.layout", "format.subclass",
-    "format.tensor_check", "format.value_check", "format.manifest_check", "format",
+    "format.codec", "format.checksums", "format.boxes", "format.layout", "format.safetensors_file", "format.subclass",
+    "format.tensor_check", "format.value_check", "format.manifest_check", "format.retained", "format",
     # storage/: one backend a module; a checkpoint's location (what may be written, the commit step)
     "storage.base", "storage.local", "storage.s3client", "storage.s3reads", "storage.s3", "storage", "storage.location",
+    "storage.references",
     # shared basics over storage: the process group, the state tree, the options
     "doorbell", "collectives", "views", "state", "options",
     # saving/: collect → plan → write → commit, run in order by pipeline; the asynchronous saver over it
-    "saving.collect", "saving.plan", "saving.recollect", "saving.write", "saving.commit", "saving.pipeline",
+    "saving.collect", "saving.plan", "saving.recollect", "saving.write", "saving.incremental", "saving.commit", "saving.pipeline",
     "saving.capture", "saving.writer_process", "saving.asynchronous", "saving",
     # loading/: open (ours or foreign) → reader (bytes, checked) → load plan → fetch (and broadcast) →
     # verification, behind the Checkpoint front; tensor streams for exporters
@@ -30,7 +31,7 @@ ORDER = [
     "loading.optimizers", "loading.load_plan", "loading.fetch", "loading.broadcast", "loading.verification",
     "loading.checkpoint", "loading.tensor_stream", "loading",
     # roots/: checkpoints by step under a root
-    "roots.retention", "roots.root", "roots.naming", "roots.restore", "roots.schedule", "roots.lease", "roots.loaders", "roots",
+    "roots.retention", "roots.sharing", "roots.root", "roots.naming", "roots.restore", "roots.schedule", "roots.lease", "roots.loaders", "roots.increments", "roots",
     # interop/: checkpoints leaving zerostall
     "interop.copying", "interop.torch_file", "interop.export_files", "interop.exporting", "interop",
     # the public functions, then the manager over them

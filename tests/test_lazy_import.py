@@ -153,7 +153,8 @@ def test_every_public_name_is_its_module_s() -> None:
 def test_the_safetensors_dtype_table_names_torch_dtypes() -> None:
     """The table gives the manifest's dtype names (no torch at import): each is a real dtype's, and
     the safetensors name written for it is the one read back."""
-    from zerostall.format.layout import SAFETENSORS_DTYPES, dtype_from_name, dtype_name, safetensors_dtype
+    from zerostall.format.layout import SAFETENSORS_DTYPES, dtype_from_name, dtype_name
+    from zerostall.format.safetensors_file import safetensors_dtype
 
     assert all(dtype_name(dtype_from_name(name)) == name for name in SAFETENSORS_DTYPES.values())
     assert safetensors_dtype(torch.bfloat16) == "BF16" and safetensors_dtype(torch.complex64) is None

@@ -12,6 +12,7 @@ import threading
 from typing import Any, Callable, Mapping
 
 from .collectives import Group
+from .errors import UnsupportedValueError
 from .gcpause import gc_paused
 from .interop.exporting import ExportInfo, ExportOptions, export_checkpoint
 from .loading.checkpoint import Checkpoint
@@ -37,7 +38,7 @@ def save(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOption
     are :class:`SaveOptions` fields (threads, fsync, allow_pickle, block_size, commit_timeout).
     An asynchronous save of the process-wide saver still in flight is waited for first.
     """
-    options = SaveOptions.of(options, overrides)
+    options = _self_contained(SaveOptions.of(options, overrides))
     if _default is not None and not _default._closed:
         _default.wait()
     return persist(prepare(state, path, options, process_group=process_group, step=step, metadata=metadata))
@@ -121,7 +122,16 @@ def async_save(state: Any, path: str | os.PathLike[str] | Storage, options: Save
                **overrides: Any) -> SaveHandle:
     """Start saving ``state`` with the process-wide saver (drained at exit) and return its
     :class:`SaveHandle` at once; see :class:`AsyncSaver` and :func:`save`."""
-    handle = default_saver().save(state, path, options, process_group=process_group, step=step, metadata=metadata,
-                                  **overrides)
+    options = _self_contained(SaveOptions.of(options, overrides))
+    handle = default_saver().save(state, path, options, process_group=process_group, step=step, metadata=metadata)
     assert handle is not None
     return handle
+
+
+def _self_contained(options: SaveOptions) -> SaveOptions:
+    """``options``, unless they ask for an incremental save: one needs a root of earlier checkpoints."""
+    if options.incremental:
+        raise UnsupportedValueError("incremental=True refers to the bytes of earlier checkpoints of a root: use "
+                                    "CheckpointManager(root, incremental=True); zs.save and zs.async_save write "
+                                    "self-contained checkpoints")
+    return options

@@ -26,6 +26,7 @@ from .format.layout import RNG_KEY
 from .gcpause import gc_paused
 from .loading.checkpoint import Checkpoint
 from .options import LoadOptions, SaveOptions
+from .roots.increments import Increments
 from .roots.lease import DEFAULT_TTL, WriterLease
 from .roots.loaders import LoaderGuard
 from .roots.restore import NOTHING, RestoreInfo, newest_first, other_world, restore_first_whole
@@ -83,6 +84,7 @@ class CheckpointManager:
         self.last_restore: RestoreInfo = NOTHING
         """What the last :meth:`restore` restored: step, source(s), checkpoints passed over as damaged."""
         self._save_options = self.save_options
+        self.increments = Increments(self.save_options)  # with incremental: what the next save refers to
         self.loaders = LoaderGuard()  # data loaders' draws from the global RNG kept in step with a resume
         if local is not None and not isinstance(local, LocalTier):
             raise TypeError(f"local must be a zerostall.LocalTier, not {type(local).__name__}")
@@ -153,20 +155,22 @@ class CheckpointManager:
         metadata = {"metrics": metrics, "tag": tag}
         self.schedule.saved()
         self._pinned.add(step)
+        reuse = self.increments.base(step, tag)
         if self.saver is None:
             try:
                 with gc_paused():  # as zs.save: no cyclic collections over the per-leaf objects
                     prepared = prepare(wrapped, storage, self._save_options, process_group=self.process_group,
-                                       step=step, metadata=metadata)
+                                       step=step, metadata=metadata, reuse=reuse)
                     if shared is not None:
                         shared.lend(prepared.items, [None] * len(prepared.items))
                     info = persist(prepared)
             finally:
                 self._pinned.discard(step)
+            self.increments.committed(info)
             self._commit(tag, step)
             return info
         handle = self.saver.save(wrapped, storage, self._save_options, process_group=self.process_group, step=step,
-                                 metadata=metadata, share=shared)
+                                 metadata=metadata, share=shared, reuse=reuse)
         assert handle is not None
         self._sharing = handle if shared is not None else None
         self._committing = committing = Future()
@@ -206,6 +210,7 @@ class CheckpointManager:
         try:
             self._pinned.discard(step)
             if fut.unseen_exception() is None:  # a failure stays the user's to see
+                self.increments.committed(fut.unseen_result())
                 self._commit(tag, step)
         except BaseException as exc:
             committing.set_exception(exc)  # raised once, by the next wait(), save() or close()
@@ -344,6 +349,7 @@ class CheckpointManager:
         for tag, rules in retained(self.checkpoint_root.checkpoints(), self.policy, self._pinned).items():
             if not rules:
                 self.checkpoint_root.delete(tag)
+        self.checkpoint_root.collect_retained()
 
     def wait_staged(self) -> None:
         """Block until the asynchronous save in flight (if any) has captured the state: call it

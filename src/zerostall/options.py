@@ -97,9 +97,21 @@ class SaveOptions(_Options):
     """Seconds the coordinator waits for every rank's data (and the other ranks for the commit)
     before the save fails everywhere; a dead rank fails the save after this long."""
 
+    incremental: bool = False
+    """Under a ``CheckpointManager``: a chunk whose bytes equal (by checksum) those of the same chunk
+    in the manager's last committed save is not written again; the manifest refers to its bytes
+    where they lie, in that root (format version 3). A plain ``zs.save`` has no root to refer to
+    and refuses it."""
+
+    full_save_every: int | None = None
+    """With ``incremental``: every N-th save of the manager writes every chunk again (a full save),
+    so references stop reaching back to old steps; None: only the first save after start-up."""
+
     def __post_init__(self) -> None:
         self._check_threads()
-        self._check_bools("fsync", "allow_pickle", "overwrite")
+        self._check_bools("fsync", "allow_pickle", "overwrite", "incremental")
+        self._check("full_save_every", self.full_save_every is None
+                    or (_is_int(self.full_save_every) and self.full_save_every >= 1), "None or an int >= 1")
         self._check("before_commit", self.before_commit is None or callable(self.before_commit), "None or a callable")
         self._check("block_size", _is_int(self.block_size) and 1 <= self.block_size <= MAX_BLOCK_SIZE,
                     f"an int from 1 to {MAX_BLOCK_SIZE} (1 GiB)")

@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import json
 import re
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
@@ -28,10 +27,10 @@ if TYPE_CHECKING:  # reading a manifest needs no torch: only dtype_from_name imp
     import torch
 
 FORMAT_NAME = "zerostall"
-FORMAT_VERSION = 2  # the newest version this zerostall reads; a manifest is written with the oldest that holds it
+FORMAT_VERSION = 3  # the newest version this zerostall reads; a manifest is written with the oldest that holds it
 SUBCLASS_VERSION = 2  # the first version with "subclass" entries (tensor subclasses stored as their inner tensors)
+REFS_VERSION = 3  # the first version whose chunks may lie in data files of other checkpoints of the root ("refs")
 MANIFEST_NAME = "manifest.json"
-DATA_ALIGNMENT = 4096
 DEFAULT_BLOCK_SIZE = 4 << 20
 RNG_KEY = "__rng__"  # the top-level key under which a CheckpointManager saves every rank's RNG states
 INTERNAL_KEYS = frozenset({RNG_KEY})  # top-level keys zerostall adds for itself: never a user's unexpected keys
@@ -48,8 +47,6 @@ SAFETENSORS_DTYPES = {
     "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
     "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "C64": "complex64"}
-# those a data file's header names (fixed by the format); every other dtype is stored as U8
-_WRITTEN = {SAFETENSORS_DTYPES[d]: d for d in "F64 F32 F16 BF16 I64 I32 I16 I8 U64 U32 U16 U8 BOOL F8_E4M3 F8_E5M2".split()}
 
 
 def dump_json(obj: Any) -> bytes:
@@ -234,6 +231,7 @@ class Manifest:
     created: float = field(default_factory=time.time)
     version: int = 1  # as read; written as at least what the entries need (see version_needed)
     headers: dict[str, str] = field(default_factory=dict)  # file -> xxh3-64 of its safetensors header
+    refs: dict[str, str] = field(default_factory=dict)  # file of another checkpoint of the root -> its tag
     foreign: str | None = None  # read in place of ours ("dcp", "safetensors"): no checksums; never written
     left_out: list[str] = field(default_factory=list)  # a foreign one's items that cannot be read in place, named
 
@@ -243,13 +241,13 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         """Serialize as ``{"checksum": H, "manifest": BODY}`` where H is the xxh3-64 of BODY."""
-        version = max(self.version, version_needed(self.entries))
+        version = max(self.version, version_needed(self.entries), REFS_VERSION if self.refs else 1)
         body = dump_json({
             "format": FORMAT_NAME, "version": version, "generation": self.generation,
             "created": self.created, "step": self.step, "world_size": self.world_size,
             "block_size": self.block_size, "checksum": "xxh3_64", "files": self.files,
-            "headers": self.headers, "metadata": self.metadata, "tree": self.tree,
-            "entries": [e.to_json() for e in self.entries],
+            "headers": self.headers, **({"refs": self.refs} if self.refs else {}), "metadata": self.metadata,
+            "tree": self.tree, "entries": [e.to_json() for e in self.entries],
         })
         return b'{"checksum":"%s","manifest":%s}\n' % (checksum(body).encode(), body)
 
@@ -261,7 +259,7 @@ class Manifest:
             generation=d["generation"], entries=[Entry.from_json(e) for e in d["entries"]],
             files=dict(d["files"]), tree=d["tree"], world_size=d["world_size"],
             block_size=d["block_size"], step=d["step"], metadata=d["metadata"],
-            created=d["created"], version=d["version"], headers=dict(d.get("headers", {})),
+            created=d["created"], version=d["version"], headers=dict(d.get("headers", {})), refs=dict(d.get("refs", {})),
         )
 
 
@@ -285,17 +283,20 @@ class ManifestHead:
     metadata: Any
     created: float
     version: int
+    headers: dict[str, str]
+    refs: dict[str, str]  # the files that lie in other checkpoints of the root, with their tags
 
     @property
     def total_bytes(self) -> int:
-        return sum(self.files.values())
+        """The bytes of the checkpoint's own data files (those it refers to are other checkpoints')."""
+        return sum(size for name, size in self.files.items() if name not in self.refs)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ManifestHead":
         """The head of leading members already checked (``zerostall.format.manifest_check.parse_head``)."""
         return cls(generation=d["generation"], files=dict(d["files"]), world_size=d["world_size"],
                    block_size=d["block_size"], step=d["step"], metadata=d["metadata"], created=d["created"],
-                   version=d["version"])
+                   version=d["version"], headers=dict(d.get("headers", {})), refs=dict(d.get("refs", {})))
 
 
 def manifest_body(raw: bytes, where: str) -> Any:
@@ -312,9 +313,12 @@ def manifest_body(raw: bytes, where: str) -> Any:
 def manifest_head_body(raw: bytes, where: str) -> dict[str, Any]:
     """The leading members of the manifest ``raw`` up to those :class:`ManifestHead` needs (the
     checksum is still checked over the whole body), as :func:`manifest_body` checks them."""
-    wanted = {"format", *(f.name for f in dataclasses.fields(ManifestHead))}
+    wanted = {"format", *(f.name for f in dataclasses.fields(ManifestHead))} - {"headers", "refs"}  # read on the way
     try:
-        d = _leading_members(_checked_body(raw, where).decode(), wanted)
+        text = _checked_body(raw, where).decode()
+        d = _leading_members(text, wanted)
+        if type(d.get("version")) is int and d["version"] >= REFS_VERSION and "refs" not in d:  # written after metadata
+            d = _leading_members(text, wanted | {"refs"})
     except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
     _check_format(d, where)
@@ -365,36 +369,3 @@ def _leading_members(text: str, wanted: set[str]) -> dict[str, Any]:
         elif text[at:at + 1] != "}":
             raise ValueError(f"expected ',' or '}}' at character {at}")
     return found
-
-
-@dataclass(slots=True)
-class FileItem:
-    """One tensor (or chunk) placed in a data file: its name there, dtype, shape and size."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-def safetensors_dtype(dtype: torch.dtype) -> str | None:
-    """The safetensors name of ``dtype`` (``BF16``); None for a dtype safetensors lacks."""
-    return _WRITTEN.get(dtype_name(dtype))
-
-
-def safetensors_header(items: Iterable[FileItem], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
-    """A safetensors header holding ``metadata``, padded with spaces so that the data section starts
-    4 KiB-aligned (length prefix included), and each item's absolute byte offset in the file. Items
-    come ordered by descending itemsize, so packing with no gaps keeps each at its natural alignment;
-    a dtype safetensors lacks is stored as U8 bytes."""
-    header: dict[str, Any] = {"__metadata__": metadata}
-    relative, pos = [], 0
-    for item in items:
-        st_dtype = safetensors_dtype(item.dtype)
-        shape = list(item.shape) if st_dtype else [item.nbytes]
-        header[item.name] = {"dtype": st_dtype or "U8", "shape": shape, "data_offsets": [pos, pos + item.nbytes]}
-        relative.append(pos)
-        pos += item.nbytes
-    text = dump_json(header)
-    data_start = -(-(8 + len(text)) // DATA_ALIGNMENT) * DATA_ALIGNMENT
-    return struct.pack("<Q", data_start - 8) + text.ljust(data_start - 8), [data_start + r for r in relative]

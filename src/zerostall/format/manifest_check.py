@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import codec
-from .layout import SUBCLASS_VERSION, Entry, Manifest, ManifestHead, data_file_name, manifest_body, manifest_head_body
+from .layout import REFS_VERSION, SUBCLASS_VERSION, Entry, Manifest, ManifestHead, data_file_name, manifest_body, manifest_head_body
 from .tensor_check import (HEX16, MAX_INT, FieldError, check_packed, check_shape, check_tensor, clip, dtype_itemsize,
                            explain_chunk, field, int_field)
 from .value_check import check_value
@@ -37,6 +37,7 @@ MAX_BLOCK_SIZE = 1 << 30  # bytes per checksum block: a reader holds a block (pe
 _GENERATION = re.compile(r"[0-9a-f]{1,32}-[0-9a-f]{1,32}")
 _DATA_FILE = re.compile(r"(?P<gen>[0-9a-f]+-[0-9a-f]+)-r(?P<rank>\d{5,})-(?P<n>\d{3,})\.safetensors")
 _HEXES = re.compile(r"[0-9a-f]*")
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")  # a checkpoint's tag under its root (see roots.root)
 _YEAR_10000 = 253402300800  # seconds since the epoch
 _INT = {int}
 _STR = {str}
@@ -66,7 +67,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         kinds = [_check_entry(d, i, e, numbers, digests, spans) for i, e in enumerate(entries)]
         if not (set(map(type, numbers)) <= _INT and _checksums_are_hex(digests)):
             _explain_all(d, entries, kinds)
-        check_packed(spans, d["files"])
+        check_packed(spans, d["files"], loose=d.get("refs", {}))
         for i, e in enumerate(entries):
             target = e["alias_of"] if kinds[i] == "alias" else 0
             if kinds[i] == "alias" and (target >= len(entries) or kinds[target] not in _TENSORS
@@ -137,8 +138,12 @@ def _check_head(d: dict[str, Any], *, with_headers: bool) -> None:
         raise FieldError("checksum", f"{clip(d['checksum'])} is not the checksum algorithm this zerostall knows "
                                      "(xxh3_64)")
     files = field(d, "files", dict)
+    refs = _checked_refs(d, files)
     for name, size in files.items():
-        _check_file_name(name, generation, world)
+        if name in refs:
+            _check_referenced_name(name, generation)
+        else:
+            _check_file_name(name, generation, world)
         int_field(size, f"files[{name!r}]")
     metadata = field(d, "metadata", dict)
     check_value(metadata, "metadata")
@@ -150,6 +155,32 @@ def _check_head(d: dict[str, Any], *, with_headers: bool) -> None:
                 raise FieldError(f"headers[{clip(name)}]", "not a file of the checkpoint (a key of files)")
             if type(digest) is not str or not HEX16.fullmatch(digest):
                 raise FieldError(f"headers[{name!r}]", f"{clip(digest)} is not an xxh3-64 checksum (16 hex digits)")
+
+
+def _checked_refs(d: dict[str, Any], files: dict[str, Any]) -> dict[str, str]:
+    """``refs`` (format version 3): files of other checkpoints of the same root, each named with
+    the plain tag of the checkpoint directory beside this one that holds it (never a path)."""
+    if "refs" not in d:
+        return {}
+    if d["version"] < REFS_VERSION:
+        raise FieldError("refs", f"needs format version {REFS_VERSION}, the manifest says {d['version']}")
+    refs = field(d, "refs", dict)
+    for name, tag in refs.items():
+        if name not in files:
+            raise FieldError(f"refs[{clip(name)}]", "not a file of the checkpoint (a key of files)")
+        if type(tag) is not str or not _TAG.fullmatch(tag) or tag == "latest" or len(tag) > 255:
+            raise FieldError(f"refs[{clip(name)}]", f"{clip(tag)} is not the tag of a checkpoint beside this one "
+                                                    "(one plain name, not starting with '.')")
+    return refs
+
+
+def _check_referenced_name(name: str, generation: str) -> None:
+    """A file of another checkpoint: a data file's name, of another generation."""
+    match = _DATA_FILE.fullmatch(name)
+    if not match or match["gen"] == generation \
+            or data_file_name(match["gen"], int(match["rank"]), int(match["n"])) != name:
+        raise FieldError(f"files[{clip(name)}]", "not the name of a data file of another generation "
+                                                 "(<generation>-r<rank>-<index>.safetensors)")
 
 
 def _check_file_name(name: str, generation: str, world: int) -> None:

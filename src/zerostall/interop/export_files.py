@@ -18,7 +18,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from ..format.layout import Entry, FileItem, safetensors_header
+from ..format.layout import Entry
+from ..format.safetensors_file import FileItem, safetensors_header
 from ..loading.tensor_stream import TensorStream
 from ..storage.local import fsync_dir
 from .torch_file import write_torch_file

@@ -24,7 +24,8 @@ import torch
 
 from ..errors import CheckpointExistsError, ExportError
 from ..format import codec
-from ..format.layout import Manifest, safetensors_dtype
+from ..format.layout import Manifest
+from ..format.safetensors_file import safetensors_dtype
 from ..loading.checkpoint import Checkpoint
 from ..loading.load_plan import relative
 from ..loading.reader import resolve

@@ -3,7 +3,9 @@
 A checkpoint exists only once its manifest is published; data files without one are an
 incomplete save. Listing reads only the manifest's head (step, time, metadata), never its entries.
 A path that holds no checkpoint may name one instead (a root's newest: see
-:class:`~zerostall.roots.naming.Naming`); which one is decided once, with the manifest.
+:class:`~zerostall.roots.naming.Naming`); which one is decided once, with the manifest. An
+incremental checkpoint's referenced files are read where they lie, once each is checked to be a
+data file that the checkpoint beside it owns, with the size and header checksum recorded.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ..format.layout import MANIFEST_NAME, Manifest, ManifestHead, dump_json, fi
 from ..format.manifest_check import MANIFEST_BYTES_ENV, max_manifest_bytes, parse_head, parse_manifest
 from ..gcpause import gc_paused
 from ..storage import FileTooLargeError, Storage
+from ..storage.references import linked
 from . import foreign
 
 if TYPE_CHECKING:  # only passed through: reading a manifest needs no torch (the command line)
@@ -128,7 +131,8 @@ def named_manifest(storage: Storage, instead: Instead | None, *, allow_pickle: b
     process alone (no torch: the command line reads this way)."""
     tag, data = named_source(storage, instead, allow_pickle=allow_pickle, file=file)
     where = _where(storage, instead, tag)
-    return where, data if isinstance(data, Manifest) else read_manifest_from(where, data)
+    manifest = data if isinstance(data, Manifest) else read_manifest_from(where, data)
+    return linked(where, manifest), manifest
 
 
 def agreed_source(storage: Storage, group: Group, *, allow_pickle: bool = False, file: str | None = None,
@@ -167,7 +171,8 @@ def agreed_source(storage: Storage, group: Group, *, allow_pickle: bool = False,
             manifest.foreign, manifest.left_out = marks["foreign"], marks["left_out"]
             return where, manifest
     where = _where(storage, instead, tag)
-    return where, data if isinstance(data, Manifest) else read_manifest_from(where, data)
+    manifest = data if isinstance(data, Manifest) else read_manifest_from(where, data)
+    return linked(where, manifest), manifest
 
 
 def _where(storage: Storage, instead: Instead | None, tag: str | None) -> Storage:

@@ -119,8 +119,8 @@ def _header_fault(fetcher: ChunkReader, name: str, length: int | None) -> str | 
     """What is wrong with the safetensors header of data file ``name`` (its first ``length``
     bytes: length prefix, JSON, padding), checked against the checksum in the manifest
     (manifests before it had none), or None."""
-    if name not in fetcher.manifest.headers or length is None:
-        return None
+    if name not in fetcher.manifest.headers or length is None or name in fetcher.manifest.refs:
+        return None  # a referenced file's header is its owner's: this checkpoint reads none of it
     try:
         fetcher.check_header(name, fetcher.storage.read_head(name, length))
     except CorruptCheckpointError as exc:
@@ -189,7 +189,7 @@ class ArrivingFile:
             spans.append(_Span(chunk.offset, chunk.offset + chunk.nbytes, manifest.block_size,
                                partial(fetcher.check_digests, entry, chunk, 0, chunk.nbytes)))
         header = _data_starts(c for _, c in chunks).get(name)
-        if header is not None and name in manifest.headers:
+        if header is not None and name in manifest.headers and name not in manifest.refs:
             spans.append(_Span(0, header, max(header, 1),
                                lambda digests: fetcher.check_header_digest(name, digests[0])))
         self.waiting = deque(sorted(spans, key=lambda span: span.start))

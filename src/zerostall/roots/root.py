@@ -20,10 +20,12 @@ from typing import Any, Iterable
 from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                       InvalidPathError, UnsafeFileError)
 from ..format.layout import MANIFEST_NAME, ManifestHead, file_generation
+from ..format.retained import RETAINED_NAME
 from ..loading.opening import read_manifest_head
 from ..storage import SMALL_FILE_BYTES, Storage
 from ..storage.location import few
 from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
+from .sharing import read_retained, referenced, retire, shrink
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ DAMAGE = (CorruptCheckpointError, IncompleteCheckpointError)
 COMMITTED = "committed"
 INCOMPLETE = "incomplete"
 CORRUPT = "corrupt"
+RETAINED = "retained"  # deleted, but some of its data files are still referred to (see roots.sharing)
 
 
 def step_tag(step: int) -> str:
@@ -77,6 +80,10 @@ class CheckpointInfo:
     created: float | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    files: dict[str, int] = field(default_factory=dict)
+    """A committed one's own data files and sizes (a retained one's: those kept)."""
+    refs: dict[str, str] = field(default_factory=dict)
+    """The data files of other checkpoints of the root it refers to, with their tags (incremental saves)."""
 
     def record(self) -> CheckpointRecord:
         """What retention knows of it (a step-less checkpoint counts as step -1)."""
@@ -120,6 +127,12 @@ def describe(storage: Storage, name: str) -> CheckpointInfo:
     try:
         head = read_manifest_head(storage)
     except IncompleteCheckpointError:
+        try:
+            kept = read_retained(storage)
+        except CheckpointError as exc:
+            return CheckpointInfo(name, storage.location, CORRUPT, error=str(exc))
+        if kept is not None:
+            return CheckpointInfo(name, storage.location, RETAINED, bytes=sum(kept[0].values()), files=kept[0])
         info = CheckpointInfo(name, storage.location, INCOMPLETE)
     except CheckpointError as exc:
         info = CheckpointInfo(name, storage.location, CORRUPT, error=str(exc))
@@ -141,7 +154,8 @@ def _committed(name: str, storage: Storage, head: ManifestHead) -> CheckpointInf
     metadata = head.metadata if isinstance(head.metadata, dict) else {}
     metrics = metadata.get("metrics")
     return CheckpointInfo(name, storage.location, COMMITTED, head.step, head.total_bytes, head.created,
-                          dict(metrics) if isinstance(metrics, dict) else {})
+                          dict(metrics) if isinstance(metrics, dict) else {},
+                          files={n: s for n, s in head.files.items() if n not in head.refs}, refs=head.refs)
 
 
 def _typed(exc: OSError, what: str) -> CheckpointError:
@@ -307,12 +321,49 @@ class CheckpointRoot:
         self.storage.put(LATEST_NAME, json.dumps({"tag": tag, "step": step}).encode())
 
     # -- removing ------------------------------------------------------------------------------
+    def references(self, but: str | None = None) -> dict[str, set[str]]:
+        """The data files of each checkpoint (by tag) that the committed checkpoints of the root
+        other than ``but`` refer to, those set aside included (they may be moved back)."""
+        refs = [i.refs for i in self.checkpoints() if i.name != but]
+        aside = self.storage.child(SUPERSEDED_NAME)
+        for name in aside.children():
+            try:
+                refs.append(read_manifest_head(aside.child(name)).refs)
+            except CheckpointError:
+                continue
+        return referenced(refs)
+
     def delete(self, tag: str) -> bool:
         """Delete checkpoint ``tag`` so that it never looks valid half-way: the manifest goes first.
-        True when nothing of it is left."""
-        self.storage.child(tag).delete(MANIFEST_NAME)
+        Its data files that other checkpoints refer to stay, behind a retained record (see
+        :mod:`zerostall.roots.sharing`). True when nothing of it is left."""
+        keep = self.references(but=tag).get(tag, set())
+        checkpoint = self.storage.child(tag)
+        if keep:
+            try:
+                head = read_manifest_head(checkpoint)
+            except IncompleteCheckpointError:  # retained already
+                return shrink(checkpoint, keep) and self._delete_tree(tag)
+            retire(checkpoint, head.files, head.headers, keep)
+            return False
+        checkpoint.delete(MANIFEST_NAME)
+        checkpoint.delete(RETAINED_NAME)
+        return self._delete_tree(tag)
+
+    def _delete_tree(self, tag: str) -> bool:
         self.storage.delete_tree(tag)
         return not self.storage.child(tag).exists()
+
+    def collect_retained(self) -> None:
+        """Remove retained data that no checkpoint refers to any more (see :mod:`zerostall.roots.sharing`)."""
+        references: dict[str, set[str]] | None = None
+        for name in self.storage.children():
+            if name.startswith(".") or _has_manifest(self.storage.child(name)) \
+                    or RETAINED_NAME not in self.storage.child(name).list():
+                continue
+            references = self.references() if references is None else references
+            if shrink(self.storage.child(name), references.get(name, set())):
+                self._delete_tree(name)
 
     def set_aside(self, tags: list[str], step: int) -> None:
         """Move ``tags`` into ``.superseded/``, never over one set aside before: saving ``step``
@@ -344,7 +395,8 @@ class CheckpointRoot:
         for name in self.storage.children():
             if name.startswith(TRASH_PREFIX):
                 self.storage.delete_tree(name)  # a clean-up that a crash interrupted
-            elif name.startswith("step_") and not _has_manifest(self.storage.child(name)):
+            elif name.startswith("step_") and not _has_manifest(self.storage.child(name)) \
+                    and RETAINED_NAME not in self.storage.child(name).list():
                 self._remove_attempt(name)
         for name in self.storage.list():
             if _update_temp(name):

@@ -39,6 +39,7 @@ from ..options import SaveOptions
 from ..storage import Storage
 from .capture import BufferPool, Captured, capture, record_caller_stream, versions
 from .collect import WriteItem
+from .incremental import Reuse
 from .pipeline import Prepared, SaveInfo, abandon, for_writer_process, persist, prepare
 from .recollect import CollectCache
 from .writer_process import WriterProcess
@@ -167,11 +168,12 @@ class AsyncSaver:
     @gc_paused()  # the caller waits for the return: no cyclic collections over the per-leaf objects
     def save(self, state: Any, path: str | os.PathLike[str] | Storage, options: SaveOptions | None = None, *,
              process_group: Any = None, step: int | None = None, metadata: Mapping[str, Any] | None = None,
-             share: SaveHandle | None = None, **overrides: Any) -> SaveHandle | None:
+             share: SaveHandle | None = None, reuse: Reuse | None = None, **overrides: Any) -> SaveHandle | None:
         """Start saving ``state`` (collective when distributed); the arguments are those of
         :func:`zerostall.save`. Returns None when skipped (``if_busy="skip"``). ``share``: another
         saver's save of the same tensors (another tier's), whose captured copies this one copies
-        from host memory once that one is staged, instead of from the device."""
+        from host memory once that one is staged, instead of from the device. ``reuse``: an
+        incremental save's chunks to refer to where unchanged (see :mod:`zerostall.saving.incremental`)."""
         if self._closed:
             raise CheckpointError("this AsyncSaver is closed")
         options = SaveOptions.of(options, overrides)
@@ -184,7 +186,7 @@ class AsyncSaver:
                 self.wait()
             self._current.captured = None  # its buffers are this save's now (or freed, for another structure)
         prepared = prepare(state, path, options, process_group=process_group, step=step, metadata=metadata,
-                           cache=self.collections)
+                           cache=self.collections, reuse=reuse)
         self.hold_steps(prepared.collected.optimizers)
         recorded = versions(prepared.items)
         try:

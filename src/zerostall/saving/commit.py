@@ -218,13 +218,14 @@ def report_failure(storage: Storage, generation: str, group: Group, exc: BaseExc
 
 
 def record(collected: Collected, plan: SavePlan, rank: int, files: dict[str, int], headers: dict[str, str],
-           written: list[WriteItem]) -> dict[str, Any]:
-    """This rank's ``done`` record: its files (sizes, header checksums), the chunks it wrote and
-    the values it owns."""
+           written: list[WriteItem], refs: dict[str, str]) -> dict[str, Any]:
+    """This rank's ``done`` record: its files (sizes, header checksums; those of other checkpoints
+    it refers to, with their owners), the chunks it saved and the values it owns."""
     return {
         "rank": rank,
         "files": files,
         "headers": headers,
+        "refs": refs,
         "chunks": [[i.key[0], i.entry.chunks[-1].to_json()] for i in written if not i.rank_local],
         "objects": [[k, v] for k, v in collected.objects.items() if plan.writes(rank, (k, ()))],
         "shards": [[k, shard] for (k, o), shard in collected.shards.items() if plan.writes(rank, (k, o))],
@@ -234,7 +235,7 @@ def record(collected: Collected, plan: SavePlan, rank: int, files: dict[str, int
 
 def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], headers: dict[str, str],
              records: dict[int, dict[str, Any]], generation: str, world_size: int, step: int | None, metadata: Any,
-             block_size: int) -> Manifest:
+             block_size: int, refs: dict[str, str]) -> Manifest:
     """The coordinator builds the manifest from the plan, its own entries (which already hold the
     chunks it wrote) and the other ranks' records."""
     entries: list[Entry] = []
@@ -260,10 +261,11 @@ def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], header
     for entry in collected.rank_local:
         index[(path_key(entry.path), 0)] = len(entries)
         entries.append(entry)
-    files, headers = dict(files), dict(headers)
+    files, headers, refs = dict(files), dict(headers), dict(refs)
     for rank, record in sorted(records.items()):
         files.update(record["files"])
         headers.update(record["headers"])
+        refs.update(record.get("refs", {}))
         for key, chunk in record["chunks"]:
             entries[index[(key, None)]].chunks.append(Chunk.from_json(chunk))
         for key, value in record["objects"]:
@@ -282,7 +284,8 @@ def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], header
         key = collected.keys[path]
         ref.index = index.get((key, None), index.get((key, 0), -1))
     return Manifest(generation=generation, entries=entries, files=files, tree=codec.encode(collected.skeleton),
-                    world_size=world_size, block_size=block_size, step=step, metadata=metadata, headers=headers)
+                    world_size=world_size, block_size=block_size, step=step, metadata=metadata, headers=headers,
+                    refs=refs)
 
 
 def delete_generation(storage: Storage, generation: str, rank: int) -> None:

@@ -24,7 +24,9 @@ from ..gcpause import gc_paused
 from ..options import SaveOptions, default_threads
 from ..storage import LocalStorage, S3Storage, Storage, storage_for
 from ..storage.location import check_location, manifest_generation, publish_manifest
+from ..storage.references import linked
 from .collect import Collected, WriteItem, collect
+from .incremental import Reuse, next_reuse, refer, split_unchanged
 from .commit import (announce, assemble, await_commit, await_records, clean_up_after_commit, delete_generation,
                      open_doorbell, record, report_failure, write_abort, write_record)
 from .plan import SavePlan, SavePlanner
@@ -48,6 +50,8 @@ class SaveInfo:
     write_s: float
     commit_s: float
     total_s: float
+    reuse: Reuse | None = None
+    """With ``incremental``: what the next save of this rank may refer to (its chunks, as committed)."""
 
 
 @dataclass
@@ -66,14 +70,15 @@ class Prepared:
     options: SaveOptions
     collect_s: float
     plan_s: float
+    reuse: Reuse | None = None
 
 
 def prepare(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOptions, *, process_group: Any = None,
             step: int | None = None, metadata: Mapping[str, Any] | None = None,
-            cache: CollectCache | None = None) -> Prepared:
+            cache: CollectCache | None = None, reuse: Reuse | None = None) -> Prepared:
     """Check the location, collect (through ``cache``, a saver's, when given) and plan a save
     (collective when distributed); no byte is written yet, and a rank that cannot take part makes
-    every rank raise."""
+    every rank raise. ``reuse``: an incremental save's chunks to refer to where unchanged (a manager's)."""
     t0 = time.perf_counter()
     group = Group(process_group)
     storage = storage_for(path, fsync=options.fsync)
@@ -93,7 +98,7 @@ def prepare(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOpt
         items = collected.items if group.size == 1 else [i for i in collected.items
                                                          if i.rank_local or plan.writes(group.rank, i.key)]
     return Prepared(group, collected, plan, generation, replanned, items, storage, step, encoded, options,
-                    t_collect - t0, time.perf_counter() - t_collect)
+                    t_collect - t0, time.perf_counter() - t_collect, reuse)
 
 
 def checked_step(step: Any) -> int | None:
@@ -154,10 +159,14 @@ def persist(prepared: Prepared) -> SaveInfo:
     bell = open_doorbell(group, storage, generation)
     try:
         create(storage)
-        files, headers = write_data(storage, p.items, generation, group.rank, threads, p.options.block_size)
+        written, same = (p.items, []) if p.reuse is None else split_unchanged(p.items, p.reuse, threads,
+                                                                              p.options.block_size)
+        files, headers = write_data(storage, written, generation, group.rank, threads, p.options.block_size)
+        own = sum(files.values())
+        refs = refer(same, p.reuse, files, headers) if p.reuse is not None else {}
         if not group.is_coordinator:
             with gc_paused():
-                done = record(p.collected, p.plan, group.rank, files, headers, p.items)
+                done = record(p.collected, p.plan, group.rank, files, headers, p.items, refs)
             write_record(storage, generation, group.rank, "done", done, bell)
     except BaseException as exc:
         delete_generation(storage, generation, group.rank)
@@ -171,7 +180,8 @@ def persist(prepared: Prepared) -> SaveInfo:
             others = await_records(storage, generation, list(range(1, group.size)), p.options.commit_timeout, bell)
             with gc_paused():
                 manifest = assemble(p.collected, p.plan, files, headers, others, generation, group.size, p.step,
-                                    p.metadata, p.options.block_size)
+                                    p.metadata, p.options.block_size, refs)
+                linked(storage, manifest)  # every file referred to is still its owner's: else nothing commits
                 publish_manifest(storage, manifest.generation, manifest.to_bytes(), previous,
                                  before_commit=p.options.before_commit)
             announce(bell, "ok")
@@ -189,5 +199,9 @@ def persist(prepared: Prepared) -> SaveInfo:
         clean_up_after_commit(storage, generation, previous)
     storage.close()
     end = time.perf_counter()
-    return SaveInfo(storage.location, generation, p.step, sum(files.values()), p.replanned, p.collect_s,
-                    p.plan_s, t_write - t0, end - t_write, p.collect_s + p.plan_s + end - t0)
+    reuse = None
+    if p.options.incremental:
+        tag = storage.location.rstrip("/").rsplit("/", 1)[-1]
+        reuse = next_reuse(tag, p.step, p.items, files, headers, refs)
+    return SaveInfo(storage.location, generation, p.step, own, p.replanned, p.collect_s,
+                    p.plan_s, t_write - t0, end - t_write, p.collect_s + p.plan_s + end - t0, reuse)

@@ -18,7 +18,8 @@ from ..balance import balance
 from ..devices import CallerStreams
 from ..errors import CheckpointError
 from ..format.checksums import CACHE_PIECE, BlockHasher, block_checksums, checksum, pieces
-from ..format.layout import FORMAT_NAME, Chunk, FileItem, data_file_name, safetensors_header
+from ..format.layout import FORMAT_NAME, Chunk, data_file_name
+from ..format.safetensors_file import FileItem, safetensors_header
 from ..gcpause import gc_paused
 from ..memory import owned_bytes, tensor_bytes
 from ..storage import Storage

@@ -85,6 +85,10 @@ class Storage(ABC):
         """The storage at sub-location ``name`` (a subdirectory, a deeper key prefix), with this one's settings."""
 
     @abstractmethod
+    def sibling(self, name: str) -> Storage:
+        """The storage at location ``name`` beside this one (another checkpoint of the same root)."""
+
+    @abstractmethod
     def children(self) -> list[str]:
         """Names of the sub-locations directly under the location (checkpoints under a root), sorted."""
 

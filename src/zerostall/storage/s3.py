@@ -141,6 +141,9 @@ class S3Storage(S3Reads, Storage):
     def child(self, name: str) -> S3Storage:
         return S3Storage(f"{self.location}/{name.strip('/')}", self.options)
 
+    def sibling(self, name: str) -> S3Storage:
+        return S3Storage(f"{self.location.rsplit('/', 1)[0]}/{check_name(name)}", self.options)
+
     def children(self) -> list[str]:
         skip = len(self.prefix)
         return sorted(p["Prefix"][skip:].rstrip("/") for page in self._pages(self.prefix, "/")

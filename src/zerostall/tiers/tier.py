@@ -73,7 +73,7 @@ class NodeTier:
         metadata = {"tier": "local", "rank": self.group.rank, "world_size": self.group.size,
                     "node": self.nodes.ids[self.group.rank], LAYOUT_KEY: digest}
         path = self.directory.copy_path(step, self.group.rank)
-        local = dataclasses.replace(options, fsync=False, overwrite=True, before_commit=None)
+        local = dataclasses.replace(options, fsync=False, overwrite=True, before_commit=None, incremental=False)
         handle = self.saver.save(tree, str(path), local, process_group=ALONE, step=step, metadata=metadata)
         assert handle is not None
         self.saver.hold_steps([obj for obj, _ in flat.statefuls.values() if isinstance(obj, torch.optim.Optimizer)])

@@ -1,0 +1,38 @@
+"""A manager's incremental saves: each rank's chunks of the last committed save, which the next
+save refers to where their bytes are unchanged, and when a save must be full instead."""
+
+from __future__ import annotations
+
+from ..options import SaveOptions
+from ..saving.incremental import Reuse
+from ..saving.pipeline import SaveInfo
+
+
+class Increments:
+    """What this rank's next save may refer to. Every rank decides alike from what every rank
+    knows (its saves, their steps and outcomes), so no message is needed: a failed save, a step
+    saved at or below the last one (which sets that one aside) and every ``full_save_every``-th
+    save make the next save full."""
+
+    def __init__(self, options: SaveOptions) -> None:
+        self.options = options
+        self._last: Reuse | None = None
+        self._saves = 0
+
+    def base(self, step: int, tag: str) -> Reuse | None:
+        """What the save of ``step`` (as ``tag``) may refer to; None for a full save. Taken: until
+        this save commits (:meth:`committed`), the next one gets nothing."""
+        if not self.options.incremental:
+            return None
+        last, self._last = self._last, None
+        self._saves += 1
+        every = self.options.full_save_every
+        if last is None or (every is not None and (self._saves - 1) % every == 0):
+            return None
+        if last.tag == tag or (last.step is not None and last.step >= step):
+            return None  # the manager sets that checkpoint aside before this save
+        return last
+
+    def committed(self, info: SaveInfo) -> None:
+        """The save just committed: the next one may refer to its chunks."""
+        self._last = info.reuse

@@ -1,0 +1,69 @@
+"""Deleting checkpoints that share data files: an incremental checkpoint refers to files of the
+earlier checkpoints of its root that wrote the bytes. Deleting such a checkpoint removes what no
+other checkpoint refers to, and keeps the rest behind a retained record (``retained.json``) in
+place of its manifest, so that the files stay a checkpoint's own (readers check that) while the
+checkpoint is gone from listings. Each step is safe to interrupt: the record is written before the
+manifest goes, and a record is shrunk before the files it stops listing are deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+from ..format.layout import MANIFEST_NAME, file_generation
+from ..format.manifest_check import max_manifest_bytes
+from ..format.retained import RETAINED_NAME, parse_retained, retained_bytes
+from ..storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+def referenced(refs_of: Iterable[dict[str, str]]) -> dict[str, set[str]]:
+    """The files each checkpoint (by tag) must keep: those that the ``refs`` given refer to."""
+    kept: dict[str, set[str]] = {}
+    for refs in refs_of:
+        for name, tag in refs.items():
+            kept.setdefault(tag, set()).add(name)
+    return kept
+
+
+def read_retained(checkpoint: Storage) -> tuple[dict[str, int], dict[str, str]] | None:
+    """The files (sizes, header checksums) the retained record at ``checkpoint`` lists; None without one."""
+    try:
+        raw = checkpoint.read_bytes(RETAINED_NAME, max_manifest_bytes())
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return parse_retained(raw, f"{checkpoint.location}/{RETAINED_NAME}")
+
+
+def retire(checkpoint: Storage, files: dict[str, int], headers: dict[str, str], keep: set[str]) -> None:
+    """Delete the committed checkpoint at ``checkpoint`` (owning ``files``) except the files of
+    ``keep``: first the retained record listing them, then the manifest, then every other file."""
+    kept = {n: files[n] for n in sorted(keep) if n in files}
+    checkpoint.put(RETAINED_NAME, retained_bytes(kept, {n: headers[n] for n in kept if n in headers}))
+    checkpoint.delete(MANIFEST_NAME)
+    _delete_all_but(checkpoint, set(kept) | {RETAINED_NAME})
+
+
+def shrink(checkpoint: Storage, keep: set[str]) -> bool:
+    """The retained data at ``checkpoint``, cut down to the files of ``keep``: the record first,
+    then the files it no longer lists. True when nothing is kept (the caller removes the rest)."""
+    listed = read_retained(checkpoint)
+    if listed is None:
+        return not keep
+    files, headers = listed
+    still = {n: s for n, s in files.items() if n in keep}
+    if not still:
+        checkpoint.delete(RETAINED_NAME)  # its data files are then an uncommitted attempt's: removable
+        return True
+    if len(still) < len(files):
+        checkpoint.put(RETAINED_NAME, retained_bytes(still, {n: headers[n] for n in still if n in headers}))
+    _delete_all_but(checkpoint, set(still) | {RETAINED_NAME})
+    return False
+
+
+def _delete_all_but(checkpoint: Storage, keep: set[str]) -> None:
+    for name in checkpoint.list():
+        if name not in keep and (file_generation(name) or name.endswith(".tmp") or name == MANIFEST_NAME):
+            checkpoint.delete(name)
