@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
-                      InvalidPathError, UnsafeFileError)
+                      InvalidPathError)
 from ..format.layout import MANIFEST_NAME, ManifestHead, file_generation
 from ..format.retained import RETAINED_NAME
 from ..loading.opening import read_manifest_head
 from ..storage import SMALL_FILE_BYTES, Storage
 from ..storage.location import few
 from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
-from .sharing import read_retained, referenced, retire, shrink
+from .sharing import collect_retained, delete_checkpoint, has_manifest, read_retained, referenced, refs_set_aside
 
 log = logging.getLogger(__name__)
 
@@ -166,16 +166,6 @@ def _typed(exc: OSError, what: str) -> CheckpointError:
     typed = CheckpointError(f"{what}: {exc}")
     typed.__cause__ = exc
     return typed
-
-
-def _has_manifest(storage: Storage) -> bool:
-    try:
-        storage.size(MANIFEST_NAME)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    except UnsafeFileError:  # something other than a file is in its place: not for a clean-up to judge
-        pass
-    return True
 
 
 class CheckpointRoot:
@@ -324,46 +314,18 @@ class CheckpointRoot:
     def references(self, but: str | None = None) -> dict[str, set[str]]:
         """The data files of each checkpoint (by tag) that the committed checkpoints of the root
         other than ``but`` refer to, those set aside included (they may be moved back)."""
-        refs = [i.refs for i in self.checkpoints() if i.name != but]
-        aside = self.storage.child(SUPERSEDED_NAME)
-        for name in aside.children():
-            try:
-                refs.append(read_manifest_head(aside.child(name)).refs)
-            except CheckpointError:
-                continue
-        return referenced(refs)
+        return referenced([i.refs for i in self.checkpoints() if i.name != but]
+                          + refs_set_aside(self.storage.child(SUPERSEDED_NAME)))
 
     def delete(self, tag: str) -> bool:
         """Delete checkpoint ``tag`` so that it never looks valid half-way: the manifest goes first.
         Its data files that other checkpoints refer to stay, behind a retained record (see
         :mod:`zerostall.roots.sharing`). True when nothing of it is left."""
-        keep = self.references(but=tag).get(tag, set())
-        checkpoint = self.storage.child(tag)
-        if keep:
-            try:
-                head = read_manifest_head(checkpoint)
-            except IncompleteCheckpointError:  # retained already
-                return shrink(checkpoint, keep) and self._delete_tree(tag)
-            retire(checkpoint, head.files, head.headers, keep)
-            return False
-        checkpoint.delete(MANIFEST_NAME)
-        checkpoint.delete(RETAINED_NAME)
-        return self._delete_tree(tag)
-
-    def _delete_tree(self, tag: str) -> bool:
-        self.storage.delete_tree(tag)
-        return not self.storage.child(tag).exists()
+        return delete_checkpoint(self.storage, tag, self.references(but=tag).get(tag, set()))
 
     def collect_retained(self) -> None:
         """Remove retained data that no checkpoint refers to any more (see :mod:`zerostall.roots.sharing`)."""
-        references: dict[str, set[str]] | None = None
-        for name in self.storage.children():
-            if name.startswith(".") or _has_manifest(self.storage.child(name)) \
-                    or RETAINED_NAME not in self.storage.child(name).list():
-                continue
-            references = self.references() if references is None else references
-            if shrink(self.storage.child(name), references.get(name, set())):
-                self._delete_tree(name)
+        collect_retained(self.storage, self.references)
 
     def set_aside(self, tags: list[str], step: int) -> None:
         """Move ``tags`` into ``.superseded/``, never over one set aside before: saving ``step``
@@ -395,7 +357,7 @@ class CheckpointRoot:
         for name in self.storage.children():
             if name.startswith(TRASH_PREFIX):
                 self.storage.delete_tree(name)  # a clean-up that a crash interrupted
-            elif name.startswith("step_") and not _has_manifest(self.storage.child(name)) \
+            elif name.startswith("step_") and not has_manifest(self.storage.child(name)) \
                     and RETAINED_NAME not in self.storage.child(name).list():
                 self._remove_attempt(name)
         for name in self.storage.list():
@@ -408,7 +370,7 @@ class CheckpointRoot:
             self.storage.move(name, trash)
         except FileNotFoundError:
             return
-        if _has_manifest(self.storage.child(trash)):
+        if has_manifest(self.storage.child(trash)):
             log.warning("%s committed while it was being cleaned up: a writer outlived its lease", self.where(name))
             self.storage.move(trash, name)
             return

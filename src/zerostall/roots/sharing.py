@@ -9,11 +9,13 @@ manifest goes, and a record is shrunk before the files it stops listing are dele
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Callable, Iterable
 
+from ..errors import CheckpointError, IncompleteCheckpointError, UnsafeFileError
 from ..format.layout import MANIFEST_NAME, file_generation
 from ..format.manifest_check import max_manifest_bytes
 from ..format.retained import RETAINED_NAME, parse_retained, retained_bytes
+from ..loading.opening import read_manifest_head
 from ..storage import Storage
 
 log = logging.getLogger(__name__)
@@ -67,3 +69,58 @@ def _delete_all_but(checkpoint: Storage, keep: set[str]) -> None:
     for name in checkpoint.list():
         if name not in keep and (file_generation(name) or name.endswith(".tmp") or name == MANIFEST_NAME):
             checkpoint.delete(name)
+
+
+def has_manifest(storage: Storage) -> bool:
+    """Whether a manifest is in place at ``storage`` (something other than a file there counts: not
+    for a clean-up to judge)."""
+    try:
+        storage.size(MANIFEST_NAME)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except UnsafeFileError:
+        pass
+    return True
+
+
+def refs_set_aside(aside: Storage) -> list[dict[str, str]]:
+    """The references of the checkpoints set aside under ``aside`` (``.superseded/``)."""
+    refs = []
+    for name in aside.children():
+        try:
+            refs.append(read_manifest_head(aside.child(name)).refs)
+        except CheckpointError:
+            continue
+    return refs
+
+
+def delete_checkpoint(root: Storage, tag: str, keep: set[str]) -> bool:
+    """Delete checkpoint ``tag`` of ``root`` but its files of ``keep`` (referred to by others): the
+    manifest goes first, or a retained record takes its place. True when nothing of it is left."""
+    checkpoint = root.child(tag)
+    if keep:
+        try:
+            head = read_manifest_head(checkpoint)
+        except IncompleteCheckpointError:  # retained already
+            return shrink(checkpoint, keep) and _delete_tree(root, tag)
+        retire(checkpoint, head.files, head.headers, keep)
+        return False
+    checkpoint.delete(MANIFEST_NAME)  # a retained record left behind lists files nobody refers to: collectable
+    return _delete_tree(root, tag)
+
+
+def collect_retained(root: Storage, references: Callable[[], dict[str, set[str]]]) -> None:
+    """Remove the retained data under ``root`` that no checkpoint refers to any more."""
+    known: dict[str, set[str]] | None = None
+    for name in root.children():
+        checkpoint = root.child(name)
+        if name.startswith(".") or has_manifest(checkpoint) or RETAINED_NAME not in checkpoint.list():
+            continue
+        known = references() if known is None else known
+        if shrink(checkpoint, known.get(name, set())):
+            _delete_tree(root, name)
+
+
+def _delete_tree(root: Storage, tag: str) -> bool:
+    root.delete_tree(tag)
+    return not root.child(tag).exists()
