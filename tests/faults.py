@@ -201,11 +201,15 @@ class FaultyStorage(Storage):
         return self._run("child", name, lambda: FaultyStorage(self.inner.child(name), parent=self,
                                                               prefix=f"{self._prefix}{name}/"))
 
+    def parent(self) -> FaultyStorage:
+        """The wrapped location one level up (a checkpoint's root): faults and log shared."""
+        up = self._prefix.rstrip("/").rpartition("/")[0]
+        return self._run("parent", "", lambda: FaultyStorage(self.inner.parent(), parent=self,
+                                                             prefix=f"{up}/" if up else ""))
+
     def sibling(self, name: str) -> FaultyStorage:
-        """The wrapped location beside this one (another checkpoint of the root): faults and log shared."""
-        parent = self._prefix.rstrip("/").rpartition("/")[0]
-        return self._run("sibling", name, lambda: FaultyStorage(self.inner.sibling(name), parent=self,
-                                                                prefix=f"{parent}/{name}/" if parent else f"{name}/"))
+        """Through :meth:`parent` and :meth:`child`, both wrapped."""
+        return self.parent().child(name)
 
     def children(self) -> list[str]:
         return self._run("children", "", self.inner.children)

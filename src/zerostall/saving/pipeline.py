@@ -24,7 +24,7 @@ from ..gcpause import gc_paused
 from ..options import SaveOptions, default_threads
 from ..storage import LocalStorage, S3Storage, Storage, storage_for
 from ..storage.location import check_location, manifest_generation, publish_manifest
-from ..storage.references import linked
+from ..storage.references import check_unreferenced, linked
 from .collect import Collected, WriteItem, collect
 from .incremental import Reuse, next_reuse, refer, split_unchanged
 from .commit import (announce, assemble, await_commit, await_records, clean_up_after_commit, delete_generation,
@@ -88,6 +88,8 @@ def prepare(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOpt
             encoded = encoded_metadata(metadata, options.allow_pickle)  # a rank may pass it alone: refuse together
             if group.is_coordinator:
                 check_location(storage, options.overwrite)
+                if options.overwrite:
+                    check_unreferenced(storage)
             collected = (collect if cache is None else cache.collect)(state, group.rank,
                                                                       allow_pickle=options.allow_pickle)
         except Exception:

@@ -85,8 +85,12 @@ class Storage(ABC):
         """The storage at sub-location ``name`` (a subdirectory, a deeper key prefix), with this one's settings."""
 
     @abstractmethod
+    def parent(self) -> Storage:
+        """The storage one level up (a checkpoint's root), with this one's settings."""
+
     def sibling(self, name: str) -> Storage:
         """The storage at location ``name`` beside this one (another checkpoint of the same root)."""
+        return self.parent().child(check_name(name))
 
     @abstractmethod
     def children(self) -> list[str]:

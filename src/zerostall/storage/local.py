@@ -160,8 +160,8 @@ class LocalStorage(Storage):
     def child(self, name: str) -> LocalStorage:
         return LocalStorage(self._path(name), fsync=self.fsync)
 
-    def sibling(self, name: str) -> LocalStorage:
-        return LocalStorage(os.path.join(os.path.dirname(self.location), check_name(name)), fsync=self.fsync)
+    def parent(self) -> LocalStorage:
+        return LocalStorage(os.path.dirname(self.location), fsync=self.fsync)
 
     def children(self) -> list[str]:
         try:

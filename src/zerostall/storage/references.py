@@ -6,13 +6,16 @@ a :class:`RoutedStorage`, which sends each referenced file's reads where it lies
 
 from __future__ import annotations
 
+import re
 from typing import Callable, Iterable
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.layout import MANIFEST_NAME, Manifest
 from ..format.manifest_check import max_manifest_bytes, parse_head
 from ..format.retained import RETAINED_NAME, parse_retained
 from .base import FileStat, Storage
+
+_VERSION_3 = re.compile(rb'"manifest":\{"format":"zerostall","version":([3-9]|\d\d)')
 
 
 class RoutedStorage(Storage):
@@ -45,8 +48,8 @@ class RoutedStorage(Storage):
     def child(self, name: str) -> Storage:
         return self.base.child(name)
 
-    def sibling(self, name: str) -> Storage:
-        return self.base.sibling(name)
+    def parent(self) -> Storage:
+        return self.base.parent()
 
     def children(self) -> list[str]:
         return self.base.children()
@@ -155,3 +158,37 @@ def linked(storage: Storage, manifest: Manifest) -> Storage:
                 f"{storage.location} refers to data file {name} of checkpoint {tag} beside it, {why}: this incremental "
                 "checkpoint cannot be read (restore another one; `zerostall ls` shows what each step shares)")
     return RoutedStorage(storage, routes)
+
+
+def referrers(checkpoint: Storage) -> list[str]:
+    """The committed checkpoints beside ``checkpoint`` (in its root) that refer to its data files."""
+    tag = checkpoint.location.rstrip("/").rsplit("/", 1)[-1]
+    root = checkpoint.parent()
+    found = []
+    for name in root.children():
+        if name == tag or name.startswith("."):
+            continue
+        holder = root.child(name)
+        try:
+            if _VERSION_3.search(holder.read_head(MANIFEST_NAME, 256)) is None:
+                continue  # only format version 3 refers
+            head = parse_head(holder.read_bytes(MANIFEST_NAME, max_manifest_bytes()), f"{holder.location}/{MANIFEST_NAME}")
+        except (OSError, CorruptCheckpointError):
+            continue
+        if tag in head.refs.values():
+            found.append(name)
+    return found
+
+
+def check_unreferenced(checkpoint: Storage) -> None:
+    """Refuse to replace the committed checkpoint at ``checkpoint`` while other checkpoints of its
+    root refer to its data files: the replacement would delete them."""
+    try:
+        checkpoint.size(MANIFEST_NAME)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    users = referrers(checkpoint)
+    if users:
+        raise CheckpointError(f"{checkpoint.location} holds data that {', '.join(users[:5])} (incremental checkpoints "
+                              "beside it) refer to; nothing was written: replacing it would delete that data, so "
+                              "save under another name, or delete those checkpoints first")

@@ -141,8 +141,8 @@ class S3Storage(S3Reads, Storage):
     def child(self, name: str) -> S3Storage:
         return S3Storage(f"{self.location}/{name.strip('/')}", self.options)
 
-    def sibling(self, name: str) -> S3Storage:
-        return S3Storage(f"{self.location.rsplit('/', 1)[0]}/{check_name(name)}", self.options)
+    def parent(self) -> S3Storage:
+        return S3Storage(self.location.rsplit("/", 1)[0] if self.prefix else self.location, self.options)
 
     def children(self) -> list[str]:
         skip = len(self.prefix)
