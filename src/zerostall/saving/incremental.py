@@ -90,10 +90,11 @@ def refer(same: list[tuple[WriteItem, Chunk]], reuse: Reuse, files: dict[str, in
     return refs
 
 
-def next_reuse(tag: str, step: int | None, items: list[WriteItem], files: dict[str, int], headers: dict[str, str],
-               refs: dict[str, str]) -> Reuse:
-    """What the save after this one (committed as ``tag``) may refer to: every item's chunk, in a
-    file this save wrote or one it referred to in turn (named with the checkpoint that owns it)."""
-    chunks = {item.key: item.entry.chunks[-1] for item in items}
+def next_reuse(tag: str, step: int | None, items: list[WriteItem], placed: list[Chunk], files: dict[str, int],
+               headers: dict[str, str], refs: dict[str, str]) -> Reuse:
+    """What the save after this one (committed as ``tag``) may refer to: every item's chunk
+    (``placed``, in the items' order), in a file this save wrote or one it referred to in turn
+    (named with the checkpoint that owns it)."""
+    chunks = {item.key: chunk for item, chunk in zip(items, placed)}
     owners = {name: (refs.get(name, tag), size, headers.get(name, "")) for name, size in files.items()}
     return Reuse(tag, step, chunks, owners)

@@ -166,6 +166,8 @@ def persist(prepared: Prepared) -> SaveInfo:
         files, headers = write_data(storage, written, generation, group.rank, threads, p.options.block_size)
         own = sum(files.values())
         refs = refer(same, p.reuse, files, headers) if p.reuse is not None else {}
+        placed = [item.entry.chunks[-1] for item in p.items] if p.options.incremental else []  # before the
+        # coordinator adds the other ranks' chunks to the same entries
         if not group.is_coordinator:
             with gc_paused():
                 done = record(p.collected, p.plan, group.rank, files, headers, p.items, refs)
@@ -204,6 +206,6 @@ def persist(prepared: Prepared) -> SaveInfo:
     reuse = None
     if p.options.incremental:
         tag = storage.location.rstrip("/").rsplit("/", 1)[-1]
-        reuse = next_reuse(tag, p.step, p.items, files, headers, refs)
+        reuse = next_reuse(tag, p.step, p.items, placed, files, headers, refs)
     return SaveInfo(storage.location, generation, p.step, own, p.replanned, p.collect_s,
                     p.plan_s, t_write - t0, end - t_write, p.collect_s + p.plan_s + end - t0, reuse)
