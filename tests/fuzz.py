@@ -51,8 +51,12 @@ import zerostall as zs  # noqa: E402
 from hostile import MANIFEST, cli_outcome, data_files, opened, read_body, under, within, write_body  # noqa: E402
 from zerostall.format.codec import decode_path  # noqa: E402
 from zerostall.format.layout import dump_json  # noqa: E402
-from zerostall.roots.root import CheckpointRoot  # noqa: E402
+from zerostall.roots.root import CheckpointRoot, step_tag  # noqa: E402
+from zerostall.saving.pipeline import persist, prepare  # noqa: E402
 from zerostall.storage import LocalStorage  # noqa: E402
+
+
+STEP1, STEP2 = step_tag(1), step_tag(2)  # the incremental pair's checkpoints
 
 
 def original() -> dict[str, Any]:
@@ -137,7 +141,30 @@ def pristine(where: str) -> dict[str, str]:
     other = original()
     other["w"] = other["w"] + 1
     zs.save(other, paths["other"])
+    paths["incremental"] = incremental_pair(os.path.join(where, "incremental"), other)
     return paths
+
+
+def incremental_pair(root: str, first: dict[str, Any]) -> str:
+    """A root holding ``first`` as step 1 and the original state as step 2, an incremental save
+    that writes ``w`` (changed) and refers to step 1's bytes for every other tensor."""
+    options = zs.SaveOptions(incremental=True)
+    step1 = persist(prepare(first, os.path.join(root, STEP1), options))
+    persist(prepare(original(), os.path.join(root, STEP2), options, reuse=step1.reuse))
+    return root
+
+
+def damage_referenced(rng: random.Random, path: str, body: dict[str, Any]) -> str:
+    """Flip a byte of a chunk that the case refers to in step 1's data file."""
+    chunks = [c for e in tensor_entries(body) for c in e["chunks"] if c["file"] in body.get("refs", {}) and c["nbytes"]]
+    chunk = rng.choice(chunks)
+    at = chunk["offset"] + rng.randrange(chunk["nbytes"])
+    with open(os.path.join(os.path.dirname(path), STEP1, chunk["file"]), "r+b") as f:
+        f.seek(at)
+        b = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([b ^ rng.randrange(1, 256)]))
+    return f"flip referenced {chunk['file']} byte {at}"
 
 
 # -- generators ------------------------------------------------------------------------------------
@@ -253,7 +280,22 @@ def targeted(rng: random.Random, body: dict[str, Any], other: dict[str, Any], pa
     entries = tensor_entries(body)
     e = rng.choice(entries)
     chunk = rng.choice(e["chunks"]) if e["chunks"] else None
-    kind = rng.choice(["outside", "block", "rechecksum", "dtype", "shape", "split", "alias", "ref", "value", "offset"])
+    kind = rng.choice(["outside", "block", "rechecksum", "dtype", "shape", "split", "alias", "ref", "value", "offset"]
+                      + ["refs"] * 4 * bool(body.get("refs")))
+    if kind == "refs":  # an incremental checkpoint's references: elsewhere, resized, dropped, moved
+        refs = body["refs"]
+        name = rng.choice(sorted(refs))
+        how = rng.choice(["tag", "size", "drop", "move"])
+        if how == "tag":
+            refs[name] = rng.choice(STRINGS + [STEP2, "step_000000003", "other", "latest", "retained.json"])
+        elif how == "size":
+            body["files"][name] += rng.choice([-1, 1, 4096])
+        elif how == "drop":
+            del refs[name]
+        else:
+            used = [c for x in entries for c in x["chunks"] if c["file"] == name]
+            rng.choice(used)["offset"] += rng.choice([-8, -2, 2, 8, 4096])
+        return f"refs {how} {name}"
     if kind == "outside" and chunk:
         theirs = next(x for x in tensor_entries(other) if x["fqn"] == e["fqn"])["chunks"][0]
         name = rng.choice([f"../other/{theirs['file']}", os.path.join(others, theirs["file"]), "/proc/self/mem"])
@@ -553,10 +595,14 @@ def make_case(seed: int, index: int, base: dict[str, str], work: str) -> tuple[s
     data bytes changed)."""
     rng = random.Random(f"{seed}:{index}")
     DEEP.clear()
-    kind = rng.choice(["whole", "grid", "blocks"])
+    kind = rng.choice(["whole", "grid", "blocks", "incremental"])
     case = os.path.join(work, f"case{index}")
     path, others = os.path.join(case, "ck"), os.path.join(case, "other")
-    shutil.copytree(base[kind], path, symlinks=True)
+    if kind == "incremental":  # the case is step 2, which refers to step 1 beside it
+        shutil.copytree(base[kind], os.path.join(case, "root"))
+        path = os.path.join(case, "root", STEP2)
+    else:
+        shutil.copytree(base[kind], path, symlinks=True)
     shutil.copytree(base["other"], others)
     body, other = read_body(path), read_body(others)
     done, fifos, data_changed = [kind], [], False
@@ -568,6 +614,10 @@ def make_case(seed: int, index: int, base: dict[str, str], work: str) -> tuple[s
                 done.append(generate(rng, body, other))
             except (LookupError, TypeError, ValueError, AttributeError, StopIteration, OSError) as exc:
                 done.append(f"(a generator found no place after the changes before: {exc!r})")
+        elif kind == "incremental" and roll > 0.95:
+            write_body(path, dump(body))
+            done.append(damage_referenced(rng, path, body))
+            return path, done, fifos, True
         elif roll < 0.78:
             write_body(path, garbage_body(rng, body))
             done.append("garbage body")
@@ -602,7 +652,8 @@ def main() -> int:
             if args.case is None and time.monotonic() - start > args.seconds:
                 break
             path, done, fifos, changed = make_case(seed, index, base, work)
-            problems = check_case(path, os.path.join(os.path.dirname(path), "other"), fifos, changed, args.wait,
+            case = os.path.join(work, f"case{index}")
+            problems = check_case(path, os.path.join(case, "other"), fifos, changed, args.wait,
                                   cli=index % 4 == 0 or args.case is not None)
             count += 1
             for problem in problems:
@@ -610,7 +661,7 @@ def main() -> int:
                 print(f"VIOLATION seed {seed} case {index} [{'; '.join(done)}]: {problem}", flush=True)
             if args.case is not None:
                 print(f"case {index}: {'; '.join(done)}: {len(problems)} violation(s)")
-            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+            shutil.rmtree(case, ignore_errors=True)
     print(f"fuzz: seed {seed}, {count} cases in {time.monotonic() - start:.1f} s, {violations} violation(s)",
           flush=True)
     return 1 if violations else 0

@@ -59,7 +59,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     built; :class:`CorruptCheckpointError` naming the first field the format does not allow."""
     d = manifest_body(raw, where)
     try:
-        _check_head(d, with_headers=True)
+        _check_head(d)
         entries = field(d, "entries", list)
         numbers: list[Any] = []  # every int of every chunk, checked at once (and named only when one is wrong)
         digests: list[Any] = []  # every block checksum, likewise
@@ -113,7 +113,7 @@ def parse_head(raw: bytes, where: str) -> ManifestHead:
     :func:`parse_manifest` checks them; the checksum is checked over the whole body."""
     d = manifest_head_body(raw, where)
     try:
-        _check_head(d, with_headers=False)
+        _check_head(d)
     except (FieldError, CheckpointError) as exc:
         raise CorruptCheckpointError(f"manifest {where} is malformed: {exc}") from None
     return ManifestHead.from_json(d)
@@ -121,7 +121,7 @@ def parse_head(raw: bytes, where: str) -> ManifestHead:
 
 # -- the body's own fields ----------------------------------------------------------------------
 
-def _check_head(d: dict[str, Any], *, with_headers: bool) -> None:
+def _check_head(d: dict[str, Any]) -> None:
     """The fields before ``tree`` and ``entries``: what a listing reads."""
     generation = field(d, "generation", str)
     if not _GENERATION.fullmatch(generation):
@@ -149,7 +149,7 @@ def _check_head(d: dict[str, Any], *, with_headers: bool) -> None:
     check_value(metadata, "metadata")
     if len(metadata) == 1 and next(iter(metadata)).startswith("$") and "$dict" not in metadata:
         raise FieldError("metadata", f"{clip(metadata)} is not an encoded dict")
-    if with_headers and "headers" in d:
+    if "headers" in d:
         for name, digest in field(d, "headers", dict).items():
             if name not in files:
                 raise FieldError(f"headers[{clip(name)}]", "not a file of the checkpoint (a key of files)")
