@@ -364,3 +364,23 @@ def test_incremental_saves_and_retention_on_s3(s3_url):
     assert infos == {step_tag(1): "retained", step_tag(3): "committed"}
     assert same(zs.load(blank(state), f"{s3_url}/{step_tag(3)}"), snaps[3])
     assert zs.verify(f"{s3_url}/{step_tag(3)}") > 0
+
+
+def test_the_local_tier_saves_whole_copies_beside_an_incremental_root(tmp_path):
+    """The node-local tier holds everything its ranks need (format: no references across tiers);
+    the root's saves are incremental, and a restore takes the newest step from either."""
+    state = make_state()
+    root = tmp_path / "root"
+    with manager(root, save_every=2, local=zs.LocalTier(tmp_path / "node", every=1, replicas=1)) as mgr:
+        for step in (1, 2, 3, 4):
+            state["model"]["lora"].add_(1)
+            if mgr.should_save(step):
+                mgr.save(step, state)
+        mgr.wait()
+    assert chunk_owner(root, 4, "model.base") == step_tag(2)
+    copies = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "node") for f in files if f == "manifest.json"]
+    assert copies and all("refs" not in read_body(os.path.dirname(c)) for c in copies)
+    with manager(root, local=zs.LocalTier(tmp_path / "node", every=1, replicas=1)) as mgr:
+        target = blank(state)
+        assert mgr.restore(target) == 4 and mgr.last_restore.source == "local"
+        assert torch.equal(target["model"]["lora"], state["model"]["lora"])
