@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from zerostall.saving.capture import BufferPool, capture, record_caller_stream, versions
+from zerostall.saving.capture import BufferPool, capture, record_caller_stream
+from zerostall.saving.collect import versions
 from zerostall.saving.collect import collect
 from zerostall.devices import CallerStreams, cuda_devices, worker_device
 

@@ -384,3 +384,22 @@ def test_the_local_tier_saves_whole_copies_beside_an_incremental_root(tmp_path):
         target = blank(state)
         assert mgr.restore(target) == 4 and mgr.last_restore.source == "local"
         assert torch.equal(target["model"]["lora"], state["model"]["lora"])
+
+
+def test_a_tensor_written_in_place_since_is_written_without_being_compared(tmp_path, monkeypatch):
+    """A version counter that moved says "written to": no hashing to compare it (writing is always
+    safe). One that did not move proves nothing (``.data``), so that tensor is compared."""
+    from zerostall.saving import incremental
+
+    hashed: list[int] = []
+    real = incremental._checksums
+    monkeypatch.setattr(incremental, "_checksums", lambda item, block: hashed.append(item.nbytes) or real(item, block))
+    state = make_state()
+    with manager(tmp_path) as mgr:
+        mgr.save(1, state)
+        state["model"]["lora"].add_(1)  # its version moves
+        state["model"]["base"].data[0] += 1  # no version moves: compared, found changed
+        mgr.save(2, state)
+    assert state["model"]["lora"].nbytes not in hashed and state["model"]["base"].nbytes in hashed
+    assert chunk_owner(tmp_path, 2, "model.base") == step_tag(2) == chunk_owner(tmp_path, 2, "model.lora")
+    assert same(load(tmp_path, 2, state), state)

@@ -37,8 +37,8 @@ from ..errors import CheckpointError
 from ..gcpause import gc_paused
 from ..options import SaveOptions
 from ..storage import Storage
-from .capture import BufferPool, Captured, capture, record_caller_stream, versions
-from .collect import WriteItem
+from .capture import BufferPool, Captured, capture, record_caller_stream
+from .collect import WriteItem, versions
 from .incremental import Reuse
 from .pipeline import Prepared, SaveInfo, abandon, for_writer_process, persist, prepare
 from .recollect import CollectCache
@@ -188,7 +188,7 @@ class AsyncSaver:
         prepared = prepare(state, path, options, process_group=process_group, step=step, metadata=metadata,
                            cache=self.collections, reuse=reuse)
         self.hold_steps(prepared.collected.optimizers)
-        recorded = versions(prepared.items)
+        recorded = versions(prepared.items) if prepared.versions is None else prepared.versions
         try:
             ready = record_caller_stream(prepared.items)
             buffers = self.pool.buffers(prepared.items)

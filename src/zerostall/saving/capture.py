@@ -33,7 +33,7 @@ import torch
 from ..devices import CallerStreams, cuda_devices, host_register, host_unregister, on_stream, worker_device
 from ..errors import SharedMemoryError, StateChangedError
 from ..storage.base import free_bytes
-from .collect import WriteItem
+from .collect import Version, WriteItem, current_version
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,6 @@ _ALIGN = 64
 _SHM = "/dev/shm"
 Key = tuple[tuple[tuple[torch.dtype, tuple[int, ...]], ...], bool]  # each buffer's dtype and shape; pinned
 _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
-_VERSION = operator.attrgetter("_version")
 
 
 class BufferPool:
@@ -171,9 +170,6 @@ def _shortage(nbytes: int) -> str:
             f"the default) or give {_SHM} more room (in Docker: docker run --shm-size={gib}g or more)")
 
 
-Version = tuple[int, int] | None
-
-
 class Captured:
     """Where one save's capture puts each tensor it copies, so that another save of the same step
     (another tier) reads them from host memory instead of copying them from the device again.
@@ -212,23 +208,6 @@ class Captured:
                 item.tensor, recorded[n] = view, None
                 found += 1
         return found
-
-
-def versions(items: Sequence[WriteItem]) -> list[Version]:
-    """Each item's version now: its tensor's and its leaf's (None where a tensor keeps none:
-    inference-mode tensors)."""
-    try:  # the common case read in C: a save may hold 100,000 tensors
-        return list(zip(map(_VERSION, [item.tensor for item in items]),
-                        [-1 if item.watch is None else item.watch._version for item in items]))
-    except RuntimeError:  # an inference-mode tensor among them
-        return [_version(item.tensor, item.watch) for item in items]
-
-
-def _version(tensor: torch.Tensor, watch: torch.Tensor | None) -> Version:
-    try:
-        return tensor._version, -1 if watch is None else watch._version
-    except RuntimeError:
-        return None
 
 
 def record_caller_stream(items: Sequence[WriteItem]) -> CallerStreams | None:
@@ -272,7 +251,7 @@ def capture(items: Sequence[WriteItem], buffers: Sequence[torch.Tensor], ready: 
 
 
 def _check(item: WriteItem, source: torch.Tensor, version: Version) -> None:
-    if version is not None and _version(source, item.watch) != version:
+    if version is not None and current_version(source, item.watch) != version:
         raise StateChangedError(
             f"{item.entry.fqn} was changed in place while an asynchronous save was capturing it, so the "
             "checkpoint would mix values from before and after the change; the save was not committed. Call "

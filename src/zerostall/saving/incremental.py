@@ -3,7 +3,8 @@ committed save is not written again; the manifest refers to its bytes where they
 
 "Unchanged" is decided by the bytes' own block checksums (those a save computes anyway), never by
 a tensor's version counter or ``requires_grad``: writes through ``.data`` bump no version, and a
-frozen tensor can still be written in place. References always name the checkpoint that wrote
+frozen tensor can still be written in place. A version counter that moved does tell "written to":
+such a chunk is written without being compared. References always name the checkpoint that wrote
 the bytes (never a reference of a reference), so they can only point back in time, never form a
 cycle, and a checkpoint that owns no referenced file can be deleted without looking further.
 """
@@ -18,7 +19,7 @@ from ..balance import balance
 from ..format.checksums import BlockHasher, block_checksums
 from ..format.layout import Chunk
 from ..memory import tensor_bytes
-from .collect import ChunkKey, WriteItem
+from .collect import ChunkKey, Version, WriteItem
 from .write import device_pieces
 
 
@@ -34,16 +35,22 @@ class Reuse:
     """Each chunk this rank saved, by key: its box, file, offset, size and block checksums."""
     files: dict[str, tuple[str, int, str]]
     """Each data file those chunks lie in: the tag of the checkpoint owning it, its size, its header checksum."""
+    versions: dict[ChunkKey, Version]
+    """Each chunk's tensor's version counter when that save collected it: one that moved since was
+    written to in place, so it is written again without being compared first."""
 
 
-def split_unchanged(items: list[WriteItem], reuse: Reuse, threads: int,
+def split_unchanged(items: list[WriteItem], now: list[Version] | None, reuse: Reuse, threads: int,
                     block_size: int) -> tuple[list[WriteItem], list[tuple[WriteItem, Chunk]]]:
     """The items to write, and those whose bytes equal the chunk ``reuse`` holds under the same key
-    and box (each with that chunk); the candidates are hashed in parallel, balanced by bytes."""
+    and box (each with that chunk); the candidates are hashed in parallel, balanced by bytes. An
+    item whose version counter (``now``, in the items' order) moved since is written unhashed:
+    writing is always safe; only "unchanged" needs the proof of equal checksums."""
     candidates, changed = [], []
-    for item in items:
+    for i, item in enumerate(items):
         held = reuse.chunks.get(item.key)
-        if held is not None and held.nbytes == item.nbytes and held.sizes == tuple(item.tensor.shape) \
+        moved = now is not None and now[i] is not None and reuse.versions.get(item.key, now[i]) != now[i]
+        if held is not None and not moved and held.nbytes == item.nbytes and held.sizes == tuple(item.tensor.shape) \
                 and held.offset % max(1, item.tensor.element_size()) == 0:
             candidates.append((item, held))
         else:
@@ -90,11 +97,12 @@ def refer(same: list[tuple[WriteItem, Chunk]], reuse: Reuse, files: dict[str, in
     return refs
 
 
-def next_reuse(tag: str, step: int | None, items: list[WriteItem], placed: list[Chunk], files: dict[str, int],
-               headers: dict[str, str], refs: dict[str, str]) -> Reuse:
+def next_reuse(tag: str, step: int | None, items: list[WriteItem], now: list[Version] | None, placed: list[Chunk],
+               files: dict[str, int], headers: dict[str, str], refs: dict[str, str]) -> Reuse:
     """What the save after this one (committed as ``tag``) may refer to: every item's chunk
     (``placed``, in the items' order), in a file this save wrote or one it referred to in turn
     (named with the checkpoint that owns it)."""
     chunks = {item.key: chunk for item, chunk in zip(items, placed)}
     owners = {name: (refs.get(name, tag), size, headers.get(name, "")) for name, size in files.items()}
-    return Reuse(tag, step, chunks, owners)
+    versions = {item.key: v for item, v in zip(items, now)} if now is not None else {}
+    return Reuse(tag, step, chunks, owners, versions)

@@ -25,7 +25,7 @@ from ..options import SaveOptions, default_threads
 from ..storage import LocalStorage, S3Storage, Storage, storage_for
 from ..storage.location import check_location, manifest_generation, publish_manifest
 from ..storage.references import check_unreferenced, linked
-from .collect import Collected, WriteItem, collect
+from .collect import Collected, Version, WriteItem, collect, versions
 from .incremental import Reuse, next_reuse, refer, split_unchanged
 from .commit import (announce, assemble, await_commit, await_records, clean_up_after_commit, delete_generation,
                      open_doorbell, record, report_failure, write_abort, write_record)
@@ -71,6 +71,7 @@ class Prepared:
     collect_s: float
     plan_s: float
     reuse: Reuse | None = None
+    versions: list[Version] | None = None  # with incremental: each item's version counter when it was collected
 
 
 def prepare(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOptions, *, process_group: Any = None,
@@ -100,7 +101,8 @@ def prepare(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOpt
         items = collected.items if group.size == 1 else [i for i in collected.items
                                                          if i.rank_local or plan.writes(group.rank, i.key)]
     return Prepared(group, collected, plan, generation, replanned, items, storage, step, encoded, options,
-                    t_collect - t0, time.perf_counter() - t_collect, reuse)
+                    t_collect - t0, time.perf_counter() - t_collect, reuse,
+                    versions(items) if options.incremental else None)
 
 
 def checked_step(step: Any) -> int | None:
@@ -161,7 +163,7 @@ def persist(prepared: Prepared) -> SaveInfo:
     bell = open_doorbell(group, storage, generation)
     try:
         create(storage)
-        written, same = (p.items, []) if p.reuse is None else split_unchanged(p.items, p.reuse, threads,
+        written, same = (p.items, []) if p.reuse is None else split_unchanged(p.items, p.versions, p.reuse, threads,
                                                                               p.options.block_size)
         files, headers = write_data(storage, written, generation, group.rank, threads, p.options.block_size)
         own = sum(files.values())
@@ -206,6 +208,6 @@ def persist(prepared: Prepared) -> SaveInfo:
     reuse = None
     if p.options.incremental:
         tag = storage.location.rstrip("/").rsplit("/", 1)[-1]
-        reuse = next_reuse(tag, p.step, p.items, placed, files, headers, refs)
+        reuse = next_reuse(tag, p.step, p.items, p.versions, placed, files, headers, refs)
     return SaveInfo(storage.location, generation, p.step, own, p.replanned, p.collect_s,
                     p.plan_s, t_write - t0, end - t_write, p.collect_s + p.plan_s + end - t0, reuse)
