@@ -26,7 +26,6 @@ from ..loading import foreign as sources
 from ..loading.opening import named_manifest, read_manifest_bytes, read_manifest_from
 from ..roots.naming import Naming, named_instead
 from ..storage import Storage, storage_for
-from ..storage.references import linked
 
 FAILED = 1  # a checkpoint is incomplete or corrupt, an operation failed, or the root is being written
 USAGE = 2  # bad usage, nothing found, or a destination that holds a checkpoint already
@@ -156,5 +155,4 @@ def open_checkpoint(ckpt: str) -> tuple[Storage, Manifest]:
     that step). What ``zs.open`` and ``zs.open_latest`` read, without importing torch. Read-only:
     it works while a manager writes the root."""
     storage, raw = read_committed(ckpt)
-    manifest = read_manifest_from(storage, raw)
-    return linked(storage, manifest), manifest  # an incremental one reads its references where they lie
+    return storage, read_manifest_from(storage, raw)
