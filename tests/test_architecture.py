@@ -33,7 +33,7 @@ ORDER = [
     # roots/: checkpoints by step under a root
     "roots.retention", "roots.sharing", "roots.root", "roots.naming", "roots.restore", "roots.schedule", "roots.lease", "roots.loaders", "roots.increments", "roots",
     # interop/: checkpoints leaving zerostall
-    "interop.copying", "interop.torch_file", "interop.export_files", "interop.exporting", "interop",
+    "interop.contained", "interop.copying", "interop.torch_file", "interop.export_files", "interop.exporting", "interop",
     # the public functions, then the manager over them
     "api",
     # tiers/: the node-local tier, node identity, copies between nodes, restore from the fastest copy

@@ -74,7 +74,8 @@ def test_local_copy_loads_bit_exact_with_the_same_files_and_manifest(tmp_path: P
     assert len(sizes) == 2 and report["files"] == 2 and report["bytes"] == sum(sizes.values())
     assert report["skipped_files"] == report["skipped_bytes"] == 0 and report["gb_per_s"] >= 0
     assert set(report) == {"source", "destination", "generation", "files", "bytes", "skipped_files",
-                           "skipped_bytes", "seconds", "gb_per_s"}
+                           "skipped_bytes", "moved_files", "seconds", "gb_per_s"}
+    assert report["moved_files"] == 0  # self-contained already: copied as it is
     assert data_files(tmp_path / "b") == list(sizes)  # the names the manifest references
     assert (tmp_path / "b" / MANIFEST_NAME).read_bytes() == (tmp_path / "a" / MANIFEST_NAME).read_bytes()
     for name in sizes:

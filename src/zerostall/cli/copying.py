@@ -28,9 +28,11 @@ def cp(src: str, dst: str, overwrite: bool, threads: int | None, as_json: bool) 
     Run the same command again to resume: a data file already at DST is kept when its size, its
     header's checksum and every block's checksum verify (read back from DST); any other file is
     copied again, and files of other checkpoints there are removed once the copy commits. A
-    committed checkpoint at DST is refused unless --overwrite. One checkpoint at a time: copy the
-    steps of a root one by one (ROOT/<step> to DST_ROOT/<name>). A progress bar shows the bytes
-    copied (on a terminal, without --json)."""
+    committed checkpoint at DST is refused unless --overwrite (and while other checkpoints beside
+    it refer to its data). One checkpoint at a time: copy the steps of a root one by one
+    (ROOT/<step> to DST_ROOT/<name>). The copy is self-contained: the data an incremental
+    checkpoint refers to in other checkpoints of its root is copied into files of its own. A
+    progress bar shows the bytes copied (on a terminal, without --json)."""
     with reported_errors():
         source = Source.read(*read_committed(src))
         with progress_bar(sum(source.manifest.files.values()), "copying", quiet=as_json) as advance:
@@ -38,10 +40,12 @@ def cp(src: str, dst: str, overwrite: bool, threads: int | None, as_json: bool) 
     if as_json:
         print_json({"source": info.source, "destination": info.destination, "generation": info.generation,
                     "files": info.files, "bytes": info.bytes, "skipped_files": info.skipped_files,
-                    "skipped_bytes": info.skipped_bytes, "seconds": round(info.seconds, 6),
-                    "gb_per_s": round(info.gb_per_s, 3)})
+                    "skipped_bytes": info.skipped_bytes, "moved_files": info.moved_files,
+                    "seconds": round(info.seconds, 6), "gb_per_s": round(info.gb_per_s, 3)})
         return
     kept = f"; {info.skipped_files} file(s), {human_bytes(info.skipped_bytes)}, already complete at the " \
         "destination, kept" if info.skipped_files else ""
+    moved = f"; self-contained: {info.moved_files} of its file(s) hold the chunks it read from other " \
+        "checkpoints" if info.moved_files else ""
     console().print(f"copied {info.source} -> {info.destination}: {info.files} file(s), "
-                    f"{human_bytes(info.bytes)} in {info.seconds:.2f} s ({info.gb_per_s:.2f} GB/s){kept}")
+                    f"{human_bytes(info.bytes)} in {info.seconds:.2f} s ({info.gb_per_s:.2f} GB/s){kept}{moved}")

@@ -2,11 +2,14 @@
 
 Both read the root through :mod:`zerostall.roots.root` and decide retention with the manager's own
 rules (:func:`zerostall.roots.root.retained`), so what ``ls`` says a rule keeps is what ``prune`` keeps.
+Incremental checkpoints share data files: ``ls`` shows each one's bytes that no other refers to,
+those others refer to, and those it refers to; ``prune`` deletes through the root, which keeps
+what others still refer to as retained data, and removes retained data nobody refers to any more.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -16,7 +19,9 @@ from rich.table import Column, Table
 
 from ..roots.lease import live_holder
 from ..roots.retention import RetentionPolicy, numeric_metrics
-from ..roots.root import COMMITTED, LEASE_NAME, CheckpointInfo, CheckpointRoot, looks_like_checkpoint, retained
+from ..roots.root import (COMMITTED, LEASE_NAME, RETAINED, SUPERSEDED_NAME, CheckpointInfo, CheckpointRoot, describe,
+                          looks_like_checkpoint, retained)
+from ..roots.sharing import referenced, refs_set_aside
 from ..storage import storage_for
 
 from .common import EXIT_STATUSES, FAILED, USAGE, Failure, cli, clip, console, format_time, print_json, reported_errors
@@ -29,6 +34,10 @@ class Listing(CheckpointInfo):
 
     kept_by: list[str] = field(default_factory=list)
     latest: bool = False
+    unique_bytes: int = 0
+    """Its own data files that no other checkpoint of the root refers to."""
+    shared_bytes: int = 0
+    """Its own data files that other checkpoints of the root refer to (kept while they do)."""
 
     def to_json(self) -> dict[str, Any]:
         """The row as ``--json`` prints it (the location under the key ``path``)."""
@@ -108,14 +117,36 @@ def check_metric(rows: list[Listing], policy: RetentionPolicy) -> str | None:
 
 def scan(root: CheckpointRoot, policy: RetentionPolicy, *, include_root: bool) -> list[Listing]:
     """The checkpoints in ``root``'s immediate subdirectories (and ``root`` itself), sorted by step,
-    the one ``latest`` names marked, each with the rules that keep it."""
+    the one ``latest`` names marked, each with the rules that keep it and the bytes it shares."""
     infos = root.scan(include_self=include_root)
     rows = [Listing(**asdict(info)) for info in infos]
     latest = root.read_latest()
     for r in rows:
         r.latest = latest is not None and r.name == latest and r.location != root.location
     apply_retention(rows, infos, policy, latest)
+    users = referrers(root, rows)
+    for r in rows:
+        r.shared_bytes = still_used(r, users)
+        r.unique_bytes = r.bytes - r.shared_bytes
     return rows
+
+
+def referrers(root: CheckpointRoot, rows: list[Listing], gone: Collection[str] = ()) -> dict[str, set[str]]:
+    """The data files of each checkpoint (by name) that the committed ones of ``rows`` not named in
+    ``gone`` refer to, or those set aside under ``root`` (as :meth:`CheckpointRoot.delete` counts them)."""
+    return referenced([r.refs for r in rows if r.status == COMMITTED and r.name not in gone]
+                      + refs_set_aside(root.child(SUPERSEDED_NAME)))
+
+
+def still_used(row: Listing, users: dict[str, set[str]]) -> int:
+    """The bytes of ``row``'s own (or retained) data files that ``users`` refer to."""
+    used = users.get(row.name, set())
+    return sum(size for name, size in row.files.items() if name in used)
+
+
+def shares(rows: list[Listing]) -> bool:
+    """Whether any checkpoint listed shares data with another (incremental saves) or is retained data."""
+    return any(r.shared_bytes or r.referenced_bytes or r.status == RETAINED for r in rows)
 
 
 @cli.command(epilog=EXIT_STATUSES)
@@ -144,13 +175,17 @@ def ls(root: str, keep_last: int | None, keep_every: int | None, keep_best: int 
     if not rows:
         console(stderr=True).print(f"no checkpoints in {checkpoints.location}")
         return
-    table = Table("name", Column("step", justify="right"), "status", Column("size", justify="right"), "created",
-                  "metrics", "kept by", "latest")
+    sharing = shares(rows)  # the columns of shared data only where there is some: as before otherwise
+    bytes_columns = [Column(c, justify="right") for c in ("size", *(("unique", "shared", "refers to") if sharing
+                                                                    else ()))]
+    table = Table("name", Column("step", justify="right"), "status", *bytes_columns, "created", "metrics", "kept by",
+                  "latest")
     for r in rows:
         status = r.status if r.error is None else f"{r.status}: {r.error}"
         step = "-" if r.step is None else str(r.step)
         kept_by = ", ".join(r.kept_by) or "-"
-        table.add_row(r.name, step, status, human_bytes(r.bytes), format_time(r.created),
+        sizes = [r.bytes, *((r.unique_bytes, r.shared_bytes, r.referenced_bytes) if sharing else ())]
+        table.add_row(r.name, step, status, *map(human_bytes, sizes), format_time(r.created),
                       format_metrics(r.metrics) if r.status == COMMITTED else "-", kept_by,
                       "latest" if r.latest else "")
     console().print(table)
@@ -169,7 +204,9 @@ def prune(root: str, keep_last: int | None, keep_every: int | None, keep_best: i
     Rules combine: a checkpoint is kept when any rule keeps it. The newest committed checkpoint
     and the one ROOT/latest names are always kept; incomplete, corrupt and step-less checkpoint
     directories are left alone. A checkpoint is deleted manifest first, so a half-deleted one is
-    never seen as valid. Refused while a manager holds ROOT's writer lease, unless --force.
+    never seen as valid. Data files that checkpoints still there refer to (incremental saves) stay
+    as retained data, shown by ls, until none refers to them; then prune removes them. Refused while
+    a manager holds ROOT's writer lease, unless --force.
     """
     with reported_errors():
         checkpoints = open_root(root)
@@ -192,31 +229,74 @@ def prune(root: str, keep_last: int | None, keep_every: int | None, keep_best: i
         problem = check_metric(rows, policy)
         if problem:
             raise Failure(f"{problem}; refusing to prune by it", USAGE)
+        plan = PrunePlan.of(checkpoints, rows)
+        leftovers = [] if dry_run else delete(checkpoints, plan.doomed)
+
+    if as_json:
+        print_json({
+            "root": where, "dry_run": dry_run, "bytes_freed": 0 if dry_run else plan.freed,
+            "deleted": [] if dry_run else [plan.doomed_row(r) for r in plan.doomed],
+            "would_delete": [plan.doomed_row(r) for r in plan.doomed] if dry_run else [],
+            "kept": [prune_row(r) for r in plan.keep],
+            "skipped": [{**prune_row(r), "status": r.status, "reason": skip_reason(r)} for r in plan.skipped],
+            "retained": [{"name": r.name, "path": r.location, "bytes": r.bytes, "retained_bytes": plan.left[r.name],
+                          "referred_to_by": plan.referred_by[r.name],
+                          "action": "keep" if plan.left[r.name] else "remove"} for r in plan.retained],
+            "leftovers": leftovers,
+        })
+    else:
+        print_prune(plan, dry_run=dry_run, leftovers=leftovers)
+    if leftovers:
+        click.get_current_context().exit(FAILED)
+
+
+@dataclass
+class PrunePlan:
+    """What prune does: the committed checkpoints it deletes, keeps and leaves alone, and the
+    retained data there is; ``left``: the bytes each one deleted or retained keeps because the
+    checkpoints that stay refer to them (named in ``referred_by``)."""
+
+    doomed: list[Listing]
+    keep: list[Listing]
+    skipped: list[Listing]
+    retained: list[Listing]
+    left: dict[str, int]
+    referred_by: dict[str, list[str]]
+
+    @classmethod
+    def of(cls, root: CheckpointRoot, rows: list[Listing]) -> PrunePlan:
+        """The plan for ``rows`` (a scan of ``root``, with the rules that keep each)."""
         ranked = [r for r in rows if r.status == COMMITTED and r.step is not None]
         newest = max((r.step for r in ranked if r.step is not None), default=None)
         doomed = [r for r in ranked if not r.kept_by and r.step != newest]  # the newest: never, whatever kept() says
         keep = [r for r in ranked if r not in doomed]
-        skipped = [r for r in rows if r not in ranked]
-        leftovers = []
-        if not dry_run:
-            for r in doomed:
-                if not checkpoints.delete(r.name):
-                    leftovers.append(r.location)
+        retained_data = [r for r in rows if r.status == RETAINED]
+        skipped = [r for r in rows if r not in ranked and r not in retained_data]
+        gone = {r.name for r in doomed}
+        users = referrers(root, rows, gone)
+        stay = [r for r in rows if r.status == COMMITTED and r.name not in gone]
+        return cls(doomed, keep, skipped, retained_data,
+                   {r.name: still_used(r, users) for r in doomed + retained_data},
+                   {r.name: [s.name for s in stay if r.name in s.refs.values()] for r in doomed + retained_data})
 
-    freed = sum(r.bytes for r in doomed)
-    if as_json:
-        print_json({
-            "root": where, "dry_run": dry_run, "bytes_freed": 0 if dry_run else freed,
-            "deleted": [] if dry_run else [prune_row(r) for r in doomed],
-            "would_delete": [prune_row(r) for r in doomed] if dry_run else [],
-            "kept": [prune_row(r) for r in keep],
-            "skipped": [{**prune_row(r), "status": r.status, "reason": skip_reason(r)} for r in skipped],
-            "leftovers": leftovers,
-        })
-    else:
-        print_prune(doomed, keep, skipped, dry_run=dry_run, freed=freed, leftovers=leftovers)
-    if leftovers:
-        click.get_current_context().exit(FAILED)
+    @property
+    def freed(self) -> int:
+        """The bytes the deletions and the removal of retained data nobody refers to any more free."""
+        return sum(r.bytes - self.left[r.name] for r in self.doomed + self.retained)
+
+    def doomed_row(self, r: Listing) -> dict[str, Any]:
+        """A deleted checkpoint as ``--json`` shows it: with the bytes it keeps as retained data."""
+        return {**prune_row(r), "retained_bytes": self.left[r.name], "referred_to_by": self.referred_by[r.name]}
+
+
+def delete(root: CheckpointRoot, doomed: list[Listing]) -> list[str]:
+    """Delete ``doomed`` through the root (what other checkpoints refer to stays, as retained data),
+    then remove the retained data that nothing refers to any more; the locations of those that
+    could not be removed (neither gone nor retained data)."""
+    partly = [r for r in doomed if not root.delete(r.name)]
+    root.collect_retained()
+    return [r.location for r in partly
+            if root.child(r.name).exists() and describe(root.child(r.name), r.name).status != RETAINED]
 
 
 def prune_row(r: Listing) -> dict[str, Any]:
@@ -230,14 +310,22 @@ def skip_reason(r: Listing) -> str:
     return "committed without a step"
 
 
-def print_prune(doomed: list[Listing], keep: list[Listing], skipped: list[Listing], *, dry_run: bool, freed: int,
-                leftovers: list[str]) -> None:
+def print_prune(plan: PrunePlan, *, dry_run: bool, leftovers: list[str]) -> None:
     table = Table("name", Column("step", justify="right"), "action", Column("size", justify="right"), "metrics",
                   "why", "latest")
     verb = "would delete" if dry_run else "deleted"
-    rows = [(r, verb, "no rule keeps it") for r in doomed] + [(r, "keep", ", ".join(r.kept_by)) for r in keep]
+
+    def kept_for(r: Listing) -> str:
+        users = ", ".join(plan.referred_by[r.name]) or "checkpoints set aside"
+        return f"{human_bytes(plan.left[r.name])} kept as retained data, read by {users}"
+
+    rows = [(r, verb, "no rule keeps it" + (f"; {kept_for(r)}" if plan.left[r.name] else "")) for r in plan.doomed]
+    rows += [(r, "keep", ", ".join(r.kept_by)) for r in plan.keep]
     rows.sort(key=lambda item: (item[0].step, item[0].name))
-    rows += [(r, "leave alone", skip_reason(r)) for r in skipped]
+    rows += [(r, "keep", kept_for(r)) if plan.left[r.name] else
+             (r, "would remove" if dry_run else "removed", "retained data nothing refers to any more")
+             for r in plan.retained]
+    rows += [(r, "leave alone", skip_reason(r)) for r in plan.skipped]
     for r, action, why in rows:
         table.add_row(r.name, "-" if r.step is None else str(r.step), action, human_bytes(r.bytes),
                       format_metrics(r.metrics) if r.status == COMMITTED else "-", why,
@@ -245,7 +333,7 @@ def print_prune(doomed: list[Listing], keep: list[Listing], skipped: list[Listin
     out = console()
     if rows:
         out.print(table)
-    out.print(f"{verb} {len(doomed)} checkpoint(s) ({human_bytes(freed)}), kept {len(keep)}, "
-              f"left {len(skipped)} alone")
+    out.print(f"{verb} {len(plan.doomed)} checkpoint(s) ({human_bytes(plan.freed)}), kept {len(plan.keep)}, "
+              f"left {len(plan.skipped)} alone")
     for path in leftovers:
         console(stderr=True).print(f"could not remove everything under {path} (its manifest is gone)")

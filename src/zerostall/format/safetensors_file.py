@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterable
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterable
 
 from .layout import SAFETENSORS_DTYPES, dtype_name, dump_json
+
+if TYPE_CHECKING:  # a header needs no torch: ``zerostall cp`` builds some, by the dtypes' manifest names
+    import torch
 
 DATA_ALIGNMENT = 4096
 
@@ -19,16 +20,18 @@ _WRITTEN = {SAFETENSORS_DTYPES[d]: d for d in "F64 F32 F16 BF16 I64 I32 I16 I8 U
 
 @dataclass(slots=True)
 class FileItem:
-    """One tensor (or chunk) placed in a data file: its name there, dtype, shape and size."""
+    """One tensor (or chunk) placed in a data file: its name there, dtype (or its manifest name,
+    ``float32``), shape and size."""
 
     name: str
-    dtype: torch.dtype
+    dtype: torch.dtype | str
     shape: tuple[int, ...]
     nbytes: int
 
 
-def safetensors_dtype(dtype: torch.dtype) -> str | None:
-    """The safetensors name of ``dtype`` (``BF16``); None for a dtype safetensors lacks."""
+def safetensors_dtype(dtype: torch.dtype | str) -> str | None:
+    """The safetensors name of ``dtype`` or of the dtype a manifest names (``BF16``); None for a
+    dtype safetensors lacks."""
     return _WRITTEN.get(dtype_name(dtype))
 
 

@@ -7,6 +7,11 @@ multipart upload). The manifest is published last, through the storage's atomic 
 commits: a copy interrupted at any point leaves no manifest, so no checkpoint, at the destination.
 Run again, a copy keeps every data file already complete there (its size, header and every block
 verified, read back from the destination) and copies the rest. No torch: the CLI's ``cp`` runs it.
+
+A copy is self-contained: the chunks an incremental checkpoint reads from data files of other
+checkpoints of its root are copied, checked the same way, into new data files of the copy (its
+generation's, numbered after its own), packed back to back behind a header built here, and the
+copy's manifest refers to nothing outside it.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from ..errors import CheckpointError, CorruptCheckpointError
@@ -26,6 +31,8 @@ from ..loading.reader import ChunkReader
 from ..options import default_threads
 from ..storage import Storage, storage_for
 from ..storage.location import check_location, manifest_generation, publish_manifest, remove_stale
+from ..storage.references import check_unreferenced, linked
+from .contained import Moved, self_contained
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,8 @@ class CopyInfo:
     skipped_files: int
     skipped_bytes: int
     seconds: float
+    moved_files: int = 0
+    """The copy's data files holding the chunks the source referred to in other checkpoints."""
 
     @property
     def gb_per_s(self) -> float:
@@ -80,18 +89,28 @@ class _Stopped(CheckpointError):
 
 @dataclass(frozen=True)
 class Source:
-    """A committed checkpoint to copy: its storage and its manifest, as stored (published as is at
-    the destination) and parsed; read once by whoever resolved it (the CLI's ``cp``)."""
+    """A committed checkpoint to copy: its storage (reading referenced files where they lie), and
+    the manifest the copy commits, as bytes and parsed: the source's as stored, or, where it refers
+    to other checkpoints, the self-contained one of :func:`self_contained` (``moved``: its new data
+    files; ``referred``: the files they are read from, with their sizes). Read once by whoever
+    resolved it (the CLI's ``cp``)."""
 
     storage: Storage
     raw: bytes
     manifest: Manifest
+    moved: dict[str, Moved] = field(default_factory=dict)
+    referred: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def read(cls, storage: Storage, raw: bytes | None = None) -> Source:
         """The checkpoint at ``storage``; ``raw``: its manifest's bytes, where they were read already."""
         raw = read_manifest_bytes(storage) if raw is None else raw
-        return cls(storage, raw, read_manifest_from(storage, raw))
+        manifest = read_manifest_from(storage, raw)
+        if not manifest.refs:
+            return cls(storage, raw, manifest)
+        contained, moved = self_contained(manifest)
+        return cls(linked(storage, manifest), contained.to_bytes(), contained, moved,
+                   {name: manifest.files[name] for name in manifest.refs})
 
 
 def copy(src: str | os.PathLike[str] | Storage | Source, dst: str | os.PathLike[str] | Storage, *,
@@ -101,47 +120,53 @@ def copy(src: str | os.PathLike[str] | Storage | Source, dst: str | os.PathLike[
     checking every block as it is read; resumes an interrupted copy into ``dst``.
 
     A committed checkpoint at ``dst`` raises :class:`CheckpointExistsError` unless ``overwrite``
-    (it stays readable until the copy commits); files there that are not a checkpoint's are
-    refused. A damaged source raises :class:`CorruptCheckpointError` naming the file and block,
-    and nothing is committed. ``threads``: data files copied at once; ``progress(nbytes)`` is
-    called from the copying threads as bytes are copied or found complete at ``dst``."""
+    (it stays readable until the copy commits), and :class:`CheckpointError` while other
+    checkpoints beside it refer to its data files (checked again at the commit); files there that
+    are not a checkpoint's (retained data among them) are refused. A damaged source raises
+    :class:`CorruptCheckpointError` naming the file and block, and nothing is committed. An
+    incremental source is copied self-contained (see :func:`self_contained`). ``threads``: data
+    files copied at once; ``progress(nbytes)`` is called from the copying threads as bytes are
+    copied or found complete at ``dst``."""
     start, began = time.perf_counter(), time.time_ns()  # began: as a save's generation time, for the clean-up
     source = src if isinstance(src, Source) else Source.read(storage_for(src))
     target, manifest = storage_for(dst), source.manifest
     listed = target.sizes()  # one listing, with the sizes where it gives them (an object store)
     names = target.list() if listed is None else list(listed)
     check_location(target, overwrite, what="copy", names=names)
+    if overwrite:
+        check_unreferenced(target)  # its clean-up would delete files that checkpoints beside it read
     found = manifest_generation(target)  # the checkpoint the copy replaces: still there at its commit?
     present: dict[str, int | None] = dict.fromkeys(names) if listed is None else dict(listed)
     try:
         target.create()
     except OSError as exc:
         raise CheckpointError(f"cannot create {target.location}: {exc}") from exc
-    job = _Copy(source.storage, target, manifest, threads or default_threads(), progress or (lambda n: None))
+    job = _Copy(source, target, threads or default_threads(), progress or (lambda n: None))
     try:
         copied, skipped = job.run(present)
     finally:
         job.close()
-    publish_manifest(target, manifest.generation, source.raw, found, what="copy")
+    recheck = (lambda: check_unreferenced(target)) if overwrite else None  # a save beside it may refer to it by now
+    publish_manifest(target, manifest.generation, source.raw, found, what="copy", before_commit=recheck)
     # the checkpoint replaced, and saves or copies begun before this one (interrupted, or refused now that this one
     # committed); a save begun since may be writing into this checkpoint: its files stay, as after a save's commit
     remove_stale(target, manifest.generation, lambda gen: gen == found or generation_time(gen) < began)
     return CopyInfo(source.storage.location, target.location, manifest.generation, len(copied), sum(copied),
-                    len(skipped), sum(skipped), time.perf_counter() - start)
+                    len(skipped), sum(skipped), time.perf_counter() - start, len(source.moved))
 
 
 class _Copy:
     """The data files of one copy, in parallel threads, each file read and checked a run at a time."""
 
-    def __init__(self, source: Storage, target: Storage, manifest: Manifest, threads: int,
-                 progress: Callable[[int], None]) -> None:
-        self.source, self.target, self.manifest = source, target, manifest
+    def __init__(self, source: Source, target: Storage, threads: int, progress: Callable[[int], None]) -> None:
+        self.source, self.target, self.manifest = source.storage, target, source.manifest
+        self.moved, self.referred = source.moved, source.referred
         self.threads, self.progress = max(1, threads), progress
-        self.src_reader = ChunkReader(source, manifest, threads)
-        self.dst_reader = ChunkReader(target, manifest, threads)
+        self.src_reader = ChunkReader(self.source, self.manifest, threads)
+        self.dst_reader = ChunkReader(target, self.manifest, threads)
         self.stop = threading.Event()
-        self.segments = _segments(manifest)
-        self.source_sizes = source.sizes()  # one listing instead of a request a file, where it gives sizes
+        self.segments = _segments(self.manifest)
+        self.source_sizes = self.source.sizes()  # one listing instead of a request a file, where it gives sizes
 
     def close(self) -> None:
         self.src_reader.close()
@@ -180,7 +205,8 @@ class _Copy:
                     log.info("%s of %s is complete at %s: kept", name, self.source.location, self.target.location)
                     return size, True
                 self.target.delete(name)
-            self._check_source_size(name, size)
+            for origin, expected in self._read_from(name, size).items():
+                self._check_source_size(origin, expected)
             written = self.target.write(name, self._stream(name, runs))
         except BaseException as exc:
             self.stop.set()
@@ -190,6 +216,13 @@ class _Copy:
         if written != size:
             raise CheckpointError(f"wrote {written} bytes to {name} of {self.target.location}, expected {size}")
         return size, False
+
+    def _read_from(self, name: str, size: int) -> dict[str, int]:
+        """The source's files that data file ``name`` of the copy is read from, with their sizes."""
+        moved = self.moved.get(name)
+        if moved is None:
+            return {name: size}
+        return {chunk.file: self.referred[chunk.file] for chunk in moved.origins.values()}
 
     def _check_source_size(self, name: str, size: int) -> None:
         try:
@@ -221,11 +254,12 @@ class _Copy:
     def _stream(self, name: str, runs: list[_Run]) -> Iterator[memoryview]:
         """The file's bytes, a fresh buffer a run (the writer may still hold the last ones), each
         run checked before it is handed on."""
+        moved = self.moved.get(name)
         for run in runs:
             if self.stop.is_set():
                 raise _Stopped("another copying thread failed")
-            data = _read_checked(self.src_reader, name, run)
-            yield data
+            yield _read_checked(self.src_reader, name, run) if moved is None else _read_moved(self.src_reader, moved,
+                                                                                                run)
             self.progress(run.length)
 
 
@@ -291,4 +325,32 @@ def _read_checked(reader: ChunkReader, name: str, run: _Run) -> memoryview:
             reader.check_header(name, data)
         else:
             reader.check_blocks(check.entry, check.chunk, check.chunk_lo, data)  # type: ignore[arg-type]
+    return out
+
+
+def _read_moved(reader: ChunkReader, moved: Moved, run: _Run) -> memoryview:
+    """:func:`_read_checked` of a run of a file the copy builds: its header as built, its chunks
+    read from where the source has them (chunks lying back to back there too in one request), each
+    block checked as the source's chunk (a fault names the file it lies in)."""
+    out = memoryview(bytearray(run.length))
+    spans: list[tuple[str, int, int, int]] = []  # (source file, its offset, out's lo, hi): one read each
+    checks = []
+    for check in run.checks:
+        if check.entry is None:
+            out[check.lo:check.hi] = moved.header[run.offset + check.lo:run.offset + check.hi]
+            continue
+        if check.hi == check.lo:  # an empty chunk: nothing to read, its checksum still checked
+            checks.append((check, check.chunk))
+            continue
+        chunk = moved.origins[check.chunk.offset]  # type: ignore[union-attr]
+        checks.append((check, chunk))
+        at, last = chunk.offset + check.chunk_lo, spans[-1] if spans else None
+        if last is not None and last[0] == chunk.file and last[3] == check.lo and last[1] + check.lo - last[2] == at:
+            spans[-1] = (chunk.file, last[1], last[2], check.hi)
+        else:
+            spans.append((chunk.file, at, check.lo, check.hi))
+    for file, at, lo, hi in spans:
+        reader.read_range(file, at, out[lo:hi])
+    for check, chunk in checks:
+        reader.check_blocks(check.entry, chunk, check.chunk_lo, out[check.lo:check.hi])  # type: ignore[arg-type]
     return out

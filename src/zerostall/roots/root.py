@@ -84,6 +84,8 @@ class CheckpointInfo:
     """A committed one's own data files and sizes (a retained one's: those kept)."""
     refs: dict[str, str] = field(default_factory=dict)
     """The data files of other checkpoints of the root it refers to, with their tags (incremental saves)."""
+    referenced_bytes: int = 0
+    """The size of those files, as its manifest records them."""
 
     def record(self) -> CheckpointRecord:
         """What retention knows of it (a step-less checkpoint counts as step -1)."""
@@ -155,7 +157,8 @@ def _committed(name: str, storage: Storage, head: ManifestHead) -> CheckpointInf
     metrics = metadata.get("metrics")
     return CheckpointInfo(name, storage.location, COMMITTED, head.step, head.total_bytes, head.created,
                           dict(metrics) if isinstance(metrics, dict) else {},
-                          files={n: s for n, s in head.files.items() if n not in head.refs}, refs=head.refs)
+                          files={n: s for n, s in head.files.items() if n not in head.refs}, refs=head.refs,
+                          referenced_bytes=sum(head.files[n] for n in head.refs))
 
 
 def _typed(exc: OSError, what: str) -> CheckpointError:
