@@ -270,7 +270,7 @@ def manifest_stage(lay: Layout, plan: Any, structures: list[list[Row]], res: dic
         collected.entries[row.key].chunks.append(chunk)
     manifest, res["assemble_s"] = timed(functools.partial(  # once: it adds the chunks to rank 0's entries
         assemble, collected, plan, mine["files"], mine["headers"], others, GENERATION, lay.ranks, 100,
-        codec.encode({}), DEFAULT_BLOCK_SIZE))
+        codec.encode({}), DEFAULT_BLOCK_SIZE, {}))
     del others
     raw, res["to_bytes_s"] = timed(manifest.to_bytes)
     del manifest

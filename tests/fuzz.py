@@ -616,7 +616,11 @@ def make_case(seed: int, index: int, base: dict[str, str], work: str) -> tuple[s
                 done.append(f"(a generator found no place after the changes before: {exc!r})")
         elif kind == "incremental" and roll > 0.95:
             write_body(path, dump(body))
-            done.append(damage_referenced(rng, path, body))
+            try:
+                done.append(damage_referenced(rng, path, body))
+            except (LookupError, TypeError, ValueError, AttributeError, OSError) as exc:  # an earlier lie's doing
+                done.append(f"(no referenced chunk to damage after the changes before: {exc!r})")
+                return path, done, fifos, False
             return path, done, fifos, True
         elif roll < 0.78:
             write_body(path, garbage_body(rng, body))

@@ -133,9 +133,9 @@ def copy(src: str | os.PathLike[str] | Storage | Source, dst: str | os.PathLike[
     listed = target.sizes()  # one listing, with the sizes where it gives them (an object store)
     names = target.list() if listed is None else list(listed)
     check_location(target, overwrite, what="copy", names=names)
-    if overwrite:
-        check_unreferenced(target)  # its clean-up would delete files that checkpoints beside it read
     found = manifest_generation(target)  # the checkpoint the copy replaces: still there at its commit?
+    if overwrite:
+        check_unreferenced(target, found is not None)  # its clean-up would delete files that checkpoints beside it read
     present: dict[str, int | None] = dict.fromkeys(names) if listed is None else dict(listed)
     try:
         target.create()
@@ -146,7 +146,8 @@ def copy(src: str | os.PathLike[str] | Storage | Source, dst: str | os.PathLike[
         copied, skipped = job.run(present)
     finally:
         job.close()
-    recheck = (lambda: check_unreferenced(target)) if overwrite else None  # a save beside it may refer to it by now
+    recheck = (lambda: check_unreferenced(target, found is not None)) if overwrite else None  # a save beside it
+    # may refer to it by now
     publish_manifest(target, manifest.generation, source.raw, found, what="copy", before_commit=recheck)
     # the checkpoint replaced, and saves or copies begun before this one (interrupted, or refused now that this one
     # committed); a save begun since may be writing into this checkpoint: its files stay, as after a save's commit

@@ -180,12 +180,17 @@ def referrers(checkpoint: Storage) -> list[str]:
     return found
 
 
-def check_unreferenced(checkpoint: Storage) -> None:
+def check_unreferenced(checkpoint: Storage, committed: bool | None = None) -> None:
     """Refuse to replace the committed checkpoint at ``checkpoint`` while other checkpoints of its
-    root refer to its data files: the replacement would delete them."""
-    try:
-        checkpoint.size(MANIFEST_NAME)
-    except (FileNotFoundError, NotADirectoryError):
+    root refer to its data files: the replacement would delete them. ``committed``: whether a
+    manifest is there, where the caller knows (None: looked up)."""
+    if committed is None:
+        try:
+            checkpoint.size(MANIFEST_NAME)
+            committed = True
+        except (FileNotFoundError, NotADirectoryError):
+            committed = False
+    if not committed:
         return
     users = referrers(checkpoint)
     if users:
