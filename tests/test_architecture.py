@@ -23,7 +23,8 @@ ORDER = [
     # shared basics over storage: the process group, the state tree, the options
     "doorbell", "collectives", "views", "state", "options",
     # saving/: collect → plan → write → commit, run in order by pipeline; the asynchronous saver over it
-    "saving.collect", "saving.plan", "saving.recollect", "saving.write", "saving.incremental", "saving.commit", "saving.pipeline",
+    "saving.collect", "saving.plan", "saving.recollect", "saving.write", "saving.incremental", "saving.commit",
+    "saving.pipeline",
     "saving.capture", "saving.writer_process", "saving.asynchronous", "saving",
     # loading/: open (ours or foreign) → reader (bytes, checked) → load plan → fetch (and broadcast) →
     # verification, behind the Checkpoint front; tensor streams for exporters
@@ -31,7 +32,8 @@ ORDER = [
     "loading.optimizers", "loading.load_plan", "loading.fetch", "loading.broadcast", "loading.verification",
     "loading.checkpoint", "loading.tensor_stream", "loading",
     # roots/: checkpoints by step under a root
-    "roots.retention", "roots.sharing", "roots.root", "roots.naming", "roots.restore", "roots.schedule", "roots.lease", "roots.loaders", "roots.increments", "roots",
+    "roots.retention", "roots.sharing", "roots.root", "roots.naming", "roots.restore", "roots.schedule", "roots.lease",
+    "roots.loaders", "roots.increments", "roots",
     # interop/: checkpoints leaving zerostall
     "interop.contained", "interop.copying", "interop.torch_file", "interop.export_files", "interop.exporting", "interop",
     # the public functions, then the manager over them

@@ -259,7 +259,8 @@ class Manifest:
             generation=d["generation"], entries=[Entry.from_json(e) for e in d["entries"]],
             files=dict(d["files"]), tree=d["tree"], world_size=d["world_size"],
             block_size=d["block_size"], step=d["step"], metadata=d["metadata"],
-            created=d["created"], version=d["version"], headers=dict(d.get("headers", {})), refs=dict(d.get("refs", {})),
+            created=d["created"], version=d["version"], headers=dict(d.get("headers", {})),
+            refs=dict(d.get("refs", {})),
         )
 
 

@@ -22,7 +22,8 @@ from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import codec
-from .layout import REFS_VERSION, SUBCLASS_VERSION, Entry, Manifest, ManifestHead, data_file_name, manifest_body, manifest_head_body
+from .layout import (REFS_VERSION, SUBCLASS_VERSION, Entry, Manifest, ManifestHead, data_file_name, manifest_body,
+                     manifest_head_body)
 from .tensor_check import (HEX16, MAX_INT, FieldError, check_packed, check_shape, check_tensor, clip, dtype_itemsize,
                            explain_chunk, field, int_field)
 from .value_check import check_value

@@ -15,7 +15,8 @@ if TYPE_CHECKING:  # a header needs no torch: ``zerostall cp`` builds some, by t
 DATA_ALIGNMENT = 4096
 
 # those a data file's header names (fixed by the format); every other dtype is stored as U8
-_WRITTEN = {SAFETENSORS_DTYPES[d]: d for d in "F64 F32 F16 BF16 I64 I32 I16 I8 U64 U32 U16 U8 BOOL F8_E4M3 F8_E5M2".split()}
+_WRITTEN = {SAFETENSORS_DTYPES[d]: d
+            for d in "F64 F32 F16 BF16 I64 I32 I16 I8 U64 U32 U16 U8 BOOL F8_E4M3 F8_E5M2".split()}
 
 
 @dataclass(slots=True)

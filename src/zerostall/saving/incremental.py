@@ -50,8 +50,9 @@ def split_unchanged(items: list[WriteItem], now: list[Version] | None, reuse: Re
     for i, item in enumerate(items):
         held = reuse.chunks.get(item.key)
         moved = now is not None and now[i] is not None and reuse.versions.get(item.key, now[i]) != now[i]
-        if held is not None and not moved and held.nbytes == item.nbytes > 0 and held.sizes == tuple(item.tensor.shape) \
-                and held.offset % max(1, item.tensor.element_size()) == 0:  # an empty chunk keeps no file alive
+        if held is not None and not moved and held.nbytes == item.nbytes > 0 \
+                and held.sizes == tuple(item.tensor.shape) and held.offset % max(1, item.tensor.element_size()) == 0:
+            # (an empty chunk is written: it would keep an earlier file alive for nothing)
             candidates.append((item, held))
         else:
             changed.append(item)

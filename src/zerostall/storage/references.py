@@ -172,7 +172,8 @@ def referrers(checkpoint: Storage) -> list[str]:
         try:
             if _VERSION_3.search(holder.read_head(MANIFEST_NAME, 256)) is None:
                 continue  # only format version 3 refers
-            head = parse_head(holder.read_bytes(MANIFEST_NAME, max_manifest_bytes()), f"{holder.location}/{MANIFEST_NAME}")
+            raw = holder.read_bytes(MANIFEST_NAME, max_manifest_bytes())
+            head = parse_head(raw, f"{holder.location}/{MANIFEST_NAME}")
         except (OSError, CorruptCheckpointError):
             continue
         if tag in head.refs.values():
