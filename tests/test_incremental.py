@@ -74,6 +74,16 @@ def manager(root, **kw) -> zs.CheckpointManager:
     return zs.CheckpointManager(root, incremental=True, block_size=BLOCK, **kw)
 
 
+def save_steps(mgr: zs.CheckpointManager, state: dict, steps, snaps: dict) -> zs.SaveInfo:
+    """Change the small tensor and save, step by step, recording each step's state in ``snaps``;
+    returns the last save's info."""
+    for step in steps:
+        state["model"]["lora"].add_(1)
+        info = mgr.save(step, state)
+        snaps[step] = snapshot(state)
+    return info
+
+
 def test_unchanged_chunks_are_referred_to_and_changed_ones_written(tmp_path):
     state = make_state()
     with manager(tmp_path) as mgr:
@@ -150,20 +160,14 @@ def test_retention_keeps_referred_data_and_frees_it_after_a_full_save(tmp_path):
     state = make_state()
     snaps = {}
     with manager(tmp_path, keep_last=2, full_save_every=4) as mgr:
-        for step in range(1, 5):
-            state["model"]["lora"].add_(1)
-            mgr.save(step, state)
-            snaps[step] = snapshot(state)
+        save_steps(mgr, state, range(1, 5), snaps)
         mgr.wait()
         infos = {i.name: i for i in CheckpointRoot(LocalStorage(str(tmp_path))).scan()}
         assert infos[step_tag(1)].status == "retained" and step_tag(2) not in infos
         assert not (tmp_path / step_tag(1) / "manifest.json").exists()
         for step in (3, 4):
             assert same(load(tmp_path, step, state), snaps[step])
-        for step in (5, 6):  # 5 is full (the 4th save since start-up... the 5th save: 1 + 4)
-            state["model"]["lora"].add_(1)
-            mgr.save(step, state)
-            snaps[step] = snapshot(state)
+        save_steps(mgr, state, (5, 6), snaps)  # the 5th save is full (every 4th since the first)
         mgr.wait()
     assert sorted(os.listdir(tmp_path)) == ["latest", step_tag(5), step_tag(6)]  # no retained data left
     assert read_body(tmp_path / step_tag(5)).get("refs") is None
@@ -188,10 +192,7 @@ def test_a_rollback_saves_in_full_and_the_set_aside_steps_keep_their_data(tmp_pa
     state = make_state()
     snaps = {}
     with manager(tmp_path, keep_last=1) as mgr:
-        for step in (1, 2, 3):
-            state["model"]["lora"].add_(1)
-            mgr.save(step, state)
-            snaps[step] = snapshot(state)
+        save_steps(mgr, state, (1, 2, 3), snaps)
         mgr.wait()
         state["model"]["lora"].add_(1)
         info = mgr.save(2, state)  # sets 3 (and 2: retention deleted it) aside
@@ -203,12 +204,22 @@ def test_a_rollback_saves_in_full_and_the_set_aside_steps_keep_their_data(tmp_pa
     assert same(load(tmp_path, 3, state), snaps[3])  # what it refers to in step 1 was kept for it
 
 
-def test_replacing_a_checkpoint_that_others_refer_to_is_refused(tmp_path):
+# -- references are input like any other field ------------------------------------------------------
+
+@pytest.fixture
+def chain(tmp_path):
     state = make_state()
     with manager(tmp_path) as mgr:
         mgr.save(1, state)
         state["model"]["lora"].add_(1)
         mgr.save(2, state)
+    return tmp_path, read_body(tmp_path / step_tag(2))
+
+
+def test_replacing_a_checkpoint_that_others_refer_to_is_refused(chain):
+    tmp_path, _ = chain
+    state = make_state()
+    state["model"]["lora"].add_(1)
     before = sorted(os.listdir(tmp_path / step_tag(1)))
     with pytest.raises(zs.CheckpointError, match=f"{step_tag(2)}.*refer to"):
         zs.save(make_state(), tmp_path / step_tag(1), overwrite=True)
@@ -244,18 +255,6 @@ def test_every_checkpoint_loads_after_any_subset_of_the_others_is_deleted(tmp_pa
         checkpoints.delete(step_tag(step))
     checkpoints.collect_retained()
     assert [n for n in os.listdir(root) if n.startswith("step_")] == []  # nothing leaked
-
-
-# -- references are input like any other field ------------------------------------------------------
-
-@pytest.fixture
-def chain(tmp_path):
-    state = make_state()
-    with manager(tmp_path) as mgr:
-        mgr.save(1, state)
-        state["model"]["lora"].add_(1)
-        mgr.save(2, state)
-    return tmp_path, read_body(tmp_path / step_tag(2))
 
 
 def _lie(root, body, how):
@@ -354,10 +353,7 @@ def test_incremental_saves_and_retention_on_s3(s3_url):
     state = make_state()
     snaps = {}
     with manager(s3_url, keep_last=1) as mgr:
-        for step in (1, 2, 3):
-            state["model"]["lora"].add_(1)
-            info = mgr.save(step, state)
-            snaps[step] = snapshot(state)
+        info = save_steps(mgr, state, (1, 2, 3), snaps)
         mgr.wait()
         assert info.bytes_written < N
     infos = {i.name: i.status for i in CheckpointRoot(zs.storage.storage_for(s3_url)).scan()}

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 import zerostall as zs
 from hostile import read_body
+from test_incremental import blank, snapshot
 from test_lazy_import import run_cli
 from zerostall.cli import cli
 from zerostall.format.layout import MANIFEST_NAME
@@ -42,16 +43,6 @@ def train(state: dict, step: int) -> None:
     state["model"]["lora"] += step
     state["opt"]["m"].mul_(0.5).add_(step)
     state["step"] = step
-
-
-def snapshot(state: dict) -> dict:
-    return {k: snapshot(v) if isinstance(v, dict) else v.clone() if isinstance(v, torch.Tensor) else v
-            for k, v in state.items()}
-
-
-def blank(state: dict) -> dict:
-    return {k: blank(v) if isinstance(v, dict) else torch.zeros_like(v) if isinstance(v, torch.Tensor) else None
-            for k, v in state.items()}
 
 
 def assert_same(a: dict, b: dict) -> None:
