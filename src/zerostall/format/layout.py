@@ -12,9 +12,10 @@ import dataclasses
 import functools
 import json
 import re
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import orjson
 import xxhash
@@ -239,6 +240,29 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(self.files.values())
 
+    @classmethod
+    def deferred(cls, head: dict[str, Any], rest: Callable[[], "Manifest"]) -> "Manifest":
+        """A manifest built from its leading fields alone (``head``, checked); its entries and tree
+        are taken from ``rest()`` (the whole manifest, parsed and checked) when first used, once."""
+        manifest = cls.__new__(cls)
+        manifest.__dict__.update(
+            generation=head["generation"], files=dict(head["files"]), world_size=head["world_size"],
+            block_size=head["block_size"], step=head["step"], metadata=head["metadata"], created=head["created"],
+            version=head["version"], headers=dict(head.get("headers", {})), refs=dict(head.get("refs", {})),
+            foreign=None, left_out=[], _rest=rest, _lock=threading.Lock())
+        return manifest
+
+    def __getattr__(self, name: str) -> Any:
+        """``entries`` and ``tree`` of a :meth:`deferred` manifest, built on first use."""
+        state = self.__dict__
+        if name not in ("entries", "tree") or "_lock" not in state:
+            raise AttributeError(name)
+        with state["_lock"]:
+            if name not in state:
+                whole = state["_rest"]()
+                state.update(entries=whole.entries, tree=whole.tree, _rest=None)
+        return state[name]
+
     def to_bytes(self) -> bytes:
         """Serialize as ``{"checksum": H, "manifest": BODY}`` where H is the xxh3-64 of BODY."""
         version = max(self.version, version_needed(self.entries), REFS_VERSION if self.refs else 1)
@@ -311,15 +335,18 @@ def manifest_body(raw: bytes, where: str) -> Any:
     return d
 
 
-def manifest_head_body(raw: bytes, where: str) -> dict[str, Any]:
+def manifest_head_body(raw: bytes, where: str, *, headers: bool = False) -> dict[str, Any]:
     """The leading members of the manifest ``raw`` up to those :class:`ManifestHead` needs (the
-    checksum is still checked over the whole body), as :func:`manifest_body` checks them."""
+    checksum is still checked over the whole body), as :func:`manifest_body` checks them; with
+    ``headers``, the files' header checksums for sure (a manifest built from its head reads by them)."""
     wanted = {"format", *(f.name for f in dataclasses.fields(ManifestHead))} - {"headers", "refs"}  # read on the way
     try:
         text = _checked_body(raw, where).decode()
         d = _leading_members(text, wanted)
-        if type(d.get("version")) is int and d["version"] >= REFS_VERSION and "refs" not in d:  # written after metadata
-            d = _leading_members(text, wanted | {"refs"})
+        later = {"refs"} if type(d.get("version")) is int and d["version"] >= REFS_VERSION else set()
+        later |= {"headers"} if headers else set()
+        if not later <= d.keys():  # written after metadata (or, for headers, by a writer before they existed)
+            d = _leading_members(text, wanted | later)
     except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
     _check_format(d, where)

@@ -21,6 +21,7 @@ import re
 from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpointError
+from ..gcpause import gc_paused
 from . import codec
 from .layout import (REFS_VERSION, SUBCLASS_VERSION, Entry, Manifest, ManifestHead, data_file_name, manifest_body,
                      manifest_head_body)
@@ -107,6 +108,23 @@ def _explain_all(d: dict[str, Any], entries: list[Any], kinds: list[str]) -> Non
             except FieldError as exc:
                 raise FieldError(_name(i, e, exc.field), exc.why) from None
     raise FieldError("entries", "malformed")  # not reached: the bulk checks failed on some chunk
+
+
+def parse_deferred(raw: bytes, where: str) -> Manifest:
+    """The manifest ``raw`` with its leading fields checked now and its entries and tree parsed
+    and checked when first used (:meth:`Manifest.deferred`): a reader that reads few entries, or
+    none, does not wait for a hundred thousand to be built."""
+    d = manifest_head_body(raw, where, headers=True)
+    try:
+        _check_head(d)
+    except (FieldError, CheckpointError) as exc:
+        raise CorruptCheckpointError(f"manifest {where} is malformed: {exc}") from None
+
+    def rest() -> Manifest:
+        with gc_paused():
+            return parse_manifest(raw, where)
+
+    return Manifest.deferred(d, rest)
 
 
 def parse_head(raw: bytes, where: str) -> ManifestHead:

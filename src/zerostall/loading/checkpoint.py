@@ -49,7 +49,7 @@ class Checkpoint:
         asked, file = sources.split_file(path)  # a single safetensors file: its directory's storage
         self.options = options
         self.storage, self.manifest = agreed_source(asked, self.group, allow_pickle=options.allow_pickle, file=file,
-                                                    instead=instead)
+                                                    instead=instead, deferred=True)  # entries: when first used
         self.path = self.storage.location
         self.tag = os.path.basename(self.path.rstrip("/"))
         if self.storage is not asked and self.group.is_coordinator:

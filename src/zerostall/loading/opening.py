@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ..format.layout import MANIFEST_NAME, Manifest, ManifestHead, dump_json, file_generation, load_json, manifest_body
-from ..format.manifest_check import MANIFEST_BYTES_ENV, max_manifest_bytes, parse_head, parse_manifest
+from ..format.manifest_check import MANIFEST_BYTES_ENV, max_manifest_bytes, parse_deferred, parse_head, parse_manifest
 from ..gcpause import gc_paused
 from ..storage import FileTooLargeError, Storage
 from ..storage.references import linked
@@ -72,10 +72,15 @@ def read_manifest_bytes(storage: Storage) -> bytes:
         raise CheckpointError(f"cannot read the manifest of {storage.location}: {exc}") from exc
 
 
-def read_manifest_from(storage: Storage, raw: bytes) -> Manifest:
-    """The manifest ``raw`` read from ``storage``, checked (see :func:`~zerostall.format.manifest_check.parse_manifest`)."""
+def read_manifest_from(storage: Storage, raw: bytes, *, deferred: bool = False) -> Manifest:
+    """The manifest ``raw`` read from ``storage``, checked (see
+    :func:`~zerostall.format.manifest_check.parse_manifest`); ``deferred``: its entries and tree
+    parsed and checked when first used (:func:`~zerostall.format.manifest_check.parse_deferred`)."""
+    where = os.path.join(storage.location, MANIFEST_NAME)
+    if deferred:
+        return parse_deferred(raw, where)
     with gc_paused():
-        return parse_manifest(raw, os.path.join(storage.location, MANIFEST_NAME))
+        return parse_manifest(raw, where)
 
 
 def read_manifest(storage: Storage) -> Manifest:
@@ -126,25 +131,26 @@ def named_source(storage: Storage, instead: Instead | None, *, allow_pickle: boo
 
 
 def named_manifest(storage: Storage, instead: Instead | None, *, allow_pickle: bool = False,
-                   file: str | None = None) -> tuple[Storage, Manifest]:
-    """The checkpoint at ``storage`` (or the one ``instead`` names) and its manifest, in this
-    process alone (no torch: the command line reads this way)."""
+                   file: str | None = None, deferred: bool = False) -> tuple[Storage, Manifest]:
+    """The checkpoint at ``storage`` (or the one ``instead`` names) and its manifest (``deferred``:
+    see :func:`read_manifest_from`), in this process alone (no torch: the command line reads this way)."""
     tag, data = named_source(storage, instead, allow_pickle=allow_pickle, file=file)
     where = _where(storage, instead, tag)
-    manifest = data if isinstance(data, Manifest) else read_manifest_from(where, data)
+    manifest = data if isinstance(data, Manifest) else read_manifest_from(where, data, deferred=deferred)
     return linked(where, manifest), manifest
 
 
 def agreed_source(storage: Storage, group: Group, *, allow_pickle: bool = False, file: str | None = None,
-                  instead: Instead | None = None) -> tuple[Storage, Manifest]:
+                  instead: Instead | None = None, deferred: bool = False) -> tuple[Storage, Manifest]:
     """The checkpoint at ``storage`` (or the one ``instead`` names, see :func:`named_source`) and
     its manifest, the same on every rank: rank 0 decides which and reads the bytes (an error
     there is raised on every rank), every rank parses them, rank 0 too once they are sent, so no
     rank waits on its parse. A foreign checkpoint is translated once, by rank 0, and sent as a
     manifest of ours with what marks it foreign (its kind, the items left out). Ranks reading for
-    themselves could see different manifests, or checkpoints (a save committing in between)."""
+    themselves could see different manifests, or checkpoints (a save committing in between).
+    ``deferred``: see :func:`read_manifest_from`."""
     if group.size == 1:
-        return named_manifest(storage, instead, allow_pickle=allow_pickle, file=file)
+        return named_manifest(storage, instead, allow_pickle=allow_pickle, file=file, deferred=deferred)
     found: tuple[str | None, bytes | Manifest] | None = None
 
     def read() -> bytes:
@@ -171,7 +177,7 @@ def agreed_source(storage: Storage, group: Group, *, allow_pickle: bool = False,
             manifest.foreign, manifest.left_out = marks["foreign"], marks["left_out"]
             return where, manifest
     where = _where(storage, instead, tag)
-    manifest = data if isinstance(data, Manifest) else read_manifest_from(where, data)
+    manifest = data if isinstance(data, Manifest) else read_manifest_from(where, data, deferred=deferred)
     return linked(where, manifest), manifest
 
 
