@@ -8,14 +8,13 @@ checksum per fixed-size block. See docs/format.md for the full description.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import orjson
 import xxhash
@@ -241,15 +240,16 @@ class Manifest:
         return sum(self.files.values())
 
     @classmethod
-    def deferred(cls, head: dict[str, Any], rest: Callable[[], "Manifest"]) -> "Manifest":
+    def deferred(cls, head: dict[str, Any], body: Any) -> "Manifest":
         """A manifest built from its leading fields alone (``head``, checked); its entries and tree
-        are taken from ``rest()`` (the whole manifest, parsed and checked) when first used, once."""
+        are taken from ``body.whole()`` (the whole manifest, parsed and checked) when first used,
+        once; ``body.named(name)`` gives one entry, checked alone, before that (see :meth:`entry_named`)."""
         manifest = cls.__new__(cls)
         manifest.__dict__.update(
             generation=head["generation"], files=dict(head["files"]), world_size=head["world_size"],
             block_size=head["block_size"], step=head["step"], metadata=head["metadata"], created=head["created"],
             version=head["version"], headers=dict(head.get("headers", {})), refs=dict(head.get("refs", {})),
-            foreign=None, left_out=[], _rest=rest, _lock=threading.Lock())
+            foreign=None, left_out=[], _body=body, _lock=threading.Lock())
         return manifest
 
     def __getattr__(self, name: str) -> Any:
@@ -259,9 +259,16 @@ class Manifest:
             raise AttributeError(name)
         with state["_lock"]:
             if name not in state:
-                whole = state["_rest"]()
-                state.update(entries=whole.entries, tree=whole.tree, _rest=None)
+                whole = state["_body"].whole()
+                state.update(entries=whole.entries, tree=whole.tree, _body=None)
         return state[name]
+
+    def entry_named(self, *names: str) -> "Entry | None":
+        """A deferred manifest's entry of the first of ``names`` (``fqn`` or ``fqn@rankN``) it has,
+        a tensor or python value checked alone, while its entries are not built yet; None otherwise
+        (look in :attr:`entries`)."""
+        body = self.__dict__.get("_body")
+        return None if body is None else body.named(*names)
 
     def to_bytes(self) -> bytes:
         """Serialize as ``{"checksum": H, "manifest": BODY}`` where H is the xxh3-64 of BODY."""
@@ -322,78 +329,3 @@ class ManifestHead:
         return cls(generation=d["generation"], files=dict(d["files"]), world_size=d["world_size"],
                    block_size=d["block_size"], step=d["step"], metadata=d["metadata"], created=d["created"],
                    version=d["version"], headers=dict(d.get("headers", {})), refs=dict(d.get("refs", {})))
-
-
-def manifest_body(raw: bytes, where: str) -> Any:
-    """The parsed body of the manifest ``raw`` (read from ``where``), once its checksum matches and
-    it names this format in a version this reader knows; its fields are not checked yet."""
-    try:
-        d = load_json(_checked_body(raw, where))
-    except (ValueError, RecursionError) as exc:  # nesting deeper than any parser goes
-        raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
-    _check_format(d, where)
-    return d
-
-
-def manifest_head_body(raw: bytes, where: str, *, headers: bool = False) -> dict[str, Any]:
-    """The leading members of the manifest ``raw`` up to those :class:`ManifestHead` needs (the
-    checksum is still checked over the whole body), as :func:`manifest_body` checks them; with
-    ``headers``, the files' header checksums for sure (a manifest built from its head reads by them)."""
-    wanted = {"format", *(f.name for f in dataclasses.fields(ManifestHead))} - {"headers", "refs"}  # read on the way
-    try:
-        text = _checked_body(raw, where).decode()
-        d = _leading_members(text, wanted)
-        later = {"refs"} if type(d.get("version")) is int and d["version"] >= REFS_VERSION else set()
-        later |= {"headers"} if headers else set()
-        if not later <= d.keys():  # written after metadata (or, for headers, by a writer before they existed)
-            d = _leading_members(text, wanted | later)
-    except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
-    _check_format(d, where)
-    return d
-
-
-def _checked_body(raw: bytes, where: str) -> bytes:
-    """The manifest body inside ``{"checksum": H, "manifest": BODY}``, once its xxh3-64 matches H."""
-    prefix, separator, suffix = b'{"checksum":"', b'","manifest":', b"}\n"
-    head = len(prefix) + 16 + len(separator)
-    body = raw[head:-len(suffix)]
-    digest = raw[len(prefix):len(prefix) + 16]
-    if (raw[:len(prefix)] != prefix or raw[len(prefix) + 16:head] != separator or not raw.endswith(suffix)
-            or checksum(body).encode() != digest):
-        raise CorruptCheckpointError(f"manifest {where} fails its checksum (damaged or not a zerostall manifest)")
-    return body
-
-
-def _check_format(d: Any, where: str) -> None:
-    if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
-        raise CorruptCheckpointError(f"{where} is not a zerostall manifest")
-    if type(d.get("version")) is not int or not 1 <= d["version"] <= FORMAT_VERSION:
-        raise CorruptCheckpointError(
-            f"manifest {where} has format version {d.get('version')}; this zerostall reads <= {FORMAT_VERSION}")
-
-
-_SPACE = re.compile(r"[ \t\n\r]*")
-
-
-def _leading_members(text: str, wanted: set[str]) -> dict[str, Any]:
-    """The members of the JSON object ``text``, parsed in order until every key of ``wanted`` has
-    been read (the rest is left unparsed). Raises ``ValueError`` on malformed input."""
-    decode = json.JSONDecoder().raw_decode
-    found: dict[str, Any] = {}
-    at = _SPACE.match(text, 0).end()
-    if text[at:at + 1] != "{":
-        raise ValueError("the manifest body is not an object")
-    at = _SPACE.match(text, at + 1).end()
-    while not wanted <= found.keys() and text[at:at + 1] != "}":
-        key, at = decode(text, at)
-        at = _SPACE.match(text, at).end()
-        if not isinstance(key, str) or text[at:at + 1] != ":":
-            raise ValueError(f"expected a member name and ':' at character {at}")
-        found[key], at = decode(text, _SPACE.match(text, at + 1).end())
-        at = _SPACE.match(text, at).end()
-        if text[at:at + 1] == ",":
-            at = _SPACE.match(text, at + 1).end()
-        elif text[at:at + 1] != "}":
-            raise ValueError(f"expected ',' or '}}' at character {at}")
-    return found

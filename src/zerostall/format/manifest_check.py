@@ -16,15 +16,17 @@ docs/format.md §10, "What a reader accepts".
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import threading
 from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..gcpause import gc_paused
 from . import codec
-from .layout import (REFS_VERSION, SUBCLASS_VERSION, Entry, Manifest, ManifestHead, data_file_name, manifest_body,
-                     manifest_head_body)
+from .envelope import manifest_body, manifest_head_body
+from .layout import REFS_VERSION, SUBCLASS_VERSION, Entry, Manifest, ManifestHead, data_file_name
 from .tensor_check import (HEX16, MAX_INT, FieldError, check_packed, check_shape, check_tensor, clip, dtype_itemsize,
                            explain_chunk, field, int_field)
 from .value_check import check_value
@@ -59,7 +61,11 @@ def max_manifest_bytes() -> int:
 def parse_manifest(raw: bytes, where: str) -> Manifest:
     """The manifest ``raw`` (read from ``where``): its checksum, then every field checked, then
     built; :class:`CorruptCheckpointError` naming the first field the format does not allow."""
-    d = manifest_body(raw, where)
+    return _checked_manifest(manifest_body(raw, where), where)
+
+
+def _checked_manifest(d: Any, where: str) -> Manifest:
+    """The manifest of the body ``d`` (its checksum and format checked), every field checked."""
     try:
         _check_head(d)
         entries = field(d, "entries", list)
@@ -119,12 +125,65 @@ def parse_deferred(raw: bytes, where: str) -> Manifest:
         _check_head(d)
     except (FieldError, CheckpointError) as exc:
         raise CorruptCheckpointError(f"manifest {where} is malformed: {exc}") from None
+    return Manifest.deferred(d, _Body(raw, where))
 
-    def rest() -> Manifest:
+
+class _Body:
+    """A deferred manifest's body: parsed once when first needed; the whole manifest checked and
+    built from it, or one entry alone (:meth:`named`)."""
+
+    def __init__(self, raw: bytes, where: str) -> None:
+        self._raw = raw
+        self.where = where
+        self._lock = threading.Lock()
+
+    @functools.cached_property
+    def _body(self) -> Any:
+        with self._lock, gc_paused():
+            body = manifest_body(self._raw, self.where)
+            self._raw = b""  # parsed: the bytes are not needed again
+            return body
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, int]:
+        """Entry indices by name, as ``Checkpoint`` names them (``fqn``, ``fqn@rankN``): the first of a name."""
+        names: dict[str, int] = {}
+        entries = self._body.get("entries") if type(self._body) is dict else None
+        for i, e in enumerate(entries if type(entries) is list else ()):
+            if type(e) is dict and type(e.get("fqn")) is str:
+                rank = e.get("rank")
+                names.setdefault(e["fqn"] if rank is None else f"{e['fqn']}@rank{rank}", i)
+        return names
+
+    def whole(self) -> Manifest:
         with gc_paused():
-            return parse_manifest(raw, where)
+            return _checked_manifest(self._body, self.where)
 
-    return Manifest.deferred(d, rest)
+    def named(self, *names: str) -> Entry | None:
+        """The entry of the first of ``names`` the manifest has, when it is a tensor or a python
+        value: checked alone (its own fields and chunks, against the files the manifest lists).
+        None for another kind or no such name: the whole manifest then answers."""
+        d = self._body
+        i = next((self._by_name[n] for n in names if n in self._by_name), None)
+        if i is None:
+            return None
+        e = d["entries"][i]
+        if e.get("kind") not in ("tensor", "object") or e.get("inner_of") is not None:
+            return None
+        try:
+            numbers: list[Any] = []
+            digests: list[Any] = []
+            _check_entry(d, i, e, numbers, digests, {n: [] for n in d["files"]})
+            if not (set(map(type, numbers)) <= _INT and _checksums_are_hex(digests)):
+                for j, c in enumerate(e["chunks"]):
+                    try:
+                        explain_chunk(j, c, e["shape"], e["dtype"], dtype_itemsize(e["dtype"]), d["files"],
+                                      d["block_size"], always=False)
+                    except FieldError as exc:
+                        raise FieldError(_name(i, e, exc.field), exc.why) from None
+            return Entry.from_json(e)
+        except (FieldError, CheckpointError) as exc:
+            raise CorruptCheckpointError(f"manifest {self.where} is malformed: {exc}") from None
 
 
 def parse_head(raw: bytes, where: str) -> ManifestHead:

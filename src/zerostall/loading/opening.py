@@ -14,7 +14,8 @@ import os
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
-from ..format.layout import MANIFEST_NAME, Manifest, ManifestHead, dump_json, file_generation, load_json, manifest_body
+from ..format.envelope import manifest_body
+from ..format.layout import MANIFEST_NAME, Manifest, ManifestHead, dump_json, file_generation, load_json
 from ..format.manifest_check import MANIFEST_BYTES_ENV, max_manifest_bytes, parse_deferred, parse_head, parse_manifest
 from ..gcpause import gc_paused
 from ..storage import FileTooLargeError, Storage

@@ -18,8 +18,8 @@ from ..storage.location import manifest_generation
 
 def resolve(manifest: Manifest, entry: Entry, where: str) -> Entry:
     """The entry that ``entry`` stands for: itself, or the tensor (or tensor subclass) entry it aliases."""
-    entries = manifest.entries
     if entry.kind == "alias":
+        entries = manifest.entries
         index = entry.alias_of
         if not isinstance(index, int) or not 0 <= index < len(entries) or entries[index].kind not in ("tensor",
                                                                                                        "subclass"):

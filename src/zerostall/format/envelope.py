@@ -1,0 +1,88 @@
+"""A manifest's envelope, ``{"checksum": H, "manifest": BODY}``: the checksum checked byte for
+byte, the body parsed whole or only its leading members (what listing and opening need)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any
+
+from ..errors import CorruptCheckpointError
+from .checksums import checksum
+from .layout import FORMAT_NAME, FORMAT_VERSION, REFS_VERSION, ManifestHead, load_json
+
+
+def manifest_body(raw: bytes, where: str) -> Any:
+    """The parsed body of the manifest ``raw`` (read from ``where``), once its checksum matches and
+    it names this format in a version this reader knows; its fields are not checked yet."""
+    try:
+        d = load_json(_checked_body(raw, where))
+    except (ValueError, RecursionError) as exc:  # nesting deeper than any parser goes
+        raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
+    _check_format(d, where)
+    return d
+
+
+def manifest_head_body(raw: bytes, where: str, *, headers: bool = False) -> dict[str, Any]:
+    """The leading members of the manifest ``raw`` up to those :class:`ManifestHead` needs (the
+    checksum is still checked over the whole body), as :func:`manifest_body` checks them; with
+    ``headers``, the files' header checksums for sure (a manifest built from its head reads by them)."""
+    wanted = {"format", *(f.name for f in dataclasses.fields(ManifestHead))} - {"headers", "refs"}  # read on the way
+    try:
+        text = _checked_body(raw, where).decode()
+        d = _leading_members(text, wanted)
+        later = {"refs"} if type(d.get("version")) is int and d["version"] >= REFS_VERSION else set()
+        later |= {"headers"} if headers else set()
+        if not later <= d.keys():  # written after metadata (or, for headers, by a writer before they existed)
+            d = _leading_members(text, wanted | later)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
+    _check_format(d, where)
+    return d
+
+
+def _checked_body(raw: bytes, where: str) -> bytes:
+    """The manifest body inside ``{"checksum": H, "manifest": BODY}``, once its xxh3-64 matches H."""
+    prefix, separator, suffix = b'{"checksum":"', b'","manifest":', b"}\n"
+    head = len(prefix) + 16 + len(separator)
+    body = raw[head:-len(suffix)]
+    digest = raw[len(prefix):len(prefix) + 16]
+    if (raw[:len(prefix)] != prefix or raw[len(prefix) + 16:head] != separator or not raw.endswith(suffix)
+            or checksum(body).encode() != digest):
+        raise CorruptCheckpointError(f"manifest {where} fails its checksum (damaged or not a zerostall manifest)")
+    return body
+
+
+def _check_format(d: Any, where: str) -> None:
+    if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where} is not a zerostall manifest")
+    if type(d.get("version")) is not int or not 1 <= d["version"] <= FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"manifest {where} has format version {d.get('version')}; this zerostall reads <= {FORMAT_VERSION}")
+
+
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _leading_members(text: str, wanted: set[str]) -> dict[str, Any]:
+    """The members of the JSON object ``text``, parsed in order until every key of ``wanted`` has
+    been read (the rest is left unparsed). Raises ``ValueError`` on malformed input."""
+    decode = json.JSONDecoder().raw_decode
+    found: dict[str, Any] = {}
+    at = _SPACE.match(text, 0).end()
+    if text[at:at + 1] != "{":
+        raise ValueError("the manifest body is not an object")
+    at = _SPACE.match(text, at + 1).end()
+    while not wanted <= found.keys() and text[at:at + 1] != "}":
+        key, at = decode(text, at)
+        at = _SPACE.match(text, at).end()
+        if not isinstance(key, str) or text[at:at + 1] != ":":
+            raise ValueError(f"expected a member name and ':' at character {at}")
+        found[key], at = decode(text, _SPACE.match(text, at + 1).end())
+        at = _SPACE.match(text, at).end()
+        if text[at:at + 1] == ",":
+            at = _SPACE.match(text, at + 1).end()
+        elif text[at:at + 1] != "}":
+            raise ValueError(f"expected ',' or '}}' at character {at}")
+    return found
