@@ -131,6 +131,9 @@ def main() -> None:
                         max_epochs=args.epochs, callbacks=[keep, Record(args, io)], plugins=[io] if io else None,
                         logger=False, enable_progress_bar=False, enable_model_summary=False, deterministic=True)
     trainer.fit(model, loader, ckpt_path="last" if args.resume else None)
+    if torch.distributed.is_initialized():  # end as a well-kept job does: no process group left to exit
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

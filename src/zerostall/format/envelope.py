@@ -10,7 +10,8 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from .checksums import checksum
-from .layout import FORMAT_NAME, FORMAT_VERSION, REFS_VERSION, ManifestHead, load_json
+from . import layout
+from .layout import FORMAT_NAME, REFS_VERSION, ManifestHead, load_json
 
 
 def manifest_body(raw: bytes, where: str) -> Any:
@@ -57,9 +58,10 @@ def _checked_body(raw: bytes, where: str) -> bytes:
 def _check_format(d: Any, where: str) -> None:
     if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where} is not a zerostall manifest")
-    if type(d.get("version")) is not int or not 1 <= d["version"] <= FORMAT_VERSION:
+    newest = layout.FORMAT_VERSION
+    if type(d.get("version")) is not int or not 1 <= d["version"] <= newest:
         raise CorruptCheckpointError(
-            f"manifest {where} has format version {d.get('version')}; this zerostall reads <= {FORMAT_VERSION}")
+            f"manifest {where} has format version {d.get('version')}; this zerostall reads <= {newest}")
 
 
 _SPACE = re.compile(r"[ \t\n\r]*")
