@@ -242,8 +242,7 @@ class Manifest:
     @classmethod
     def deferred(cls, head: dict[str, Any], body: Any) -> "Manifest":
         """A manifest built from its leading fields alone (``head``, checked); its entries and tree
-        are taken from ``body.whole()`` (the whole manifest, parsed and checked) when first used,
-        once; ``body.named(name)`` gives one entry, checked alone, before that (see :meth:`entry_named`)."""
+        are taken from ``body.whole()`` (the whole manifest, parsed and checked) when first used, once."""
         manifest = cls.__new__(cls)
         manifest.__dict__.update(
             generation=head["generation"], files=dict(head["files"]), world_size=head["world_size"],
@@ -262,13 +261,6 @@ class Manifest:
                 whole = state["_body"].whole()
                 state.update(entries=whole.entries, tree=whole.tree, _body=None)
         return state[name]
-
-    def entry_named(self, *names: str) -> "Entry | None":
-        """A deferred manifest's entry of the first of ``names`` (``fqn`` or ``fqn@rankN``) it has,
-        a tensor or python value checked alone, while its entries are not built yet; None otherwise
-        (look in :attr:`entries`)."""
-        body = self.__dict__.get("_body")
-        return None if body is None else body.named(*names)
 
     def to_bytes(self) -> bytes:
         """Serialize as ``{"checksum": H, "manifest": BODY}`` where H is the xxh3-64 of BODY."""

@@ -16,10 +16,8 @@ docs/format.md §10, "What a reader accepts".
 
 from __future__ import annotations
 
-import functools
 import os
 import re
-import threading
 from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpointError
@@ -129,61 +127,14 @@ def parse_deferred(raw: bytes, where: str) -> Manifest:
 
 
 class _Body:
-    """A deferred manifest's body: parsed once when first needed; the whole manifest checked and
-    built from it, or one entry alone (:meth:`named`)."""
+    """A deferred manifest's bytes, parsed and checked whole when first needed."""
 
     def __init__(self, raw: bytes, where: str) -> None:
-        self._raw = raw
-        self.where = where
-        self._lock = threading.Lock()
-
-    @functools.cached_property
-    def _body(self) -> Any:
-        with self._lock, gc_paused():
-            body = manifest_body(self._raw, self.where)
-            self._raw = b""  # parsed: the bytes are not needed again
-            return body
-
-    @functools.cached_property
-    def _by_name(self) -> dict[str, int]:
-        """Entry indices by name, as ``Checkpoint`` names them (``fqn``, ``fqn@rankN``): the first of a name."""
-        names: dict[str, int] = {}
-        entries = self._body.get("entries") if type(self._body) is dict else None
-        for i, e in enumerate(entries if type(entries) is list else ()):
-            if type(e) is dict and type(e.get("fqn")) is str:
-                rank = e.get("rank")
-                names.setdefault(e["fqn"] if rank is None else f"{e['fqn']}@rank{rank}", i)
-        return names
+        self.raw, self.where = raw, where
 
     def whole(self) -> Manifest:
         with gc_paused():
-            return _checked_manifest(self._body, self.where)
-
-    def named(self, *names: str) -> Entry | None:
-        """The entry of the first of ``names`` the manifest has, when it is a tensor or a python
-        value: checked alone (its own fields and chunks, against the files the manifest lists).
-        None for another kind or no such name: the whole manifest then answers."""
-        d = self._body
-        i = next((self._by_name[n] for n in names if n in self._by_name), None)
-        if i is None:
-            return None
-        e = d["entries"][i]
-        if e.get("kind") not in ("tensor", "object") or e.get("inner_of") is not None:
-            return None
-        try:
-            numbers: list[Any] = []
-            digests: list[Any] = []
-            _check_entry(d, i, e, numbers, digests, {n: [] for n in d["files"]})
-            if not (set(map(type, numbers)) <= _INT and _checksums_are_hex(digests)):
-                for j, c in enumerate(e["chunks"]):
-                    try:
-                        explain_chunk(j, c, e["shape"], e["dtype"], dtype_itemsize(e["dtype"]), d["files"],
-                                      d["block_size"], always=False)
-                    except FieldError as exc:
-                        raise FieldError(_name(i, e, exc.field), exc.why) from None
-            return Entry.from_json(e)
-        except (FieldError, CheckpointError) as exc:
-            raise CorruptCheckpointError(f"manifest {self.where} is malformed: {exc}") from None
+            return parse_manifest(self.raw, self.where)
 
 
 def parse_head(raw: bytes, where: str) -> ManifestHead:

@@ -97,10 +97,6 @@ class Checkpoint:
         self._fetcher.close()
 
     def _entry(self, key: str | Path) -> Entry:
-        if isinstance(key, str) and "_by_fqn" not in self.__dict__:  # one entry, without building the others
-            found = self.manifest.entry_named(key, f"{key}@rank{self.group.rank}")
-            if found is not None:
-                return found
         if isinstance(key, tuple):
             entry = self._by_path.get((key, None)) or self._by_path.get((key, self.group.rank))
         else:
