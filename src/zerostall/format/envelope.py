@@ -18,7 +18,7 @@ def manifest_body(raw: bytes, where: str) -> Any:
     """The parsed body of the manifest ``raw`` (read from ``where``), once its checksum matches and
     it names this format in a version this reader knows; its fields are not checked yet."""
     try:
-        d = load_json(_checked_body(raw, where))
+        d = load_json(checked_body(raw, where))
     except (ValueError, RecursionError) as exc:  # nesting deeper than any parser goes
         raise CorruptCheckpointError(f"manifest {where} is not valid JSON: {exc}") from exc
     _check_format(d, where)
@@ -31,7 +31,7 @@ def manifest_head_body(raw: bytes, where: str, *, headers: bool = False) -> dict
     ``headers``, the files' header checksums for sure (a manifest built from its head reads by them)."""
     wanted = {"format", *(f.name for f in dataclasses.fields(ManifestHead))} - {"headers", "refs"}  # read on the way
     try:
-        text = _checked_body(raw, where).decode()
+        text = checked_body(raw, where).decode()
         d = _leading_members(text, wanted)
         later = {"refs"} if type(d.get("version")) is int and d["version"] >= REFS_VERSION else set()
         later |= {"headers"} if headers else set()
@@ -43,15 +43,16 @@ def manifest_head_body(raw: bytes, where: str, *, headers: bool = False) -> dict
     return d
 
 
-def _checked_body(raw: bytes, where: str) -> bytes:
-    """The manifest body inside ``{"checksum": H, "manifest": BODY}``, once its xxh3-64 matches H."""
-    prefix, separator, suffix = b'{"checksum":"', b'","manifest":', b"}\n"
+def checked_body(raw: bytes, where: str, member: str = "manifest") -> bytes:
+    """The body inside ``{"checksum": H, MEMBER: BODY}`` (see :func:`~zerostall.format.layout.enveloped`),
+    once its xxh3-64 matches H."""
+    prefix, separator, suffix = b'{"checksum":"', b'","%s":' % member.encode(), b"}\n"
     head = len(prefix) + 16 + len(separator)
     body = raw[head:-len(suffix)]
     digest = raw[len(prefix):len(prefix) + 16]
     if (raw[:len(prefix)] != prefix or raw[len(prefix) + 16:head] != separator or not raw.endswith(suffix)
             or checksum(body).encode() != digest):
-        raise CorruptCheckpointError(f"manifest {where} fails its checksum (damaged or not a zerostall manifest)")
+        raise CorruptCheckpointError(f"{member} {where} fails its checksum (damaged or not a zerostall {member})")
     return body
 
 

@@ -90,6 +90,22 @@ def data_file_name(generation: str, rank: int, index: int) -> str:
     return f"{generation}-r{rank:05d}-{index:03d}.safetensors"
 
 
+def data_file_parts(name: str) -> tuple[str, int, int] | None:
+    """(generation, rank, index) of a data file's name exactly as :func:`data_file_name` spells
+    it; None for any other name."""
+    match = _DATA_FILE_RE.match(name)
+    if match is None:
+        return None
+    parts = match["gen"], int(match["rank"]), int(match["n"])
+    return parts if data_file_name(*parts) == name else None
+
+
+def enveloped(body: bytes, member: str = "manifest") -> bytes:
+    """``{"checksum": H, MEMBER: BODY}`` with H the xxh3-64 of ``body``: how a manifest (and a
+    retained record) is stored, checked byte for byte by ``format.envelope``."""
+    return b'{"checksum":"%s","%s":%s}\n' % (checksum(body).encode(), member.encode(), body)
+
+
 def record_name(generation: str, rank: int, kind: str) -> str:
     """A rank's commit record: ``done`` (its files, sizes and checksums) or ``failed``."""
     return f"{generation}-r{rank:05d}.{kind}"
@@ -272,7 +288,7 @@ class Manifest:
             "headers": self.headers, **({"refs": self.refs} if self.refs else {}), "metadata": self.metadata,
             "tree": self.tree, "entries": [e.to_json() for e in self.entries],
         })
-        return b'{"checksum":"%s","manifest":%s}\n' % (checksum(body).encode(), body)
+        return enveloped(body)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Manifest":

@@ -24,7 +24,7 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..gcpause import gc_paused
 from . import codec
 from .envelope import manifest_body, manifest_head_body
-from .layout import REFS_VERSION, SUBCLASS_VERSION, Entry, Manifest, ManifestHead, data_file_name
+from .layout import REFS_VERSION, SUBCLASS_VERSION, Entry, Manifest, ManifestHead, data_file_parts
 from .tensor_check import (HEX16, MAX_INT, FieldError, check_packed, check_shape, check_tensor, clip, dtype_itemsize,
                            explain_chunk, field, int_field)
 from .value_check import check_value
@@ -37,7 +37,6 @@ MANIFEST_BYTES_ENV = "ZEROSTALL_MAX_MANIFEST_BYTES"
 MAX_BLOCK_SIZE = 1 << 30  # bytes per checksum block: a reader holds a block (per thread) to check it
 
 _GENERATION = re.compile(r"[0-9a-f]{1,32}-[0-9a-f]{1,32}")
-_DATA_FILE = re.compile(r"(?P<gen>[0-9a-f]+-[0-9a-f]+)-r(?P<rank>\d{5,})-(?P<n>\d{3,})\.safetensors")
 _HEXES = re.compile(r"[0-9a-f]*")
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")  # a checkpoint's tag under its root (see roots.root)
 _YEAR_10000 = 253402300800  # seconds since the epoch
@@ -205,9 +204,8 @@ def _checked_refs(d: dict[str, Any], files: dict[str, Any]) -> dict[str, str]:
 
 def _check_referenced_name(name: str, generation: str) -> None:
     """A file of another checkpoint: a data file's name, of another generation."""
-    match = _DATA_FILE.fullmatch(name)
-    if not match or match["gen"] == generation \
-            or data_file_name(match["gen"], int(match["rank"]), int(match["n"])) != name:
+    parts = data_file_parts(name)
+    if parts is None or parts[0] == generation:
         raise FieldError(f"files[{clip(name)}]", "not the name of a data file of another generation "
                                                  "(<generation>-r<rank>-<index>.safetensors)")
 
@@ -216,9 +214,8 @@ def _check_file_name(name: str, generation: str, world: int) -> None:
     """A data file's name: a plain name, ``<generation>-r<rank>-<index>.safetensors`` of this
     generation and of a rank of the world that wrote it (so nothing outside the checkpoint, and
     nothing of it but its data files, is ever read as data)."""
-    match = _DATA_FILE.fullmatch(name)
-    if not match or match["gen"] != generation or int(match["rank"]) >= world \
-            or data_file_name(generation, int(match["rank"]), int(match["n"])) != name:
+    parts = data_file_parts(name)
+    if parts is None or parts[0] != generation or parts[1] >= world:
         raise FieldError(f"files[{clip(name)}]", f"not the name of a data file of generation {generation} written "
                                                  f"by one of {world} rank(s) (<generation>-r<rank>-<index>"
                                                  ".safetensors)")

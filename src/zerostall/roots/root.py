@@ -24,8 +24,9 @@ from ..format.retained import RETAINED_NAME
 from ..loading.opening import read_manifest_head
 from ..storage import SMALL_FILE_BYTES, Storage
 from ..storage.location import few
+from ..storage.references import read_retained
 from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
-from .sharing import collect_retained, delete_checkpoint, has_manifest, read_retained, referenced, refs_set_aside
+from .sharing import collect_retained, delete_checkpoint, has_manifest, referenced, refs_set_aside
 
 log = logging.getLogger(__name__)
 

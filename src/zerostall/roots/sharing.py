@@ -13,10 +13,10 @@ from typing import Callable, Iterable
 
 from ..errors import CheckpointError, IncompleteCheckpointError, UnsafeFileError
 from ..format.layout import MANIFEST_NAME, file_generation
-from ..format.manifest_check import max_manifest_bytes
-from ..format.retained import RETAINED_NAME, parse_retained, retained_bytes
+from ..format.retained import RETAINED_NAME, retained_bytes
 from ..loading.opening import read_manifest_head
 from ..storage import Storage
+from ..storage.references import read_retained
 
 log = logging.getLogger(__name__)
 
@@ -28,15 +28,6 @@ def referenced(refs_of: Iterable[dict[str, str]]) -> dict[str, set[str]]:
         for name, tag in refs.items():
             kept.setdefault(tag, set()).add(name)
     return kept
-
-
-def read_retained(checkpoint: Storage) -> tuple[dict[str, int], dict[str, str]] | None:
-    """The files (sizes, header checksums) the retained record at ``checkpoint`` lists; None without one."""
-    try:
-        raw = checkpoint.read_bytes(RETAINED_NAME, max_manifest_bytes())
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return parse_retained(raw, f"{checkpoint.location}/{RETAINED_NAME}")
 
 
 def retire(checkpoint: Storage, files: dict[str, int], headers: dict[str, str], keep: set[str]) -> None:

@@ -114,6 +114,15 @@ class RoutedStorage(Storage):
             holder.close()
 
 
+def read_retained(checkpoint: Storage) -> tuple[dict[str, int], dict[str, str]] | None:
+    """The files (sizes, header checksums) the retained record at ``checkpoint`` lists; None without one."""
+    try:
+        raw = checkpoint.read_bytes(RETAINED_NAME, max_manifest_bytes())
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return parse_retained(raw, f"{checkpoint.location}/{RETAINED_NAME}")
+
+
 def owned_files(holder: Storage) -> dict[str, tuple[int, str | None]] | None:
     """The data files checkpoint ``holder`` owns (name -> size, header checksum): its manifest's own
     files, or, once it was deleted while others still referred to some, those its retained record
@@ -124,11 +133,10 @@ def owned_files(holder: Storage) -> dict[str, tuple[int, str | None]] | None:
         pass
     else:
         return {n: (size, head.headers.get(n)) for n, size in head.files.items() if n not in head.refs}
-    try:
-        raw = holder.read_bytes(RETAINED_NAME, max_manifest_bytes())
-    except (FileNotFoundError, NotADirectoryError):
+    kept = read_retained(holder)
+    if kept is None:
         return None
-    files, headers = parse_retained(raw, f"{holder.location}/{RETAINED_NAME}")
+    files, headers = kept
     return {n: (size, headers.get(n)) for n, size in files.items()}
 
 
