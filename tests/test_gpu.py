@@ -93,6 +93,25 @@ def test_a_cuda_tensor_changed_before_its_capture_fails_the_save(tmp_path):
     assert not (tmp_path / "ck" / "manifest.json").exists()
 
 
+
+def test_a_later_save_of_a_tensor_moved_to_cuda_after_it_returned_fails(tmp_path):
+    """A saver's later save collects in its worker: a tensor whose data moved to a GPU after save()
+    returned (on no stream the save recorded) fails the save with a typed error, nothing committed."""
+    import threading
+
+    state = {"w": torch.ones(1000), "b": torch.zeros(3)}
+    saver = zs.AsyncSaver()
+    saver.save(state, str(tmp_path / "first")).result()
+    release = threading.Event()
+    saver._worker.submit(release.wait, 60)
+    handle = saver.save(state, str(tmp_path / "ck"))
+    state["w"].data = state["w"].data.cuda()
+    release.set()
+    with pytest.raises(zs.StateChangedError, match="moved to cuda:0"):
+        handle.result()
+    saver.close()
+    assert not (tmp_path / "ck" / "manifest.json").exists()
+
 def test_an_optimizer_step_on_cuda_waits_for_the_capture(tmp_path):
     model = torch.nn.Linear(256, 256, device="cuda")
     optimizer = torch.optim.AdamW(model.parameters())

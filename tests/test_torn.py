@@ -190,3 +190,51 @@ def test_a_handover_to_the_writer_failing_on_one_rank_fails_the_others_at_once(r
     assert "the writer process is gone" in rank1, rank1
     assert rank0.startswith("CommitError") and "rank 1" in rank0, rank0
     assert not (tmp_path / "ck" / "manifest.json").exists()
+
+
+def _in_place(state):
+    state["w"].mul_(2)
+
+
+def _through_a_view(state):  # a non-contiguous leaf: its contiguous copy is made after the save returned
+    state["t"].add_(1)
+
+
+def _a_parameter(state):
+    with torch.no_grad():
+        state["p"].add_(1)
+
+
+@pytest.mark.parametrize("change", [_in_place, _through_a_view, _a_parameter], ids=lambda c: c.__name__[1:])
+def test_a_later_save_collected_after_it_returned_still_catches_a_change(tmp_path, change):
+    """A saver's later save of the same structure builds its collection in the worker, after
+    save() returned: the versions recorded in save() still catch a change made before the copy."""
+    state = {"w": torch.ones(1000), "t": torch.arange(12.0).reshape(3, 4).t(),
+             "p": torch.nn.Parameter(torch.zeros(5)), "note": "first"}
+    saver = zs.AsyncSaver()
+    saver.save(state, tmp_path / "first").result()
+    release = hold_worker(saver)
+    handle = saver.save(state, tmp_path / "ck")
+    change(state)
+    release.set()
+    with pytest.raises(zs.StateChangedError, match=r"^[wtp] was changed in place"):
+        handle.result()
+    assert saver.collections.hits == 1  # collected from the first save's structure, in the worker
+    assert not (tmp_path / "ck" / "manifest.json").exists()
+    saver.close()
+
+
+def test_a_python_value_is_saved_as_it_was_when_save_returned(tmp_path):
+    np = pytest.importorskip("numpy")
+    state = {"w": torch.ones(4), "counts": np.zeros(3)}
+    saver = zs.AsyncSaver()
+    saver.save(state, tmp_path / "first").result()
+    release = hold_worker(saver)
+    handle = saver.save(state, tmp_path / "ck")
+    state["counts"][0] = 7  # after the call returned, before the worker collects
+    release.set()
+    handle.result()
+    saver.close()
+    assert saver.collections.hits == 1
+    with zs.open(tmp_path / "ck") as ck:
+        assert ck.read("counts").tolist() == [0.0, 0.0, 0.0]

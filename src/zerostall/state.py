@@ -95,10 +95,12 @@ class Shape:
     children: list[Any]
     wrapped: bool = False
     stateful: bool = False
+    tensors_only: bool = False  # every child a plain tensor: the children are taken in one step
 
 
 TENSOR, OTHER = 0, 1
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # leaves a re-walk takes by a type test
+_PLAIN_TENSOR_TYPES = frozenset(PLAIN_TENSORS)
 
 
 class Changed(Exception):
@@ -190,7 +192,7 @@ class _Flattener:
         children = [shape if shape is not None else TENSOR if type(v) in PLAIN_TENSORS else OTHER
                     for (_, v), (_, _, _, _, shape) in zip(items, walked)]
         return Shape("dict" if isinstance(node, dict) else type(node), keys, list(map(type, keys)), children,
-                     stateful=stateful)
+                     stateful=stateful, tensors_only=all(child is TENSOR for child in children))
 
     def rewalk(self, node: Any, path: Path, shape: Shape, values: list[Any], local: bool) -> None:
         """:meth:`walk` of a node that had ``shape``: its leaves' values appended to ``values``."""
@@ -213,6 +215,9 @@ class _Flattener:
             children = node
         else:
             raise Changed(path)
+        if shape.tensors_only and not local and _PLAIN_TENSOR_TYPES.issuperset(map(type, children)):
+            values.extend(children)  # the usual optimizer-state dict: no per-child step in Python
+            return
         for k, v, child in zip(shape.keys, children, shape.children):
             if child is TENSOR and type(v) in PLAIN_TENSORS:
                 if local:

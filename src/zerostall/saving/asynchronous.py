@@ -6,12 +6,14 @@ writes and hashing release the GIL) or hands the captured shared-memory buffers 
 spawned process (``writer="process"``) that finishes the commit even if the training process dies.
 Threads are the default (bench/async_save.py compares the two): no shared memory to allocate and
 no process to spawn; choose the process for crash survival. ``save`` runs the collective part
-(planning) in the caller's thread, records
-where the caller's CUDA stream is, and returns a :class:`SaveHandle` whose ``staged`` future is
-done when the state has been copied (the caller may mutate it from then on) and whose
-``committed`` future is done when the checkpoint is durable and visible. A background failure is
-raised on ``committed.result()``; a failure nobody has seen there is raised once more, on the next
-``save``, ``wait`` or ``close``.
+(planning) in the caller's thread, records where the caller's CUDA stream is, and returns a
+:class:`SaveHandle` whose ``staged`` future is done when the state has been copied (the caller may
+mutate it from then on) and whose ``committed`` future is done when the checkpoint is durable and
+visible. A background failure is raised on ``committed.result()``; a failure nobody has seen there
+is raised once more, on the next ``save``, ``wait`` or ``close``. In one process, a later save of a structure saved before does
+less in the caller's thread: it walks the state, records the version counters and encodes the
+python values; collecting and planning wait for the worker (see
+:class:`~zerostall.saving.pipeline.Deferred`).
 
 At interpreter exit (the end of the script, an exception escaping it, ``sys.exit``, Ctrl-C) every
 saver not closed is closed: the save in flight commits first, a failure is logged, and the writer
@@ -33,14 +35,15 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..collectives import Group
+from ..devices import CallerStreams
 from ..errors import CheckpointError
 from ..gcpause import gc_paused
 from ..options import SaveOptions
 from ..storage import Storage
-from .capture import BufferPool, Captured, capture, record_caller_stream
+from .capture import BufferPool, Captured, capture, check_devices, record_caller_stream
 from .collect import WriteItem, versions
 from .incremental import Reuse
-from .pipeline import Prepared, SaveInfo, abandon, for_writer_process, persist, prepare
+from .pipeline import Deferred, Prepared, SaveInfo, abandon, for_writer_process, persist, prepare, request
 from .recollect import CollectCache
 from .writer_process import WriterProcess
 
@@ -185,19 +188,26 @@ class AsyncSaver:
             if not self._current.done():
                 self.wait()
             self._current.captured = None  # its buffers are this save's now (or freed, for another structure)
-        prepared = prepare(state, path, options, process_group=process_group, step=step, metadata=metadata,
-                           cache=self.collections, reuse=reuse)
-        self.hold_steps(prepared.collected.optimizers)
-        recorded = versions(prepared.items) if prepared.versions is None else prepared.versions
+        asked = request(state, path, options, process_group=process_group, step=step, metadata=metadata,
+                        cache=self.collections, reuse=reuse, defer=self.pool.allocated)  # the buffers of a
+        # structure are allocated here, in the caller's thread: a shortage of memory is raised by save()
+        buffers, recorded = None, None
         try:
-            ready = record_caller_stream(prepared.items)
-            buffers = self.pool.buffers(prepared.items)
+            if isinstance(asked, Deferred):  # collected and planned in the worker, from a snapshot taken here
+                self.hold_steps(asked.snapshot.optimizers)
+                devices = asked.snapshot.devices
+                ready = CallerStreams(devices) if devices else None
+            else:
+                self.hold_steps(asked.collected.optimizers)
+                recorded = versions(asked.items) if asked.versions is None else asked.versions
+                ready = record_caller_stream(asked.items)
+                buffers = self.pool.buffers(asked.items)
         except BaseException as exc:
-            abandon(prepared, exc)
+            abandon(asked, exc)
             raise
-        handle = SaveHandle(prepared.storage.location, prepared.step)
+        handle = SaveHandle(asked.storage.location, asked.step)
         self._current = handle
-        self._worker.submit(self._run, prepared, buffers, ready, recorded, handle, share)
+        self._worker.submit(self._run, asked, buffers, ready, recorded, handle, share)
         return handle
 
     def hold_steps(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -231,17 +241,25 @@ class AsyncSaver:
         already fits). Reserve with the structure you will save: an optimizer's state appears only
         after its first step. Waits for the save in flight first, whose copies and writes may still
         use the buffers (its failure stays for that save's handle, the next save or close)."""
+        if self._current is not None:  # first: its worker may still be collecting through the cache
+            futures.wait([self._current.committed])
         prepared = prepare(state, os.devnull, SaveOptions.of(options, overrides), process_group=process_group,
                            cache=self.collections)
-        if self._current is not None:
-            futures.wait([self._current.committed])
         allocations = self.pool.allocations
         self.pool.buffers(prepared.items)
         return self.pool.alloc_s if self.pool.allocations != allocations else 0.0
 
-    def _run(self, prepared: Prepared, buffers: list[Any], ready: Any, recorded: list[Any],
-             handle: SaveHandle, share: SaveHandle | None) -> None:
+    def _run(self, asked: Prepared | Deferred, buffers: list[Any] | None, ready: CallerStreams | None,
+             recorded: list[Any] | None, handle: SaveHandle, share: SaveHandle | None) -> None:
         try:
+            if isinstance(asked, Deferred):
+                prepared, recorded = asked.prepare()
+                asked = prepared
+                check_devices(prepared.items, ready)
+                buffers = self.pool.buffers(prepared.items)
+            else:
+                prepared = asked
+            assert buffers is not None and recorded is not None
             sources = [i.tensor for i in prepared.items]
             if share is not None:
                 share.lend(prepared.items, recorded)
@@ -249,7 +267,7 @@ class AsyncSaver:
             handle.captured = Captured(sources, buffers)  # here, not in save(): off the caller's stall
             del sources
         except BaseException as exc:
-            abandon(prepared, exc)
+            abandon(asked, exc)
             self._fail(handle, exc, staged=True)
             return
         try:

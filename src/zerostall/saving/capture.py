@@ -71,6 +71,11 @@ class BufferPool:
         return 0 if self._arena is None else self._arena.numel()
 
     @property
+    def allocated(self) -> bool:
+        """Whether an arena is allocated (for the structure of the last save that used the pool)."""
+        return self._key is not None
+
+    @property
     def pinned_bytes(self) -> int:
         """Bytes of the arena pinned in place (torch's pinned-memory statistics do not count them)."""
         return self.nbytes if self._unpin is not None else 0
@@ -248,6 +253,17 @@ def capture(items: Sequence[WriteItem], buffers: Sequence[torch.Tensor], ready: 
         _check(item, source, version)
     for item in items:
         item.watch = None  # the captured copy is all a writer needs (a writer process gets the items pickled)
+
+
+def check_devices(items: Sequence[WriteItem], ready: CallerStreams | None) -> None:
+    """Refuse to copy from a CUDA device the save did not record the caller's streams on: a tensor
+    that moved there after the save was requested (its data replaced through ``.data``)."""
+    moved = set(cuda_devices(i.tensor for i in items)) - set(ready.devices if ready is not None else ())
+    if moved:
+        raise StateChangedError(
+            f"a tensor of the state moved to cuda:{min(moved)} while an asynchronous save was capturing it, so the "
+            "checkpoint could hold values from after the save; the save was not committed. Call wait_staged() on "
+            "the saver (or the handle) before changing the state after an asynchronous save")
 
 
 def _check(item: WriteItem, source: torch.Tensor, version: Version) -> None:

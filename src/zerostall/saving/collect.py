@@ -196,9 +196,10 @@ def optimizers_in(statefuls: Iterable[tuple[Any, Any]]) -> list[torch.optim.Opti
     return list(found.values())
 
 
-def collect(state: Any, rank: int, *, allow_pickle: bool, flat: Flat | None = None) -> Collected:
+def collect(state: Any, rank: int, *, allow_pickle: bool, flat: Flat | None = None,
+            encoded: dict[Path, Any] | None = None) -> Collected:
     """Flatten ``state`` (unless ``flat`` is its flattening already) into entries, structure rows
-    for planning, and the tensors to write."""
+    for planning, and the tensors to write. ``encoded``: python values encoded already, by path."""
     if flat is None:
         flat = flatten(state, skeleton=True)
     out = Collected(skeleton=flat.skeleton, refs=flat.refs, optimizers=optimizers_in(flat.statefuls.values()))
@@ -210,12 +211,12 @@ def collect(state: Any, rank: int, *, allow_pickle: bool, flat: Flat | None = No
         name, key, local = fqn(path), path_key(path), path in flat.rank_local
         out.keys[path] = key
         if not isinstance(value, torch.Tensor):
-            encoded = encode_value(value, path, allow_pickle)
+            stored = encoded[path] if encoded is not None else encode_value(value, path, allow_pickle)
             if local:
-                out.rank_local.append(Entry(name, path, "object", value=encoded, rank=rank))
+                out.rank_local.append(Entry(name, path, "object", value=stored, rank=rank))
             else:
                 out.rows.append(Row(key, "object"))
-                out.objects[key] = encoded
+                out.objects[key] = stored
             continue
         check_shaped(value, name)
         piece, offsets, sizes = local_box(value)

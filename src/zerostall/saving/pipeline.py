@@ -1,7 +1,8 @@
 """A save, stage by stage: collect → plan (the collective part) → write → commit.
 
-:func:`prepare` runs in the caller's thread (planning may run collectives); :func:`persist` needs
-no process group, so it can run in a background thread or a writer process. Only once the
+:func:`prepare` runs in the caller's thread (planning may run collectives); :func:`request` lets a
+saver's worker do most of it for one process (:class:`Deferred`); :func:`persist` needs no process
+group, so it can run in a background thread or a writer process. Only once the
 manifest is published are the files of older generations deleted, so a crash at any instant
 leaves either the old or the new checkpoint.
 """
@@ -30,7 +31,7 @@ from .incremental import Reuse, next_reuse, refer, split_unchanged
 from .commit import (announce, assemble, await_commit, await_records, clean_up_after_commit, delete_generation,
                      open_doorbell, record, report_failure, write_abort, write_record)
 from .plan import SavePlan, SavePlanner
-from .recollect import CollectCache
+from .recollect import CollectCache, Snapshot
 from .write import create, write_data
 
 _PLANNER = SavePlanner()
@@ -85,24 +86,87 @@ def prepare(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOpt
     storage = storage_for(path, fsync=options.fsync)
     with gc_paused():
         try:
-            step = checked_step(step)
-            encoded = encoded_metadata(metadata, options.allow_pickle)  # a rank may pass it alone: refuse together
-            if group.is_coordinator:
-                check_location(storage, options.overwrite)
-                if options.overwrite:
-                    check_unreferenced(storage)
+            step, encoded = _settings(group, storage, options, step, metadata)
             collected = (collect if cache is None else cache.collect)(state, group.rank,
                                                                       allow_pickle=options.allow_pickle)
         except Exception:
             _PLANNER.refuse(group)
             raise
-        t_collect = time.perf_counter()
-        plan, generation, replanned = _PLANNER.plan(group, collected)
-        items = collected.items if group.size == 1 else [i for i in collected.items
-                                                         if i.rank_local or plan.writes(group.rank, i.key)]
-    return Prepared(group, collected, plan, generation, replanned, items, storage, step, encoded, options,
-                    t_collect - t0, time.perf_counter() - t_collect, reuse,
-                    versions(items) if options.incremental else None)
+        return _planned(group, collected, storage, step, encoded, options, reuse, time.perf_counter() - t0)
+
+
+def request(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOptions, *, process_group: Any = None,
+            step: int | None = None, metadata: Mapping[str, Any] | None = None, cache: CollectCache,
+            reuse: Reuse | None = None, defer: bool = True) -> Prepared | Deferred:
+    """:func:`prepare`; or, when ``defer``, for one process whose structure ``cache`` holds, only
+    what must happen before the caller goes on (a :class:`Deferred`, whose :meth:`~Deferred.prepare`
+    does the rest)."""
+    group = Group(process_group)
+    if group.size > 1 or not defer:
+        return prepare(state, path, options, process_group=process_group, step=step, metadata=metadata,
+                       cache=cache, reuse=reuse)
+    t0 = time.perf_counter()
+    storage = storage_for(path, fsync=options.fsync)
+    with gc_paused():
+        step, encoded = _settings(group, storage, options, step, metadata)
+        snap = cache.snapshot(state, allow_pickle=options.allow_pickle)
+        if snap is None:
+            collected = cache.collect(state, group.rank, allow_pickle=options.allow_pickle)
+            return _planned(group, collected, storage, step, encoded, options, reuse, time.perf_counter() - t0)
+    return Deferred(snap, cache, group, storage, step, encoded, options, reuse, time.perf_counter() - t0)
+
+
+@dataclass
+class Deferred:
+    """A save of one process whose structure is unchanged, as :func:`request` leaves it: the
+    state's leaves, their version counters and python values taken in the caller's thread
+    (a :class:`~zerostall.saving.recollect.Snapshot`); collecting and planning wait for
+    :meth:`prepare`, in a saver's worker, while the caller goes on."""
+
+    snapshot: Snapshot
+    cache: CollectCache
+    group: Group
+    storage: Storage
+    step: int | None
+    metadata: Any
+    options: SaveOptions
+    reuse: Reuse | None
+    snapshot_s: float
+
+    def prepare(self) -> tuple[Prepared, list[Version]]:
+        """The save as :func:`prepare` makes it, and each item's version to compare after its copy
+        (a change since the snapshot fails the save)."""
+        t0 = time.perf_counter()
+        with gc_paused():
+            collected, recorded = self.cache.complete(self.snapshot, self.group.rank)
+            prepared = _planned(self.group, collected, self.storage, self.step, self.metadata, self.options,
+                                self.reuse, self.snapshot_s + time.perf_counter() - t0)
+        if prepared.versions is not None:
+            prepared.versions = recorded
+        return prepared, recorded
+
+
+def _settings(group: Group, storage: Storage, options: SaveOptions, step: Any,
+              metadata: Mapping[str, Any] | None) -> tuple[int | None, Any]:
+    """The step and metadata as a manifest records them, once the location is checked (by the coordinator)."""
+    step = checked_step(step)
+    encoded = encoded_metadata(metadata, options.allow_pickle)  # a rank may pass it alone: refuse together
+    if group.is_coordinator:
+        check_location(storage, options.overwrite)
+        if options.overwrite:
+            check_unreferenced(storage)
+    return step, encoded
+
+
+def _planned(group: Group, collected: Collected, storage: Storage, step: int | None, metadata: Any,
+             options: SaveOptions, reuse: Reuse | None, collect_s: float) -> Prepared:
+    """Plan a collected save (collective when distributed)."""
+    t0 = time.perf_counter()
+    plan, generation, replanned = _PLANNER.plan(group, collected)
+    items = collected.items if group.size == 1 else [i for i in collected.items
+                                                     if i.rank_local or plan.writes(group.rank, i.key)]
+    return Prepared(group, collected, plan, generation, replanned, items, storage, step, metadata, options,
+                    collect_s, time.perf_counter() - t0, reuse, versions(items) if options.incremental else None)
 
 
 def checked_step(step: Any) -> int | None:
@@ -140,12 +204,12 @@ def for_writer_process(prepared: Prepared) -> Prepared:
     return dataclasses.replace(prepared, group=prepared.group.detached(), collected=collected)
 
 
-def abandon(prepared: Prepared, exc: BaseException) -> None:
+def abandon(prepared: Prepared | Deferred, exc: BaseException) -> None:
     """This rank gives up a planned save before writing (its capture, or the handover to its writer
     process, failed): tell the other ranks now, through the storage and the doorbell they wait on,
     so that they stop waiting for it instead of waiting out ``commit_timeout``."""
     p = prepared
-    if p.group.size > 1:
+    if isinstance(p, Prepared) and p.group.size > 1:
         try:
             create(p.storage)
         except OSError:

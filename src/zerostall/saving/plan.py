@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -101,6 +102,7 @@ class SavePlanner:
     def __init__(self, cache_size: int = 8) -> None:
         self._caches: dict[Any, list[SavePlan]] = {}
         self._cache_size = cache_size
+        self._alone = threading.Lock()  # one process's saves may plan in several savers' workers at once
 
     @staticmethod
     def refuse(group: Group) -> None:
@@ -110,6 +112,12 @@ class SavePlanner:
 
     def plan(self, group: Group, collected: Collected) -> tuple[SavePlan, str, bool]:
         """The plan, the generation id every rank uses, and whether planning ran (not cached)."""
+        if group.size > 1:  # the caller's thread, which alone runs this group's collectives
+            return self._plan(group, collected)
+        with self._alone:
+            return self._plan(group, collected)
+
+    def _plan(self, group: Group, collected: Collected) -> tuple[SavePlan, str, bool]:
         cache = self._caches.setdefault(group.pg, [])
         digest = collected.digest if collected.digest is not None else structure_digest(collected.rows)
         slot = next((n for n, p in enumerate(cache, 1) if p.digests[group.rank] == digest), 0)

@@ -12,6 +12,12 @@ checks, key encodings and names; python values are encoded anew each time. Anyth
 hold (a tensor subclass, a DTensor, tensors sharing memory, a key that is not a str or an int) is
 collected in full. No tensor is kept between saves; the skeleton is shared by the saves of one
 saver, which never overlap (each commit numbers its refs the same way).
+
+A saver's save may split the work: :meth:`CollectCache.snapshot`, in the caller's thread, walks
+the state, records each tensor leaf's version counter and encodes the python values (what may
+change once the call returns); :meth:`CollectCache.complete`, in the saver's worker, checks the
+fingerprints and builds the collection from that snapshot, checking later in-place changes
+against the versions the snapshot recorded.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ from typing import Any
 
 import torch
 
+from ..devices import cuda_devices
 from ..format.layout import Entry
-from ..state import PLAIN_TENSORS, Changed, Path, Shape, flatten, fqn, rewalk
-from .collect import Collected, Row, WriteItem, collect, encode_value, optimizers_in, plain_source
+from ..state import PLAIN_TENSORS, Changed, Flat, Path, Shape, flatten, fqn, rewalk
+from .collect import Collected, Row, Version, WriteItem, collect, encode_value, optimizers_in, plain_source
 from .plan import structure_digest
 
 _META = operator.attrgetter("dtype", "shape", "device", "layout", "is_nested")
+_VERSION = operator.attrgetter("_version")
 
 
 def fingerprints(values: list[Any]) -> tuple[list[Any], bool]:
@@ -67,6 +75,36 @@ class _Template:
     leaves: list[_Tensor | str]  # a tensor's collection, or a python value's key
     rows: list[Row]
     digest: int
+    tensor_index: list[int]  # the positions of the tensor leaves among the leaves
+    tensor_paths: list[Path]
+    others: list[int]  # the positions of the python values
+
+    def tensors(self, values: list[Any]) -> list[torch.Tensor]:
+        """The tensor leaves among a walk's ``values``."""
+        return [values[n] for n in self.tensor_index]
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """A state's leaves as one save found them, along the last collection's shape: what the rest of
+    its collection needs from the caller's thread (see :meth:`CollectCache.snapshot`)."""
+
+    template: _Template
+    values: list[Any]
+    statefuls: dict[Path, Any]
+    rank_local: set[Path]
+    versions: list[int | None]  # each tensor leaf's version counter at the save (None: it keeps none)
+    encoded: dict[Path, Any]  # each python value, encoded at the save
+    allow_pickle: bool
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return optimizers_in(self.statefuls.values())
+
+    @property
+    def devices(self) -> list[int]:
+        """The CUDA devices the tensor leaves are on (no check at all in a process without CUDA)."""
+        return cuda_devices(self.template.tensors(self.values)) if torch.cuda.is_initialized() else []
 
 
 class CollectCache:
@@ -80,24 +118,87 @@ class CollectCache:
     def collect(self, state: Any, rank: int, *, allow_pickle: bool) -> Collected:
         """What :func:`~zerostall.saving.collect.collect` returns for ``state``, from the last
         collection when the structure is unchanged."""
-        template = self._template
-        if template is not None:
-            try:
-                values, statefuls, local = rewalk(state, template.shape)
-            except Changed:
-                pass
-            else:
-                prints, apart = _fingerprints(values)
-                if apart and prints == template.prints and local == template.rank_local:
-                    self.hits += 1
-                    return _again(template, values, statefuls, rank, allow_pickle)
+        snap = self.snapshot(state, allow_pickle=allow_pickle)
+        if snap is not None:
+            return self._collected(snap, rank)
         flat = flatten(state, skeleton=True, shape=True)
+        out = collect(state, rank, allow_pickle=allow_pickle, flat=flat)
+        self._learn(out, flat)
+        return out
+
+    def snapshot(self, state: Any, *, allow_pickle: bool) -> Snapshot | None:
+        """``state``'s leaves along the last collection's shape, each tensor leaf's version counter
+        and the python values encoded; None when there is no last collection or the shape differs.
+        The rest (:meth:`complete`) may run in another thread while the caller goes on."""
+        template = self._template
+        if template is None:
+            return None
+        try:
+            values, statefuls, local = rewalk(state, template.shape)
+        except Changed:
+            return None
+        encoded = {}
+        for n in template.others:
+            value = values[n]
+            if isinstance(value, torch.Tensor):
+                return None  # a tensor where a python value was: collected in full
+            encoded[template.paths[n]] = encode_value(value, template.paths[n], allow_pickle)
+        return Snapshot(template, values, statefuls, local, leaf_versions(template.tensors(values)), encoded,
+                        allow_pickle)
+
+    def complete(self, snap: Snapshot, rank: int) -> tuple[Collected, list[Version]]:
+        """The collection of a snapshot's state (from the template when every fingerprint matches,
+        else in full), and each write item's version to compare after its copy: a change made
+        since the snapshot fails that comparison (see :func:`~zerostall.saving.capture.capture`)."""
+        out = self._collected(snap, rank)
+        template = snap.template
+        at_save = dict(zip(template.tensor_paths, zip(template.tensors(snap.values), snap.versions)))
+        return out, [_since(item, *at_save[item.entry.path]) for item in out.items]
+
+    def _collected(self, snap: Snapshot, rank: int) -> Collected:
+        template, values = snap.template, snap.values
+        prints, apart = _fingerprints(values)
+        if apart and prints == template.prints and snap.rank_local == template.rank_local:
+            self.hits += 1
+            return _again(template, values, snap.statefuls, rank, snap.encoded)
+        flat = Flat(dict(zip(template.paths, values)), snap.rank_local, snap.statefuls, template.skeleton,
+                    template.refs, template.shape)
+        out = collect(None, rank, allow_pickle=snap.allow_pickle, flat=flat, encoded=snap.encoded)
+        self._learn(out, flat)
+        return out
+
+    def _learn(self, out: Collected, flat: Flat) -> None:
         paths, values = list(flat.leaves), list(flat.leaves.values())
         prints, apart = _fingerprints(values)
-        out = collect(state, rank, allow_pickle=allow_pickle, flat=flat)
         out.digest = structure_digest(out.rows)
         self._template = _learn(out, flat, paths, values, prints) if apart else None
-        return out
+
+
+def leaf_versions(tensors: list[torch.Tensor]) -> list[int | None]:
+    """Each tensor's version counter (None where it keeps none: an inference-mode tensor)."""
+    try:  # read in C: a save may hold 100,000 tensors
+        return list(map(_VERSION, tensors))
+    except RuntimeError:
+        return list(map(_version_or_none, tensors))
+
+
+def _version_or_none(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def _since(item: WriteItem, leaf: torch.Tensor, version: int | None) -> Version:
+    """What :func:`~zerostall.saving.capture.capture` compares for ``item`` of ``leaf``, whose
+    version counter was ``version`` at the save: when the item holds another tensor than the leaf
+    (a detached view, a contiguous copy made since), the leaf is watched too."""
+    if version is None:
+        return None
+    if item.tensor is leaf:
+        return version, -1
+    item.watch = leaf
+    return item.tensor._version, version
 
 
 def _fingerprints(values: list[Any]) -> tuple[list[Any], bool]:
@@ -125,23 +226,24 @@ def _learn(out: Collected, flat: Any, paths: list[Path], values: list[Any], prin
             e = item.entry
             leaves.append(_Tensor(e.fqn, e.dtype, e.shape, item.name, item.offsets, item.key, item.rank_local))
     assert out.digest is not None
+    index = [n for n, leaf in enumerate(leaves) if type(leaf) is _Tensor]
     return _Template(paths, flat.shape, flat.skeleton, flat.refs, prints, frozenset(flat.rank_local),
-                     [out.keys[p] for p in paths], leaves, out.rows, out.digest)
+                     [out.keys[p] for p in paths], leaves, out.rows, out.digest, index, [paths[n] for n in index],
+                     [n for n, leaf in enumerate(leaves) if type(leaf) is not _Tensor])
 
 
 def _again(template: _Template, values: list[Any], statefuls: dict[Path, Any], rank: int,
-           allow_pickle: bool) -> Collected:
+           encoded: dict[Path, Any]) -> Collected:
     """The collection of a state whose structure matches ``template``."""
     out = Collected(rows=template.rows, skeleton=template.skeleton, refs=template.refs, digest=template.digest,
                     keys=dict(zip(template.paths, template.keys)), optimizers=optimizers_in(statefuls.values()))
     entries, items = out.entries, out.items
     for path, value, leaf in zip(template.paths, values, template.leaves):
         if type(leaf) is not _Tensor:
-            encoded = encode_value(value, path, allow_pickle)
             if path in template.rank_local:
-                out.rank_local.append(Entry(fqn(path), path, "object", value=encoded, rank=rank))
+                out.rank_local.append(Entry(fqn(path), path, "object", value=encoded[path], rank=rank))
             else:
-                out.objects[leaf] = encoded
+                out.objects[leaf] = encoded[path]
         elif leaf.local:
             entry = Entry(leaf.name, path, "tensor", leaf.dtype, leaf.shape, rank=rank)
             out.rank_local.append(entry)
