@@ -153,7 +153,11 @@ def unwrap_local(s):
     s["mine"] = s["mine"].value
 
 
-CHANGES = [local_value, reorder, to_list, value_to_tensors, tensor_to_dict, tensor_free, unwrap_stateful, unwrap_local,
+def local_to_value(s):  # a rank-local tensor becomes a rank-local python value
+    s["mine"] = zs.rank_local(3)
+
+
+CHANGES = [local_value, local_to_value, reorder, to_list, value_to_tensors, tensor_to_dict, tensor_free, unwrap_stateful, unwrap_local,
            grow, retype, replace, transpose, tie, bool_key, to_value, add_leaf, drop_leaf, grad_on, conj, local,
            value_change, in_place, optimizer_step, subclass, parameter]
 REUSED = {replace, transpose, grad_on, value_change, in_place, optimizer_step}  # bytes, memory, grad or values

@@ -8,9 +8,9 @@ what the caller queues next; capture is done once every device's side stream is 
 may mutate them once capture is done.
 
 A tensor changed in place before its copy finished would make a torn checkpoint: each tensor's
-version counter is recorded when the save is requested and compared once its copy is done (a CPU
-tensor right after its copy, CUDA tensors once their copies are complete), and a change fails the
-save, naming the key. Where the stored tensor is part of a leaf (a DTensor's local shard, a tensor
+version counter is recorded when the save is requested and compared once its copy is done (host
+tensors once all of them are copied, CUDA tensors once their copies are complete), and a change
+fails the save, naming the key. Where the stored tensor is part of a leaf (a DTensor's local shard, a tensor
 subclass's inner tensor), the leaf's counter is compared too: changes made through the leaf
 reach the part without counting on it.
 """
@@ -33,7 +33,7 @@ import torch
 from ..devices import CallerStreams, cuda_devices, host_register, host_unregister, on_stream, worker_device
 from ..errors import SharedMemoryError, StateChangedError
 from ..storage.base import free_bytes
-from .collect import Version, WriteItem, current_version
+from .collect import Version, WriteItem, versions
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,8 @@ _ALIGN = 64
 _SHM = "/dev/shm"
 Key = tuple[tuple[tuple[torch.dtype, tuple[int, ...]], ...], bool]  # each buffer's dtype and shape; pinned
 _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
+_DEVICE_DTYPE = operator.attrgetter("device", "dtype")
+_IS_CUDA = operator.attrgetter("is_cuda")
 
 
 class BufferPool:
@@ -181,23 +183,34 @@ class Captured:
     Valid once that save is staged, until its buffers are reused by its saver's next save."""
 
     def __init__(self, sources: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
-        regions: dict[tuple[torch.device, torch.dtype], list[tuple[int, int, torch.Tensor]]] = {}
-        for source, buf in zip(sources, buffers):
-            if source.numel() and source.is_contiguous():
-                regions.setdefault((source.device, source.dtype), []).append((source.data_ptr(), source.numel(), buf))
-        self._regions = {key: sorted(found, key=lambda r: r[0]) for key, found in regions.items()}
-        self._starts = {key: [r[0] for r in found] for key, found in self._regions.items()}
+        # read in C now (a save may hold 100,000 tensors); grouped only if another save asks
+        self._where = list(zip(map(_DEVICE_DTYPE, sources), map(torch.Tensor.data_ptr, sources),
+                               map(torch.Tensor.numel, sources), map(torch.Tensor.is_contiguous, sources), buffers))
+        self._regions: dict[tuple[torch.device, torch.dtype], list[tuple[int, int, torch.Tensor]]] | None = None
+        self._starts: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+
+    def _grouped(self) -> dict[tuple[torch.device, torch.dtype], list[tuple[int, int, torch.Tensor]]]:
+        if self._regions is None:
+            regions: dict[tuple[torch.device, torch.dtype], list[tuple[int, int, torch.Tensor]]] = {}
+            for key, ptr, numel, contiguous, buf in self._where:
+                if numel and contiguous:
+                    regions.setdefault(key, []).append((ptr, numel, buf))
+            self._regions = {key: sorted(found, key=lambda r: r[0]) for key, found in regions.items()}
+            self._starts = {key: [r[0] for r in found] for key, found in self._regions.items()}
+            self._where = []
+        return self._regions
 
     def view_of(self, t: torch.Tensor) -> torch.Tensor | None:
         """The captured copy of ``t`` (a contiguous tensor whose bytes lie inside one captured
         tensor's), or None."""
         key = (t.device, t.dtype)
-        if not t.numel() or not t.is_contiguous() or key not in self._regions:
+        regions = self._grouped()
+        if not t.numel() or not t.is_contiguous() or key not in regions:
             return None
         at = bisect.bisect_right(self._starts[key], t.data_ptr()) - 1
         if at < 0:
             return None
-        start, numel, buf = self._regions[key][at]
+        start, numel, buf = regions[key][at]
         offset, rest = divmod(t.data_ptr() - start, t.element_size())
         if rest or offset + t.numel() > numel:
             return None
@@ -226,32 +239,32 @@ def capture(items: Sequence[WriteItem], buffers: Sequence[torch.Tensor], ready: 
     """Copy every item's tensor into its buffer and make the item point at the copy; raise
     :class:`StateChangedError` if a tensor changed since ``recorded`` (its version at the save)
     before its copy was complete. Runs in a worker thread: ``ready`` gives it the device to make
-    current and the caller's streams to wait for."""
+    current and the caller's streams to wait for. Host tensors are copied in one call (a state
+    may hold 100,000 small ones) and checked once all are copied."""
     streams = {}
     if ready is not None:
         ready.enter()
         streams = {device: ready.side_stream(device) for device in ready.devices}
-    on_device = []
+    sources = [item.tensor for item in items]
+    on_cuda = list(map(_IS_CUDA, sources))
+    cuda = [n for n, on in enumerate(on_cuda) if on] if any(on_cuda) else []
+    host = [n for n, on in enumerate(on_cuda) if not on] if cuda else range(len(items))
     try:
         with torch.no_grad():
-            for item, buf, version in zip(items, buffers, recorded):
-                source = item.tensor
-                if source.is_cuda:
-                    stream = streams[source.device.index]
-                    with on_stream(stream):
-                        buf.copy_(source, non_blocking=True)
-                    source.record_stream(stream)
-                    on_device.append((item, source, version))
-                else:
-                    buf.copy_(source)
-                    _check(item, source, version)
-                item.tensor = buf
+            for n in cuda:
+                stream = streams[sources[n].device.index]
+                with on_stream(stream):
+                    buffers[n].copy_(sources[n], non_blocking=True)
+                sources[n].record_stream(stream)
+            if host:
+                torch._foreach_copy_([buffers[n] for n in host], [sources[n] for n in host])
+            _check([items[n] for n in host], [recorded[n] for n in host])
     finally:
         if ready is not None:
             ready.synchronize()  # also when a check failed: no copy may still land in a reused buffer
-    for item, source, version in on_device:
-        _check(item, source, version)
-    for item in items:
+    _check([items[n] for n in cuda], [recorded[n] for n in cuda])
+    for item, buf in zip(items, buffers):
+        item.tensor = buf
         item.watch = None  # the captured copy is all a writer needs (a writer process gets the items pickled)
 
 
@@ -266,9 +279,15 @@ def check_devices(items: Sequence[WriteItem], ready: CallerStreams | None) -> No
             "the saver (or the handle) before changing the state after an asynchronous save")
 
 
-def _check(item: WriteItem, source: torch.Tensor, version: Version) -> None:
-    if version is not None and current_version(source, item.watch) != version:
-        raise StateChangedError(
-            f"{item.entry.fqn} was changed in place while an asynchronous save was capturing it, so the "
-            "checkpoint would mix values from before and after the change; the save was not committed. Call "
-            "wait_staged() on the saver (or the handle) before changing the state after an asynchronous save")
+def _check(items: Sequence[WriteItem], recorded: Sequence[Version]) -> None:
+    """Raise if an item's tensor (or the leaf it is part of) changed since its version ``recorded``
+    (None: not checked), naming the first such key."""
+    now = versions(items)
+    if now == list(recorded):
+        return
+    for item, version, current in zip(items, recorded, now):
+        if version is not None and current != version:
+            raise StateChangedError(
+                f"{item.entry.fqn} was changed in place while an asynchronous save was capturing it, so the "
+                "checkpoint would mix values from before and after the change; the save was not committed. Call "
+                "wait_staged() on the saver (or the handle) before changing the state after an asynchronous save")

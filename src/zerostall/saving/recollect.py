@@ -32,22 +32,24 @@ import torch
 from ..devices import cuda_devices
 from ..format.layout import Entry
 from ..state import PLAIN_TENSORS, Changed, Flat, Path, Shape, flatten, fqn, rewalk
-from .collect import Collected, Row, Version, WriteItem, collect, encode_value, optimizers_in, plain_source
+from .collect import Collected, Row, Version, WriteItem, collect, encode_value, optimizers_in, plain_sources
 from .plan import structure_digest
 
-_META = operator.attrgetter("dtype", "shape", "device", "layout", "is_nested")
+_META = operator.attrgetter("dtype", "shape", "device", "layout")  # shape raises for a nested tensor
 _VERSION = operator.attrgetter("_version")
+_PLAIN_TYPES = frozenset(PLAIN_TENSORS)
 
 
-def fingerprints(values: list[Any]) -> tuple[list[Any], bool]:
-    """Per leaf: for a tensor, what collecting it depends on but its bytes and its view (its type,
-    dtype, shape, device and layout); None for other values. And whether no two tensors share a
-    data pointer: then none is an alias of another (:class:`~zerostall.views.ViewIndex` compares
-    views only where pointers meet), so views need no comparing."""
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    metas = iter(zip(map(type, tensors), map(_META, tensors)))
-    pointers = set(map(torch.Tensor.data_ptr, tensors))
-    return [next(metas) if isinstance(v, torch.Tensor) else None for v in values], len(pointers) == len(tensors)
+def fingerprints(tensors: list[torch.Tensor]) -> tuple[list[Any], bool] | None:
+    """Per tensor leaf, what collecting it depends on but its bytes and its view (its type, dtype,
+    shape, device and layout), and whether no two share a data pointer: then none is an alias of
+    another (:class:`~zerostall.views.ViewIndex` compares views only where pointers meet), so views
+    need no comparing. None for a tensor without sizes (nested): the full collection says what is wrong."""
+    try:
+        prints = list(zip(map(type, tensors), map(_META, tensors)))
+    except RuntimeError:
+        return None
+    return prints, len(set(map(torch.Tensor.data_ptr, tensors))) == len(tensors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +71,7 @@ class _Template:
     shape: Shape
     skeleton: Any  # the state's skeleton and its refs (numbered anew by each commit, in the same order)
     refs: dict[Path, Any]
-    prints: list[Any]
+    prints: list[Any]  # of the tensor leaves, in order
     rank_local: frozenset[Path]
     keys: list[str]
     leaves: list[_Tensor | str]  # a tensor's collection, or a python value's key
@@ -91,6 +93,7 @@ class Snapshot:
 
     template: _Template
     values: list[Any]
+    tensors: list[torch.Tensor]  # the tensor leaves among the values
     statefuls: dict[Path, Any]
     rank_local: set[Path]
     versions: list[int | None]  # each tensor leaf's version counter at the save (None: it keeps none)
@@ -104,7 +107,7 @@ class Snapshot:
     @property
     def devices(self) -> list[int]:
         """The CUDA devices the tensor leaves are on (no check at all in a process without CUDA)."""
-        return cuda_devices(self.template.tensors(self.values)) if torch.cuda.is_initialized() else []
+        return cuda_devices(self.tensors) if torch.cuda.is_initialized() else []
 
 
 class CollectCache:
@@ -120,7 +123,7 @@ class CollectCache:
         collection when the structure is unchanged."""
         snap = self.snapshot(state, allow_pickle=allow_pickle)
         if snap is not None:
-            return self._collected(snap, rank)
+            return self._collected(snap, rank)[0]
         flat = flatten(state, skeleton=True, shape=True)
         out = collect(state, rank, allow_pickle=allow_pickle, flat=flat)
         self._learn(out, flat)
@@ -143,35 +146,39 @@ class CollectCache:
             if isinstance(value, torch.Tensor):
                 return None  # a tensor where a python value was: collected in full
             encoded[template.paths[n]] = encode_value(value, template.paths[n], allow_pickle)
-        return Snapshot(template, values, statefuls, local, leaf_versions(template.tensors(values)), encoded,
-                        allow_pickle)
+        tensors = template.tensors(values)
+        if not _PLAIN_TYPES.issuperset(map(type, tensors)):
+            return None  # a python value where a (rank-local) tensor was
+        return Snapshot(template, values, tensors, statefuls, local, leaf_versions(tensors), encoded, allow_pickle)
 
     def complete(self, snap: Snapshot, rank: int) -> tuple[Collected, list[Version]]:
         """The collection of a snapshot's state (from the template when every fingerprint matches,
         else in full), and each write item's version to compare after its copy: a change made
         since the snapshot fails that comparison (see :func:`~zerostall.saving.capture.capture`)."""
-        out = self._collected(snap, rank)
-        template = snap.template
-        at_save = dict(zip(template.tensor_paths, zip(template.tensors(snap.values), snap.versions)))
+        out, again = self._collected(snap, rank)
+        if again:  # one item per tensor leaf, in order
+            return out, list(map(_since, out.items, snap.tensors, snap.versions))
+        at_save = dict(zip(snap.template.tensor_paths, zip(snap.tensors, snap.versions)))
         return out, [_since(item, *at_save[item.entry.path]) for item in out.items]
 
-    def _collected(self, snap: Snapshot, rank: int) -> Collected:
-        template, values = snap.template, snap.values
-        prints, apart = _fingerprints(values)
-        if apart and prints == template.prints and snap.rank_local == template.rank_local:
+    def _collected(self, snap: Snapshot, rank: int) -> tuple[Collected, bool]:
+        """The collection, and whether it came from the template."""
+        template = snap.template
+        found = fingerprints(snap.tensors)
+        if found is not None and found[1] and found[0] == template.prints and snap.rank_local == template.rank_local:
             self.hits += 1
-            return _again(template, values, snap.statefuls, rank, snap.encoded)
-        flat = Flat(dict(zip(template.paths, values)), snap.rank_local, snap.statefuls, template.skeleton,
+            return _again(template, snap.tensors, snap.statefuls, rank, snap.encoded), True
+        flat = Flat(dict(zip(template.paths, snap.values)), snap.rank_local, snap.statefuls, template.skeleton,
                     template.refs, template.shape)
         out = collect(None, rank, allow_pickle=snap.allow_pickle, flat=flat, encoded=snap.encoded)
         self._learn(out, flat)
-        return out
+        return out, False
 
     def _learn(self, out: Collected, flat: Flat) -> None:
         paths, values = list(flat.leaves), list(flat.leaves.values())
-        prints, apart = _fingerprints(values)
+        found = fingerprints([v for v in values if isinstance(v, torch.Tensor)])
         out.digest = structure_digest(out.rows)
-        self._template = _learn(out, flat, paths, values, prints) if apart else None
+        self._template = _learn(out, flat, paths, values, found[0]) if found is not None and found[1] else None
 
 
 def leaf_versions(tensors: list[torch.Tensor]) -> list[int | None]:
@@ -201,13 +208,6 @@ def _since(item: WriteItem, leaf: torch.Tensor, version: int | None) -> Version:
     return item.tensor._version, version
 
 
-def _fingerprints(values: list[Any]) -> tuple[list[Any], bool]:
-    try:
-        return fingerprints(values)
-    except RuntimeError:  # a tensor without sizes (nested): the full collection says what is wrong
-        return [], False
-
-
 def _learn(out: Collected, flat: Any, paths: list[Path], values: list[Any], prints: list[Any]) -> _Template | None:
     """The template of a full collection, or None when it holds what a template does not."""
     if flat.shape is None or out.shards or any(isinstance(v, torch.Tensor) and type(v) not in PLAIN_TENSORS
@@ -232,13 +232,14 @@ def _learn(out: Collected, flat: Any, paths: list[Path], values: list[Any], prin
                      [n for n, leaf in enumerate(leaves) if type(leaf) is not _Tensor])
 
 
-def _again(template: _Template, values: list[Any], statefuls: dict[Path, Any], rank: int,
+def _again(template: _Template, tensors: list[torch.Tensor], statefuls: dict[Path, Any], rank: int,
            encoded: dict[Path, Any]) -> Collected:
     """The collection of a state whose structure matches ``template``."""
     out = Collected(rows=template.rows, skeleton=template.skeleton, refs=template.refs, digest=template.digest,
                     keys=dict(zip(template.paths, template.keys)), optimizers=optimizers_in(statefuls.values()))
     entries, items = out.entries, out.items
-    for path, value, leaf in zip(template.paths, values, template.leaves):
+    sources = iter(plain_sources(tensors))
+    for path, leaf in zip(template.paths, template.leaves):
         if type(leaf) is not _Tensor:
             if path in template.rank_local:
                 out.rank_local.append(Entry(fqn(path), path, "object", value=encoded[path], rank=rank))
@@ -247,8 +248,8 @@ def _again(template: _Template, values: list[Any], statefuls: dict[Path, Any], r
         elif leaf.local:
             entry = Entry(leaf.name, path, "tensor", leaf.dtype, leaf.shape, rank=rank)
             out.rank_local.append(entry)
-            items.append(WriteItem(entry, leaf.file_name, plain_source(value), leaf.offsets, leaf.key, True))
+            items.append(WriteItem(entry, leaf.file_name, next(sources), leaf.offsets, leaf.key, True))
         else:  # the common case, with positional arguments (quicker than keywords, per leaf)
             entry = entries[leaf.key[0]] = Entry(leaf.name, path, "tensor", leaf.dtype, leaf.shape)
-            items.append(WriteItem(entry, leaf.file_name, plain_source(value), leaf.offsets, leaf.key))
+            items.append(WriteItem(entry, leaf.file_name, next(sources), leaf.offsets, leaf.key))
     return out
