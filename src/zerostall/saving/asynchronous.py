@@ -40,7 +40,7 @@ from ..errors import CheckpointError
 from ..gcpause import gc_paused
 from ..options import SaveOptions
 from ..storage import Storage
-from .capture import BufferPool, Captured, capture, check_devices, record_caller_stream
+from .capture import BufferPool, Captured, capture, copy_first, record_caller_stream
 from .collect import WriteItem, versions
 from .incremental import Reuse
 from .pipeline import Deferred, Prepared, SaveInfo, abandon, for_writer_process, persist, prepare, request
@@ -252,24 +252,28 @@ class AsyncSaver:
     def _run(self, asked: Prepared | Deferred, buffers: list[Any] | None, ready: CallerStreams | None,
              recorded: list[Any] | None, handle: SaveHandle, share: SaveHandle | None) -> None:
         try:
-            if isinstance(asked, Deferred):
-                prepared, recorded = asked.prepare()
-                asked = prepared
-                check_devices(prepared.items, ready)
-                buffers = self.pool.buffers(prepared.items)
+            copied = copy_first(asked.snapshot, self.pool, ready) if type(asked) is Deferred and not share else None
+            if copied is not None:
+                sources, recorded, buffers = copied
+                handle.captured = Captured(sources, buffers)
+                if self._process is None:  # the copies are all a thread writer needs: the caller may go on
+                    handle.staged.set_result(None)
+                asked, recorded = asked.prepare(buffers, recorded)
             else:
-                prepared = asked
-            assert buffers is not None and recorded is not None
-            sources = [i.tensor for i in prepared.items]
-            if share is not None:
-                share.lend(prepared.items, recorded)
-            capture(prepared.items, buffers, ready, recorded)
-            handle.captured = Captured(sources, buffers)  # here, not in save(): off the caller's stall
-            del sources
+                if isinstance(asked, Deferred):
+                    asked, recorded = asked.prepare()
+                    buffers = self.pool.buffers(asked.items)
+                assert buffers is not None and recorded is not None
+                sources = [i.tensor for i in asked.items]
+                if share is not None:
+                    share.lend(asked.items, recorded)
+                capture(asked.items, buffers, ready, recorded)
+                handle.captured = Captured(sources, buffers)
         except BaseException as exc:
             abandon(asked, exc)
-            self._fail(handle, exc, staged=True)
+            self._fail(handle, exc, staged=not handle.staged.done())
             return
+        prepared = asked
         try:
             if self._process is not None:
                 self._replace_dead_writer()
@@ -277,7 +281,8 @@ class AsyncSaver:
                 handle.staged.set_result(None)
                 handle.committed.set_result(self._process.result())
             else:
-                handle.staged.set_result(None)
+                if not handle.staged.done():
+                    handle.staged.set_result(None)
                 handle.committed.set_result(persist(prepared))
         except BaseException as exc:
             if not handle.staged.done():  # handed to no writer: this rank's part was never written

@@ -26,14 +26,16 @@ import os
 import secrets
 import time
 import weakref
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from ..devices import CallerStreams, cuda_devices, host_register, host_unregister, on_stream, worker_device
 from ..errors import SharedMemoryError, StateChangedError
+from ..gcpause import gc_paused
 from ..storage.base import free_bytes
-from .collect import Version, WriteItem, versions
+from .collect import Version, WriteItem, versions_of
+from .recollect import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,6 @@ _ALIGN = 64
 _SHM = "/dev/shm"
 Key = tuple[tuple[tuple[torch.dtype, tuple[int, ...]], ...], bool]  # each buffer's dtype and shape; pinned
 _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
-_DEVICE_DTYPE = operator.attrgetter("device", "dtype")
 _IS_CUDA = operator.attrgetter("is_cuda")
 
 
@@ -84,9 +85,13 @@ class BufferPool:
 
     def buffers(self, items: Sequence[WriteItem]) -> list[torch.Tensor]:
         """One host tensor per item (same dtype and shape), reusing the arena when it fits."""
-        devices = cuda_devices(i.tensor for i in items)
+        tensors = [i.tensor for i in items]
+        return self.buffers_for(tuple(map(_DTYPE_SHAPE, tensors)), cuda_devices(tensors))
+
+    def buffers_for(self, shapes: tuple[tuple[torch.dtype, tuple[int, ...]], ...], devices: list[int]) -> list[torch.Tensor]:
+        """One host tensor per (dtype, shape) of ``shapes``, for tensors on the CUDA ``devices``."""
         pin = bool(devices) if self.pin_memory is None else self.pin_memory
-        key = (tuple(map(_DTYPE_SHAPE, (i.tensor for i in items))), pin)
+        key = (shapes, pin)
         if key != self._key:
             self._allocate(key, devices)
         return self._views
@@ -183,21 +188,22 @@ class Captured:
     Valid once that save is staged, until its buffers are reused by its saver's next save."""
 
     def __init__(self, sources: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
-        # read in C now (a save may hold 100,000 tensors); grouped only if another save asks
-        self._where = list(zip(map(_DEVICE_DTYPE, sources), map(torch.Tensor.data_ptr, sources),
-                               map(torch.Tensor.numel, sources), map(torch.Tensor.is_contiguous, sources), buffers))
-        self._regions: dict[tuple[torch.device, torch.dtype], list[tuple[int, int, torch.Tensor]]] | None = None
+        self._pairs: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = (sources, buffers)  # grouped
+        # only if another save asks (most never do); the sources are held until then, so no other tensor can
+        # take their memory and be mistaken for one of them
+        self._regions: dict[tuple[torch.device, torch.dtype], list[tuple[int, int, torch.Tensor]]] = {}
         self._starts: dict[tuple[torch.device, torch.dtype], list[int]] = {}
 
     def _grouped(self) -> dict[tuple[torch.device, torch.dtype], list[tuple[int, int, torch.Tensor]]]:
-        if self._regions is None:
+        if self._pairs is not None:
+            sources, buffers = self._pairs
             regions: dict[tuple[torch.device, torch.dtype], list[tuple[int, int, torch.Tensor]]] = {}
-            for key, ptr, numel, contiguous, buf in self._where:
-                if numel and contiguous:
-                    regions.setdefault(key, []).append((ptr, numel, buf))
+            for source, buf in zip(sources, buffers):
+                if source.numel() and source.is_contiguous():
+                    regions.setdefault((source.device, source.dtype), []).append((source.data_ptr(), source.numel(), buf))
             self._regions = {key: sorted(found, key=lambda r: r[0]) for key, found in regions.items()}
             self._starts = {key: [r[0] for r in found] for key, found in self._regions.items()}
-            self._where = []
+            self._pairs = None
         return self._regions
 
     def view_of(self, t: torch.Tensor) -> torch.Tensor | None:
@@ -238,17 +244,44 @@ def capture(items: Sequence[WriteItem], buffers: Sequence[torch.Tensor], ready: 
             recorded: Sequence[Version]) -> None:
     """Copy every item's tensor into its buffer and make the item point at the copy; raise
     :class:`StateChangedError` if a tensor changed since ``recorded`` (its version at the save)
-    before its copy was complete. Runs in a worker thread: ``ready`` gives it the device to make
-    current and the caller's streams to wait for. Host tensors are copied in one call (a state
-    may hold 100,000 small ones) and checked once all are copied."""
+    before its copy was complete (see :func:`copy_checked`)."""
+    copy_checked([i.tensor for i in items], buffers, ready, recorded, [i.watch for i in items],
+                 lambda n: items[n].entry.fqn)
+    for item, buf in zip(items, buffers):
+        item.tensor = buf
+        item.watch = None  # the captured copy is all a writer needs (a writer process gets the items pickled)
+
+
+@gc_paused()  # a tuple per tensor: no cyclic collections over the process meanwhile
+def copy_first(snap: Snapshot, pool: BufferPool, ready: CallerStreams | None
+               ) -> tuple[list[torch.Tensor], list[Version], list[torch.Tensor]] | None:
+    """Copy the tensor leaves of a snapshot into ``pool`` before collecting it, when the last
+    collection still describes them (:meth:`~zerostall.saving.recollect.Snapshot.matches`), so the
+    caller may change the state sooner: the leaves, their recorded versions and their copies; None
+    when it does not."""
+    if not snap.matches():
+        return None
+    recorded = snap.recorded()
+    buffers = pool.buffers_for(snap.template.shapes, ready.devices if ready is not None else [])
+    copy_checked(snap.tensors, buffers, ready, recorded, [None] * len(buffers), snap.name)
+    return snap.tensors, recorded, buffers
+
+
+def copy_checked(sources: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], ready: CallerStreams | None,
+                 recorded: Sequence[Version], watches: Sequence[torch.Tensor | None], name: Callable[[int], str]) -> None:
+    """Copy each source into its buffer; raise :class:`StateChangedError` naming ``name(n)`` if
+    source ``n`` (or the leaf ``watches[n]`` it is part of) changed since its version
+    ``recorded[n]`` (None: not checked) before its copy was complete. Runs in a worker thread:
+    ``ready`` gives it the device to make current and the caller's streams to wait for. Host
+    tensors are copied in one call (a state may hold 100,000 small ones) and checked once all are."""
+    check_devices(sources, ready)
     streams = {}
     if ready is not None:
         ready.enter()
         streams = {device: ready.side_stream(device) for device in ready.devices}
-    sources = [item.tensor for item in items]
     on_cuda = list(map(_IS_CUDA, sources))
     cuda = [n for n, on in enumerate(on_cuda) if on] if any(on_cuda) else []
-    host = [n for n, on in enumerate(on_cuda) if not on] if cuda else range(len(items))
+    host = [n for n, on in enumerate(on_cuda) if not on] if cuda else range(len(sources))
     try:
         with torch.no_grad():
             for n in cuda:
@@ -258,20 +291,17 @@ def capture(items: Sequence[WriteItem], buffers: Sequence[torch.Tensor], ready: 
                 sources[n].record_stream(stream)
             if host:
                 torch._foreach_copy_([buffers[n] for n in host], [sources[n] for n in host])
-            _check([items[n] for n in host], [recorded[n] for n in host])
+            _check(host, sources, watches, recorded, name)
     finally:
         if ready is not None:
             ready.synchronize()  # also when a check failed: no copy may still land in a reused buffer
-    _check([items[n] for n in cuda], [recorded[n] for n in cuda])
-    for item, buf in zip(items, buffers):
-        item.tensor = buf
-        item.watch = None  # the captured copy is all a writer needs (a writer process gets the items pickled)
+    _check(cuda, sources, watches, recorded, name)
 
 
-def check_devices(items: Sequence[WriteItem], ready: CallerStreams | None) -> None:
+def check_devices(tensors: Sequence[torch.Tensor], ready: CallerStreams | None) -> None:
     """Refuse to copy from a CUDA device the save did not record the caller's streams on: a tensor
     that moved there after the save was requested (its data replaced through ``.data``)."""
-    moved = set(cuda_devices(i.tensor for i in items)) - set(ready.devices if ready is not None else ())
+    moved = set(cuda_devices(tensors)) - set(ready.devices if ready is not None else ())
     if moved:
         raise StateChangedError(
             f"a tensor of the state moved to cuda:{min(moved)} while an asynchronous save was capturing it, so the "
@@ -279,15 +309,15 @@ def check_devices(items: Sequence[WriteItem], ready: CallerStreams | None) -> No
             "the saver (or the handle) before changing the state after an asynchronous save")
 
 
-def _check(items: Sequence[WriteItem], recorded: Sequence[Version]) -> None:
-    """Raise if an item's tensor (or the leaf it is part of) changed since its version ``recorded``
-    (None: not checked), naming the first such key."""
-    now = versions(items)
-    if now == list(recorded):
+def _check(which: Sequence[int], sources: Sequence[torch.Tensor], watches: Sequence[torch.Tensor | None],
+           recorded: Sequence[Version], name: Callable[[int], str]) -> None:
+    """Raise if a source among ``which`` changed since its version ``recorded``, naming the first."""
+    now = versions_of([sources[n] for n in which], [watches[n] for n in which])
+    if now == [recorded[n] for n in which]:
         return
-    for item, version, current in zip(items, recorded, now):
-        if version is not None and current != version:
+    for n, current in zip(which, now):
+        if recorded[n] is not None and current != recorded[n]:
             raise StateChangedError(
-                f"{item.entry.fqn} was changed in place while an asynchronous save was capturing it, so the "
-                "checkpoint would mix values from before and after the change; the save was not committed. Call "
+                f"{name(n)} was changed in place while an asynchronous save was capturing it, so the checkpoint "
+                "would mix values from before and after the change; the save was not committed. Call "
                 "wait_staged() on the saver (or the handle) before changing the state after an asynchronous save")

@@ -52,11 +52,15 @@ _VERSION = operator.attrgetter("_version")
 def versions(items: Sequence[WriteItem]) -> list[Version]:
     """Each item's version now: its tensor's and its leaf's (None where a tensor keeps none:
     inference-mode tensors)."""
+    return versions_of([item.tensor for item in items], [item.watch for item in items])
+
+
+def versions_of(tensors: Sequence[torch.Tensor], watches: Sequence[torch.Tensor | None]) -> list[Version]:
+    """Each tensor's version now and its watched leaf's (-1 where none is watched; see :func:`versions`)."""
     try:  # the common case read in C: a save may hold 100,000 tensors
-        return list(zip(map(_VERSION, [item.tensor for item in items]),
-                        [-1 if item.watch is None else item.watch._version for item in items]))
+        return list(zip(map(_VERSION, tensors), [-1 if watch is None else watch._version for watch in watches]))
     except RuntimeError:  # an inference-mode tensor among them
-        return [current_version(item.tensor, item.watch) for item in items]
+        return list(map(current_version, tensors, watches))
 
 
 def current_version(tensor: torch.Tensor, watch: torch.Tensor | None) -> Version:

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import torch
+
 from ..collectives import Group
 from ..errors import CheckpointError, UnsupportedValueError
 from ..format import codec
@@ -133,12 +135,18 @@ class Deferred:
     reuse: Reuse | None
     snapshot_s: float
 
-    def prepare(self) -> tuple[Prepared, list[Version]]:
+    def prepare(self, copies: list[torch.Tensor] | None = None,
+                recorded: list[Version] | None = None) -> tuple[Prepared, list[Version]]:
         """The save as :func:`prepare` makes it, and each item's version to compare after its copy
-        (a change since the snapshot fails the save)."""
+        (a change since the snapshot fails the save). With ``copies``: the tensor leaves of a
+        snapshot that matches were copied there already, checked against their ``recorded`` versions."""
         t0 = time.perf_counter()
         with gc_paused():
-            collected, recorded = self.cache.complete(self.snapshot, self.group.rank)
+            if copies is None:
+                collected, recorded = self.cache.complete(self.snapshot, self.group.rank)
+            else:
+                collected = self.cache.from_copies(self.snapshot, self.group.rank, copies)
+            assert recorded is not None
             prepared = _planned(self.group, collected, self.storage, self.step, self.metadata, self.options,
                                 self.reuse, self.snapshot_s + time.perf_counter() - t0)
         if prepared.versions is not None:

@@ -80,6 +80,7 @@ class _Template:
     tensor_index: list[int]  # the positions of the tensor leaves among the leaves
     tensor_paths: list[Path]
     others: list[int]  # the positions of the python values
+    shapes: tuple[tuple[torch.dtype, tuple[int, ...]], ...]  # each tensor leaf's dtype and shape (its buffer's)
 
     def tensors(self, values: list[Any]) -> list[torch.Tensor]:
         """The tensor leaves among a walk's ``values``."""
@@ -108,6 +109,25 @@ class Snapshot:
     def devices(self) -> list[int]:
         """The CUDA devices the tensor leaves are on (no check at all in a process without CUDA)."""
         return cuda_devices(self.tensors) if torch.cuda.is_initialized() else []
+
+    def matches(self) -> bool:
+        """Whether the last collection still describes the tensor leaves (fingerprints equal, no
+        memory shared, the same rank-local paths): then they can be copied before collecting."""
+        found = fingerprints(self.tensors)
+        template = self.template
+        return found is not None and found[1] and found[0] == template.prints and \
+            self.rank_local == template.rank_local
+
+    def recorded(self) -> list[Version]:
+        """Each tensor leaf's version to compare once it is copied as it is (a copy resolves views,
+        conjugation and negation, and needs no detaching)."""
+        return [None if v is None else (v, -1) for v in self.versions]
+
+    def name(self, n: int) -> str:
+        """The key of the ``n``-th tensor leaf."""
+        leaf = self.template.leaves[self.template.tensor_index[n]]
+        assert type(leaf) is _Tensor
+        return leaf.name
 
 
 class CollectCache:
@@ -161,13 +181,18 @@ class CollectCache:
         at_save = dict(zip(snap.template.tensor_paths, zip(snap.tensors, snap.versions)))
         return out, [_since(item, *at_save[item.entry.path]) for item in out.items]
 
+    def from_copies(self, snap: Snapshot, rank: int, copies: list[torch.Tensor]) -> Collected:
+        """The collection of a snapshot that :meth:`Snapshot.matches`, whose tensor leaves were
+        copied into ``copies`` already (its items hold the copies)."""
+        self.hits += 1
+        return _again(snap.template, copies, snap.statefuls, rank, snap.encoded)
+
     def _collected(self, snap: Snapshot, rank: int) -> tuple[Collected, bool]:
         """The collection, and whether it came from the template."""
         template = snap.template
-        found = fingerprints(snap.tensors)
-        if found is not None and found[1] and found[0] == template.prints and snap.rank_local == template.rank_local:
+        if snap.matches():
             self.hits += 1
-            return _again(template, snap.tensors, snap.statefuls, rank, snap.encoded), True
+            return _again(template, plain_sources(snap.tensors), snap.statefuls, rank, snap.encoded), True
         flat = Flat(dict(zip(template.paths, snap.values)), snap.rank_local, snap.statefuls, template.skeleton,
                     template.refs, template.shape)
         out = collect(None, rank, allow_pickle=snap.allow_pickle, flat=flat, encoded=snap.encoded)
@@ -229,16 +254,18 @@ def _learn(out: Collected, flat: Any, paths: list[Path], values: list[Any], prin
     index = [n for n, leaf in enumerate(leaves) if type(leaf) is _Tensor]
     return _Template(paths, flat.shape, flat.skeleton, flat.refs, prints, frozenset(flat.rank_local),
                      [out.keys[p] for p in paths], leaves, out.rows, out.digest, index, [paths[n] for n in index],
-                     [n for n, leaf in enumerate(leaves) if type(leaf) is not _Tensor])
+                     [n for n, leaf in enumerate(leaves) if type(leaf) is not _Tensor],
+                     tuple((meta[0], meta[1]) for _, meta in prints))
 
 
-def _again(template: _Template, tensors: list[torch.Tensor], statefuls: dict[Path, Any], rank: int,
+def _again(template: _Template, sources: list[torch.Tensor], statefuls: dict[Path, Any], rank: int,
            encoded: dict[Path, Any]) -> Collected:
-    """The collection of a state whose structure matches ``template``."""
+    """The collection of a state whose structure matches ``template``, its items holding ``sources``
+    (a plain tensor per tensor leaf)."""
     out = Collected(rows=template.rows, skeleton=template.skeleton, refs=template.refs, digest=template.digest,
                     keys=dict(zip(template.paths, template.keys)), optimizers=optimizers_in(statefuls.values()))
     entries, items = out.entries, out.items
-    sources = iter(plain_sources(tensors))
+    next_source = iter(sources).__next__
     for path, leaf in zip(template.paths, template.leaves):
         if type(leaf) is not _Tensor:
             if path in template.rank_local:
@@ -248,8 +275,8 @@ def _again(template: _Template, tensors: list[torch.Tensor], statefuls: dict[Pat
         elif leaf.local:
             entry = Entry(leaf.name, path, "tensor", leaf.dtype, leaf.shape, rank=rank)
             out.rank_local.append(entry)
-            items.append(WriteItem(entry, leaf.file_name, next(sources), leaf.offsets, leaf.key, True))
+            items.append(WriteItem(entry, leaf.file_name, next_source(), leaf.offsets, leaf.key, True))
         else:  # the common case, with positional arguments (quicker than keywords, per leaf)
             entry = entries[leaf.key[0]] = Entry(leaf.name, path, "tensor", leaf.dtype, leaf.shape)
-            items.append(WriteItem(entry, leaf.file_name, next(sources), leaf.offsets, leaf.key))
+            items.append(WriteItem(entry, leaf.file_name, next_source(), leaf.offsets, leaf.key))
     return out
