@@ -62,10 +62,10 @@ def read_one(path, fqn: str):
         return ck.read(fqn)
 
 
-def ways(path) -> dict:
-    """Every way of reading a checkpoint."""
+def ways(path, key: str = "w") -> dict:
+    """Every way of reading a checkpoint (``read``: the entry ``key`` alone)."""
     def read():
-        return read_one(path, "w")
+        return read_one(path, key)
 
     def whole():
         with zs.open(path) as ck:
@@ -79,17 +79,23 @@ def ways(path) -> dict:
             "read": read, "state": whole, "verify": lambda: zs.verify(path)}
 
 
-def assert_refused(path, *words: str, at_open: bool = True, away=(), fifos=()) -> None:
+def assert_refused(path, *words: str, at_open: bool = True, away=(), fifos=(), read: str | None = "w") -> None:
     """Every way of reading ``path`` raises CorruptCheckpointError (whose message holds ``words``)
     within WAIT seconds, without opening anything under ``away``: the first look at the entries
     when the manifest is at fault (``at_open``; ``open`` itself checks the leading fields, and
-    leaves the entries for their first use), else every read of the data. The CLI exits 1 with a
-    message and no traceback (verify; inspect too when the manifest is at fault), and ls lists the
-    root without failing (it reads only the head of a manifest)."""
+    leaves the entries for their first use), else every read of the data. Reading one entry
+    before the others are built checks that entry (and the data files it lies in) alone: ``read``
+    names the entry the lie is in, whose read is refused; None when the lie is in no entry (the
+    tree), and then a read of ``w`` gives its values. The CLI exits 1 with a message and no
+    traceback (verify; inspect too when the manifest is at fault), and ls lists the root without
+    failing (it reads only the head of a manifest)."""
     with opened() as paths:
-        for how, call in ways(path).items():
+        for how, call in ways(path, read or "w").items():
             hung, outcome = within(WAIT, call, fifos)
             assert not hung, f"{how} hung"
+            if how == "read" and read is None:
+                assert isinstance(outcome, torch.Tensor) and torch.equal(outcome, state(0)["w"]), f"{how}: {outcome!r}"
+                continue
             if how in ("open", "entries") and not at_open or how == "open" and outcome is None:
                 assert not isinstance(outcome, BaseException), f"{how}: {outcome!r}"
                 continue
@@ -352,7 +358,7 @@ def test_chunks_that_overlap_or_leave_a_gap_are_refused(ck, layout):
 def test_a_dtype_that_does_not_match_nbytes_is_refused(ck):
     """float32 → float64 with the same bytes: the old reader filled half the target."""
     rewrite(ck, lambda body: entry(body, "v").update(dtype="float64"))
-    assert_refused(ck, "nbytes", "float64")
+    assert_refused(ck, "nbytes", "float64", read="v")
 
 
 def test_a_tensor_cut_short_with_true_checksums_is_refused(ck):
@@ -367,7 +373,7 @@ def test_a_tensor_cut_short_with_true_checksums_is_refused(ck):
         chunk.update(sizes=[1000], nbytes=4000, checksums=[xxhash.xxh3_64_hexdigest(data)])
 
     rewrite(ck, change)
-    assert_refused(ck, "files[", "its chunks end at byte")  # v is stored last in its file
+    assert_refused(ck, "files[", "its chunks end at byte", read="v")  # v is stored last in its file
 
 
 def test_a_chunk_that_lies_past_its_file_is_refused_before_memory_is_set_aside(ck):
@@ -463,11 +469,17 @@ HOSTILE = {  # what the old reader raised, or did, in brackets
 }
 
 
+# the entry each lie is in, where it is not w (None: in no entry, so a read of one entry goes through)
+LIE_IN = {case: "opts" for case, (change, _) in HOSTILE.items() if "set_value" in change.__code__.co_names}
+LIE_IN.update({"a boolean offset": "v", "an alias of nothing [IndexError]": "tied", "an alias of a value": "tied",
+               "a reference to nothing [IndexError]": None, "a reference elsewhere": None})
+
+
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_a_malformed_manifest_is_refused_at_open_naming_the_field(ck, case):
     change, named = HOSTILE[case]
     rewrite(ck, change)
-    assert_refused(ck, named)
+    assert_refused(ck, named, read=LIE_IN.get(case, "w"))
 
 
 def test_a_tensor_subclass_whose_inner_tensor_is_another_attributes_is_refused(tmp_path):
@@ -550,3 +562,35 @@ def test_a_path_with_a_nul_byte_is_a_typed_error_naming_it(ck, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ck", "other"]  # nothing written anywhere
     with pytest.raises(zs.InvalidPathError, match="no storage backend for gs://"):
         zs.open("gs://bucket/ck")
+
+
+def test_an_entry_read_alone_that_holds_another_s_bytes_is_refused(tmp_path):
+    """``a``'s chunk pointed at ``b``'s bytes in the same file, with ``b``'s checksums: every field
+    of ``a`` is sane, so reading ``a`` alone also checks every chunk of the files it lies in (found
+    by the fuzzer when reads first checked the entry alone)."""
+    g = torch.Generator().manual_seed(0)
+    zs.save({"a": torch.randn(64, generator=g), "b": torch.randn(64, generator=g)}, tmp_path / "ck", threads=1)
+
+    def change(body):
+        entry(body, "a")["chunks"][0] = dict(entry(body, "b")["chunks"][0])
+
+    rewrite(tmp_path / "ck", change)
+    with zs.open(tmp_path / "ck") as ck, pytest.raises(zs.CorruptCheckpointError, match="in two chunks"):
+        ck.read("a")
+
+
+def test_the_first_reads_check_their_entry_alone_and_then_every_entry_is_built(tmp_path):
+    """A lie in one entry: the other entries read alone give their values; the lying one is
+    refused, as are the entries, state and load; after the reads served alone, every entry is
+    built (each read alone looks through all of them)."""
+    saved = {f"t{n}": torch.full((4,), float(n)) for n in range(8)}
+    zs.save(saved, tmp_path / "ck")
+    rewrite(tmp_path / "ck", lambda body: entry(body, "t7").update(dtype="float33"))
+    with zs.open(tmp_path / "ck") as ck:
+        for n in range(4):
+            assert torch.equal(ck.read(f"t{n}"), saved[f"t{n}"])
+        assert "entries" not in ck.manifest.__dict__
+        with pytest.raises(zs.CorruptCheckpointError, match="float33"):
+            ck.read("t4")  # the fifth read builds every entry, and refuses the lie in t7
+    with zs.open(tmp_path / "ck") as ck, pytest.raises(zs.CorruptCheckpointError, match="float33"):
+        ck.read("t7")

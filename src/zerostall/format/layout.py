@@ -278,6 +278,17 @@ class Manifest:
                 state.update(entries=whole.entries, tree=whole.tree, _body=None)
         return state[name]
 
+    def entry(self, key: str | tuple[Any, ...]) -> Entry | None:
+        """Before a :meth:`deferred` manifest builds its entries: the one named ``key`` (a dotted
+        name or a key path), checked on its own (see ``manifest_check``); None once they are built,
+        for a manifest read whole, or where one entry cannot be told apart (build them all then)."""
+        state = self.__dict__
+        if "_lock" not in state:
+            return None
+        with state["_lock"]:
+            body = state["_body"]
+            return body.one(key) if body is not None else None
+
     def to_bytes(self) -> bytes:
         """Serialize as ``{"checksum": H, "manifest": BODY}`` where H is the xxh3-64 of BODY."""
         version = max(self.version, version_needed(self.entries), REFS_VERSION if self.refs else 1)

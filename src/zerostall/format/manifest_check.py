@@ -8,8 +8,9 @@ known entry kinds and dtypes, non-negative shapes, chunks inside the tensor and 
 the manifest lists, ``nbytes`` = elements × item size, one checksum per block, chunks that tile
 each tensor exactly and each data file back to back (``tensor_check``), aliases of tensor entries,
 tensor subclass descriptions, key paths unique and matching the tree, python values of known tags
-at most :data:`~zerostall.format.codec.MAX_DEPTH` containers deep (``value_check``). Loaders, ``verify``
-and the CLI then trust these numbers. Anything else is a
+at most :data:`~zerostall.format.codec.MAX_DEPTH` containers deep (``value_check``). A session's first
+reads may check only the entry they read, with the same checks and those of the data files it lies
+in (:meth:`_Body.one`). Loaders, ``verify`` and the CLI then trust these numbers. Anything else is a
 :class:`~zerostall.errors.CorruptCheckpointError` naming the field. The limits are documented in
 docs/format.md §10, "What a reader accepts".
 """
@@ -42,6 +43,8 @@ _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")  # a checkpoint's tag under 
 _YEAR_10000 = 253402300800  # seconds since the epoch
 _INT = {int}
 _STR = {str}
+_STR_INT = {str, int}
+_SCALARS = {str, int, float, bool}  # key-path items a parsed list compares as their decoded keys do
 _TENSORS = ("tensor", "subclass")  # what an alias may stand for
 
 
@@ -126,14 +129,73 @@ def parse_deferred(raw: bytes, where: str) -> Manifest:
 
 
 class _Body:
-    """A deferred manifest's bytes, parsed and checked whole when first needed."""
+    """A deferred manifest's bytes, parsed and checked whole when first needed, or one entry at a
+    time (:meth:`one`) before that."""
+
+    ALONE = 4
+    """Reads that :meth:`one` serves (each looks through every entry); after them, building them all costs less."""
 
     def __init__(self, raw: bytes, where: str) -> None:
         self.raw, self.where = raw, where
+        self._alone = 0
 
     def whole(self) -> Manifest:
         with gc_paused():
             return parse_manifest(self.raw, self.where)
+
+    def one(self, key: str | tuple[Any, ...]) -> Entry | None:
+        """The one tensor or python-value entry named ``key`` (its dotted name, or its key path),
+        checked as :func:`parse_manifest` checks it, with every chunk of the data files its own
+        chunks lie in (those files hold each byte in exactly one chunk); None wherever one entry
+        cannot be told apart from the rest (no such entry or several, an alias, a tensor
+        subclass, a rank-local entry, anything the whole check would refuse, or after :attr:`ALONE`
+        reads): then the caller builds every entry, which refuses what is wrong and names the field."""
+        self._alone += 1
+        if self._alone > self.ALONE:
+            return None
+        with gc_paused():  # the parsed body is freed before collections resume: none walks it
+            try:
+                return _one(manifest_body(self.raw, self.where), key)
+            except Exception:  # noqa: BLE001 - whatever is wrong, the whole check names it
+                return None
+
+
+def _one(d: Any, key: str | tuple[Any, ...]) -> Entry | None:
+    entries = d["entries"]
+    if isinstance(key, str):
+        found = [i for i, e in enumerate(entries) if type(e) is dict and e.get("fqn") == key]
+    else:
+        path = codec.encode_path(key)
+        found = [i for i, e in enumerate(entries) if type(e) is dict and e.get("path") == path]
+    if len(found) != 1:
+        return None
+    i = found[0]
+    e = entries[i]
+    if e.get("rank") is not None or e.get("inner_of") is not None or e.get("kind") not in ("tensor", "object") \
+            or type(e.get("path")) is not list or not _STR_INT.issuperset(map(type, e["path"])):
+        return None
+    numbers: list[Any] = []
+    digests: list[Any] = []
+    spans: dict[str, list[tuple[int, int]]] = {name: [] for name in d["files"]}
+    _check_entry(d, i, e, numbers, digests, spans)
+    if not (set(map(type, numbers)) <= _INT and _checksums_are_hex(digests)):
+        return None
+    entry = Entry.from_json(e)
+    mine = {name: got for name, got in spans.items() if got}
+    for j, other in enumerate(entries):  # its key path is its own; every other chunk in its files (packing)
+        if j == i:
+            continue
+        path = other["path"]
+        if other.get("rank") is None and (path == e["path"] or not _SCALARS.issuperset(map(type, path))
+                                          and codec.decode_path(path) == entry.path):
+            return None
+        for c in other["chunks"] if other.get("kind") == "tensor" else ():
+            if c["file"] in mine and c["nbytes"]:
+                if type(c["offset"]) is not int or type(c["nbytes"]) is not int:
+                    return None
+                mine[c["file"]].append((c["offset"], c["offset"] + c["nbytes"]))
+    check_packed(mine, d["files"], loose=d.get("refs", {}))
+    return entry
 
 
 def parse_head(raw: bytes, where: str) -> ManifestHead:
