@@ -10,10 +10,10 @@ no process to spawn; choose the process for crash survival. ``save`` runs the co
 :class:`SaveHandle` whose ``staged`` future is done when the state has been copied (the caller may
 mutate it from then on) and whose ``committed`` future is done when the checkpoint is durable and
 visible. A background failure is raised on ``committed.result()``; a failure nobody has seen there
-is raised once more, on the next ``save``, ``wait`` or ``close``. In one process, a later save of a structure saved before does
-less in the caller's thread: it walks the state, records the version counters and encodes the
-python values; collecting and planning wait for the worker (see
-:class:`~zerostall.saving.pipeline.Deferred`).
+is raised once more, on the next ``save``, ``wait`` or ``close``. In one process, a later save of a
+structure saved before does less in the caller's thread: it walks the state, records the version
+counters and encodes the python values; the worker copies the tensors, and then collects and plans
+(see :class:`~zerostall.saving.pipeline.Deferred`).
 
 At interpreter exit (the end of the script, an exception escaping it, ``sys.exit``, Ctrl-C) every
 saver not closed is closed: the save in flight commits first, a failure is logged, and the writer

@@ -258,13 +258,13 @@ def copy_first(snap: Snapshot, pool: BufferPool, ready: CallerStreams | None
     """Copy the tensor leaves of a snapshot into ``pool`` before collecting it, when the last
     collection still describes them (:meth:`~zerostall.saving.recollect.Snapshot.matches`), so the
     caller may change the state sooner: the leaves, their recorded versions and their copies; None
-    when it does not."""
+    when it does not. The leaves are copied as they are: a copy resolves views, conjugation and
+    negation, and needs no detaching."""
     if not snap.matches():
         return None
-    recorded = snap.recorded()
     buffers = pool.buffers_for(snap.template.shapes, ready.devices if ready is not None else [])
-    copy_checked(snap.tensors, buffers, ready, recorded, [None] * len(buffers), snap.name)
-    return snap.tensors, recorded, buffers
+    copy_checked(snap.tensors, buffers, ready, snap.versions, [None] * len(buffers), snap.name)
+    return snap.tensors, snap.versions, buffers
 
 
 def copy_checked(sources: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], ready: CallerStreams | None,

@@ -148,9 +148,7 @@ class Deferred:
                 collected = self.cache.from_copies(self.snapshot, self.group.rank, copies)
             assert recorded is not None
             prepared = _planned(self.group, collected, self.storage, self.step, self.metadata, self.options,
-                                self.reuse, self.snapshot_s + time.perf_counter() - t0)
-        if prepared.versions is not None:
-            prepared.versions = recorded
+                                self.reuse, self.snapshot_s + time.perf_counter() - t0, recorded)
         return prepared, recorded
 
 
@@ -167,14 +165,18 @@ def _settings(group: Group, storage: Storage, options: SaveOptions, step: Any,
 
 
 def _planned(group: Group, collected: Collected, storage: Storage, step: int | None, metadata: Any,
-             options: SaveOptions, reuse: Reuse | None, collect_s: float) -> Prepared:
-    """Plan a collected save (collective when distributed)."""
+             options: SaveOptions, reuse: Reuse | None, collect_s: float,
+             recorded: list[Version] | None = None) -> Prepared:
+    """Plan a collected save (collective when distributed). ``recorded``: its items' versions, when
+    taken earlier (an incremental save compares them with its last)."""
     t0 = time.perf_counter()
     plan, generation, replanned = _PLANNER.plan(group, collected)
     items = collected.items if group.size == 1 else [i for i in collected.items
                                                      if i.rank_local or plan.writes(group.rank, i.key)]
+    if options.incremental and recorded is None:
+        recorded = versions(items)
     return Prepared(group, collected, plan, generation, replanned, items, storage, step, metadata, options,
-                    collect_s, time.perf_counter() - t0, reuse, versions(items) if options.incremental else None)
+                    collect_s, time.perf_counter() - t0, reuse, recorded if options.incremental else None)
 
 
 def checked_step(step: Any) -> int | None:

@@ -15,9 +15,10 @@ saver, which never overlap (each commit numbers its refs the same way).
 
 A saver's save may split the work: :meth:`CollectCache.snapshot`, in the caller's thread, walks
 the state, records each tensor leaf's version counter and encodes the python values (what may
-change once the call returns); :meth:`CollectCache.complete`, in the saver's worker, checks the
-fingerprints and builds the collection from that snapshot, checking later in-place changes
-against the versions the snapshot recorded.
+change once the call returns); in the saver's worker, a snapshot that :meth:`Snapshot.matches`
+has its tensors copied first and is collected from the copies (:meth:`CollectCache.from_copies`),
+any other is collected by :meth:`CollectCache.complete`; either way a change made after the call
+fails the comparison with the versions the snapshot recorded.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ import torch
 from ..devices import cuda_devices
 from ..format.layout import Entry
 from ..state import PLAIN_TENSORS, Changed, Flat, Path, Shape, flatten, fqn, rewalk
-from .collect import Collected, Row, Version, WriteItem, collect, encode_value, optimizers_in, plain_sources
+from .collect import (Collected, Row, Version, WriteItem, collect, encode_value, optimizers_in, plain_sources,
+                      versions_of)
 from .plan import structure_digest
 
 _META = operator.attrgetter("dtype", "shape", "device", "layout")  # shape raises for a nested tensor
-_VERSION = operator.attrgetter("_version")
 _PLAIN_TYPES = frozenset(PLAIN_TENSORS)
 
 
@@ -97,7 +98,7 @@ class Snapshot:
     tensors: list[torch.Tensor]  # the tensor leaves among the values
     statefuls: dict[Path, Any]
     rank_local: set[Path]
-    versions: list[int | None]  # each tensor leaf's version counter at the save (None: it keeps none)
+    versions: list[Version]  # each tensor leaf's version counter at the save, as (counter, -1) (None: it keeps none)
     encoded: dict[Path, Any]  # each python value, encoded at the save
     allow_pickle: bool
 
@@ -117,11 +118,6 @@ class Snapshot:
         template = self.template
         return found is not None and found[1] and found[0] == template.prints and \
             self.rank_local == template.rank_local
-
-    def recorded(self) -> list[Version]:
-        """Each tensor leaf's version to compare once it is copied as it is (a copy resolves views,
-        conjugation and negation, and needs no detaching)."""
-        return [None if v is None else (v, -1) for v in self.versions]
 
     def name(self, n: int) -> str:
         """The key of the ``n``-th tensor leaf."""
@@ -169,7 +165,8 @@ class CollectCache:
         tensors = template.tensors(values)
         if not _PLAIN_TYPES.issuperset(map(type, tensors)):
             return None  # a python value where a (rank-local) tensor was
-        return Snapshot(template, values, tensors, statefuls, local, leaf_versions(tensors), encoded, allow_pickle)
+        return Snapshot(template, values, tensors, statefuls, local, versions_of(tensors, [None] * len(tensors)),
+                        encoded, allow_pickle)
 
     def complete(self, snap: Snapshot, rank: int) -> tuple[Collected, list[Version]]:
         """The collection of a snapshot's state (from the template when every fingerprint matches,
@@ -206,31 +203,14 @@ class CollectCache:
         self._template = _learn(out, flat, paths, values, found[0]) if found is not None and found[1] else None
 
 
-def leaf_versions(tensors: list[torch.Tensor]) -> list[int | None]:
-    """Each tensor's version counter (None where it keeps none: an inference-mode tensor)."""
-    try:  # read in C: a save may hold 100,000 tensors
-        return list(map(_VERSION, tensors))
-    except RuntimeError:
-        return list(map(_version_or_none, tensors))
-
-
-def _version_or_none(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:
-        return None
-
-
-def _since(item: WriteItem, leaf: torch.Tensor, version: int | None) -> Version:
+def _since(item: WriteItem, leaf: torch.Tensor, version: Version) -> Version:
     """What :func:`~zerostall.saving.capture.capture` compares for ``item`` of ``leaf``, whose
-    version counter was ``version`` at the save: when the item holds another tensor than the leaf
-    (a detached view, a contiguous copy made since), the leaf is watched too."""
-    if version is None:
-        return None
-    if item.tensor is leaf:
-        return version, -1
+    version was ``version`` at the save: when the item holds another tensor than the leaf (a
+    detached view, a contiguous copy made since), the leaf is watched too."""
+    if version is None or item.tensor is leaf:
+        return version
     item.watch = leaf
-    return item.tensor._version, version
+    return item.tensor._version, version[0]
 
 
 def _learn(out: Collected, flat: Any, paths: list[Path], values: list[Any], prints: list[Any]) -> _Template | None:
