@@ -25,7 +25,7 @@ ORDER = [
     # saving/: collect → plan → write → commit, run in order by pipeline; the asynchronous saver over it
     "saving.collect", "saving.plan", "saving.recollect", "saving.write", "saving.incremental", "saving.commit",
     "saving.pipeline",
-    "saving.capture", "saving.writer_process", "saving.asynchronous", "saving",
+    "saving.capture", "saving.handles", "saving.writer_process", "saving.asynchronous", "saving",
     # loading/: open (ours or foreign) → reader (bytes, checked) → load plan → fetch (and broadcast) →
     # verification, behind the Checkpoint front; tensor streams for exporters
     "loading.foreign.safetensors", "loading.foreign.dcp", "loading.foreign", "loading.opening", "loading.reader",

@@ -33,7 +33,7 @@ _EXPORTS = {
     "copy": "interop.copying", "CopyInfo": "interop.copying", "export": "api",
     "SaveOptions": "options", "LoadOptions": "options",
     "ExportOptions": "interop.exporting", "ExportInfo": "interop.exporting",
-    "AsyncSaver": "saving.asynchronous", "SaveHandle": "saving.asynchronous", "SaveInfo": "saving.pipeline",
+    "AsyncSaver": "saving.asynchronous", "SaveHandle": "saving.handles", "SaveInfo": "saving.pipeline",
     "Checkpoint": "loading.checkpoint", "Mismatch": "loading.load_plan", "CheckpointManager": "manager",
     "RetentionPolicy": "roots.retention", "RestoreInfo": "roots.restore", "LocalTier": "tiers.local",
     "rank_local": "state", "RankLocal": "state", "Stateful": "state", "FlattenedTensor": "format.subclass",
@@ -62,7 +62,8 @@ if TYPE_CHECKING:  # what type checkers and editors see
     from .options import LoadOptions, SaveOptions
     from .roots.restore import RestoreInfo
     from .roots.retention import RetentionPolicy
-    from .saving.asynchronous import AsyncSaver, SaveHandle
+    from .saving.asynchronous import AsyncSaver
+    from .saving.handles import SaveHandle
     from .saving.pipeline import SaveInfo
     from .state import RankLocal, Stateful, rank_local
     from .storage.s3 import S3Storage

@@ -19,7 +19,8 @@ from .loading.checkpoint import Checkpoint
 from .options import LoadOptions, SaveOptions
 from .roots.naming import Naming
 from .roots.root import CheckpointRoot
-from .saving.asynchronous import AsyncSaver, SaveHandle
+from .saving.asynchronous import AsyncSaver
+from .saving.handles import SaveHandle
 from .saving.pipeline import SaveInfo, persist, prepare
 from .storage import Storage, storage_for
 

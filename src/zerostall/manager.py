@@ -19,7 +19,6 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-
 from .collectives import Group
 from .errors import CheckpointError, CheckpointNotFoundError, UnsupportedValueError
 from .format.layout import RNG_KEY
@@ -33,7 +32,8 @@ from .roots.restore import NOTHING, RestoreInfo, newest_first, other_world, rest
 from .roots.retention import CheckpointRecord, RetentionPolicy, checked_metrics, policy_of, split_shorthand
 from .roots.root import LATEST_NAME, CheckpointRoot, retained, step_tag, tag_step, validate_tag
 from .roots.schedule import SaveSchedule
-from .saving.asynchronous import AsyncSaver, OneShot, SaveHandle
+from .saving.asynchronous import AsyncSaver
+from .saving.handles import OneShot, SaveHandle
 from .saving.pipeline import SaveInfo, checked_step, persist, prepare
 from .saving.plan import SavePlanner
 from .state import RankLocal, rank_local, rng_state, set_rng_state

@@ -29,8 +29,8 @@ import signal
 import threading
 import weakref
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -41,88 +41,14 @@ from ..gcpause import gc_paused
 from ..options import SaveOptions
 from ..storage import Storage
 from .capture import BufferPool, Captured, capture, copy_first, record_caller_stream
-from .collect import WriteItem, versions
+from .handles import SaveHandle
+from .collect import versions
 from .incremental import Reuse
 from .pipeline import Deferred, Prepared, SaveInfo, abandon, for_writer_process, persist, prepare, request
 from .recollect import CollectCache
 from .writer_process import WriterProcess
 
 log = logging.getLogger(__name__)
-
-
-class _Watched(Future):
-    """A future whose failure, once :meth:`result` raised it or :meth:`exception` returned it, is
-    ``seen``: the saver does not raise it again at the next save or close. The library's own
-    waits and callbacks use the ``unseen_`` methods, which do not count."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen = False
-
-    def result(self, timeout: float | None = None) -> Any:
-        try:
-            return super().result(timeout)
-        except BaseException as exc:
-            if self.done() and exc is super().exception(0):  # the save's failure, not this wait's timeout
-                self.seen = True
-            raise
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        failure = super().exception(timeout)
-        self.seen = self.seen or failure is not None
-        return failure
-
-    def cancel(self) -> bool:
-        """A save once started cannot be called off (the saver's worker sets its outcome)."""
-        return False
-
-    def unseen_result(self) -> Any:
-        """Wait and return (or raise) the outcome without counting it as seen: the saver's own waits."""
-        futures.wait([self])
-        return super().result()
-
-    def unseen_exception(self) -> BaseException | None:
-        """The failure of a done future, or None, without counting it as seen: for the library's own
-        done callbacks (the manager's commit step), after which the failure is still the user's to see."""
-        return super().exception(0)
-
-
-class SaveHandle:
-    """The two futures of one asynchronous save. A failure raised or returned by either future (or
-    by :meth:`result`, :meth:`wait_staged`) has been seen: the saver does not raise it again at the
-    next save or close."""
-
-    def __init__(self, path: str, step: int | None, captured: Captured | None = None) -> None:
-        self.path = path
-        self.step = step
-        self.staged = _Watched()
-        self.committed = _Watched()
-        self.captured = captured
-        """Where the capture put each tensor, once ``staged`` and until this saver's next save:
-        another save of this step may read them there."""
-
-    @property
-    def failure_seen(self) -> bool:
-        """Whether this save's failure was raised or returned to someone already."""
-        return self.staged.seen or self.committed.seen
-
-    def wait_staged(self, timeout: float | None = None) -> None:
-        """Block until the state has been captured: call this before mutating it (optimizer step)."""
-        self.staged.result(timeout)
-
-    def result(self, timeout: float | None = None) -> SaveInfo:
-        """Block until committed; raises what the background raised."""
-        return self.committed.result(timeout)
-
-    def done(self) -> bool:
-        return self.committed.done()
-
-    def lend(self, items: Sequence[WriteItem], recorded: list[Any]) -> None:
-        """Once this save is staged, point another save's ``items`` of the same tensors at this
-        one's captured copies (see :class:`Captured`); if its capture failed, they stay as they are."""
-        futures.wait([self.staged])
-        if self.captured is not None and self.staged.unseen_exception() is None:
-            self.captured.take(items, recorded)
 
 
 class AsyncSaver:
@@ -168,7 +94,6 @@ class AsyncSaver:
         elif previous == signal.SIG_DFL:
             os.kill(os.getpid(), signum)
 
-    @gc_paused()  # the caller waits for the return: no cyclic collections over the per-leaf objects
     def save(self, state: Any, path: str | os.PathLike[str] | Storage, options: SaveOptions | None = None, *,
              process_group: Any = None, step: int | None = None, metadata: Mapping[str, Any] | None = None,
              share: SaveHandle | None = None, reuse: Reuse | None = None, **overrides: Any) -> SaveHandle | None:
@@ -188,27 +113,31 @@ class AsyncSaver:
             if not self._current.done():
                 self.wait()
             self._current.captured = None  # its buffers are this save's now (or freed, for another structure)
-        asked = request(state, path, options, process_group=process_group, step=step, metadata=metadata,
-                        cache=self.collections, reuse=reuse, defer=self.pool.allocated)  # the buffers of a
-        # structure are allocated here, in the caller's thread: a shortage of memory is raised by save()
-        buffers, recorded = None, None
-        try:
-            if isinstance(asked, Deferred):  # collected and planned in the worker, from a snapshot taken here
-                self.hold_steps(asked.snapshot.optimizers)
-                devices = asked.snapshot.devices
-                ready = CallerStreams(devices) if devices else None
-            else:
-                self.hold_steps(asked.collected.optimizers)
-                recorded = versions(asked.items) if asked.versions is None else asked.versions
-                ready = record_caller_stream(asked.items)
-                buffers = self.pool.buffers(asked.items)
-        except BaseException as exc:
-            abandon(asked, exc)
-            raise
+        asked, buffers, ready, recorded = self._ask(state, path, options, process_group, step, metadata, reuse)
         handle = SaveHandle(asked.storage.location, asked.step)
         self._current = handle
         self._worker.submit(self._run, asked, buffers, ready, recorded, handle, share)
         return handle
+
+    @gc_paused()  # the caller waits: no cyclic collections over the per-leaf objects (and none paused once the
+    # worker starts, so the caller never waits for the worker at the pause's lock on its way out)
+    def _ask(self, state: Any, path: Any, options: SaveOptions, process_group: Any, step: int | None,
+             metadata: Mapping[str, Any] | None, reuse: Reuse | None) -> tuple[Any, Any, Any, Any]:
+        """The caller's part of a save: the request, and what the worker needs with it."""
+        asked = request(state, path, options, process_group=process_group, step=step, metadata=metadata,
+                        cache=self.collections, reuse=reuse, defer=self.pool.allocated)  # the buffers of a
+        # structure are allocated here, in the caller's thread: a shortage of memory is raised by save()
+        try:
+            if isinstance(asked, Deferred):  # collected and planned in the worker, from a snapshot taken here
+                self.hold_steps(asked.snapshot.optimizers)
+                devices = asked.snapshot.devices
+                return asked, None, CallerStreams(devices) if devices else None, None
+            self.hold_steps(asked.collected.optimizers)
+            recorded = versions(asked.items) if asked.versions is None else asked.versions
+            return asked, self.pool.buffers(asked.items), record_caller_stream(asked.items), recorded
+        except BaseException as exc:
+            abandon(asked, exc)
+            raise
 
     def hold_steps(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Make each optimizer's ``step()`` wait for the capture of the save in flight (a step
@@ -362,21 +291,6 @@ class AsyncSaver:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-class OneShot:
-    """A done-callback that lets go of what it calls once it has run: a finished future keeps its
-    callbacks, so one holding the manager would tie manager, saver and handle into a cycle."""
-
-    __slots__ = ("_call",)
-
-    def __init__(self, call: Callable[[Future], None]) -> None:
-        self._call: Callable[[Future], None] | None = call
-
-    def __call__(self, fut: Future) -> None:
-        call, self._call = self._call, None
-        if call is not None:
-            call(fut)
 
 
 _open_savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()

@@ -263,23 +263,26 @@ def copy_first(snap: Snapshot, pool: BufferPool, ready: CallerStreams | None
     if not snap.matches():
         return None
     buffers = pool.buffers_for(snap.template.shapes, ready.devices if ready is not None else [])
-    copy_checked(snap.tensors, buffers, ready, snap.versions, [None] * len(buffers), snap.name)
-    return snap.tensors, snap.versions, buffers
+    recorded = snap.recorded()
+    copy_checked(snap.tensors, buffers, ready, recorded, None, snap.name, host=not snap.template.on_cuda)
+    return snap.tensors, recorded, buffers
 
 
 def copy_checked(sources: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], ready: CallerStreams | None,
-                 recorded: Sequence[Version], watches: Sequence[torch.Tensor | None], name: Callable[[int], str]) -> None:
+                 recorded: Sequence[Version], watches: Sequence[torch.Tensor | None] | None, name: Callable[[int], str],
+                 *, host: bool = False) -> None:
     """Copy each source into its buffer; raise :class:`StateChangedError` naming ``name(n)`` if
-    source ``n`` (or the leaf ``watches[n]`` it is part of) changed since its version
+    source ``n`` (or the leaf ``watches[n]`` it is part of, when given) changed since its version
     ``recorded[n]`` (None: not checked) before its copy was complete. Runs in a worker thread:
     ``ready`` gives it the device to make current and the caller's streams to wait for. Host
-    tensors are copied in one call (a state may hold 100,000 small ones) and checked once all are."""
-    check_devices(sources, ready)
+    tensors are copied in one call (a state may hold 100,000 small ones) and checked once all are;
+    ``host``: every source is known to be on the host (no look at each one's device)."""
+    on_cuda = [] if host else list(map(_IS_CUDA, sources))
+    check_devices([t for t, on in zip(sources, on_cuda) if on], ready)
     streams = {}
     if ready is not None:
         ready.enter()
         streams = {device: ready.side_stream(device) for device in ready.devices}
-    on_cuda = list(map(_IS_CUDA, sources))
     cuda = [n for n, on in enumerate(on_cuda) if on] if any(on_cuda) else []
     host = [n for n, on in enumerate(on_cuda) if not on] if cuda else range(len(sources))
     try:
@@ -309,10 +312,10 @@ def check_devices(tensors: Sequence[torch.Tensor], ready: CallerStreams | None) 
             "the saver (or the handle) before changing the state after an asynchronous save")
 
 
-def _check(which: Sequence[int], sources: Sequence[torch.Tensor], watches: Sequence[torch.Tensor | None],
+def _check(which: Sequence[int], sources: Sequence[torch.Tensor], watches: Sequence[torch.Tensor | None] | None,
            recorded: Sequence[Version], name: Callable[[int], str]) -> None:
     """Raise if a source among ``which`` changed since its version ``recorded``, naming the first."""
-    now = versions_of([sources[n] for n in which], [watches[n] for n in which])
+    now = versions_of([sources[n] for n in which], None if watches is None else [watches[n] for n in which])
     if now == [recorded[n] for n in which]:
         return
     for n, current in zip(which, now):

@@ -7,6 +7,7 @@ write item pointing at the bytes to store. Nothing is copied: write items refere
 
 from __future__ import annotations
 
+import itertools
 import json
 import operator
 from dataclasses import dataclass, field
@@ -55,12 +56,24 @@ def versions(items: Sequence[WriteItem]) -> list[Version]:
     return versions_of([item.tensor for item in items], [item.watch for item in items])
 
 
-def versions_of(tensors: Sequence[torch.Tensor], watches: Sequence[torch.Tensor | None]) -> list[Version]:
-    """Each tensor's version now and its watched leaf's (-1 where none is watched; see :func:`versions`)."""
+def versions_of(tensors: Sequence[torch.Tensor], watches: Sequence[torch.Tensor | None] | None) -> list[Version]:
+    """Each tensor's version now and its watched leaf's (-1 where none is watched, or ``watches``
+    is None; see :func:`versions`)."""
     try:  # the common case read in C: a save may hold 100,000 tensors
-        return list(zip(map(_VERSION, tensors), [-1 if watch is None else watch._version for watch in watches]))
+        return list(zip(map(_VERSION, tensors), itertools.repeat(-1) if watches is None else
+                        [-1 if watch is None else watch._version for watch in watches]))
     except RuntimeError:  # an inference-mode tensor among them
-        return list(map(current_version, tensors, watches))
+        return list(map(current_version, tensors, itertools.repeat(None) if watches is None else watches))
+
+
+def counters(tensors: Sequence[torch.Tensor]) -> list[int | None]:
+    """Each tensor's version counter alone (None where it keeps none): ints, which the cyclic
+    collector never tracks, for a record taken in the caller's thread."""
+    try:
+        return list(map(_VERSION, tensors))
+    except RuntimeError:  # an inference-mode tensor among them
+        return [None if version is None else version[0] for version in map(current_version, tensors,
+                                                                            itertools.repeat(None))]
 
 
 def current_version(tensor: torch.Tensor, watch: torch.Tensor | None) -> Version:

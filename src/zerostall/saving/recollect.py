@@ -33,8 +33,8 @@ import torch
 from ..devices import cuda_devices
 from ..format.layout import Entry
 from ..state import PLAIN_TENSORS, Changed, Flat, Path, Shape, flatten, fqn, rewalk
-from .collect import (Collected, Row, Version, WriteItem, collect, encode_value, optimizers_in, plain_sources,
-                      versions_of)
+from .collect import (Collected, Row, Version, WriteItem, collect, counters, encode_value, optimizers_in,
+                      plain_sources)
 from .plan import structure_digest
 
 _META = operator.attrgetter("dtype", "shape", "device", "layout")  # shape raises for a nested tensor
@@ -82,6 +82,7 @@ class _Template:
     tensor_paths: list[Path]
     others: list[int]  # the positions of the python values
     shapes: tuple[tuple[torch.dtype, tuple[int, ...]], ...]  # each tensor leaf's dtype and shape (its buffer's)
+    on_cuda: bool  # whether any tensor leaf is on a CUDA device
 
     def tensors(self, values: list[Any]) -> list[torch.Tensor]:
         """The tensor leaves among a walk's ``values``."""
@@ -98,7 +99,7 @@ class Snapshot:
     tensors: list[torch.Tensor]  # the tensor leaves among the values
     statefuls: dict[Path, Any]
     rank_local: set[Path]
-    versions: list[Version]  # each tensor leaf's version counter at the save, as (counter, -1) (None: it keeps none)
+    counters: list[int | None]  # each tensor leaf's version counter at the save (None: it keeps none)
     encoded: dict[Path, Any]  # each python value, encoded at the save
     allow_pickle: bool
 
@@ -118,6 +119,10 @@ class Snapshot:
         template = self.template
         return found is not None and found[1] and found[0] == template.prints and \
             self.rank_local == template.rank_local
+
+    def recorded(self) -> list[Version]:
+        """Each tensor leaf's version at the save, as a copy of the leaf itself is checked."""
+        return [None if counter is None else (counter, -1) for counter in self.counters]
 
     def name(self, n: int) -> str:
         """The key of the ``n``-th tensor leaf."""
@@ -165,8 +170,7 @@ class CollectCache:
         tensors = template.tensors(values)
         if not _PLAIN_TYPES.issuperset(map(type, tensors)):
             return None  # a python value where a (rank-local) tensor was
-        return Snapshot(template, values, tensors, statefuls, local, versions_of(tensors, [None] * len(tensors)),
-                        encoded, allow_pickle)
+        return Snapshot(template, values, tensors, statefuls, local, counters(tensors), encoded, allow_pickle)
 
     def complete(self, snap: Snapshot, rank: int) -> tuple[Collected, list[Version]]:
         """The collection of a snapshot's state (from the template when every fingerprint matches,
@@ -174,8 +178,8 @@ class CollectCache:
         since the snapshot fails that comparison (see :func:`~zerostall.saving.capture.capture`)."""
         out, again = self._collected(snap, rank)
         if again:  # one item per tensor leaf, in order
-            return out, list(map(_since, out.items, snap.tensors, snap.versions))
-        at_save = dict(zip(snap.template.tensor_paths, zip(snap.tensors, snap.versions)))
+            return out, list(map(_since, out.items, snap.tensors, snap.counters))
+        at_save = dict(zip(snap.template.tensor_paths, zip(snap.tensors, snap.counters)))
         return out, [_since(item, *at_save[item.entry.path]) for item in out.items]
 
     def from_copies(self, snap: Snapshot, rank: int, copies: list[torch.Tensor]) -> Collected:
@@ -203,14 +207,16 @@ class CollectCache:
         self._template = _learn(out, flat, paths, values, found[0]) if found is not None and found[1] else None
 
 
-def _since(item: WriteItem, leaf: torch.Tensor, version: Version) -> Version:
+def _since(item: WriteItem, leaf: torch.Tensor, counter: int | None) -> Version:
     """What :func:`~zerostall.saving.capture.capture` compares for ``item`` of ``leaf``, whose
-    version was ``version`` at the save: when the item holds another tensor than the leaf (a
-    detached view, a contiguous copy made since), the leaf is watched too."""
-    if version is None or item.tensor is leaf:
-        return version
+    version counter was ``counter`` at the save: when the item holds another tensor than the leaf
+    (a detached view, a contiguous copy made since), the leaf is watched too."""
+    if counter is None:
+        return None
+    if item.tensor is leaf:
+        return counter, -1
     item.watch = leaf
-    return item.tensor._version, version[0]
+    return item.tensor._version, counter
 
 
 def _learn(out: Collected, flat: Any, paths: list[Path], values: list[Any], prints: list[Any]) -> _Template | None:
@@ -235,7 +241,7 @@ def _learn(out: Collected, flat: Any, paths: list[Path], values: list[Any], prin
     return _Template(paths, flat.shape, flat.skeleton, flat.refs, prints, frozenset(flat.rank_local),
                      [out.keys[p] for p in paths], leaves, out.rows, out.digest, index, [paths[n] for n in index],
                      [n for n, leaf in enumerate(leaves) if type(leaf) is not _Tensor],
-                     tuple((meta[0], meta[1]) for _, meta in prints))
+                     tuple((meta[0], meta[1]) for _, meta in prints), any(meta[2].type == "cuda" for _, meta in prints))
 
 
 def _again(template: _Template, sources: list[torch.Tensor], statefuls: dict[Path, Any], rank: int,

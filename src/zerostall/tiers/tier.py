@@ -23,7 +23,8 @@ from ..collectives import ALONE, Group
 from ..options import LoadOptions, SaveOptions
 from ..roots.restore import RestoreInfo
 from ..roots.root import step_tag, tag_step
-from ..saving.asynchronous import AsyncSaver, SaveHandle
+from ..saving.asynchronous import AsyncSaver
+from ..saving.handles import SaveHandle
 from .copies import LAYOUT_KEY, View, load_copy, view
 from .local import LocalTier, NodeDirectory, check_space, run_id_for
 from .nodes import Nodes, gather_nodes

@@ -29,7 +29,8 @@ from ...errors import CheckpointError, CheckpointNotFoundError, InsufficientSpac
 from ...loading.checkpoint import Checkpoint
 from ...options import LoadOptions, SaveOptions, _Options
 from ...roots.root import LATEST_NAME, CheckpointRoot, validate_tag
-from ...saving.asynchronous import AsyncSaver, OneShot
+from ...saving.asynchronous import AsyncSaver
+from ...saving.handles import OneShot
 from ...state import rank_local
 from ...storage import storage_for
 from ...storage.base import free_bytes

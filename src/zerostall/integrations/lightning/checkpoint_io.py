@@ -28,7 +28,8 @@ from ...errors import CheckpointError
 from ...loading.checkpoint import Checkpoint
 from ...options import LoadOptions, SaveOptions, _Options
 from ...roots.root import CheckpointRoot
-from ...saving.asynchronous import AsyncSaver, OneShot, SaveHandle
+from ...saving.asynchronous import AsyncSaver
+from ...saving.handles import OneShot, SaveHandle
 from ...storage import storage_for
 from . import values
 
