@@ -97,10 +97,9 @@ class Checkpoint:
         self._fetcher.close()
 
     def _entry(self, key: str | Path) -> Entry:
-        if "_by_path" not in self.__dict__ and "_by_fqn" not in self.__dict__:
-            alone = self.manifest.entry(key)  # the first reads of a session: without building every entry
-            if alone is not None:
-                return alone
+        alone = self.manifest.entry(key)  # the first reads of a session: without building every entry
+        if alone is not None:
+            return alone
         if isinstance(key, tuple):
             entry = self._by_path.get((key, None)) or self._by_path.get((key, self.group.rank))
         else:

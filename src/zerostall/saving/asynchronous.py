@@ -41,8 +41,8 @@ from ..gcpause import gc_paused
 from ..options import SaveOptions
 from ..storage import Storage
 from .capture import BufferPool, Captured, capture, copy_first, record_caller_stream
+from .collect import Version, versions
 from .handles import SaveHandle
-from .collect import versions
 from .incremental import Reuse
 from .pipeline import Deferred, Prepared, SaveInfo, abandon, for_writer_process, persist, prepare, request
 from .recollect import CollectCache
@@ -122,7 +122,8 @@ class AsyncSaver:
     @gc_paused()  # the caller waits: no cyclic collections over the per-leaf objects (and none paused once the
     # worker starts, so the caller never waits for the worker at the pause's lock on its way out)
     def _ask(self, state: Any, path: Any, options: SaveOptions, process_group: Any, step: int | None,
-             metadata: Mapping[str, Any] | None, reuse: Reuse | None) -> tuple[Any, Any, Any, Any]:
+             metadata: Mapping[str, Any] | None, reuse: Reuse | None
+             ) -> tuple[Prepared | Deferred, list[torch.Tensor] | None, CallerStreams | None, list[Version] | None]:
         """The caller's part of a save: the request, and what the worker needs with it."""
         asked = request(state, path, options, process_group=process_group, step=step, metadata=metadata,
                         cache=self.collections, reuse=reuse, defer=self.pool.allocated)  # the buffers of a

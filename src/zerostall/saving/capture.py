@@ -264,20 +264,20 @@ def copy_first(snap: Snapshot, pool: BufferPool, ready: CallerStreams | None
         return None
     buffers = pool.buffers_for(snap.template.shapes, ready.devices if ready is not None else [])
     recorded = snap.recorded()
-    copy_checked(snap.tensors, buffers, ready, recorded, None, snap.name, host=not snap.template.on_cuda)
+    copy_checked(snap.tensors, buffers, ready, recorded, None, snap.name, on_host=not snap.template.on_cuda)
     return snap.tensors, recorded, buffers
 
 
 def copy_checked(sources: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], ready: CallerStreams | None,
                  recorded: Sequence[Version], watches: Sequence[torch.Tensor | None] | None, name: Callable[[int], str],
-                 *, host: bool = False) -> None:
+                 *, on_host: bool = False) -> None:
     """Copy each source into its buffer; raise :class:`StateChangedError` naming ``name(n)`` if
     source ``n`` (or the leaf ``watches[n]`` it is part of, when given) changed since its version
     ``recorded[n]`` (None: not checked) before its copy was complete. Runs in a worker thread:
     ``ready`` gives it the device to make current and the caller's streams to wait for. Host
     tensors are copied in one call (a state may hold 100,000 small ones) and checked once all are;
-    ``host``: every source is known to be on the host (no look at each one's device)."""
-    on_cuda = [] if host else list(map(_IS_CUDA, sources))
+    ``on_host``: every source is known to be on the host (no look at each one's device)."""
+    on_cuda = [] if on_host else list(map(_IS_CUDA, sources))
     check_devices([t for t, on in zip(sources, on_cuda) if on], ready)
     streams = {}
     if ready is not None:

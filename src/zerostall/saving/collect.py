@@ -72,8 +72,14 @@ def counters(tensors: Sequence[torch.Tensor]) -> list[int | None]:
     try:
         return list(map(_VERSION, tensors))
     except RuntimeError:  # an inference-mode tensor among them
-        return [None if version is None else version[0] for version in map(current_version, tensors,
-                                                                            itertools.repeat(None))]
+        return [_counter(t) for t in tensors]
+
+
+def _counter(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
 
 
 def current_version(tensor: torch.Tensor, watch: torch.Tensor | None) -> Version:

@@ -113,7 +113,7 @@ def request(state: Any, path: str | os.PathLike[str] | Storage, options: SaveOpt
         step, encoded = _settings(group, storage, options, step, metadata)
         snap = cache.snapshot(state, allow_pickle=options.allow_pickle)
         if snap is None:
-            collected = cache.collect(state, group.rank, allow_pickle=options.allow_pickle)
+            collected = cache.collect_anew(state, group.rank, allow_pickle=options.allow_pickle)
             return _planned(group, collected, storage, step, encoded, options, reuse, time.perf_counter() - t0)
     return Deferred(snap, cache, group, storage, step, encoded, options, reuse, time.perf_counter() - t0)
 

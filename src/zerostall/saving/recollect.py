@@ -79,7 +79,6 @@ class _Template:
     rows: list[Row]
     digest: int
     tensor_index: list[int]  # the positions of the tensor leaves among the leaves
-    tensor_paths: list[Path]
     others: list[int]  # the positions of the python values
     shapes: tuple[tuple[torch.dtype, tuple[int, ...]], ...]  # each tensor leaf's dtype and shape (its buffer's)
     on_cuda: bool  # whether any tensor leaf is on a CUDA device
@@ -145,6 +144,11 @@ class CollectCache:
         snap = self.snapshot(state, allow_pickle=allow_pickle)
         if snap is not None:
             return self._collected(snap, rank)[0]
+        return self.collect_anew(state, rank, allow_pickle=allow_pickle)
+
+    def collect_anew(self, state: Any, rank: int, *, allow_pickle: bool) -> Collected:
+        """The full collection of ``state``, whose structure is learnt for the next save (for a
+        state :meth:`snapshot` found changed)."""
         flat = flatten(state, skeleton=True, shape=True)
         out = collect(state, rank, allow_pickle=allow_pickle, flat=flat)
         self._learn(out, flat)
@@ -179,7 +183,8 @@ class CollectCache:
         out, again = self._collected(snap, rank)
         if again:  # one item per tensor leaf, in order
             return out, list(map(_since, out.items, snap.tensors, snap.counters))
-        at_save = dict(zip(snap.template.tensor_paths, zip(snap.tensors, snap.counters)))
+        paths = [snap.template.paths[n] for n in snap.template.tensor_index]
+        at_save = dict(zip(paths, zip(snap.tensors, snap.counters)))
         return out, [_since(item, *at_save[item.entry.path]) for item in out.items]
 
     def from_copies(self, snap: Snapshot, rank: int, copies: list[torch.Tensor]) -> Collected:
@@ -239,7 +244,7 @@ def _learn(out: Collected, flat: Any, paths: list[Path], values: list[Any], prin
     assert out.digest is not None
     index = [n for n, leaf in enumerate(leaves) if type(leaf) is _Tensor]
     return _Template(paths, flat.shape, flat.skeleton, flat.refs, prints, frozenset(flat.rank_local),
-                     [out.keys[p] for p in paths], leaves, out.rows, out.digest, index, [paths[n] for n in index],
+                     [out.keys[p] for p in paths], leaves, out.rows, out.digest, index,
                      [n for n, leaf in enumerate(leaves) if type(leaf) is not _Tensor],
                      tuple((meta[0], meta[1]) for _, meta in prints), any(meta[2].type == "cuda" for _, meta in prints))
 
