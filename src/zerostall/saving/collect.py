@@ -18,7 +18,7 @@ import torch
 
 from ..errors import UnsupportedValueError
 from ..format import codec, subclass
-from ..format.boxes import local_box
+from ..format.boxes import Grid, grid_of, local_box
 from ..format.layout import Entry, dtype_name
 from ..format.tensor_check import dtype_itemsize
 from ..state import Flat, Path, flatten, fqn
@@ -103,6 +103,7 @@ class Row:
     nbytes: int = 0
     alias_of: str | None = None
     subclass: str | None = None  # a tensor subclass's class name
+    grid: Grid | None = None  # a DTensor box's place in its layout (see format.boxes.grid_of)
 
 
 def check_tensor(t: torch.Tensor, where: str) -> None:
@@ -270,7 +271,8 @@ def collect(state: Any, rank: int, *, allow_pickle: bool, flat: Flat | None = No
             continue
         entry = Entry(name, path, "tensor", dtype=dtype_name(value.dtype), shape=tuple(value.shape),
                       rank=rank if local else None)
-        _add_tensor(out, names, entry, key, plain_source(piece), offsets, sizes, value if piece is not value else None)
+        _add_tensor(out, names, entry, key, plain_source(piece), offsets, sizes, value if piece is not value else None,
+                    grid_of(value) if piece is not value else None)
     return out
 
 
@@ -285,7 +287,8 @@ def encode_value(value: Any, path: Path, allow_pickle: bool) -> Any:
 
 
 def _add_tensor(out: Collected, names: set[str], entry: Entry, key: str, source: torch.Tensor,
-                offsets: tuple[int, ...], sizes: tuple[int, ...], watch: torch.Tensor | None) -> None:
+                offsets: tuple[int, ...], sizes: tuple[int, ...], watch: torch.Tensor | None,
+                grid: Grid | None = None) -> None:
     """List a tensor entry holding ``source`` as its box (offsets, sizes), and the write of its bytes."""
     local = entry.rank is not None
     shape = entry.shape or ()
@@ -293,7 +296,7 @@ def _add_tensor(out: Collected, names: set[str], entry: Entry, key: str, source:
         out.rank_local.append(entry)
     else:
         out.entries[key] = entry
-        out.rows.append(Row(key, "tensor", entry.dtype, shape, offsets, sizes, source.nbytes))
+        out.rows.append(Row(key, "tensor", entry.dtype, shape, offsets, sizes, source.nbytes, grid=grid))
     file_name = entry.fqn if sizes == shape else f"{entry.fqn}@{','.join(map(str, offsets))}"
     file_name = file_name.encode("utf-8", "backslashreplace").decode()  # a lone surrogate is not UTF-8
     while file_name in names:

@@ -32,7 +32,7 @@ from ..state import fqn
 from ..storage import Storage
 from ..storage.location import manifest_generation, remove_stale
 from .collect import Collected, WriteItem, path_key
-from .plan import SavePlan
+from .plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ def report_failure(storage: Storage, generation: str, group: Group, exc: BaseExc
     _ring(bell, group.rank, reason)
 
 
-def record(collected: Collected, plan: SavePlan, rank: int, files: dict[str, int], headers: dict[str, str],
+def record(collected: Collected, plan: Plan, rank: int, files: dict[str, int], headers: dict[str, str],
            written: list[WriteItem], refs: dict[str, str]) -> dict[str, Any]:
     """This rank's ``done`` record: its files (sizes, header checksums; those of other checkpoints
     it refers to, with their owners), the chunks it saved and the values it owns."""
@@ -233,7 +233,7 @@ def record(collected: Collected, plan: SavePlan, rank: int, files: dict[str, int
     }
 
 
-def assemble(collected: Collected, plan: SavePlan, files: dict[str, int], headers: dict[str, str],
+def assemble(collected: Collected, plan: Plan, files: dict[str, int], headers: dict[str, str],
              records: dict[int, dict[str, Any]], generation: str, world_size: int, step: int | None, metadata: Any,
              block_size: int, refs: dict[str, str]) -> Manifest:
     """The coordinator builds the manifest from the plan, its own entries (which already hold the

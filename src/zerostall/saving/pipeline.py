@@ -32,7 +32,7 @@ from .collect import Collected, Version, WriteItem, collect, versions
 from .incremental import Reuse, next_reuse, refer, split_unchanged
 from .commit import (announce, assemble, await_commit, await_records, clean_up_after_commit, delete_generation,
                      open_doorbell, record, report_failure, write_abort, write_record)
-from .plan import SavePlan, SavePlanner
+from .plan import Plan, SavePlanner
 from .recollect import CollectCache, Snapshot
 from .write import create, write_data
 
@@ -63,7 +63,7 @@ class Prepared:
 
     group: Group
     collected: Collected
-    plan: SavePlan
+    plan: Plan
     generation: str
     replanned: bool
     items: list[WriteItem]
