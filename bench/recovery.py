@@ -42,7 +42,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
