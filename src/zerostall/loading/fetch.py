@@ -23,7 +23,7 @@ import torch
 
 from ..devices import CallerStreams, on_stream
 from ..errors import CorruptCheckpointError, StateMismatchError
-from ..format.boxes import Box, contiguous_strides, element_span, flat_boxes, intersect, region
+from ..format.boxes import Box, BoxIndex, contiguous_strides, element_span, flat_boxes, intersect, region
 from ..format.checksums import CACHE_PIECE
 from ..format.layout import Chunk, Entry, Manifest
 from ..memory import tensor_bytes
@@ -47,6 +47,7 @@ class Fetcher(ChunkReader):
         super().__init__(storage, manifest, threads)
         block = manifest.block_size
         self._piece_step = max(block, _PIECE_BYTES // block * block)
+        self._indexes: dict[int, BoxIndex[int]] = {}  # id of an entry of many chunks -> where its chunks lie
 
     def fill(self, targets: list[Target], verify: bool, staging: int, skip: set[int] = frozenset()) -> None:
         """Copy into each target (a tensor holding ``box`` of its entry) the bytes of every chunk
@@ -90,7 +91,7 @@ class Fetcher(ChunkReader):
             if not self.storage.remote:
                 self.check_sizes(entry)
             covered = 0
-            for chunk in entry.chunks:
+            for chunk in self._overlapping(entry, box):
                 inter = box if box == (chunk.offsets, chunk.sizes) else intersect(box, (chunk.offsets, chunk.sizes))
                 if inter is None:
                     continue
@@ -105,6 +106,15 @@ class Fetcher(ChunkReader):
                 raise CorruptCheckpointError(f"entry {entry.fqn} of {self.path} has no data for part of the box "
                                              f"{[list(b) for b in box]}: its chunks do not cover the tensor")
         return direct, staged
+
+    def _overlapping(self, entry: Entry, box: Box) -> list[Chunk]:
+        """The chunks of ``entry`` that may overlap ``box`` (every one that does), in their order."""
+        if len(entry.chunks) <= 2:
+            return entry.chunks
+        index = self._indexes.get(id(entry))
+        if index is None:
+            index = self._indexes[id(entry)] = BoxIndex([((c.offsets, c.sizes), i) for i, c in enumerate(entry.chunks)])
+        return [entry.chunks[i] for i in sorted(i for _, i in index.overlapping(box))]
 
     def read_chunk(self, entry: Entry, chunk: Chunk, buf: torch.Tensor, verify: bool) -> None:
         """Read a whole chunk into ``buf`` (a byte tensor of its size)."""
