@@ -119,7 +119,7 @@ class GridPlan:
 
     def slot_name(self, slot: int) -> str:
         """The leaf (and box) of a replica-check slot, for an error."""
-        first, key, boxes = self.slot_rows[bisect.bisect_right(self.slot_rows, (slot, chr(0x10FFFF))) - 1]
+        first, key, boxes = self.slot_rows[bisect.bisect_right([f for f, _, _ in self.slot_rows], slot) - 1]
         return _named(key, f" (box {slot - first} of {boxes})" if boxes > 1 else "")
 
 
