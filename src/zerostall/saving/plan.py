@@ -76,6 +76,7 @@ class SavePlan:
 
     @property
     def slot_count(self) -> int:
+        """The replica check's slots, on every rank."""
         return len(self.slots)
 
     def writes(self, rank: int, key: ChunkKey) -> bool:
@@ -107,6 +108,7 @@ class GridPlan:
 
     @property
     def slot_count(self) -> int:
+        """The replica check's slots, on every rank (every replicated leaf's boxes)."""
         return self.slot_rows[-1][0] + self.slot_rows[-1][2] if self.slot_rows else 0
 
     def writes(self, rank: int, key: ChunkKey) -> bool:
