@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import functools
 import json
-from typing import Any, Generic, Sequence, TypeVar
+from typing import Any, Sequence
 
 import torch
 import xxhash
@@ -72,29 +72,29 @@ def _grid(mesh: Any, placements: tuple[Any, ...]) -> Grid | None:
     return ident, copies, position, mesh.size(), box
 
 
-T = TypeVar("T")
+class BoxIndex:
+    """Boxes (a tensor's chunks), found by the region they overlap without a look at each: sorted
+    along the dimension where their starts differ most, a query takes those that start within one
+    box length (the longest) before the region's start along it, up to its end, so a rank reading
+    its part of a tensor cut into thousands of chunks looks at a few of them."""
 
+    def __init__(self, boxes: Sequence[Box]) -> None:
+        ndim = len(boxes[0][0]) if boxes else 0
+        self.axis = max(range(ndim), key=lambda k: len({b[0][k] for b in boxes}), default=None)
+        if self.axis is None:  # 0-d: any box overlaps every other
+            self.order, self.starts, self.longest = list(range(len(boxes))), [0] * len(boxes), 0
+            return
+        self.order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][self.axis])
+        self.starts = [boxes[i][0][self.axis] for i in self.order]
+        self.longest = max(b[1][self.axis] for b in boxes)
 
-class BoxIndex(Generic[T]):
-    """Disjoint boxes (a tensor's chunks), found by the region they overlap without a look at each:
-    sorted along the dimension where their starts differ most, a query takes those that start
-    within one box length (the longest) before the region's start along it, up to its end, so a
-    rank reading its part of a tensor cut into thousands of chunks looks at a few of them."""
-
-    def __init__(self, boxes: Sequence[tuple[Box, T]]) -> None:
-        ndim = len(boxes[0][0][0]) if boxes else 0
-        self.axis = max(range(ndim), key=lambda k: len({b[0][k] for b, _ in boxes}), default=0)
-        self.items = sorted(boxes, key=lambda item: item[0][0][self.axis] if ndim else 0)
-        self.starts = [b[0][self.axis] if ndim else 0 for b, _ in self.items]
-        self.longest = max((b[1][self.axis] for b, _ in self.items), default=0) if ndim else 0
-
-    def overlapping(self, box: Box) -> list[tuple[Box, T]]:
-        """The boxes (with their values) that may overlap ``box``: every one that does, in start order."""
-        if not box[0]:
-            return self.items
+    def overlapping(self, box: Box) -> list[int]:
+        """The positions of the boxes that may overlap ``box`` (every one that does), in ascending order."""
+        if self.axis is None:
+            return self.order
         lo, hi = box[0][self.axis], box[0][self.axis] + box[1][self.axis]
         first = bisect.bisect_right(self.starts, lo - self.longest)  # a box starting there or before ends by lo
-        return self.items[first:bisect.bisect_left(self.starts, max(hi, lo + 1))]
+        return sorted(self.order[first:bisect.bisect_left(self.starts, max(hi, lo + 1))])
 
 
 def whole(t: torch.Tensor) -> Box:

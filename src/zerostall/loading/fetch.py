@@ -47,7 +47,7 @@ class Fetcher(ChunkReader):
         super().__init__(storage, manifest, threads)
         block = manifest.block_size
         self._piece_step = max(block, _PIECE_BYTES // block * block)
-        self._indexes: dict[int, BoxIndex[int]] = {}  # id of an entry of many chunks -> where its chunks lie
+        self._indexes: dict[int, BoxIndex] = {}  # id of an entry of many chunks -> where its chunks lie
 
     def fill(self, targets: list[Target], verify: bool, staging: int, skip: set[int] = frozenset()) -> None:
         """Copy into each target (a tensor holding ``box`` of its entry) the bytes of every chunk
@@ -113,8 +113,8 @@ class Fetcher(ChunkReader):
             return entry.chunks
         index = self._indexes.get(id(entry))
         if index is None:
-            index = self._indexes[id(entry)] = BoxIndex([((c.offsets, c.sizes), i) for i, c in enumerate(entry.chunks)])
-        return [entry.chunks[i] for i in sorted(i for _, i in index.overlapping(box))]
+            index = self._indexes[id(entry)] = BoxIndex([(c.offsets, c.sizes) for c in entry.chunks])
+        return [entry.chunks[i] for i in index.overlapping(box)]
 
     def read_chunk(self, entry: Entry, chunk: Chunk, buf: torch.Tensor, verify: bool) -> None:
         """Read a whole chunk into ``buf`` (a byte tensor of its size)."""

@@ -84,10 +84,8 @@ def _counter(tensor: torch.Tensor) -> int | None:
 
 def current_version(tensor: torch.Tensor, watch: torch.Tensor | None) -> Version:
     """``tensor``'s version now, and ``watch``'s (see :func:`versions`)."""
-    try:
-        return tensor._version, -1 if watch is None else watch._version
-    except RuntimeError:
-        return None
+    counter, watched = _counter(tensor), -1 if watch is None else _counter(watch)
+    return None if counter is None or watched is None else (counter, watched)
 
 
 @dataclass(slots=True)
