@@ -48,7 +48,7 @@ from torch.testing._internal.two_tensor import TwoTensor  # noqa: E402
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass  # noqa: E402
 
 import zerostall as zs  # noqa: E402
-from hostile import MANIFEST, cli_outcome, data_files, opened, read_body, under, within, write_body  # noqa: E402
+from hostile import MANIFEST, cli_outcome, compact, data_files, opened, read_body, under, within, write_body  # noqa: E402
 from zerostall.format.codec import decode_path  # noqa: E402
 from zerostall.format.layout import dump_json  # noqa: E402
 from zerostall.roots.root import CheckpointRoot, step_tag  # noqa: E402
@@ -196,8 +196,8 @@ def nested(rng: random.Random, inner: Any = None) -> dict[str, str]:
 
 
 def dump(body: Any) -> bytes:
-    """``body`` as compact JSON, deep placeholders replaced by their text."""
-    text = dump_json(body)
+    """``body`` as compact JSON (chunks as the version writes them), deep placeholders replaced by their text."""
+    text = dump_json(compact(body))
     for key, deep in DEEP.items():
         text = text.replace(b'{"__fuzz_deep__":"%s"}' % key.encode(), deep)
     return text
@@ -451,7 +451,7 @@ def garbage_body(rng: random.Random, body: dict[str, Any]) -> bytes:
         return text.replace(b'"format":"zerostall"', b'"format":"zerostall","format":"other"', 1)
     if roll == 4:
         return text[:rng.randrange(len(text))]
-    return text.replace(b'"version":1', rng.choice([b'"version":2', b'"version":0', b'"version":1.0']), 1)
+    return text.replace(b'"version":4', rng.choice([b'"version":3', b'"version":5', b'"version":0', b'"version":4.0']), 1)
 
 
 # -- the oracle ------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ the checkpoint, no hang). Shared by tests/test_hostile.py and the fuzz runner te
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import threading
@@ -29,17 +30,65 @@ def envelope(body: bytes) -> bytes:
     return b'{"checksum":"%s","manifest":%s}\n' % (xxhash.xxh3_64_hexdigest(body).encode(), body)
 
 
+CHUNK_FIELDS = ("offsets", "sizes", "file", "offset", "nbytes", "checksums")  # a chunk array's items (version 4)
+
+
+def _tensor_entries(body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    entries = body.get("entries")
+    for e in entries if type(entries) is list else ():
+        if type(e) is dict and e.get("kind") == "tensor" and type(e.get("chunks")) is list:
+            yield e
+
+
 def read_body(ckpt: str | os.PathLike[str]) -> dict[str, Any]:
-    """The parsed body of the manifest of ``ckpt``."""
+    """The parsed body of the manifest of ``ckpt``, chunks as objects (see :func:`parse_body`)."""
     with open(os.path.join(ckpt, MANIFEST), "rb") as f:
-        return load_json(f.read())["manifest"]
+        return parse_body(f.read())
+
+
+def parse_body(manifest: bytes) -> dict[str, Any]:
+    """The body of the manifest file ``manifest``, chunks as objects naming their file whatever
+    the version (tests edit chunks by name; :func:`body_bytes` turns them back into arrays)."""
+    body = load_json(manifest)["manifest"]
+    if body.get("version", 0) >= 4:
+        names = list(body["files"])
+        for e in _tensor_entries(body):
+            e["chunks"] = [dict(zip(CHUNK_FIELDS, c), file=names[c[2]]) for c in e["chunks"]]
+    return body
+
+
+def _as_array(c: Any, index: dict[str, int]) -> Any:
+    """A chunk object as a version-4 array; a file not in ``files`` gets an index past its end,
+    an object missing a field stays an object (both refused by a reader, naming the chunk)."""
+    if type(c) is not dict or not set(CHUNK_FIELDS) <= c.keys():
+        return c
+    file = c["file"]
+    return [c["offsets"], c["sizes"], index.get(file, len(index)) if type(file) is str else file,
+            c["offset"], c["nbytes"], c["checksums"]]
+
+
+def compact(body: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``body`` (as :func:`parse_body` gives it) with its chunk objects turned into
+    arrays where its version has them (4 on): the body a writer would have written."""
+    if type(body.get("version")) is int and body["version"] >= 4 and type(body.get("files")) is dict:
+        body = copy.deepcopy(body)
+        index = {name: i for i, name in enumerate(body["files"])}
+        for e in _tensor_entries(body):
+            e["chunks"] = [_as_array(c, index) for c in e["chunks"]]
+    return body
+
+
+def body_bytes(body: dict[str, Any]) -> bytes:
+    """A manifest file holding ``body`` (as :func:`parse_body` gives it) under a valid envelope."""
+    return envelope(dump_json(compact(body)))
 
 
 def write_body(ckpt: str | os.PathLike[str], body: dict[str, Any] | bytes) -> None:
-    """Replace the manifest of ``ckpt`` by ``body`` (a dict, or raw JSON bytes) with a valid envelope."""
-    raw = body if isinstance(body, bytes) else dump_json(body)
+    """Replace the manifest of ``ckpt`` by ``body`` (a dict as :func:`read_body` gives it, or raw
+    JSON bytes) with a valid envelope."""
+    data = envelope(body) if isinstance(body, bytes) else body_bytes(body)
     with open(os.path.join(ckpt, MANIFEST), "wb") as f:
-        f.write(envelope(raw))
+        f.write(data)
 
 
 def entry(body: dict[str, Any], fqn: str) -> dict[str, Any]:

@@ -98,7 +98,7 @@ def test_inspect_json(root: Path) -> None:
     result = run("inspect", root / "ckpt-10", "--json")
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)
-    assert info["format_version"] == 1 and info["step"] == 10 and info["world_size"] == 1
+    assert info["format_version"] == zs.FORMAT_VERSION and info["step"] == 10 and info["world_size"] == 1
     assert info["files"] >= 1 and info["total_bytes"] > 0 and info["generation"]
     entries = {e["fqn"]: e for e in info["entries"]}
     assert entries["model.weight"] == {"fqn": "model.weight", "kind": "tensor", "dtype": "float32",

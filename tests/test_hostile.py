@@ -20,9 +20,8 @@ import torch
 import xxhash
 
 import zerostall as zs
-from hostile import (MANIFEST, cli_outcome, data_files, entry, envelope, opened, read_body, under, within,
+from hostile import (MANIFEST, body_bytes, compact, parse_body, cli_outcome, data_files, entry, opened, read_body, under, within,
                      write_body)
-from zerostall.format.layout import dump_json, load_json
 from zerostall.roots.root import CORRUPT, CheckpointRoot
 from zerostall.storage import LocalStorage
 
@@ -189,10 +188,10 @@ def test_an_object_store_reads_plain_names_only_and_caps_the_manifest(s3_url, mo
     with pytest.raises(zs.CorruptCheckpointError, match=f"has {size} bytes, more than the {size - 1}"):
         zs.open(path)
     monkeypatch.delenv("ZEROSTALL_MAX_MANIFEST_BYTES")
-    body = load_json(storage.read_bytes(MANIFEST))["manifest"]
+    body = parse_body(storage.read_bytes(MANIFEST))
     body["files"]["../other/x"] = 1 << 20
     entry(body, "w")["chunks"][0]["file"] = "../other/x"
-    storage.put(MANIFEST, envelope(dump_json(body)))
+    storage.put(MANIFEST, body_bytes(body))
     with pytest.raises(zs.CorruptCheckpointError, match="files"):
         zs.load(target(), path)
 
@@ -448,7 +447,12 @@ HOSTILE = {  # what the old reader raised, or did, in brackets
     "a boolean offset": (lambda b: entry(b, "v")["chunks"][0].update(offsets=[False]), "chunks[0]"),
     "too few checksums [IndexError]": (lambda b: entry(b, "w")["chunks"][0].update(checksums=[]), "checksums"),
     "a checksum of no hex": (lambda b: entry(b, "w")["chunks"][0].update(checksums=["xyz"]), "checksums"),
-    "a file not listed": (lambda b: entry(b, "w")["chunks"][0].update(file="nowhere"), "nowhere"),
+    "a file not listed": (lambda b: entry(b, "w")["chunks"][0].update(file="nowhere"), "is not the index of a file"),
+    "a file index below zero": (lambda b: entry(b, "w")["chunks"][0].update(file=-1), "is not the index of a file"),
+    "a file index that is a boolean": (lambda b: entry(b, "w")["chunks"][0].update(file=True),
+                                       "is not the index of a file"),
+    "a chunk object in version 4": (lambda b: entry(b, "w")["chunks"][0].pop("checksums"), "is not an array"),
+    "chunk arrays in version 3": (lambda b: b.update(version=3, entries=compact(b)["entries"]), "is not an object"),
     "an alias of nothing [IndexError]": (lambda b: entry(b, "tied").update(alias_of=99), "alias_of"),
     "an alias of a value": (lambda b: entry(b, "tied").update(alias_of=b["entries"].index(entry(b, "opts"))),
                             "alias_of"),
@@ -480,6 +484,18 @@ def test_a_malformed_manifest_is_refused_at_open_naming_the_field(ck, case):
     change, named = HOSTILE[case]
     rewrite(ck, change)
     assert_refused(ck, named, read=LIE_IN.get(case, "w"))
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_a_manifest_of_an_older_version_reads_as_it_always_did(ck, version):
+    """Before version 4 a chunk was an object naming its data file: such checkpoints still
+    open, read one entry, load, verify and inspect exactly."""
+    rewrite(ck, lambda b: b.update(version=version))  # the chunks stay objects (see hostile.write_body)
+    assert b'"file":' in (ck / MANIFEST).read_bytes()
+    assert torch.equal(read_one(ck, "w"), state(0)["w"])
+    out = zs.load(target(), ck)
+    assert all(torch.equal(out[k], v) for k, v in state(0).items() if isinstance(v, torch.Tensor))
+    assert zs.verify(ck) > 0 and cli_outcome("inspect", str(ck))[0] == 0
 
 
 def test_a_tensor_subclass_whose_inner_tensor_is_another_attributes_is_refused(tmp_path):

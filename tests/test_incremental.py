@@ -93,12 +93,12 @@ def test_unchanged_chunks_are_referred_to_and_changed_ones_written(tmp_path):
         second = mgr.save(2, state)
     assert first.bytes_written > N * 4 > 40 * second.bytes_written
     body = read_body(tmp_path / step_tag(2))
-    assert body["version"] == 3 and set(body["refs"].values()) == {step_tag(1)}
+    assert body["version"] == zs.FORMAT_VERSION and set(body["refs"].values()) == {step_tag(1)}
     assert chunk_owner(tmp_path, 2, "model.base") == step_tag(1)
     assert chunk_owner(tmp_path, 2, "model.lora") == step_tag(2)
     assert same(load(tmp_path, 2, state), state)
     assert zs.verify(tmp_path / step_tag(2)) == zs.verify(tmp_path / step_tag(1))  # every byte it reads, checked
-    assert read_body(tmp_path / step_tag(1))["version"] == 1  # the first save is full and self-contained
+    assert read_body(tmp_path / step_tag(1)).get("refs") is None  # the first save is full and self-contained
 
 
 def _inplace(s): s["model"]["base"].add_(1e-3)

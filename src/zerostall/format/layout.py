@@ -14,7 +14,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import xxhash
@@ -27,9 +27,10 @@ if TYPE_CHECKING:  # reading a manifest needs no torch: only dtype_from_name imp
     import torch
 
 FORMAT_NAME = "zerostall"
-FORMAT_VERSION = 3  # the newest version this zerostall reads; a manifest is written with the oldest that holds it
+FORMAT_VERSION = 4  # the version written, and the newest this zerostall reads
 SUBCLASS_VERSION = 2  # the first version with "subclass" entries (tensor subclasses stored as their inner tensors)
 REFS_VERSION = 3  # the first version whose chunks may lie in data files of other checkpoints of the root ("refs")
+ARRAY_CHUNKS_VERSION = 4  # the first version whose chunks are arrays naming their file by its index in "files"
 MANIFEST_NAME = "manifest.json"
 DEFAULT_BLOCK_SIZE = 4 << 20
 RNG_KEY = "__rng__"  # the top-level key under which a CheckpointManager saves every rank's RNG states
@@ -164,13 +165,24 @@ class Chunk:
     checksums: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
+        """The object form: commit records, and the chunks of manifests before version 4."""
         return {"offsets": self.offsets, "sizes": self.sizes, "file": self.file, "offset": self.offset,
                 "nbytes": self.nbytes, "checksums": self.checksums}  # tuples serialize as arrays
+
+    def to_array(self, file_index: dict[str, int]) -> list[Any]:
+        """The manifest's form since version 4: ``[offsets, sizes, file, offset, nbytes, checksums]``
+        with ``file`` the index of the data file among the manifest's ``files``."""
+        return [self.offsets, self.sizes, file_index[self.file], self.offset, self.nbytes, self.checksums]
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Chunk":
         return cls(tuple(d["offsets"]), tuple(d["sizes"]), d["file"], d["offset"], d["nbytes"],
                    list(d["checksums"]))
+
+    @classmethod
+    def from_array(cls, a: list[Any], names: list[str]) -> "Chunk":
+        """The chunk of :meth:`to_array`'s form; ``names`` are the manifest's files in order."""
+        return cls(tuple(a[0]), tuple(a[1]), names[a[2]], a[3], a[4], list(a[5]))
 
 
 @dataclass(slots=True)
@@ -201,14 +213,17 @@ class Entry:
         assert self.dtype is not None
         return dtype_from_name(self.dtype)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, file_index: dict[str, int] | None = None) -> dict[str, Any]:
+        """The entry as JSON: its chunks as arrays indexing ``file_index`` (a manifest's), else as
+        objects (a commit record's)."""
         d: dict[str, Any] = {"fqn": self.fqn, "path": encode_path(self.path), "kind": self.kind}
         if self.rank is not None:
             d["rank"] = self.rank
         if self.kind == "tensor":
             d["dtype"] = self.dtype
             d["shape"] = self.shape or ()
-            d["chunks"] = [c.to_json() for c in self.chunks]
+            d["chunks"] = ([c.to_json() for c in self.chunks] if file_index is None
+                           else [c.to_array(file_index) for c in self.chunks])
             if self.inner_of is not None:
                 d["inner_of"] = self.inner_of
         elif self.kind == "subclass":
@@ -220,11 +235,15 @@ class Entry:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Entry":
+    def from_json(cls, d: dict[str, Any], names: list[str] | None = None) -> "Entry":
+        """The entry of :meth:`to_json`'s form; ``names``: the manifest's files in order, when its
+        chunks are arrays (version 4 on)."""
         get = d.get
         if d["kind"] == "tensor":  # positional: thousands of entries, keyword matching shows
+            chunks = ([Chunk.from_json(c) for c in d["chunks"]] if names is None
+                      else [Chunk.from_array(c, names) for c in d["chunks"]])
             return cls(d["fqn"], decode_path(d["path"]), "tensor", d["dtype"], tuple(d["shape"]),
-                       [Chunk.from_json(c) for c in d["chunks"]], None, None, get("rank"), None, None, get("inner_of"))
+                       chunks, None, None, get("rank"), None, None, get("inner_of"))
         if d["kind"] == "subclass":
             return cls(d["fqn"], decode_path(d["path"]), "subclass", d["dtype"], tuple(d["shape"]), rank=get("rank"),
                        cls=d["class"], shards=list(d["shards"]))
@@ -245,7 +264,7 @@ class Manifest:
     step: int | None = None
     metadata: Any = None
     created: float = field(default_factory=time.time)
-    version: int = 1  # as read; written as at least what the entries need (see version_needed)
+    version: int = FORMAT_VERSION  # as read; always written as FORMAT_VERSION
     headers: dict[str, str] = field(default_factory=dict)  # file -> xxh3-64 of its safetensors header
     refs: dict[str, str] = field(default_factory=dict)  # file of another checkpoint of the root -> its tag
     foreign: str | None = None  # read in place of ours ("dcp", "safetensors"): no checksums; never written
@@ -291,13 +310,13 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         """Serialize as ``{"checksum": H, "manifest": BODY}`` where H is the xxh3-64 of BODY."""
-        version = max(self.version, version_needed(self.entries), REFS_VERSION if self.refs else 1)
+        file_index = {name: i for i, name in enumerate(self.files)}
         body = dump_json({
-            "format": FORMAT_NAME, "version": version, "generation": self.generation,
+            "format": FORMAT_NAME, "version": FORMAT_VERSION, "generation": self.generation,
             "created": self.created, "step": self.step, "world_size": self.world_size,
             "block_size": self.block_size, "checksum": "xxh3_64", "files": self.files,
             "headers": self.headers, **({"refs": self.refs} if self.refs else {}), "metadata": self.metadata,
-            "tree": self.tree, "entries": [e.to_json() for e in self.entries],
+            "tree": self.tree, "entries": [e.to_json(file_index) for e in self.entries],
         })
         return enveloped(body)
 
@@ -305,8 +324,9 @@ class Manifest:
     def from_json(cls, d: dict[str, Any]) -> "Manifest":
         """The manifest of a body already checked (``zerostall.format.manifest_check.parse_manifest``: the
         one place a manifest read from storage becomes a ``Manifest``)."""
+        names = file_names(d)
         return cls(
-            generation=d["generation"], entries=[Entry.from_json(e) for e in d["entries"]],
+            generation=d["generation"], entries=[Entry.from_json(e, names) for e in d["entries"]],
             files=dict(d["files"]), tree=d["tree"], world_size=d["world_size"],
             block_size=d["block_size"], step=d["step"], metadata=d["metadata"],
             created=d["created"], version=d["version"], headers=dict(d.get("headers", {})),
@@ -314,10 +334,10 @@ class Manifest:
         )
 
 
-def version_needed(entries: Iterable[Entry]) -> int:
-    """The oldest format version that holds ``entries``: 1, or 2 once a tensor subclass is among
-    them (so that a reader that knows no "subclass" entries refuses the manifest, never misreads it)."""
-    return SUBCLASS_VERSION if any(e.kind == "subclass" for e in entries) else 1
+def file_names(d: dict[str, Any]) -> list[str] | None:
+    """The data files of the manifest body ``d`` in order, which its chunks index (version 4 on);
+    None for an older manifest, whose chunks name their files."""
+    return list(d["files"]) if d["version"] >= ARRAY_CHUNKS_VERSION else None
 
 
 @dataclass

@@ -25,7 +25,7 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..gcpause import gc_paused
 from . import codec
 from .envelope import manifest_body, manifest_head_body
-from .layout import REFS_VERSION, SUBCLASS_VERSION, Entry, Manifest, ManifestHead, data_file_parts
+from .layout import REFS_VERSION, SUBCLASS_VERSION, Entry, Manifest, ManifestHead, data_file_parts, file_names
 from .tensor_check import (HEX16, MAX_INT, FieldError, check_packed, check_shape, check_tensor, clip, dtype_itemsize,
                            explain_chunk, field, int_field)
 from .value_check import check_value
@@ -72,9 +72,10 @@ def _checked_manifest(d: Any, where: str) -> Manifest:
         numbers: list[Any] = []  # every int of every chunk, checked at once (and named only when one is wrong)
         digests: list[Any] = []  # every block checksum, likewise
         spans: dict[str, list[tuple[int, int]]] = {name: [] for name in d["files"]}  # non-empty chunks, by file
-        kinds = [_check_entry(d, i, e, numbers, digests, spans) for i, e in enumerate(entries)]
+        names = file_names(d)
+        kinds = [_check_entry(d, i, e, numbers, digests, spans, names) for i, e in enumerate(entries)]
         if not (set(map(type, numbers)) <= _INT and _checksums_are_hex(digests)):
-            _explain_all(d, entries, kinds)
+            _explain_all(d, entries, kinds, names)
         check_packed(spans, d["files"], loose=d.get("refs", {}))
         for i, e in enumerate(entries):
             target = e["alias_of"] if kinds[i] == "alias" else 0
@@ -103,14 +104,15 @@ def _checksums_are_hex(digests: list[Any]) -> bool:
     return len(joined) == 16 * len(digests) and _HEXES.fullmatch(joined) is not None
 
 
-def _explain_all(d: dict[str, Any], entries: list[Any], kinds: list[str]) -> None:
+def _explain_all(d: dict[str, Any], entries: list[Any], kinds: list[str], names: list[str] | None) -> None:
     """Name the chunk whose numbers or checksums the checks in bulk found wrong."""
     for i, e in enumerate(entries):
         if kinds[i] == "tensor":
             try:
                 dtype, shape = e["dtype"], e["shape"]
                 for j, c in enumerate(e["chunks"]):
-                    explain_chunk(j, c, shape, dtype, dtype_itemsize(dtype), d["files"], d["block_size"], always=False)
+                    explain_chunk(j, c, shape, dtype, dtype_itemsize(dtype), d["files"], d["block_size"], names,
+                                  always=False)
             except FieldError as exc:
                 raise FieldError(_name(i, e, exc.field), exc.why) from None
     raise FieldError("entries", "malformed")  # not reached: the bulk checks failed on some chunk
@@ -177,10 +179,11 @@ def _one(d: Any, key: str | tuple[Any, ...]) -> Entry | None:
     numbers: list[Any] = []
     digests: list[Any] = []
     spans: dict[str, list[tuple[int, int]]] = {name: [] for name in d["files"]}
-    _check_entry(d, i, e, numbers, digests, spans)
+    names = file_names(d)
+    _check_entry(d, i, e, numbers, digests, spans, names)
     if not (set(map(type, numbers)) <= _INT and _checksums_are_hex(digests)):
         return None
-    entry = Entry.from_json(e)
+    entry = Entry.from_json(e, names)
     mine = {name: got for name, got in spans.items() if got}
     for j, other in enumerate(entries):  # its key path is its own; every other chunk in its files (packing)
         if j == i:
@@ -190,10 +193,16 @@ def _one(d: Any, key: str | tuple[Any, ...]) -> Entry | None:
                                           and codec.decode_path(path) == entry.path):
             return None
         for c in other["chunks"] if other.get("kind") == "tensor" else ():
-            if c["file"] in mine and c["nbytes"]:
-                if type(c["offset"]) is not int or type(c["nbytes"]) is not int:
+            if names is None:
+                file, offset, nbytes = c["file"], c["offset"], c["nbytes"]
+            elif type(c[2]) is int and c[2] >= 0:
+                file, offset, nbytes = names[c[2]], c[3], c[4]
+            else:
+                return None
+            if file in mine and nbytes:
+                if type(offset) is not int or type(nbytes) is not int:
                     return None
-                mine[c["file"]].append((c["offset"], c["offset"] + c["nbytes"]))
+                mine[file].append((offset, offset + nbytes))
     check_packed(mine, d["files"], loose=d.get("refs", {}))
     return entry
 
@@ -292,9 +301,10 @@ def _name(i: int, e: Any, field: str = "") -> str:
 
 
 def _check_entry(d: dict[str, Any], i: int, e: Any, numbers: list[Any], digests: list[Any],
-                 spans: dict[str, list[tuple[int, int]]]) -> str:
+                 spans: dict[str, list[tuple[int, int]]], names: list[str] | None) -> str:
     """Check entry ``i``; returns its kind. Field names are only spelled out for an error. The
-    chunks' ints are added to ``numbers`` and their checksums to ``digests``, checked in bulk."""
+    chunks' ints are added to ``numbers`` and their checksums to ``digests``, checked in bulk;
+    ``names``: the files its chunks index (version 4 on; see ``layout.file_names``)."""
     try:
         if type(e) is not dict:
             raise FieldError("", f"{clip(e)} is not an object")
@@ -310,7 +320,7 @@ def _check_entry(d: dict[str, Any], i: int, e: Any, numbers: list[Any], digests:
             int_field(rank, "rank", 0, d["world_size"] - 1)
         kind = e.get("kind")
         if kind == "tensor":
-            check_tensor(d, e, numbers, digests, spans)
+            check_tensor(d, e, numbers, digests, spans, names)
             if e.get("inner_of") is not None:
                 int_field(e["inner_of"], "inner_of")
         elif kind == "object":

@@ -19,6 +19,7 @@ MAX_INT = (1 << 63) - 1  # sizes, offsets and dimensions fit the signed 64-bit i
 
 HEX16 = re.compile(r"[0-9a-f]{16}")  # an xxh3-64 checksum
 _INT = {int}
+_CHUNK_FIELDS = ("offsets", "sizes", "file", "offset", "nbytes", "checksums")  # a chunk array's items (version 4)
 
 
 class FieldError(Exception):
@@ -103,11 +104,12 @@ def check_shape(e: dict[str, Any], itemsize: int) -> list[int]:
 
 
 def check_tensor(d: dict[str, Any], e: dict[str, Any], numbers: list[Any], digests: list[Any],
-                 spans: dict[str, list[tuple[int, int]]]) -> None:
+                 spans: dict[str, list[tuple[int, int]]], names: list[str] | None) -> None:
     """Check the tensor entry ``e`` of the manifest body ``d`` (whose head is checked). The
     chunks' ints are added to ``numbers`` and their checksums to ``digests``: the caller checks
     their types in bulk, once, and calls :func:`explain_chunk` only if one is wrong; the byte
-    spans of its non-empty chunks are added to ``spans``, for :func:`check_packed`."""
+    spans of its non-empty chunks are added to ``spans``, for :func:`check_packed`. ``names``:
+    the data files in order, which chunks index (format version 4 on); None: chunks are objects."""
     dtype = e.get("dtype")
     itemsize = dtype_itemsize(dtype)
     if itemsize is None:
@@ -125,8 +127,13 @@ def check_tensor(d: dict[str, Any], e: dict[str, Any], numbers: list[Any], diges
         # the common case at full speed (the types of the ints and checksums are checked in bulk,
         # by the caller); explain_chunk names what is wrong with any other chunk
         try:
-            offsets, sizes, file = c["offsets"], c["sizes"], c["file"]
-            offset, nbytes, checksums = c["offset"], c["nbytes"], c["checksums"]
+            if names is None:
+                offsets, sizes, file = c["offsets"], c["sizes"], c["file"]
+                offset, nbytes, checksums = c["offset"], c["nbytes"], c["checksums"]
+                index = 0
+            else:
+                offsets, sizes, index, offset, nbytes, checksums = c if type(c) is list else ()
+                file = names[index] if index >= 0 else ""  # a bad index's type is caught in bulk
             elements = math.prod(sizes)
             good = (type(offsets) is list and type(sizes) is list and type(checksums) is list
                     and len(offsets) == ndim == len(sizes)
@@ -135,12 +142,13 @@ def check_tensor(d: dict[str, Any], e: dict[str, Any], numbers: list[Any], diges
                     and nbytes == elements * itemsize and 0 <= offset and offset + nbytes <= files[file]
                     and offset % itemsize == 0
                     and len(checksums) == (-(-nbytes // block) or 1))
-        except (TypeError, KeyError, ValueError):
+        except (TypeError, KeyError, IndexError, ValueError):
             good = False
         if not good:
-            explain_chunk(j, c, shape, dtype, itemsize, files, block)
+            explain_chunk(j, c, shape, dtype, itemsize, files, block, names)
         numbers += offsets
         numbers += sizes
+        numbers.append(index)
         numbers.append(offset)
         numbers.append(nbytes)
         digests += checksums
@@ -155,10 +163,18 @@ def check_tensor(d: dict[str, Any], e: dict[str, Any], numbers: list[Any], diges
 
 
 def explain_chunk(j: int, c: Any, shape: list[int], dtype: str, itemsize: int, files: dict[str, int], block: int,
-             always: bool = True) -> None:
+                  names: list[str] | None, always: bool = True) -> None:
     """Raise :class:`FieldError` naming what is wrong with chunk ``j``, ``c`` (if nothing is and not
-    ``always``, return)."""
+    ``always``, return). ``names``: as :func:`check_tensor` takes them."""
     at = f"chunks[{j}]"
+    if names is not None:
+        if type(c) is not list or len(c) != len(_CHUNK_FIELDS):
+            raise FieldError(at, f"{clip(c)} is not an array [{', '.join(_CHUNK_FIELDS)}]")
+        index = c[2]
+        if type(index) is not int or not 0 <= index < len(names):
+            raise FieldError(f"{at}.file", f"{clip(index)} is not the index of a file (files lists {len(names)})")
+        c = dict(zip(_CHUNK_FIELDS, c))
+        c["file"] = names[index]
     if type(c) is not dict:
         raise FieldError(at, f"{clip(c)} is not an object")
     offsets = field(c, "offsets", list, f"{at}.offsets")
