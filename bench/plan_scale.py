@@ -259,7 +259,7 @@ def records(lay: Layout, plans: list[Any], structures: list[list[Row]]) -> tuple
             out[0] = {"files": files, "headers": headers, "rows": mine}
             continue
         out[rank] = {"rank": rank, "files": files, "headers": headers,
-                     "chunks": [[r.key, c.to_json()] for r, c in zip(mine, chunks)],
+                     "chunks": [[r.key, c.to_array({name: 0})] for r, c in zip(mine, chunks)],
                      "objects": [[step_key, codec.encode(7)]] if plan.writes(rank, (step_key, ())) else [],
                      "shards": [], "rank_local": []}
     return out, own

@@ -5,6 +5,7 @@ python values changed."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -22,10 +23,10 @@ def described(c: Collected) -> dict:
                                        t.detach().resolve_conj().tolist())
 
     return {
-        "entries": [(k, e.to_json()) for k, e in c.entries.items()],
-        "rank_local": [e.to_json() for e in c.rank_local],
+        "entries": [(k, dataclasses.asdict(e)) for k, e in c.entries.items()],
+        "rank_local": [dataclasses.asdict(e) for e in c.rank_local],
         "rows": list(c.rows),
-        "items": [(i.entry.to_json(), i.name, view(i.tensor), i.offsets, i.key, i.rank_local, id(i.watch))
+        "items": [(dataclasses.asdict(i.entry), i.name, view(i.tensor), i.offsets, i.key, i.rank_local, id(i.watch))
                   for i in c.items],
         "objects": list(c.objects.items()),
         "shards": list(c.shards.items()),

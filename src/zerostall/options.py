@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from .format.layout import DEFAULT_BLOCK_SIZE
-from .format.manifest_check import MAX_BLOCK_SIZE
+from .format.head_check import MAX_BLOCK_SIZE
 
 KeyFilter = Callable[[str], bool] | Iterable[str] | None
 T = TypeVar("T", bound="_Options")
@@ -100,7 +100,7 @@ class SaveOptions(_Options):
     incremental: bool = False
     """Under a ``CheckpointManager``: a chunk whose bytes equal (by checksum) those of the same chunk
     in the manager's last committed save is not written again; the manifest refers to its bytes
-    where they lie, in that root (format version 3). A plain ``zs.save`` has no root to refer to
+    where they lie, in that root (its ``refs``). A plain ``zs.save`` has no root to refer to
     and refuses it."""
 
     full_save_every: int | None = None

@@ -164,11 +164,6 @@ class Chunk:
     nbytes: int
     checksums: list[str] = field(default_factory=list)
 
-    def to_json(self) -> dict[str, Any]:
-        """The object form: commit records, and the chunks of manifests before version 4."""
-        return {"offsets": self.offsets, "sizes": self.sizes, "file": self.file, "offset": self.offset,
-                "nbytes": self.nbytes, "checksums": self.checksums}  # tuples serialize as arrays
-
     def to_array(self, file_index: dict[str, int]) -> list[Any]:
         """The manifest's form since version 4: ``[offsets, sizes, file, offset, nbytes, checksums]``
         with ``file`` the index of the data file among the manifest's ``files``."""
@@ -176,6 +171,7 @@ class Chunk:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Chunk":
+        """The chunk of a manifest before version 4: an object naming its file."""
         return cls(tuple(d["offsets"]), tuple(d["sizes"]), d["file"], d["offset"], d["nbytes"],
                    list(d["checksums"]))
 
@@ -213,17 +209,16 @@ class Entry:
         assert self.dtype is not None
         return dtype_from_name(self.dtype)
 
-    def to_json(self, file_index: dict[str, int] | None = None) -> dict[str, Any]:
-        """The entry as JSON: its chunks as arrays indexing ``file_index`` (a manifest's), else as
-        objects (a commit record's)."""
+    def to_json(self, file_index: dict[str, int]) -> dict[str, Any]:
+        """The entry as JSON, its chunks as arrays naming their files by ``file_index`` (the place of
+        each among the manifest's, or a commit record's, ``files``)."""
         d: dict[str, Any] = {"fqn": self.fqn, "path": encode_path(self.path), "kind": self.kind}
         if self.rank is not None:
             d["rank"] = self.rank
         if self.kind == "tensor":
             d["dtype"] = self.dtype
             d["shape"] = self.shape or ()
-            d["chunks"] = ([c.to_json() for c in self.chunks] if file_index is None
-                           else [c.to_array(file_index) for c in self.chunks])
+            d["chunks"] = [c.to_array(file_index) for c in self.chunks]
             if self.inner_of is not None:
                 d["inner_of"] = self.inner_of
         elif self.kind == "subclass":

@@ -3,8 +3,8 @@
 A checkpoint is input from outside (another team, a bucket, a disk that lies). The checksum
 envelope proves that a manifest is intact, not that its numbers are sane. :func:`parse_manifest` is
 the one place where manifest bytes become a :class:`~zerostall.format.layout.Manifest`, and it checks every
-field against what the format allows: plain data-file names of this generation with their sizes,
-known entry kinds and dtypes, non-negative shapes, chunks inside the tensor and inside the files
+field against what the format allows: the head (``head_check``: plain data-file names of this
+generation with their sizes, the metadata), known entry kinds and dtypes, non-negative shapes, chunks inside the tensor and inside the files
 the manifest lists, ``nbytes`` = elements × item size, one checksum per block, chunks that tile
 each tensor exactly and each data file back to back (``tensor_check``), aliases of tensor entries,
 tensor subclass descriptions, key paths unique and matching the tree, python values of known tags
@@ -25,9 +25,10 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..gcpause import gc_paused
 from . import codec
 from .envelope import manifest_body, manifest_head_body
-from .layout import REFS_VERSION, SUBCLASS_VERSION, Entry, Manifest, ManifestHead, data_file_parts, file_names
-from .tensor_check import (HEX16, MAX_INT, FieldError, check_packed, check_shape, check_tensor, clip, dtype_itemsize,
-                           explain_chunk, field, int_field)
+from .head_check import check_head
+from .layout import SUBCLASS_VERSION, Entry, Manifest, ManifestHead, file_names
+from .tensor_check import (FieldError, check_packed, check_shape, check_tensor, clip, dtype_itemsize, explain_chunk,
+                           field, int_field)
 from .value_check import check_value
 
 MAX_MANIFEST_BYTES = 1 << 30
@@ -35,12 +36,8 @@ MAX_MANIFEST_BYTES = 1 << 30
 saved by 3,000 ranks; a 20,000-tensor single-process checkpoint needs ~10 MB. The environment
 variable ``ZEROSTALL_MAX_MANIFEST_BYTES`` raises (or lowers) it."""
 MANIFEST_BYTES_ENV = "ZEROSTALL_MAX_MANIFEST_BYTES"
-MAX_BLOCK_SIZE = 1 << 30  # bytes per checksum block: a reader holds a block (per thread) to check it
 
-_GENERATION = re.compile(r"[0-9a-f]{1,32}-[0-9a-f]{1,32}")
 _HEXES = re.compile(r"[0-9a-f]*")
-_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")  # a checkpoint's tag under its root (see roots.root)
-_YEAR_10000 = 253402300800  # seconds since the epoch
 _INT = {int}
 _STR = {str}
 _STR_INT = {str, int}
@@ -67,7 +64,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
 def _checked_manifest(d: Any, where: str) -> Manifest:
     """The manifest of the body ``d`` (its checksum and format checked), every field checked."""
     try:
-        _check_head(d)
+        check_head(d)
         entries = field(d, "entries", list)
         numbers: list[Any] = []  # every int of every chunk, checked at once (and named only when one is wrong)
         digests: list[Any] = []  # every block checksum, likewise
@@ -124,7 +121,7 @@ def parse_deferred(raw: bytes, where: str) -> Manifest:
     none, does not wait for a hundred thousand to be built."""
     d = manifest_head_body(raw, where, headers=True)
     try:
-        _check_head(d)
+        check_head(d)
     except (FieldError, CheckpointError) as exc:
         raise CorruptCheckpointError(f"manifest {where} is malformed: {exc}") from None
     return Manifest.deferred(d, _Body(raw, where))
@@ -212,84 +209,10 @@ def parse_head(raw: bytes, where: str) -> ManifestHead:
     :func:`parse_manifest` checks them; the checksum is checked over the whole body."""
     d = manifest_head_body(raw, where)
     try:
-        _check_head(d)
+        check_head(d)
     except (FieldError, CheckpointError) as exc:
         raise CorruptCheckpointError(f"manifest {where} is malformed: {exc}") from None
     return ManifestHead.from_json(d)
-
-
-# -- the body's own fields ----------------------------------------------------------------------
-
-def _check_head(d: dict[str, Any]) -> None:
-    """The fields before ``tree`` and ``entries``: what a listing reads."""
-    generation = field(d, "generation", str)
-    if not _GENERATION.fullmatch(generation):
-        raise FieldError("generation", f"{clip(generation)} is not a generation id")
-    created = field(d, "created", (int, float))
-    if not 0 <= created < _YEAR_10000:  # NaN too
-        raise FieldError("created", f"{created!r} is not a time (seconds since 1970, before the year 10000)")
-    step = field(d, "step", (int, type(None)))
-    if step is not None:
-        int_field(step, "step", -MAX_INT)
-    world = int_field(field(d, "world_size", int), "world_size", 1)
-    int_field(field(d, "block_size", int), "block_size", 1, MAX_BLOCK_SIZE)
-    if d.get("checksum", "xxh3_64") != "xxh3_64":
-        raise FieldError("checksum", f"{clip(d['checksum'])} is not the checksum algorithm this zerostall knows "
-                                     "(xxh3_64)")
-    files = field(d, "files", dict)
-    refs = _checked_refs(d, files)
-    for name, size in files.items():
-        if name in refs:
-            _check_referenced_name(name, generation)
-        else:
-            _check_file_name(name, generation, world)
-        int_field(size, f"files[{name!r}]")
-    metadata = field(d, "metadata", dict)
-    check_value(metadata, "metadata")
-    if len(metadata) == 1 and next(iter(metadata)).startswith("$") and "$dict" not in metadata:
-        raise FieldError("metadata", f"{clip(metadata)} is not an encoded dict")
-    if "headers" in d:
-        for name, digest in field(d, "headers", dict).items():
-            if name not in files:
-                raise FieldError(f"headers[{clip(name)}]", "not a file of the checkpoint (a key of files)")
-            if type(digest) is not str or not HEX16.fullmatch(digest):
-                raise FieldError(f"headers[{name!r}]", f"{clip(digest)} is not an xxh3-64 checksum (16 hex digits)")
-
-
-def _checked_refs(d: dict[str, Any], files: dict[str, Any]) -> dict[str, str]:
-    """``refs`` (format version 3): files of other checkpoints of the same root, each named with
-    the plain tag of the checkpoint directory beside this one that holds it (never a path)."""
-    if "refs" not in d:
-        return {}
-    if d["version"] < REFS_VERSION:
-        raise FieldError("refs", f"needs format version {REFS_VERSION}, the manifest says {d['version']}")
-    refs = field(d, "refs", dict)
-    for name, tag in refs.items():
-        if name not in files:
-            raise FieldError(f"refs[{clip(name)}]", "not a file of the checkpoint (a key of files)")
-        if type(tag) is not str or not _TAG.fullmatch(tag) or tag == "latest" or len(tag) > 255:
-            raise FieldError(f"refs[{clip(name)}]", f"{clip(tag)} is not the tag of a checkpoint beside this one "
-                                                    "(one plain name, not starting with '.')")
-    return refs
-
-
-def _check_referenced_name(name: str, generation: str) -> None:
-    """A file of another checkpoint: a data file's name, of another generation."""
-    parts = data_file_parts(name)
-    if parts is None or parts[0] == generation:
-        raise FieldError(f"files[{clip(name)}]", "not the name of a data file of another generation "
-                                                 "(<generation>-r<rank>-<index>.safetensors)")
-
-
-def _check_file_name(name: str, generation: str, world: int) -> None:
-    """A data file's name: a plain name, ``<generation>-r<rank>-<index>.safetensors`` of this
-    generation and of a rank of the world that wrote it (so nothing outside the checkpoint, and
-    nothing of it but its data files, is ever read as data)."""
-    parts = data_file_parts(name)
-    if parts is None or parts[0] != generation or parts[1] >= world:
-        raise FieldError(f"files[{clip(name)}]", f"not the name of a data file of generation {generation} written "
-                                                 f"by one of {world} rank(s) (<generation>-r<rank>-<index>"
-                                                 ".safetensors)")
 
 
 # -- entries ---------------------------------------------------------------------------------------

@@ -220,16 +220,18 @@ def report_failure(storage: Storage, generation: str, group: Group, exc: BaseExc
 def record(collected: Collected, plan: Plan, rank: int, files: dict[str, int], headers: dict[str, str],
            written: list[WriteItem], refs: dict[str, str]) -> dict[str, Any]:
     """This rank's ``done`` record: its files (sizes, header checksums; those of other checkpoints
-    it refers to, with their owners), the chunks it saved and the values it owns."""
+    it refers to, with their owners), the chunks it saved (as in a manifest: arrays naming a file
+    by its place in ``files``) and the values it owns."""
+    index = {name: i for i, name in enumerate(files)}
     return {
         "rank": rank,
         "files": files,
         "headers": headers,
         "refs": refs,
-        "chunks": [[i.key[0], i.entry.chunks[-1].to_json()] for i in written if not i.rank_local],
+        "chunks": [[i.key[0], i.entry.chunks[-1].to_array(index)] for i in written if not i.rank_local],
         "objects": [[k, v] for k, v in collected.objects.items() if plan.writes(rank, (k, ()))],
         "shards": [[k, shard] for (k, o), shard in collected.shards.items() if plan.writes(rank, (k, o))],
-        "rank_local": [e.to_json() for e in collected.rank_local],
+        "rank_local": [e.to_json(index) for e in collected.rank_local],
     }
 
 
@@ -266,14 +268,15 @@ def assemble(collected: Collected, plan: Plan, files: dict[str, int], headers: d
         files.update(record["files"])
         headers.update(record["headers"])
         refs.update(record.get("refs", {}))
+        names = list(record["files"])
         for key, chunk in record["chunks"]:
-            entries[index[(key, None)]].chunks.append(Chunk.from_json(chunk))
+            entries[index[(key, None)]].chunks.append(Chunk.from_array(chunk, names))
         for key, value in record["objects"]:
             entries[index[(key, None)]].value = value
         for key, shard in record.get("shards", ()):
             entries[index[(key, None)]].shards.append(shard)  # type: ignore[union-attr]
         for data in record["rank_local"]:
-            entry = Entry.from_json(data)
+            entry = Entry.from_json(data, names)
             index[(path_key(entry.path), rank)] = len(entries)
             entries.append(entry)
     for entry in entries:

@@ -1,5 +1,5 @@
 """An incremental checkpoint's references: its chunks may lie in data files of other checkpoints
-of the same root (format version 3, ``refs``). Each referenced file must be a data file that the
+of the same root (``refs``, format version 3 on). Each referenced file must be a data file that the
 checkpoint beside it owns, with the size and header checksum the reference records, before any
 of its bytes is read; the chunks' own checksums then cover the bytes. A reader then reads through
 a :class:`RoutedStorage`, which sends each referenced file's reads where it lies."""
@@ -179,7 +179,7 @@ def referrers(checkpoint: Storage) -> list[str]:
         holder = root.child(name)
         try:
             if _VERSION_3.search(holder.read_head(MANIFEST_NAME, 256)) is None:
-                continue  # only format version 3 refers
+                continue  # only format versions 3 on refer
             raw = holder.read_bytes(MANIFEST_NAME, max_manifest_bytes())
             head = parse_head(raw, f"{holder.location}/{MANIFEST_NAME}")
         except (OSError, CorruptCheckpointError):
