@@ -290,8 +290,10 @@ class Ref:
 
 
 def encode_path(path: tuple[Any, ...]) -> list[Any]:
-    """A key path as JSON: string keys as they are, other keys (ints, tuples...) in the tagged encoding."""
-    return [k if type(k) is str else encode(k) for k in path]
+    """A key path as JSON: string keys as they are, other keys (ints, tuples...) in the tagged encoding
+    (which leaves an int of at most ``MAX_INT_BITS`` as it is: done here, without the call, for the
+    many int keys of an optimizer's state)."""
+    return [k if type(k) is str or type(k) is int and k.bit_length() <= MAX_INT_BITS else encode(k) for k in path]
 
 
 def decode_path(data: list[Any]) -> tuple[Any, ...]:

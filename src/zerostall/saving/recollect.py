@@ -37,17 +37,18 @@ from .collect import (Collected, Row, Version, WriteItem, collect, counters, enc
                       plain_sources)
 from .plan import structure_digest
 
-_META = operator.attrgetter("dtype", "shape", "device", "layout")  # shape raises for a nested tensor
+_META = [operator.attrgetter(name) for name in ("dtype", "shape", "device", "layout")]  # shape raises for a nested tensor
 _PLAIN_TYPES = frozenset(PLAIN_TENSORS)
 
 
-def fingerprints(tensors: list[torch.Tensor]) -> tuple[list[Any], bool] | None:
-    """Per tensor leaf, what collecting it depends on but its bytes and its view (its type, dtype,
-    shape, device and layout), and whether no two share a data pointer: then none is an alias of
-    another (:class:`~zerostall.views.ViewIndex` compares views only where pointers meet), so views
-    need no comparing. None for a tensor without sizes (nested): the full collection says what is wrong."""
+def fingerprints(tensors: list[torch.Tensor]) -> tuple[list[list[Any]], bool] | None:
+    """What collecting the tensor leaves depends on but their bytes and views: their types, dtypes,
+    shapes, devices and layouts (a list of each, in the leaves' order: no tuple per leaf), and
+    whether no two share a data pointer: then none is an alias of another
+    (:class:`~zerostall.views.ViewIndex` compares views only where pointers meet), so views need no
+    comparing. None for a tensor without sizes (nested): the full collection says what is wrong."""
     try:
-        prints = list(zip(map(type, tensors), map(_META, tensors)))
+        prints = [list(map(type, tensors))] + [list(map(get, tensors)) for get in _META]
     except RuntimeError:
         return None
     return prints, len(set(map(torch.Tensor.data_ptr, tensors))) == len(tensors)
@@ -72,7 +73,7 @@ class _Template:
     shape: Shape
     skeleton: Any  # the state's skeleton and its refs (numbered anew by each commit, in the same order)
     refs: dict[Path, Any]
-    prints: list[Any]  # of the tensor leaves, in order
+    prints: list[list[Any]]  # of the tensor leaves (see fingerprints)
     rank_local: frozenset[Path]
     keys: list[str]
     leaves: list[_Tensor | str]  # a tensor's collection, or a python value's key
@@ -224,7 +225,8 @@ def _since(item: WriteItem, leaf: torch.Tensor, counter: int | None) -> Version:
     return item.tensor._version, counter
 
 
-def _learn(out: Collected, flat: Any, paths: list[Path], values: list[Any], prints: list[Any]) -> _Template | None:
+def _learn(out: Collected, flat: Any, paths: list[Path], values: list[Any], prints: list[list[Any]]
+           ) -> _Template | None:
     """The template of a full collection, or None when it holds what a template does not."""
     if flat.shape is None or out.shards or any(isinstance(v, torch.Tensor) and type(v) not in PLAIN_TENSORS
                                            for v in values):
@@ -246,7 +248,7 @@ def _learn(out: Collected, flat: Any, paths: list[Path], values: list[Any], prin
     return _Template(paths, flat.shape, flat.skeleton, flat.refs, prints, frozenset(flat.rank_local),
                      [out.keys[p] for p in paths], leaves, out.rows, out.digest, index,
                      [n for n, leaf in enumerate(leaves) if type(leaf) is not _Tensor],
-                     tuple((meta[0], meta[1]) for _, meta in prints), any(meta[2].type == "cuda" for _, meta in prints))
+                     tuple(zip(prints[1], prints[2])), any(device.type == "cuda" for device in prints[3]))
 
 
 def _again(template: _Template, sources: list[torch.Tensor], statefuls: dict[Path, Any], rank: int,
