@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 import zerostall as zs
 from hostile import read_body, write_body
+from zerostall.storage import storage_for
+from zerostall.storage.references import referrers
 from zerostall.roots.root import CheckpointRoot, step_tag
 from zerostall.storage import LocalStorage
 
@@ -98,7 +100,10 @@ def test_unchanged_chunks_are_referred_to_and_changed_ones_written(tmp_path):
     assert chunk_owner(tmp_path, 2, "model.lora") == step_tag(2)
     assert same(load(tmp_path, 2, state), state)
     assert zs.verify(tmp_path / step_tag(2)) == zs.verify(tmp_path / step_tag(1))  # every byte it reads, checked
-    assert read_body(tmp_path / step_tag(1)).get("refs") is None  # the first save is full and self-contained
+    assert read_body(tmp_path / step_tag(1))["refs"] == {}  # the first save is full and self-contained
+    # who refers to a step is found from the starts of the manifests beside it: step 2 refers to step 1
+    assert referrers(storage_for(str(tmp_path / step_tag(1)))) == [step_tag(2)]
+    assert referrers(storage_for(str(tmp_path / step_tag(2)))) == []
 
 
 def _inplace(s): s["model"]["base"].add_(1e-3)
@@ -170,7 +175,7 @@ def test_retention_keeps_referred_data_and_frees_it_after_a_full_save(tmp_path):
         save_steps(mgr, state, (5, 6), snaps)  # the 5th save is full (every 4th since the first)
         mgr.wait()
     assert sorted(os.listdir(tmp_path)) == ["latest", step_tag(5), step_tag(6)]  # no retained data left
-    assert read_body(tmp_path / step_tag(5)).get("refs") is None
+    assert read_body(tmp_path / step_tag(5))["refs"] == {}
     for step in (5, 6):
         assert same(load(tmp_path, step, state), snaps[step])
 
@@ -197,7 +202,7 @@ def test_a_rollback_saves_in_full_and_the_set_aside_steps_keep_their_data(tmp_pa
         state["model"]["lora"].add_(1)
         info = mgr.save(2, state)  # sets 3 (and 2: retention deleted it) aside
         mgr.wait()
-    assert info.bytes_written > N * 4 and read_body(tmp_path / step_tag(2)).get("refs") is None
+    assert info.bytes_written > N * 4 and read_body(tmp_path / step_tag(2))["refs"] == {}
     assert same(load(tmp_path, 2, state), state)
     shutil.rmtree(tmp_path / step_tag(2))  # move step 3 back, as the warning says
     os.rename(tmp_path / ".superseded" / step_tag(3), tmp_path / step_tag(3))
@@ -375,7 +380,7 @@ def test_the_local_tier_saves_whole_copies_beside_an_incremental_root(tmp_path):
         mgr.wait()
     assert chunk_owner(root, 4, "model.base") == step_tag(2)
     copies = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "node") for f in files if f == "manifest.json"]
-    assert copies and all("refs" not in read_body(os.path.dirname(c)) for c in copies)
+    assert copies and all(read_body(os.path.dirname(c))["refs"] == {} for c in copies)
     with manager(root, local=zs.LocalTier(tmp_path / "node", every=1, replicas=1)) as mgr:
         target = blank(state)
         assert mgr.restore(target) == 4 and mgr.last_restore.source == "local"

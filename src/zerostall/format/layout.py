@@ -309,8 +309,8 @@ class Manifest:
         body = dump_json({
             "format": FORMAT_NAME, "version": FORMAT_VERSION, "generation": self.generation,
             "created": self.created, "step": self.step, "world_size": self.world_size,
-            "block_size": self.block_size, "checksum": "xxh3_64", "files": self.files,
-            "headers": self.headers, **({"refs": self.refs} if self.refs else {}), "metadata": self.metadata,
+            "block_size": self.block_size, "checksum": "xxh3_64", "refs": self.refs, "files": self.files,
+            "headers": self.headers, "metadata": self.metadata,
             "tree": self.tree, "entries": [e.to_json(file_index) for e in self.entries],
         })
         return enveloped(body)

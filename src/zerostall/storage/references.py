@@ -16,6 +16,10 @@ from ..format.retained import RETAINED_NAME, parse_retained
 from .base import FileStat, Storage
 
 _VERSION_3 = re.compile(rb'"manifest":\{"format":"zerostall","version":([3-9]|\d\d)')
+_NO_REFS = re.compile(  # a manifest as zerostall writes it from version 4 on, that refers to no other checkpoint
+    rb'\{"checksum":"[0-9a-f]{16}","manifest":\{"format":"zerostall","version":\d+,"generation":"[0-9a-f-]+",'
+    rb'"created":[0-9.e+-]+,"step":(null|-?\d+),"world_size":\d+,"block_size":\d+,"checksum":"xxh3_64","refs":\{\}')
+_HEAD = 512  # bytes that hold what both patterns look for
 
 
 class RoutedStorage(Storage):
@@ -178,8 +182,9 @@ def referrers(checkpoint: Storage) -> list[str]:
             continue
         holder = root.child(name)
         try:
-            if _VERSION_3.search(holder.read_head(MANIFEST_NAME, 256)) is None:
-                continue  # only format versions 3 on refer
+            start = holder.read_head(MANIFEST_NAME, _HEAD)
+            if _VERSION_3.search(start) is None or _NO_REFS.match(start):
+                continue  # only format versions 3 on refer, and from version 4 each says so at its start
             raw = holder.read_bytes(MANIFEST_NAME, max_manifest_bytes())
             head = parse_head(raw, f"{holder.location}/{MANIFEST_NAME}")
         except (OSError, CorruptCheckpointError):
