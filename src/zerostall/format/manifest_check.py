@@ -32,9 +32,9 @@ from .tensor_check import (FieldError, check_packed, check_shape, check_tensor, 
 from .value_check import check_value
 
 MAX_MANIFEST_BYTES = 1 << 30
-"""The largest manifest read (1 GiB): ~6 million chunks, e.g. 2,000 sharded tensors of a model
-saved by 3,000 ranks; a 20,000-tensor single-process checkpoint needs ~10 MB. The environment
-variable ``ZEROSTALL_MAX_MANIFEST_BYTES`` raises (or lowers) it."""
+"""The largest manifest read (1 GiB): ~18 million chunks, e.g. 6,000 tensors (2,000 parameters and
+two Adam moments each) sharded over 3,000 ranks; a 100,000-tensor single-process checkpoint needs
+~20 MB. The environment variable ``ZEROSTALL_MAX_MANIFEST_BYTES`` raises (or lowers) it."""
 MANIFEST_BYTES_ENV = "ZEROSTALL_MAX_MANIFEST_BYTES"
 
 _HEXES = re.compile(r"[0-9a-f]*")
