@@ -297,5 +297,5 @@ def encode_path(path: tuple[Any, ...]) -> list[Any]:
 
 
 def decode_path(data: list[Any]) -> tuple[Any, ...]:
-    """The key path that :func:`encode_path` encoded."""
-    return tuple([k if type(k) is str else decode(k) for k in data])
+    """The key path that :func:`encode_path` encoded (an int decodes to itself: done here, without the call)."""
+    return tuple([k if type(k) is str or type(k) is int else decode(k) for k in data])

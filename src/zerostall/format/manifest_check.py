@@ -39,7 +39,6 @@ MANIFEST_BYTES_ENV = "ZEROSTALL_MAX_MANIFEST_BYTES"
 
 _HEXES = re.compile(r"[0-9a-f]*")
 _INT = {int}
-_STR = {str}
 _STR_INT = {str, int}
 _SCALARS = {str, int, float, bool}  # key-path items a parsed list compares as their decoded keys do
 _TENSORS = ("tensor", "subclass")  # what an alias may stand for
@@ -234,7 +233,7 @@ def _check_entry(d: dict[str, Any], i: int, e: Any, numbers: list[Any], digests:
         if type(e.get("fqn")) is not str:
             field(e, "fqn", str)
         path = e.get("path")
-        if type(path) is not list or not set(map(type, path)) <= _STR:
+        if type(path) is not list or not set(map(type, path)) <= _STR_INT:  # others checked one by one
             for k, key in enumerate(field(e, "path", list)):
                 if type(key) is not str:
                     check_value(key, f"path[{k}]", key=True)
