@@ -6,6 +6,7 @@ that need it skip."""
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 import time
@@ -13,6 +14,24 @@ import time
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 OPS = ["ShareMemCommBuilder", "AsyncIOBuilder", "PinMemoryBuilder"]
+STALE_LOCK_S = 30 * 60
+"""A build directory's ``lock`` older than this was left by a build that was killed (these ops
+build in minutes): torch's next build of that op would wait on it for ever."""
+
+
+def remove_stale_locks(now: float | None = None) -> list[str]:
+    """Remove the locks that killed builds left in torch's extension cache; the paths removed."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    removed = []
+    for lock in glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock")):
+        age = (time.time() if now is None else now) - os.path.getmtime(lock)
+        if age > STALE_LOCK_S:
+            print(f"removing {lock}: left by a build killed {age / 60:.0f} minutes ago (later builds would wait on it)")
+            os.remove(lock)
+            removed.append(lock)
+    return removed
 
 
 def main() -> int:
@@ -21,6 +40,7 @@ def main() -> int:
     except ImportError:
         print("deepspeed is not installed: nothing to build")
         return 0
+    remove_stale_locks()
     for name in OPS:
         start = time.perf_counter()
         builder = get_accelerator().create_op_builder(name)

@@ -365,3 +365,21 @@ def test_restoring_swap_files_checks_the_space_first(tmp_path: Path, monkeypatch
         folders_b = SwapFolders({"optimizer": str(tmp_path / "b")}, {0: "a", 3: "b"})
         folders_b.restore(ck, 0)
     assert os.listdir(tmp_path / "b") == []
+
+
+def test_a_lock_left_by_a_killed_op_build_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    """A just-in-time build killed mid-way leaves its ``lock``, on which every later build waits
+    for ever: tests/deepspeed_ops.py removes one older than any build takes, never a fresh one."""
+    import time
+
+    from deepspeed_ops import STALE_LOCK_S, remove_stale_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale, fresh = tmp_path / "async_io" / "lock", tmp_path / "pin_memory" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir()
+        lock.write_text("")
+    now = time.time()
+    os.utime(stale, (now - STALE_LOCK_S - 60,) * 2)
+    assert remove_stale_locks(now) == [str(stale)]
+    assert not stale.exists() and fresh.exists()
