@@ -20,8 +20,8 @@ import torch
 import xxhash
 
 import zerostall as zs
-from hostile import (MANIFEST, body_bytes, compact, parse_body, cli_outcome, data_files, entry, opened, read_body, under, within,
-                     write_body)
+from hostile import (MANIFEST, body_bytes, cli_outcome, compact, data_files, entry, opened, parse_body, read_body,
+                     under, within, write_body)
 from zerostall.roots.root import CORRUPT, CheckpointRoot
 from zerostall.storage import LocalStorage
 

@@ -4,11 +4,11 @@ A checkpoint is input from outside (another team, a bucket, a disk that lies). T
 envelope proves that a manifest is intact, not that its numbers are sane. :func:`parse_manifest` is
 the one place where manifest bytes become a :class:`~zerostall.format.layout.Manifest`, and it checks every
 field against what the format allows: the head (``head_check``: plain data-file names of this
-generation with their sizes, the metadata), known entry kinds and dtypes, non-negative shapes, chunks inside the tensor and inside the files
-the manifest lists, ``nbytes`` = elements × item size, one checksum per block, chunks that tile
-each tensor exactly and each data file back to back (``tensor_check``), aliases of tensor entries,
-tensor subclass descriptions, key paths unique and matching the tree, python values of known tags
-at most :data:`~zerostall.format.codec.MAX_DEPTH` containers deep (``value_check``). A session's first
+generation with their sizes, the metadata), known entry kinds and dtypes, non-negative shapes,
+chunks inside the tensor and inside the files the manifest lists, ``nbytes`` = elements × item
+size, one checksum per block, chunks that tile each tensor exactly and each data file back to back
+(``tensor_check``), aliases of tensor entries, tensor subclass descriptions, key paths unique and
+matching the tree, python values of known tags at most :data:`~zerostall.format.codec.MAX_DEPTH` containers deep (``value_check``). A session's first
 reads may check only the entry they read, with the same checks and those of the data files it lies
 in (:meth:`_Body.one`). Loaders, ``verify`` and the CLI then trust these numbers. Anything else is a
 :class:`~zerostall.errors.CorruptCheckpointError` naming the field. The limits are documented in

@@ -37,7 +37,7 @@ from .collect import (Collected, Row, Version, WriteItem, collect, counters, enc
                       plain_sources)
 from .plan import structure_digest
 
-_META = [operator.attrgetter(name) for name in ("dtype", "shape", "device", "layout")]  # shape raises for a nested tensor
+_META = [operator.attrgetter(name) for name in ("dtype", "shape", "device", "layout")]  # shape raises if nested
 _PLAIN_TYPES = frozenset(PLAIN_TENSORS)
 
 
