@@ -377,6 +377,9 @@ def test_verify_inspect_diff_and_export_read_incremental_checkpoints(saved, tmp_
 
     shown = json.loads(run("inspect", newest, "--json").stdout)
     assert shown["format_version"] == zs.FORMAT_VERSION and shown["step"] == 5
+    body = read_body(newest)  # its size is that of its own files, as `ls` says; the others' are counted apart
+    assert body["refs"] and shown["files_of_other_checkpoints"] == len(body["refs"])
+    assert shown["total_bytes"] == sum(size for name, size in body["files"].items() if name not in body["refs"])
     assert {e["fqn"] for e in shown["entries"]} >= {"model.base", "model.lora", "opt.m", "step"}
 
     result = run("diff", older, newest, "--json")

@@ -56,7 +56,8 @@ def inspect(ckpt: str, allow_pickle: bool, as_json: bool) -> None:
         storage, m = open_any(ckpt, allow_pickle)
         header = {"path": storage.location, "format_version": m.version, "generation": m.generation, "step": m.step,
                   "created": m.created, "world_size": m.world_size, "block_size": m.block_size,
-                  "total_bytes": m.total_bytes, "files": len(m.files)}
+                  "total_bytes": m.total_bytes, "files": len(m.files),
+                  **({"files_of_other_checkpoints": len(m.refs)} if m.refs else {})}
         if m.foreign:  # what a foreign checkpoint has: no zerostall version, generation, time or checksums
             header = {"path": storage.location, "foreign": m.foreign, "checksums": "none",
                       "total_bytes": m.total_bytes, "files": len(m.files), "left_out": ", ".join(m.left_out) or None}

@@ -267,7 +267,8 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        return sum(self.files.values())
+        """The bytes of the checkpoint's own data files (those it refers to are other checkpoints')."""
+        return own_bytes(self.files, self.refs)
 
     @classmethod
     def deferred(cls, head: dict[str, Any], body: Any) -> "Manifest":
@@ -329,6 +330,11 @@ class Manifest:
         )
 
 
+def own_bytes(files: dict[str, int], refs: dict[str, str]) -> int:
+    """The bytes of the data files in ``files`` that are not another checkpoint's (``refs``)."""
+    return sum(size for name, size in files.items() if name not in refs)
+
+
 def file_names(d: dict[str, Any]) -> list[str] | None:
     """The data files of the manifest body ``d`` in order, which its chunks index (version 4 on);
     None for an older manifest, whose chunks name their files."""
@@ -355,7 +361,7 @@ class ManifestHead:
     @property
     def total_bytes(self) -> int:
         """The bytes of the checkpoint's own data files (those it refers to are other checkpoints')."""
-        return sum(size for name, size in self.files.items() if name not in self.refs)
+        return own_bytes(self.files, self.refs)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ManifestHead":
