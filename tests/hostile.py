@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 import zerostall as zs
 from zerostall.cli import cli
-from zerostall.format.layout import dump_json, load_json
+from zerostall.format.layout import CHUNK_FIELDS, dump_json, load_json
 
 MANIFEST = "manifest.json"
 
@@ -28,9 +28,6 @@ MANIFEST = "manifest.json"
 def envelope(body: bytes) -> bytes:
     """A manifest file holding ``body`` whose checksum matches: ``{"checksum": H, "manifest": BODY}``."""
     return b'{"checksum":"%s","manifest":%s}\n' % (xxhash.xxh3_64_hexdigest(body).encode(), body)
-
-
-CHUNK_FIELDS = ("offsets", "sizes", "file", "offset", "nbytes", "checksums")  # a chunk array's items (version 4)
 
 
 def _tensor_entries(body: dict[str, Any]) -> Iterator[dict[str, Any]]:

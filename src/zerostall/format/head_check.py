@@ -55,7 +55,7 @@ def check_head(d: dict[str, Any]) -> None:
 
 
 def _checked_refs(d: dict[str, Any], files: dict[str, Any]) -> dict[str, str]:
-    """``refs`` (format version 3): files of other checkpoints of the same root, each named with
+    """``refs`` (format version 3 on): files of other checkpoints of the same root, each named with
     the plain tag of the checkpoint directory beside this one that holds it (never a path)."""
     if "refs" not in d:
         return {}

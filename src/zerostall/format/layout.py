@@ -31,6 +31,7 @@ FORMAT_VERSION = 4  # the version written, and the newest this zerostall reads
 SUBCLASS_VERSION = 2  # the first version with "subclass" entries (tensor subclasses stored as their inner tensors)
 REFS_VERSION = 3  # the first version whose chunks may lie in data files of other checkpoints of the root ("refs")
 ARRAY_CHUNKS_VERSION = 4  # the first version whose chunks are arrays naming their file by its index in "files"
+CHUNK_FIELDS = ("offsets", "sizes", "file", "offset", "nbytes", "checksums")  # a chunk's items, in a chunk array's order
 MANIFEST_NAME = "manifest.json"
 DEFAULT_BLOCK_SIZE = 4 << 20
 RNG_KEY = "__rng__"  # the top-level key under which a CheckpointManager saves every rank's RNG states
@@ -170,15 +171,10 @@ class Chunk:
         return [self.offsets, self.sizes, file_index[self.file], self.offset, self.nbytes, self.checksums]
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Chunk":
-        """The chunk of a manifest before version 4: an object naming its file."""
-        return cls(tuple(d["offsets"]), tuple(d["sizes"]), d["file"], d["offset"], d["nbytes"],
-                   list(d["checksums"]))
-
-    @classmethod
-    def from_array(cls, a: list[Any], names: list[str]) -> "Chunk":
-        """The chunk of :meth:`to_array`'s form; ``names`` are the manifest's files in order."""
-        return cls(tuple(a[0]), tuple(a[1]), names[a[2]], a[3], a[4], list(a[5]))
+    def from_json(cls, c: Any, names: list[str] | None) -> "Chunk":
+        """The chunk ``c`` of a manifest or record, in either form (see :func:`chunk_items`)."""
+        offsets, sizes, file, offset, nbytes, checksums = chunk_items(c, names)
+        return cls(tuple(offsets), tuple(sizes), file, offset, nbytes, list(checksums))
 
 
 @dataclass(slots=True)
@@ -235,10 +231,9 @@ class Entry:
         chunks are arrays (version 4 on)."""
         get = d.get
         if d["kind"] == "tensor":  # positional: thousands of entries, keyword matching shows
-            chunks = ([Chunk.from_json(c) for c in d["chunks"]] if names is None
-                      else [Chunk.from_array(c, names) for c in d["chunks"]])
             return cls(d["fqn"], decode_path(d["path"]), "tensor", d["dtype"], tuple(d["shape"]),
-                       chunks, None, None, get("rank"), None, None, get("inner_of"))
+                       [Chunk.from_json(c, names) for c in d["chunks"]], None, None, get("rank"), None, None,
+                       get("inner_of"))
         if d["kind"] == "subclass":
             return cls(d["fqn"], decode_path(d["path"]), "subclass", d["dtype"], tuple(d["shape"]), rank=get("rank"),
                        cls=d["class"], shards=list(d["shards"]))
@@ -333,6 +328,19 @@ class Manifest:
 def own_bytes(files: dict[str, int], refs: dict[str, str]) -> int:
     """The bytes of the data files in ``files`` that are not another checkpoint's (``refs``)."""
     return sum(size for name, size in files.items() if name not in refs)
+
+
+def chunk_items(c: Any, names: list[str] | None) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """The items of the chunk ``c`` in :data:`CHUNK_FIELDS` order, its file by name: ``c`` an array
+    whose file is an index into ``names`` (version 4 on), or, where ``names`` is None, an object
+    naming its file. Another form raises ``TypeError``, ``KeyError``, ``IndexError`` or ``ValueError``
+    (the items themselves are not checked: see ``format.tensor_check``)."""
+    if names is None:
+        return c["offsets"], c["sizes"], c["file"], c["offset"], c["nbytes"], c["checksums"]
+    offsets, sizes, index, offset, nbytes, checksums = c if type(c) is list else ()
+    if type(index) is not int or index < 0:
+        raise TypeError(f"{index!r} is not the index of a file")
+    return offsets, sizes, names[index], offset, nbytes, checksums
 
 
 def file_names(d: dict[str, Any]) -> list[str] | None:

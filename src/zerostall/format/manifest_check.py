@@ -26,7 +26,7 @@ from ..gcpause import gc_paused
 from . import codec
 from .envelope import manifest_body, manifest_head_body
 from .head_check import check_head
-from .layout import SUBCLASS_VERSION, Entry, Manifest, ManifestHead, file_names
+from .layout import SUBCLASS_VERSION, Entry, Manifest, ManifestHead, chunk_items, file_names
 from .tensor_check import (FieldError, check_packed, check_shape, check_tensor, clip, dtype_itemsize, explain_chunk,
                            field, int_field)
 from .value_check import check_value
@@ -189,12 +189,7 @@ def _one(d: Any, key: str | tuple[Any, ...]) -> Entry | None:
                                           and codec.decode_path(path) == entry.path):
             return None
         for c in other["chunks"] if other.get("kind") == "tensor" else ():
-            if names is None:
-                file, offset, nbytes = c["file"], c["offset"], c["nbytes"]
-            elif type(c[2]) is int and c[2] >= 0:
-                file, offset, nbytes = names[c[2]], c[3], c[4]
-            else:
-                return None
+            _, _, file, offset, nbytes, _ = chunk_items(c, names)  # another form: refused by one()
             if file in mine and nbytes:
                 if type(offset) is not int or type(nbytes) is not int:
                     return None

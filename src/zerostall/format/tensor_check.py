@@ -14,12 +14,13 @@ import re
 from operator import add, le
 from typing import Any
 
+from .layout import CHUNK_FIELDS, chunk_items
+
 MAX_NDIM = 64  # dimensions of a tensor
 MAX_INT = (1 << 63) - 1  # sizes, offsets and dimensions fit the signed 64-bit integers of torch and the OS
 
 HEX16 = re.compile(r"[0-9a-f]{16}")  # an xxh3-64 checksum
 _INT = {int}
-_CHUNK_FIELDS = ("offsets", "sizes", "file", "offset", "nbytes", "checksums")  # a chunk array's items (version 4)
 
 
 class FieldError(Exception):
@@ -127,13 +128,7 @@ def check_tensor(d: dict[str, Any], e: dict[str, Any], numbers: list[Any], diges
         # the common case at full speed (the types of the ints and checksums are checked in bulk,
         # by the caller); explain_chunk names what is wrong with any other chunk
         try:
-            if names is None:
-                offsets, sizes, file = c["offsets"], c["sizes"], c["file"]
-                offset, nbytes, checksums = c["offset"], c["nbytes"], c["checksums"]
-                index = 0
-            else:
-                offsets, sizes, index, offset, nbytes, checksums = c if type(c) is list else ()
-                file = names[index] if index >= 0 else ""  # a bad index's type is caught in bulk
+            offsets, sizes, file, offset, nbytes, checksums = chunk_items(c, names)
             elements = math.prod(sizes)
             good = (type(offsets) is list and type(sizes) is list and type(checksums) is list
                     and len(offsets) == ndim == len(sizes)
@@ -148,7 +143,6 @@ def check_tensor(d: dict[str, Any], e: dict[str, Any], numbers: list[Any], diges
             explain_chunk(j, c, shape, dtype, itemsize, files, block, names)
         numbers += offsets
         numbers += sizes
-        numbers.append(index)
         numbers.append(offset)
         numbers.append(nbytes)
         digests += checksums
@@ -168,12 +162,12 @@ def explain_chunk(j: int, c: Any, shape: list[int], dtype: str, itemsize: int, f
     ``always``, return). ``names``: as :func:`check_tensor` takes them."""
     at = f"chunks[{j}]"
     if names is not None:
-        if type(c) is not list or len(c) != len(_CHUNK_FIELDS):
-            raise FieldError(at, f"{clip(c)} is not an array [{', '.join(_CHUNK_FIELDS)}]")
+        if type(c) is not list or len(c) != len(CHUNK_FIELDS):
+            raise FieldError(at, f"{clip(c)} is not an array [{', '.join(CHUNK_FIELDS)}]")
         index = c[2]
         if type(index) is not int or not 0 <= index < len(names):
             raise FieldError(f"{at}.file", f"{clip(index)} is not the index of a file (files lists {len(names)})")
-        c = dict(zip(_CHUNK_FIELDS, c))
+        c = dict(zip(CHUNK_FIELDS, c))
         c["file"] = names[index]
     if type(c) is not dict:
         raise FieldError(at, f"{clip(c)} is not an object")

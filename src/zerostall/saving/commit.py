@@ -270,7 +270,7 @@ def assemble(collected: Collected, plan: Plan, files: dict[str, int], headers: d
         refs.update(record.get("refs", {}))
         names = list(record["files"])
         for key, chunk in record["chunks"]:
-            entries[index[(key, None)]].chunks.append(Chunk.from_array(chunk, names))
+            entries[index[(key, None)]].chunks.append(Chunk.from_json(chunk, names))
         for key, value in record["objects"]:
             entries[index[(key, None)]].value = value
         for key, shard in record.get("shards", ()):

@@ -291,18 +291,18 @@ def check_replicas(group: Group, plan: Plan, collected: Collected) -> None:
     lanes = torch.full((plan.slot_count, 2), _UNHELD, dtype=torch.int64)
 
     def put(chunk: ChunkKey, data: Any) -> None:
-        slot = plan.slots.get(chunk)
-        if slot is not None:
-            checksum = xxhash.xxh3_64_intdigest(data) >> 2  # 62 bits: its negation is an int64 too
-            lanes[slot, 0], lanes[slot, 1] = checksum, -checksum
+        checksum = xxhash.xxh3_64_intdigest(data) >> 2  # 62 bits: its negation is an int64 too
+        lanes[plan.slots[chunk], 0], lanes[plan.slots[chunk], 1] = checksum, -checksum
 
     for item in collected.items:
         if not item.rank_local and item.key in plan.slots:
             put(item.key, owned_bytes(item.tensor.cpu()))
     for key, encoded in collected.objects.items():
-        put((key, ()), json.dumps(encoded, sort_keys=True).encode())
+        if (key, ()) in plan.slots:
+            put((key, ()), json.dumps(encoded, sort_keys=True).encode())
     for chunk, shard in collected.shards.items():  # a replicated box of a tensor subclass: its context too
-        put(chunk, json.dumps(shard, sort_keys=True).encode())
+        if chunk in plan.slots:
+            put(chunk, json.dumps(shard, sort_keys=True).encode())
     least = group.minima(lanes)
     bad = ((least[:, 0] != _UNHELD) & (least[:, 0] != -least[:, 1])).nonzero().flatten().tolist()
     if bad:

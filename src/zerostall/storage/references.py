@@ -15,7 +15,7 @@ from ..format.manifest_check import max_manifest_bytes, parse_head
 from ..format.retained import RETAINED_NAME, parse_retained
 from .base import FileStat, Storage
 
-_VERSION_3 = re.compile(rb'"manifest":\{"format":"zerostall","version":([3-9]|\d\d)')
+_VERSION_3_ON = re.compile(rb'"manifest":\{"format":"zerostall","version":([3-9]|\d\d)')
 _NO_REFS = re.compile(  # a manifest as zerostall writes it from version 4 on, that refers to no other checkpoint
     rb'\{"checksum":"[0-9a-f]{16}","manifest":\{"format":"zerostall","version":\d+,"generation":"[0-9a-f-]+",'
     rb'"created":[0-9.e+-]+,"step":(null|-?\d+),"world_size":\d+,"block_size":\d+,"checksum":"xxh3_64","refs":\{\}')
@@ -183,7 +183,7 @@ def referrers(checkpoint: Storage) -> list[str]:
         holder = root.child(name)
         try:
             start = holder.read_head(MANIFEST_NAME, _HEAD)
-            if _VERSION_3.search(start) is None or _NO_REFS.match(start):
+            if _VERSION_3_ON.search(start) is None or _NO_REFS.match(start):
                 continue  # only format versions 3 on refer, and from version 4 each says so at its start
             raw = holder.read_bytes(MANIFEST_NAME, max_manifest_bytes())
             head = parse_head(raw, f"{holder.location}/{MANIFEST_NAME}")
