@@ -29,7 +29,7 @@ import signal
 import threading
 import weakref
 from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -40,7 +40,7 @@ from ..errors import CheckpointError
 from ..gcpause import gc_paused
 from ..options import SaveOptions
 from ..storage import Storage
-from .capture import BufferPool, Captured, capture, copy_first, record_caller_stream
+from .capture import BufferPool, Captured, capture, copy_first, hand_over, record_caller_stream
 from .collect import Version, versions
 from .handles import SaveHandle
 from .incremental import Reuse
@@ -71,6 +71,7 @@ class AsyncSaver:
         self._process = WriterProcess() if writer == "process" else None
         self.if_busy = if_busy
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerostall-async")
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerostall-copy")  # see copy_first
         self.collections = CollectCache()
         """The last save's structure: the next save of the same structure collects from it."""
         self._current: SaveHandle | None = None
@@ -182,12 +183,12 @@ class AsyncSaver:
     def _run(self, asked: Prepared | Deferred, buffers: list[Any] | None, ready: CallerStreams | None,
              recorded: list[Any] | None, handle: SaveHandle, share: SaveHandle | None) -> None:
         try:
-            copied = copy_first(asked.snapshot, self.pool, ready) if type(asked) is Deferred and not share else None
+            copied = copy_first(asked.snapshot, self.pool, ready, self._copier) if type(asked) is Deferred and not share else None
             if copied is not None:
                 sources, recorded, buffers = copied
                 handle.captured = Captured(sources, buffers)
                 if self._process is None:  # the copies are all a thread writer needs: the caller may go on
-                    handle.staged.set_result(None)
+                    _wake(handle.staged)
                 asked, recorded = asked.prepare(buffers, recorded)
             else:
                 if isinstance(asked, Deferred):
@@ -208,11 +209,11 @@ class AsyncSaver:
             if self._process is not None:
                 self._replace_dead_writer()
                 self._process.submit(for_writer_process(prepared))  # before `staged`: a crash now loses nothing
-                handle.staged.set_result(None)
+                _wake(handle.staged)
                 handle.committed.set_result(self._process.result())
             else:
                 if not handle.staged.done():
-                    handle.staged.set_result(None)
+                    _wake(handle.staged)
                 handle.committed.set_result(persist(prepared))
         except BaseException as exc:
             if not handle.staged.done():  # handed to no writer: this rank's part was never written
@@ -277,6 +278,7 @@ class AsyncSaver:
             self._closed = True
             _open_savers.discard(self)
             self._worker.shutdown(wait=True)
+            self._copier.shutdown(wait=True)
             if self._process is not None:
                 self._process.close()
             self.pool.close()
@@ -313,3 +315,10 @@ def _before_step(saver: weakref.ref[AsyncSaver], optimizer: torch.optim.Optimize
     live = saver()
     if live is not None:
         live._await_capture()
+
+
+def _wake(staged: Future[None]) -> None:
+    """Mark the capture done, and let the trainer waiting on it (in ``wait_staged``) go on before
+    this worker goes on with the Python work of the write."""
+    staged.set_result(None)
+    hand_over()

@@ -26,6 +26,8 @@ import os
 import secrets
 import time
 import weakref
+from concurrent import futures
+from concurrent.futures import Executor
 from typing import Callable, Sequence
 
 import torch
@@ -34,7 +36,7 @@ from ..devices import CallerStreams, cuda_devices, host_register, host_unregiste
 from ..errors import SharedMemoryError, StateChangedError
 from ..gcpause import gc_paused
 from ..storage.base import free_bytes
-from .collect import Version, WriteItem, versions_of
+from .collect import Version, WriteItem, counters, versions_of
 from .recollect import Snapshot
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ _SHM = "/dev/shm"
 Key = tuple[tuple[tuple[torch.dtype, tuple[int, ...]], ...], bool]  # each buffer's dtype and shape; pinned
 _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
 _IS_CUDA = operator.attrgetter("is_cuda")
+_HAND_OVER_S = 0.0002  # long enough for a woken thread to take the interpreter lock
 
 
 class BufferPool:
@@ -253,31 +256,56 @@ def capture(items: Sequence[WriteItem], buffers: Sequence[torch.Tensor], ready: 
 
 
 @gc_paused()  # a tuple per tensor: no cyclic collections over the process meanwhile
-def copy_first(snap: Snapshot, pool: BufferPool, ready: CallerStreams | None
+def copy_first(snap: Snapshot, pool: BufferPool, ready: CallerStreams | None, helper: Executor
                ) -> tuple[list[torch.Tensor], list[Version], list[torch.Tensor]] | None:
     """Copy the tensor leaves of a snapshot into ``pool`` before collecting it, when the last
     collection still describes them (:meth:`~zerostall.saving.recollect.Snapshot.matches`), so the
     caller may change the state sooner: the leaves, their recorded versions and their copies; None
     when it does not. The leaves are copied as they are: a copy resolves views, conjugation and
-    negation, and needs no detaching."""
-    if not snap.matches():
-        return None
-    buffers = pool.buffers_for(snap.template.shapes, ready.devices if ready is not None else [])
+    negation, and needs no detaching. Host leaves are copied on ``helper`` while the fingerprints
+    are compared here (the copy leaves the interpreter free), the copy kept only if they match."""
+    if snap.template.on_cuda:
+        if not snap.matches():
+            return None
+        buffers = pool.buffers_for(snap.template.shapes, ready.devices if ready is not None else [])
+        recorded = snap.recorded()
+        copy_checked(snap.tensors, buffers, ready, recorded, None, snap.name)
+        return snap.tensors, recorded, buffers
+    buffers = pool.buffers_for(snap.template.shapes, [])
     recorded = snap.recorded()
-    copy_checked(snap.tensors, buffers, ready, recorded, None, snap.name, on_host=not snap.template.on_cuda)
+    copying = helper.submit(_copy_host, buffers, snap.tensors)
+    hand_over()  # the helper enters the copy now, not after the comparison's first switch interval
+    try:
+        matched = snap.matches()
+    finally:
+        futures.wait([copying])  # no copy may still land in the buffers once this returns
+    if not matched:
+        return None
+    copying.result()
+    _check(range(len(buffers)), snap.tensors, None, recorded, snap.name)
     return snap.tensors, recorded, buffers
 
 
+def hand_over() -> None:
+    """Step aside for a moment, so a thread just woken or given work takes the interpreter lock now
+    rather than after the interpreter's switch interval."""
+    time.sleep(_HAND_OVER_S)
+
+
+def _copy_host(buffers: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        torch._foreach_copy_(buffers, sources)
+
+
 def copy_checked(sources: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], ready: CallerStreams | None,
-                 recorded: Sequence[Version], watches: Sequence[torch.Tensor | None] | None, name: Callable[[int], str],
-                 *, on_host: bool = False) -> None:
+                 recorded: Sequence[Version], watches: Sequence[torch.Tensor | None] | None, name: Callable[[int], str]
+                 ) -> None:
     """Copy each source into its buffer; raise :class:`StateChangedError` naming ``name(n)`` if
     source ``n`` (or the leaf ``watches[n]`` it is part of, when given) changed since its version
     ``recorded[n]`` (None: not checked) before its copy was complete. Runs in a worker thread:
     ``ready`` gives it the device to make current and the caller's streams to wait for. Host
-    tensors are copied in one call (a state may hold 100,000 small ones) and checked once all are;
-    ``on_host``: every source is known to be on the host (no look at each one's device)."""
-    on_cuda = [] if on_host else list(map(_IS_CUDA, sources))
+    tensors are copied in one call (a state may hold 100,000 small ones) and checked once all are."""
+    on_cuda = list(map(_IS_CUDA, sources))
     check_devices([t for t, on in zip(sources, on_cuda) if on], ready)
     streams = {}
     if ready is not None:
@@ -315,8 +343,11 @@ def check_devices(tensors: Sequence[torch.Tensor], ready: CallerStreams | None) 
 def _check(which: Sequence[int], sources: Sequence[torch.Tensor], watches: Sequence[torch.Tensor | None] | None,
            recorded: Sequence[Version], name: Callable[[int], str]) -> None:
     """Raise if a source among ``which`` changed since its version ``recorded``, naming the first."""
-    now = versions_of([sources[n] for n in which], None if watches is None else [watches[n] for n in which])
-    if now == [recorded[n] for n in which]:
+    picked, then = [sources[n] for n in which], [recorded[n] for n in which]
+    if watches is None and counters(picked) == [v if v is None else v[0] for v in then]:
+        return  # no leaf watched: the counters alone say it (ints, no tuple a tensor)
+    now = versions_of(picked, None if watches is None else [watches[n] for n in which])
+    if now == then:
         return
     for n, current in zip(which, now):
         if recorded[n] is not None and current != recorded[n]:
