@@ -25,7 +25,10 @@ an NVMe swap folder against ``shutil.copytree`` and the raw copy rate.
    ``os.write`` from a preallocated buffer and fsyncs it, then reads it back with ``os.preadv``. A
    time is the slowest rank's, from a barrier to the end of its call; the figure is the median of
    the timed reps. A warm-up rep runs first and checks every load: the engine's state is zeroed
-   after the save and must equal the saved digest once loaded.
+   after the save and must equal the saved digest once loaded. A load's ``read_s`` is the part of it
+   spent in the checkpoint engine's own calls (``open``, ``load``, ``close``: the files read into
+   memory, checked where the engine checks); the rest is DeepSpeed putting the state in place, the
+   same work for every engine, which a raw read does not do.
    Durability and the page cache: zerostall and raw fsync what they write; DeepSpeed's default
    engine does not (its save ends with the data in the page cache), and its fast engine writes with
    O_DIRECT without an fsync. After every save, outside the timing, rank 0 fsyncs every file of the
@@ -219,14 +222,45 @@ def engine_rep(name: str, engine: Any, root: str, rep: int, rank: int, check: bo
                 t.detach().zero_()
         # the fast engine loads with torch.load's default weights_only=True, which refuses DeepSpeed's
         # own objects in its files (the default engine passes weights_only=False): lift it, as torch allows
-        with environ(name == "fast", TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1"):
+        with environ(name == "fast", TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1"), engine_reads(engine) as spent:
             out["load_s"] = timed(lambda: engine.load_checkpoint(save_dir, tag))
+        out["read_s"] = spent[0]
         if check and digest(engine) != before:
             raise AssertionError(f"{name}: the state loaded back differs from the state saved")
     dist.barrier()
     if rank == 0:
         remove(save_dir)
     return out
+
+
+@contextlib.contextmanager
+def engine_reads(engine: Any) -> Iterator[list[float]]:
+    """The seconds a load spends in the checkpoint engine's own calls (``open``, ``load``,
+    ``close``: reading the files into memory), apart from DeepSpeed putting the state in place,
+    which is the same work whichever engine read the files."""
+    ce, spent = engine.checkpoint_engine, [0.0]
+    names = [n for n in ("open", "load", "close") if callable(getattr(ce, n, None))]
+    own = {n: vars(ce)[n] for n in names if n in vars(ce)}
+
+    def timing(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+        return call
+
+    for n in names:
+        setattr(ce, n, timing(getattr(ce, n)))
+    try:
+        yield spent
+    finally:
+        for n in names:
+            if n in own:
+                setattr(ce, n, own[n])
+            else:
+                delattr(ce, n)
 
 
 def raw_rep(root: str, rank: int, buffer: torch.Tensor) -> dict[str, float]:
@@ -334,7 +368,7 @@ def summarize_engines(ranks: list[dict[str, Any]], reps: int) -> dict[str, Any]:
         runs = [run for run in runs if all(run)]
         if name in errors or not runs:
             continue
-        for what in ("save_s", "commit_s", "load_s"):
+        for what in ("save_s", "commit_s", "load_s", "read_s"):
             if what in runs[0][0]:
                 out[f"{name}_{what}"] = rnd(median([max(t[what] for t in run) for run in runs]))
         if "fsync_s" in runs[0][0]:
@@ -355,6 +389,8 @@ def summarize_engines(ranks: list[dict[str, Any]], reps: int) -> dict[str, Any]:
         out[f"zerostall_vs_default_{what}"] = ratio(f"zerostall_{what}_s", f"default_{what}_s")
         out[f"zerostall_vs_fast_{what}"] = ratio(f"zerostall_{what}_s", f"fast_{what}_s")
         out[f"zerostall_vs_raw_{what}"] = ratio("raw_" + what + "_gbps", f"zerostall_{what}_gbps")
+    out["zerostall_read_vs_raw_read"] = ratio("zerostall_read_s", "raw_load_s")  # the files read, placing apart
+    out["zerostall_read_vs_default_read"] = ratio("zerostall_read_s", "default_read_s")
     if "default_save_s" in out and "default_fsync_s" in out and "zerostall_save_s" in out:
         out["zerostall_vs_default_save_with_fsync"] = rnd(
             (out["default_save_s"] + out["default_fsync_s"]) / out["zerostall_save_s"], 3)
@@ -496,7 +532,7 @@ def print_engines(e: dict[str, Any], r: dict[str, Any]) -> None:
     print(f"ZeRO-3 engines, 2 ranks, {e['layers']} layers of {e['width']}x{e['width']}, AdamW; {r['reps']} reps, "
           f"medians of the slowest rank; dir {r['dir']}; same state in every engine: {e['same_state']}")
     print(f"{'contender':18s} {'bytes':>11s} {'save s':>8s} {'GB/s':>6s} {'+fsync s':>8s} {'commit s':>8s} "
-          f"{'load s':>8s} {'GB/s':>6s}")
+          f"{'load s':>8s} {'GB/s':>6s} {'read s':>8s}")
 
     def cell(key: str, fmt: str, width: int) -> str:
         v = e.get(key)
@@ -510,7 +546,10 @@ def print_engines(e: dict[str, Any], r: dict[str, Any]) -> None:
         print(f"{name:18s} {'' if nbytes is None else nbytes:>11} {cell(f'{name}_save_s', '.3f', 8)} "
               f"{cell(f'{name}_save_gbps', '.2f', 6)} {cell(f'{name}_fsync_s', '.3f', 8)} "
               f"{cell(f'{name}_commit_s', '.3f', 8)} {cell(f'{name}_load_s', '.3f', 8)} "
-              f"{cell(f'{name}_load_gbps', '.2f', 6)}")
+              f"{cell(f'{name}_load_gbps', '.2f', 6)} {cell(f'{name}_read_s', '.3f', 8)}")
+    print("read s: the part of a load spent in the checkpoint engine's own calls (open, load, close), the files "
+          f"read into memory; the rest is DeepSpeed putting the state in place. zerostall's read vs raw read: "
+          f"x{e.get('zerostall_read_vs_raw_read')}, vs the default engine's read: x{e.get('zerostall_read_vs_default_read')}")
     print(f"zerostall vs default: save x{e.get('zerostall_vs_default_save')} (default + its fsync: "
           f"x{e.get('zerostall_vs_default_save_with_fsync')}), load x{e.get('zerostall_vs_default_load')}; vs fast: "
           f"save x{e.get('zerostall_vs_fast_save')}, load x{e.get('zerostall_vs_fast_load')}; of raw: save "
