@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -80,6 +81,32 @@ def test_ls_of_a_checkpoint_itself_and_of_nothing(root: Path, tmp_path: Path) ->
     result = run("ls", tmp_path / "missing")
     assert result.exit_code == 2 and "no such directory" in result.stderr
     assert "Traceback" not in result.output
+
+
+def test_ls_of_a_local_tier_lists_each_steps_copies(tmp_path: Path) -> None:
+    """A node directory of the local tier holds runs, steps and one copy a rank: ls lists them
+    (a node directory is not a root of checkpoints), a copy that never committed or is damaged as such."""
+    node = tmp_path / "node"
+    mgr = zs.CheckpointManager(tmp_path / "root", save_every=100, local=zs.LocalTier(str(node), every=1, keep=2))
+    for step in (1, 2, 3):
+        mgr.save(step, small_state(step))
+    mgr.wait()
+    mgr.close()
+    (run_dir,) = node.iterdir()
+    flip_byte(run_dir / "step_000000003" / "rank_00000" / "manifest.json", 60)
+    shutil.copytree(run_dir / "step_000000002" / "rank_00000", run_dir / "step_000000002" / "rank_00001")
+    (run_dir / "step_000000002" / "rank_00001" / "manifest.json").unlink()  # a copy whose save never committed
+    for where in (node, run_dir):
+        rows = json.loads(run("ls", where, "--json").stdout)["local_tier"]
+        assert [(r["run"], r["step"], r["copy"], r["status"]) for r in rows] == [
+            (run_dir.name, 2, "rank_00000", "committed"), (run_dir.name, 2, "rank_00001", "incomplete"),
+            (run_dir.name, 3, "rank_00000", "corrupt")]
+        assert rows[0]["bytes"] > 0 and rows[0]["path"] == str(run_dir / "step_000000002" / "rank_00000")
+        result = run("ls", where)
+        assert result.exit_code == 0, result.output
+        lines = [line for line in result.stdout.splitlines() if "rank_" in line]
+        assert len(lines) == 3 and "corrupt" in lines[2] and run_dir.name in lines[0]
+    assert "local_tier" not in json.loads(run("ls", tmp_path / "root", "--json").stdout)
 
 
 def test_inspect(root: Path) -> None:

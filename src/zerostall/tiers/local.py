@@ -154,6 +154,17 @@ class NodeDirectory:
         return sum(f.stat().st_size for f in self.run.rglob("*") if f.is_file()) if self.run.is_dir() else 0
 
 
+def step_folders(directory: str) -> list[tuple[str, int, Path]]:
+    """The step folders of every run in the node directory ``directory``, or of the one run when
+    ``directory`` is a run's folder: (run id, step, folder), in order (what ``zerostall ls`` lists)."""
+    top = Path(directory)
+    own = NodeDirectory(str(top.parent), top.name)._steps()
+    if own:
+        return [(top.name, step, folder) for step, folder in own]
+    return [(p.name, step, folder) for p in _entries(top) if p.is_dir() and _RUN_RE.match(p.name)
+            for step, folder in NodeDirectory(directory, p.name)._steps()]
+
+
 def check_space(directory: str, needed: int, reusable: int) -> None:
     """Raise :class:`InsufficientSpaceError` unless ``directory``'s file system has ``needed``
     bytes, counting ``reusable`` bytes already there that retention will free."""
