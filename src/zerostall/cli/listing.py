@@ -23,6 +23,7 @@ from ..roots.root import (COMMITTED, LEASE_NAME, RETAINED, SUPERSEDED_NAME, Chec
                           looks_like_checkpoint, retained)
 from ..roots.sharing import referenced, refs_set_aside
 from ..storage import storage_for
+from ..storage.local import LocalStorage
 from ..tiers.local import step_folders
 
 from .common import EXIT_STATUSES, FAILED, USAGE, Failure, cli, clip, console, format_time, print_json, reported_errors
@@ -170,7 +171,7 @@ def ls(root: str, keep_last: int | None, keep_every: int | None, keep_best: int 
     warning = check_metric(rows, policy)
     if warning:
         console(stderr=True).print(f"warning: {warning}")
-    copies = [] if rows else node_copies(checkpoints.location)  # a local tier's node directory holds no checkpoint
+    copies = [] if rows else node_copies(checkpoints)  # a local tier's node directory holds no checkpoint
     if as_json:
         print_json({"root": checkpoints.location, "latest": latest, "checkpoints": [r.to_json() for r in rows]}
                    | ({"local_tier": copies} if copies else {}))
@@ -197,13 +198,13 @@ def ls(root: str, keep_last: int | None, keep_every: int | None, keep_best: int 
     console().print(table)
 
 
-def node_copies(location: str) -> list[dict[str, Any]]:
-    """The copies a local tier keeps under ``location`` (a node directory, or one run's folder in
-    it): one row per rank's copy of a step, the run and step its folders name."""
-    if "://" in location:
+def node_copies(root: CheckpointRoot) -> list[dict[str, Any]]:
+    """The copies a local tier keeps under ``root`` (a node directory, or one run's folder in it):
+    one row per rank's copy of a step, the run and step its folders name."""
+    if not isinstance(root.storage, LocalStorage):
         return []
     rows = []
-    for run, step, folder in step_folders(location):
+    for run, step, folder in step_folders(root.location):
         for info in CheckpointRoot(storage_for(str(folder))).scan(include_self=False):
             rows.append({"run": run, "step": step, "copy": info.name, "status": info.status, "error": info.error,
                          "bytes": info.bytes, "created": info.created, "path": info.location})
@@ -211,6 +212,7 @@ def node_copies(location: str) -> list[dict[str, Any]]:
 
 
 def show_node_copies(copies: list[dict[str, Any]]) -> None:
+    """The table of :func:`node_copies`."""
     table = Table("run", Column("step", justify="right"), "copy", "status", Column("size", justify="right"), "created")
     for c in copies:
         status = c["status"] if c["error"] is None else f"{c['status']}: {c['error']}"

@@ -183,7 +183,8 @@ class AsyncSaver:
     def _run(self, asked: Prepared | Deferred, buffers: list[Any] | None, ready: CallerStreams | None,
              recorded: list[Any] | None, handle: SaveHandle, share: SaveHandle | None) -> None:
         try:
-            copied = copy_first(asked.snapshot, self.pool, ready, self._copier) if type(asked) is Deferred and not share else None
+            reusable = type(asked) is Deferred and not share
+            copied = copy_first(asked.snapshot, self.pool, ready, self._copier) if reusable else None
             if copied is not None:
                 sources, recorded, buffers = copied
                 handle.captured = Captured(sources, buffers)
