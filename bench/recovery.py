@@ -24,7 +24,10 @@ rank) and 1/4 of its own under the rank-local key ``dataloader`` (1/4 GiB over t
    barrier to the end of ``mgr.restore``; every restored state's digest must equal the saved one.
    The peer restore's exchange (its transfer and the check of every block on arrival) is timed apart
    from the restore by wrapping the functions it calls (``exchange``, and ``verify_all``, which the
-   transfer runs file by file beside the receiving), so the table says where the time goes.
+   transfer runs file by file beside the receiving), so the table says where the time goes: as a
+   window from the first rank's call to the last one's end (``peer_vs_raw``: counts the ranks'
+   skew in reaching the exchange), and per pair from the moment both its ends were in the exchange
+   to its receiver's end, the slowest pair (``peer_pair_vs_raw``: timed as raw is, from a barrier).
 3. Stall: the same state trained for real (forward, backward, gradients all-reduced, AdamW), in
    blocks of --stall-steps steps with a local save every step and blocks without saves, interleaved;
    ``mgr.wait_staged()`` before each optimizer step, as the docs say. ``save()`` time (median over
@@ -199,16 +202,19 @@ def train(rank: int, args: argparse.Namespace, port: int, run: dict[str, str]) -
 
 
 class Timed:
-    """Wrap ``module.name`` so each call's (start, end, result) is recorded (bench instrumentation)."""
+    """Wrap ``module.name`` so each call's (start, end, result) is recorded, and its positional
+    arguments in ``args`` (bench instrumentation)."""
 
     def __init__(self, module: types.ModuleType, name: str) -> None:
         self.calls: list[tuple[float, float, Any]] = []
+        self.args: list[tuple[Any, ...]] = []
         inner = getattr(module, name)
 
         def timed(*a: Any, **kw: Any) -> Any:
             start = time.monotonic()
             result = inner(*a, **kw)
             self.calls.append((start, time.monotonic(), result))
+            self.args.append(a)
             return result
 
         setattr(module, name, timed)
@@ -225,7 +231,7 @@ def restore_once(scenario: str, rank: int, state: dict[str, Any], run: dict[str,
     opened = time.monotonic()
     mgr = manager(root, run["base"], NODES[scenario][rank], args)
     opened = time.monotonic() - opened
-    del exchanges.calls[:], verifies.calls[:]
+    del exchanges.calls[:], exchanges.args[:], verifies.calls[:], verifies.args[:]
     dist.barrier()
     start = time.monotonic()
     try:
@@ -237,7 +243,9 @@ def restore_once(scenario: str, rank: int, state: dict[str, Any], run: dict[str,
     received = sum(tree_bytes(str(p)) for _, _, got in exchanges.calls for p in got or [] if p is not None)
     return {"seconds": end - start, "open_s": opened, "step": step, "source": info.source,
             "sources": list(info.sources), "fallbacks": [list(f) for f in info.fallbacks],
-            "digest": digest(state), "exchange": [(s, e) for s, e, _ in exchanges.calls], "received": received,
+            "digest": digest(state), "exchange": [(s, e) for s, e, _ in exchanges.calls],
+            "exchange_peers": [([r for r, _ in sends], [r for r, _ in receives]) for _, sends, receives in exchanges.args],
+            "received": received,
             "verify_s": sum(e - s for s, e, _ in verifies.calls)}
 
 
@@ -255,6 +263,17 @@ def raw_once(pg: Any, rank: int, pairs: list[tuple[int, int]], buf: torch.Tensor
     for w in works:
         w.wait()
     return time.monotonic() - start
+
+
+def slowest_pair(recs: list[dict[str, Any]]) -> float | None:
+    """Of one peer restore (a record per rank): each receiving rank's exchange from the moment it
+    and its sender had both entered theirs to its end; the longest, or None without a pair."""
+    if any("error" in r or len(r["exchange"]) > 1 for r in recs):  # a second attempt: no pairs to time
+        return None
+    starts = {rank: r["exchange"][0][0] for rank, r in enumerate(recs) if r["exchange"]}
+    spans = [end - max(start, starts[src]) for r in recs if r["exchange"]
+             for (start, end), (_, sources) in [(r["exchange"][0], r["exchange_peers"][0])] for src in sources]
+    return max(spans) if spans else None
 
 
 def restore(rank: int, args: argparse.Namespace, port: int, run: dict[str, Any]) -> None:
@@ -394,14 +413,18 @@ def summarize(args: argparse.Namespace, run: dict[str, Any], trained: list[dict[
         out[f"restore_{scenario}_sources"] = good[0][0]["sources"] if good else None
         out[f"restore_{scenario}_step"] = steps.get(scenario)
     # the peer restore: bytes moved / the window from the first exchange call to the last one's end
-    windows, moved, verify = [], [], []
+    # and, as raw gloo is timed (every pair from a barrier, the slowest), each pair from the moment both its ends
+    # were in the exchange to the end of its receiver's call: the slowest pair
+    windows, paired, moved, verify = [], [], [], []
     for recs in zip(*(r.get("peer", []) for r in restored)):
         calls = [c for r in recs if "error" not in r for c in r["exchange"]]
         if calls:
             windows.append(max(e for _, e in calls) - min(s for s, _ in calls))
             moved.append(sum(r.get("received", 0) for r in recs))
             verify.append(max(r.get("verify_s", 0.0) for r in recs))
+            paired.append(slowest_pair(recs))
     exchange_s = median(windows)
+    pair_s = median([p for p in paired if p is not None]) if any(p is not None for p in paired) else None
     peer_bytes = median(moved) or 0
     raw_pairs, raw_one = (per_rep(restored, "raw", lambda recs, n=name: min(max(r[f"{n}_{v}"] for r in recs)
                                                                             for v in ("chunked", "whole")))
@@ -412,6 +435,8 @@ def summarize(args: argparse.Namespace, run: dict[str, Any], trained: list[dict[
         "raw_transport_gbps": rnd(raw_gbps), "raw_one_pair_gbps": rnd(gbps(run["copy_bytes"], median(raw_one))),
         "peer_bytes": peer_bytes, "peer_exchange_s": rnd(exchange_s), "peer_verify_s": rnd(median(verify)),
         "peer_transfer_gbps": rnd(peer_gbps), "peer_vs_raw": rnd(peer_gbps / raw_gbps if peer_gbps and raw_gbps else None, 3),
+        "peer_pair_s": rnd(pair_s), "peer_pair_vs_raw": rnd(gbps(peer_bytes, pair_s) / raw_gbps if pair_s and raw_gbps
+                                                            else None, 3),
     }
     s3, local = out.get("restore_persistent_s3_s"), out.get("restore_local_s")
     out["local_vs_persistent_s3"] = rnd(s3 / local, 2) if s3 and local else None
@@ -461,7 +486,8 @@ def print_table(r: dict[str, Any]) -> None:
               f"{r.get(f'restore_{s}_sources')}")
     print(f"peer: {r['peer_bytes']} bytes in {r['peer_exchange_s']} s of exchange ({r['peer_verify_s']} s verifying, overlapped) = "
           f"{r['peer_transfer_gbps']} GB/s; raw gloo (same pairs) {r['raw_transport_gbps']} GB/s, one pair "
-          f"{r['raw_one_pair_gbps']} GB/s; peer/raw {r['peer_vs_raw']}")
+          f"{r['raw_one_pair_gbps']} GB/s; peer/raw {r['peer_vs_raw']}; the slowest pair timed from when both its ends "
+          f"were in the exchange (as raw is timed from a barrier): {r['peer_pair_s']} s, {r['peer_pair_vs_raw']} of raw")
     print(f"local save every step: save() {r['local_save_stall_s']} s ({r['local_save_stall_idle_s']} s when the previous "
           f"save had committed; {r['local_saves_behind_previous']} saves waited for it; first {r['local_first_save_s']} s), staged "
           f"{r['local_staged_s']} s, committed {r['local_committed_s']} s; step {r['step_s_without_saves']} -> "
