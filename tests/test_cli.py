@@ -334,6 +334,28 @@ def test_prune_refuses_while_a_manager_writes(managed: Path) -> None:
         mgr.close()
 
 
+def test_cp_and_import_into_a_root_a_manager_writes_are_refused_unless_forced(managed: Path, tmp_path: Path) -> None:
+    """A copy or import into a live manager's root could be taken for one of its steps (its retention
+    then deletes real ones): refused like prune, nothing written; --force goes on, with a warning."""
+    from safetensors.torch import save_file
+    save_file({"w": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    source = managed / "step_000000200"
+    mgr = zs.CheckpointManager(managed, fsync=False)
+    try:
+        for command in (["cp", source, managed / "step_000000900"],
+                        ["import", tmp_path / "model.safetensors", managed / "step_000000900"]):
+            result = run(*command)
+            assert result.exit_code == 1 and "being written" in result.stderr and "--force" in result.stderr, \
+                result.output
+            assert not (managed / "step_000000900").exists() and committed_steps(managed) == sorted(LOSSES)
+        assert run("cp", source, tmp_path / "elsewhere").exit_code == 0  # another directory: no lease there
+        forced = run("cp", source, managed / "step_000000900", "--force")
+        assert forced.exit_code == 0 and "holds the writer lease (--force)" in forced.stderr, forced.output
+        assert committed_steps(managed) == [*sorted(LOSSES), 900]
+    finally:
+        mgr.close()
+
+
 def test_prune_ignores_a_stale_lease(managed: Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True)

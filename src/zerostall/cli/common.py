@@ -25,7 +25,9 @@ from ..format.layout import Manifest
 from ..loading import foreign as sources
 from ..loading.opening import named_manifest, read_manifest_bytes, read_manifest_from
 from ..storage.references import linked
+from ..roots.lease import live_holder
 from ..roots.naming import Naming, named_instead
+from ..roots.root import LEASE_NAME
 from ..storage import Storage, storage_for
 
 FAILED = 1  # a checkpoint is incomplete or corrupt, an operation failed, or the root is being written
@@ -136,6 +138,19 @@ def open_any(ckpt: str, allow_pickle: bool) -> tuple[Storage, Manifest]:
     storage, file = sources.split_file(ckpt)
     with pickle_refusal_as_usage(ckpt, allow_pickle):
         return named_manifest(storage, Naming(ckpt), allow_pickle=allow_pickle, file=file)
+
+
+def refuse_live_writer(root: Storage, doing: str, force: bool) -> None:
+    """Stop a command that writes or deletes under ``root`` while a manager holds its writer lease
+    (its retention and ``latest`` assume it alone writes there); with ``force``, warn and go on."""
+    holder = live_holder(root)
+    if holder is None:
+        return
+    who = f"{holder.get('host')} pid {holder.get('pid')}"
+    if not force:
+        raise Failure(f"{root.location} is being written by {who} (live {LEASE_NAME}); stop that job first, "
+                      "or pass --force")
+    console(stderr=True).print(f"warning: {doing} while {who} holds the writer lease (--force)")
 
 
 def read_committed(ckpt: str) -> tuple[Storage, bytes]:

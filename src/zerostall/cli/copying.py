@@ -7,8 +7,10 @@ import click
 from rich.filesize import decimal as human_bytes
 
 from ..interop.copying import Source, copy
+from ..storage import storage_for
 
-from .common import EXIT_STATUSES, cli, console, print_json, progress_bar, read_committed, reported_errors
+from .common import (EXIT_STATUSES, cli, console, print_json, progress_bar, read_committed, refuse_live_writer,
+                     reported_errors)
 
 
 @cli.command(epilog=EXIT_STATUSES)
@@ -18,8 +20,9 @@ from .common import EXIT_STATUSES, cli, console, print_json, progress_bar, read_
               help="Replace a committed checkpoint at DST (it stays readable until the copy commits).")
 @click.option("--threads", type=click.IntRange(1, 64), default=None,
               help="Data files copied at once (default: one per core, 2 to 8).")
+@click.option("--force", is_flag=True, help="Copy even while a manager holds the writer lease of DST's directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-def cp(src: str, dst: str, overwrite: bool, threads: int | None, as_json: bool) -> None:
+def cp(src: str, dst: str, overwrite: bool, threads: int | None, force: bool, as_json: bool) -> None:
     """Copy the checkpoint SRC (a checkpoint, a root: its newest committed checkpoint, ROOT/latest
     or ROOT/<step>) to the checkpoint path DST; either may be local or s3://bucket/prefix.
 
@@ -32,8 +35,10 @@ def cp(src: str, dst: str, overwrite: bool, threads: int | None, as_json: bool) 
     it refer to its data). One checkpoint at a time: copy the steps of a root one by one
     (ROOT/<step> to DST_ROOT/<name>). The copy is self-contained: the data an incremental
     checkpoint refers to in other checkpoints of its root is copied into files of its own. A
-    progress bar shows the bytes copied (on a terminal, without --json)."""
+    progress bar shows the bytes copied (on a terminal, without --json). Refused while a manager
+    holds the writer lease of DST's directory (it alone writes there), unless --force."""
     with reported_errors():
+        refuse_live_writer(storage_for(dst).parent(), "copying", force)
         source = Source.read(*read_committed(src))
         with progress_bar(sum(source.manifest.files.values()), "copying", quiet=as_json) as advance:
             info = copy(source, dst, overwrite=overwrite, threads=threads, progress=advance)

@@ -11,8 +11,10 @@ from rich.filesize import decimal as human_bytes
 
 import zerostall as zs
 from ..format import codec
+from ..storage import storage_for
 
-from .common import FAILED, USAGE, Failure, cli, console, open_session, print_json, progress_bar, reported_errors
+from .common import (FAILED, USAGE, Failure, cli, console, open_session, print_json, progress_bar, refuse_live_writer,
+                     reported_errors)
 
 
 @cli.command(name="import")
@@ -22,8 +24,9 @@ from .common import FAILED, USAGE, Failure, cli, console, open_session, print_js
               help="Read a DCP checkpoint: its .metadata and non-tensor items are pickles, which can run code; "
                    "only for a checkpoint you trust. Values that need pickle are saved with pickle too.")
 @click.option("--overwrite", is_flag=True, help="Replace a zerostall checkpoint already at OUT.")
+@click.option("--force", is_flag=True, help="Write even while a manager holds the writer lease of OUT's directory.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-def import_(src: str, out: str, allow_pickle: bool, overwrite: bool, as_json: bool) -> None:
+def import_(src: str, out: str, allow_pickle: bool, overwrite: bool, force: bool, as_json: bool) -> None:
     """Convert SRC (a PyTorch DCP checkpoint directory, a Hugging Face safetensors directory with or
     without model.safetensors.index.json, or one .safetensors file) into the zerostall checkpoint OUT,
     with checksums, then read every value back from OUT and compare it bit for bit with the value saved.
@@ -34,9 +37,11 @@ def import_(src: str, out: str, allow_pickle: bool, overwrite: bool, as_json: bo
 
     Exit status: 0 converted and every value checked equal; 1 the source is damaged, cannot be
     converted, or a value read back differs; 2 bad usage (nothing at SRC, a DCP checkpoint
-    without --allow-pickle, a checkpoint at OUT without --overwrite)."""
+    without --allow-pickle, a checkpoint at OUT without --overwrite). Refused while a manager holds
+    the writer lease of OUT's directory (it alone writes there), unless --force."""
     start = time.perf_counter()
     with reported_errors():
+        refuse_live_writer(storage_for(out).parent(), "importing", force)
         try:
             report = convert(src, out, allow_pickle=allow_pickle, overwrite=overwrite, quiet=as_json)
         except zs.CheckpointExistsError as exc:

@@ -17,16 +17,16 @@ import click
 from rich.filesize import decimal as human_bytes
 from rich.table import Column, Table
 
-from ..roots.lease import live_holder
 from ..roots.retention import RetentionPolicy, numeric_metrics
-from ..roots.root import (COMMITTED, LEASE_NAME, RETAINED, SUPERSEDED_NAME, CheckpointInfo, CheckpointRoot, describe,
+from ..roots.root import (COMMITTED, RETAINED, SUPERSEDED_NAME, CheckpointInfo, CheckpointRoot, describe,
                           looks_like_checkpoint, retained)
 from ..roots.sharing import referenced, refs_set_aside
 from ..storage import storage_for
 from ..storage.local import LocalStorage
 from ..tiers.local import step_folders
 
-from .common import EXIT_STATUSES, FAILED, USAGE, Failure, cli, clip, console, format_time, print_json, reported_errors
+from .common import (EXIT_STATUSES, FAILED, USAGE, Failure, cli, clip, console, format_time, print_json,
+                     refuse_live_writer, reported_errors)
 
 
 @dataclass
@@ -249,13 +249,7 @@ def prune(root: str, keep_last: int | None, keep_every: int | None, keep_best: i
     with reported_errors():
         if looks_like_checkpoint(checkpoints.storage):
             raise Failure(f"{where} is a checkpoint; prune takes the directory that holds checkpoints", USAGE)
-        holder = live_holder(checkpoints.storage)
-        if holder is not None:
-            who = f"{holder.get('host')} pid {holder.get('pid')}"
-            if not force:
-                raise Failure(f"{where} is being written by {who} (live {LEASE_NAME}); "
-                              "stop that job first, or pass --force")
-            console(stderr=True).print(f"warning: pruning while {who} holds the writer lease (--force)")
+        refuse_live_writer(checkpoints.storage, "pruning", force)
         rows = [r for r in scan(checkpoints, policy, include_root=False) if not r.name.startswith(".")]
         problem = check_metric(rows, policy)
         if problem:
