@@ -8,9 +8,10 @@ generation with their sizes, the metadata), known entry kinds and dtypes, non-ne
 chunks inside the tensor and inside the files the manifest lists, ``nbytes`` = elements × item
 size, one checksum per block, chunks that tile each tensor exactly and each data file back to back
 (``tensor_check``), aliases of tensor entries, tensor subclass descriptions, key paths unique and
-matching the tree, python values of known tags at most :data:`~zerostall.format.codec.MAX_DEPTH` containers deep (``value_check``). A session's first
-reads may check only the entry they read, with the same checks and those of the data files it lies
-in (:meth:`_Body.one`). Loaders, ``verify`` and the CLI then trust these numbers. Anything else is a
+matching the tree, python values of known tags at most :data:`~zerostall.format.codec.MAX_DEPTH`
+containers deep (``value_check``). A session's first reads may check only the entry they read, with
+the same checks and those of the data files it lies in (:meth:`_Body.one`). Loaders, ``verify``
+and the CLI then trust these numbers. Anything else is a
 :class:`~zerostall.errors.CorruptCheckpointError` naming the field. The limits are documented in
 docs/format.md §10, "What a reader accepts".
 """

@@ -290,19 +290,20 @@ def check_replicas(group: Group, plan: Plan, collected: Collected) -> None:
         return
     lanes = torch.full((plan.slot_count, 2), _UNHELD, dtype=torch.int64)
 
-    def put(chunk: ChunkKey, data: Any) -> None:
+    def put(slot: int, data: Any) -> None:
         checksum = xxhash.xxh3_64_intdigest(data) >> 2  # 62 bits: its negation is an int64 too
-        lanes[plan.slots[chunk], 0], lanes[plan.slots[chunk], 1] = checksum, -checksum
+        lanes[slot, 0], lanes[slot, 1] = checksum, -checksum
 
+    slots = plan.slots
     for item in collected.items:
-        if not item.rank_local and item.key in plan.slots:
-            put(item.key, owned_bytes(item.tensor.cpu()))
+        if not item.rank_local and item.key in slots:
+            put(slots[item.key], owned_bytes(item.tensor.cpu()))
     for key, encoded in collected.objects.items():
-        if (key, ()) in plan.slots:
-            put((key, ()), json.dumps(encoded, sort_keys=True).encode())
+        if (key, ()) in slots:
+            put(slots[(key, ())], json.dumps(encoded, sort_keys=True).encode())
     for chunk, shard in collected.shards.items():  # a replicated box of a tensor subclass: its context too
-        if chunk in plan.slots:
-            put(chunk, json.dumps(shard, sort_keys=True).encode())
+        if chunk in slots:
+            put(slots[chunk], json.dumps(shard, sort_keys=True).encode())
     least = group.minima(lanes)
     bad = ((least[:, 0] != _UNHELD) & (least[:, 0] != -least[:, 1])).nonzero().flatten().tolist()
     if bad:

@@ -158,11 +158,10 @@ def step_folders(directory: str) -> list[tuple[str, int, Path]]:
     """The step folders of every run in the node directory ``directory``, or of the one run when
     ``directory`` is a run's folder: (run id, step, folder), in order (what ``zerostall ls`` lists)."""
     top = Path(directory)
-    own = NodeDirectory(str(top.parent), top.name)._steps()
-    if own:
-        return [(top.name, step, folder) for step, folder in own]
-    return [(p.name, step, folder) for p in _entries(top) if p.is_dir() and _RUN_RE.match(p.name)
-            for step, folder in NodeDirectory(directory, p.name)._steps()]
+    runs = [NodeDirectory(str(top.parent), top.name)]
+    if not runs[0].steps():
+        runs = [NodeDirectory(directory, p.name) for p in _entries(top) if p.is_dir() and _RUN_RE.match(p.name)]
+    return [(run.run.name, step, run.step_path(step)) for run in runs for step in run.steps()]
 
 
 def check_space(directory: str, needed: int, reusable: int) -> None:
