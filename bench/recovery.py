@@ -202,10 +202,10 @@ def train(rank: int, args: argparse.Namespace, port: int, run: dict[str, str]) -
 
 
 class Timed:
-    """Wrap ``module.name`` so each call's (start, end, result) is recorded, and its positional
-    arguments in ``args`` (bench instrumentation)."""
+    """Wrap ``module.name`` so each call's (start, end, ``keep(result)``) is recorded, and its
+    positional arguments in ``args`` (bench instrumentation)."""
 
-    def __init__(self, module: types.ModuleType, name: str) -> None:
+    def __init__(self, module: types.ModuleType, name: str, keep: Callable[[Any], Any] = lambda r: r) -> None:
         self.calls: list[tuple[float, float, Any]] = []
         self.args: list[tuple[Any, ...]] = []
         inner = getattr(module, name)
@@ -213,7 +213,7 @@ class Timed:
         def timed(*a: Any, **kw: Any) -> Any:
             start = time.monotonic()
             result = inner(*a, **kw)
-            self.calls.append((start, time.monotonic(), result))
+            self.calls.append((start, time.monotonic(), keep(result)))
             self.args.append(a)
             return result
 
@@ -222,6 +222,12 @@ class Timed:
 
 def tree_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def received_bytes(got: list[Any]) -> list[int]:
+    """The bytes of each copy an exchange received (those it put into memory included: the folder
+    left for the rest holds every file at its full size), taken before the restore removes it."""
+    return [tree_bytes(str(p.folder if isinstance(p, transfer.Landed) else p)) for p in got if p is not None]
 
 
 def restore_once(scenario: str, rank: int, state: dict[str, Any], run: dict[str, str], args: argparse.Namespace,
@@ -240,7 +246,7 @@ def restore_once(scenario: str, rank: int, state: dict[str, Any], run: dict[str,
         info = mgr.last_restore
     finally:
         mgr.close()
-    received = sum(tree_bytes(str(p)) for _, _, got in exchanges.calls for p in got or [] if p is not None)
+    received = sum(n for _, _, sizes in exchanges.calls for n in sizes)
     return {"seconds": end - start, "open_s": opened, "step": step, "source": info.source,
             "sources": list(info.sources), "fallbacks": [list(f) for f in info.fallbacks],
             "digest": digest(state), "exchange": [(s, e) for s, e, _ in exchanges.calls],
@@ -280,7 +286,7 @@ def restore(rank: int, args: argparse.Namespace, port: int, run: dict[str, Any])
     torch.set_num_threads(1)
     init_group(rank, WORLD, port, GROUP_TIMEOUT)
     state = make_state(rank, args.rank_mib)
-    exchanges, verifies = Timed(sources, "exchange"), Timed(transfer, "verify_all")
+    exchanges, verifies = Timed(sources, "exchange", received_bytes), Timed(transfer, "verify_all")
     pg = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)  # the raw transfers' own, as the tier has its own
     buf = torch.zeros(run["copy_bytes"], dtype=torch.uint8)
     buf.fill_(rank)  # touched before any timing

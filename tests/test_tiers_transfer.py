@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -73,13 +75,23 @@ def test_a_spare_node_keeps_the_placement() -> None:
 
 
 def test_the_manifest_travels_alone_then_the_files_a_wave_at_a_time_in_turn() -> None:
-    from zerostall.tiers.transfer import _Plan
+    from zerostall.tiers.stream import Plan
 
-    plan = _Plan([("manifest.json", 5), ("a", 7), ("b", 3), ("c", 0), ("d", 4)], chunk=3, wave=2)
+    plan = Plan([("manifest.json", 5), ("a", 7), ("b", 3), ("c", 0), ("d", 4)], chunk=3, wave=2,
+                cuts=[[], [], [], [], []])
     assert [(group, list(chunks)) for group, chunks in plan.waves()] == [
         ([0], [(0, 0, 3), (0, 3, 2)]),
         ([1, 2], [(1, 0, 3), (2, 0, 3), (1, 3, 3), (1, 6, 1)]),
         ([3, 4], [(4, 0, 3), (4, 3, 1)])]
+
+
+def test_no_chunk_crosses_a_cut() -> None:
+    """A file is cut at the bounds of tensors a receiver may put into memory: a chunk ends at each cut."""
+    from zerostall.tiers.stream import Plan
+
+    plan = Plan([("manifest.json", 2), ("a", 10)], chunk=4, wave=1, cuts=[[], [2, 3, 9]])
+    assert [list(chunks) for _, chunks in plan.waves()][1] == [(1, 0, 2), (1, 2, 1), (1, 3, 4), (1, 7, 2), (1, 9, 1)]
+    assert [o for o in range(11) if plan.cut_at(1, o)] == [0, 2, 3, 9, 10]
 
 
 def _manifest(folder: Path):
@@ -264,6 +276,63 @@ def test_a_flipped_byte_is_caught_and_nothing_is_published(ranks, tmp_path: Path
     _assert_same(zs.load(_empty_like(_state(7)), str(held)), _state(7))
 
 
+def _into_memory(own: str, held: str) -> Any:
+    """Rank 1 sends its copy; rank 0 receives it into a zeroed state where it can, then loads the rest."""
+    import torch.distributed as dist
+
+    from zerostall.options import LoadOptions
+    from zerostall.tiers.copies import load_copy, placements, view
+    from zerostall.tiers.transfer import exchange
+
+    if dist.get_rank() == 1:
+        return _exchange([(0, Path(own))], [], 1 << 16)
+    state = _empty_like(_state(1))
+    memory = {k: v.data_ptr() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    target = view(state, restoring=True)
+    try:
+        (got,) = exchange(dist.group.WORLD, [], [(1, Path(held))], chunk_bytes=1 << 16,
+                          place=functools.partial(placements, target))
+    except Exception as exc:
+        return [type(exc).__name__, str(exc)]
+    published = os.path.exists(held)
+    placed = {k: torch.equal(state[k], _state(1)[k]) for k in got.placed}  # before the rest is loaded
+    loaded = load_copy(state, target, got.folder, options=LoadOptions(verify=False), placed=got.placed)
+    return {"placed": placed, "published": published, "folder": str(got.folder), "state": loaded,
+            "in_place": all(state[k].data_ptr() == ptr for k, ptr in memory.items())}
+
+
+def _layout_copy(tmp_path: Path) -> Path:
+    """Rank 1's copy as the local tier saves it: with the digest of its layout."""
+    from zerostall.tiers.copies import LAYOUT_KEY, view
+
+    own = tmp_path / "own_1"
+    zs.save(_state(1), str(own), threads=6, metadata={LAYOUT_KEY: view(_state(1)).digest})
+    return own
+
+
+def test_a_restore_receives_large_tensors_straight_into_the_state(ranks, tmp_path: Path) -> None:
+    """The tensors of at least PLACEABLE bytes arrive in the target's own memory, right before
+    anything is loaded; the rest loads from the folder, which is not published; bit-exact."""
+    from zerostall.tiers.transfer import PLACEABLE
+
+    held = tmp_path / "node" / "rank_00001"
+    got = ranks(2).run(_into_memory, str(_layout_copy(tmp_path)), str(held))[0]
+    large = sorted(k for k, v in _state(1).items() if isinstance(v, torch.Tensor) and v.nbytes >= PLACEABLE)
+    assert large == ["w"] and sorted(got["placed"]) == large and all(got["placed"].values())
+    assert not got["published"] and got["in_place"] and Path(got["folder"]).parent == held.parent
+    _assert_same(got["state"], _state(1))
+
+
+def test_a_flipped_byte_in_a_tensor_received_into_memory_is_caught(ranks, tmp_path: Path) -> None:
+    own = _layout_copy(tmp_path)
+    chunk = next(e.chunks[0] for e in _manifest(own).entries if e.fqn == "w")
+    _flip_at(own / chunk.file, chunk.offset + chunk.nbytes // 2)
+    held = tmp_path / "node" / "rank_00001"
+    kind, message = ranks(2).run(_into_memory, str(own), str(held))[0]
+    assert kind == "CorruptCheckpointError" and "rank 1" in message and "entry w" in message, message
+    assert not held.parent.exists() or os.listdir(held.parent) == []
+
+
 def _flip_at(path: Path, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -348,10 +417,11 @@ def _hostile_then_honest(name: str, held: str, own: str) -> list:
     """Rank 1 sends a header naming a manifest and ``name``, and their bytes; then a real copy, on the same pair."""
     import torch.distributed as dist
 
-    from zerostall.tiers.transfer import _send_header
+    from zerostall.tiers.stream import send_header
 
     if dist.get_rank() == 1:
-        _send_header(dist.group.WORLD, 0, {"files": [[MANIFEST_NAME, 4], [name, 4]], "chunk": 4096, "wave": 4})
+        send_header(dist.group.WORLD, 0, {"files": [[MANIFEST_NAME, 4], [name, 4]], "chunk": 4096, "wave": 4,
+                                          "cuts": [[], []]})
         for _ in range(2):
             dist.send(torch.zeros(4, dtype=torch.uint8), 0)
         return _exchange([(0, own)], [], 4096)
@@ -375,13 +445,13 @@ def _forged(files: list[tuple[str, str]], held: str) -> list:
     """Rank 1 sends the files given as (name, path of the bytes) as a copy, each in one chunk."""
     import torch.distributed as dist
 
-    from zerostall.tiers.transfer import _send_header
+    from zerostall.tiers.stream import send_header
 
     if dist.get_rank() == 0:
         return _exchange([], [(1, Path(held))], 1 << 20)
     data = [Path(path).read_bytes() for _, path in files]
-    _send_header(dist.group.WORLD, 0, {"files": [[name, len(d)] for (name, _), d in zip(files, data)],
-                                       "chunk": 1 << 20, "wave": 1})  # one file at a time, each in one chunk
+    send_header(dist.group.WORLD, 0, {"files": [[name, len(d)] for (name, _), d in zip(files, data)],
+                                      "chunk": 1 << 20, "wave": 1, "cuts": [[] for _ in files]})  # each in one chunk
     for d in data:
         if d:
             dist.send(torch.frombuffer(bytearray(d), dtype=torch.uint8), 0)
@@ -412,18 +482,23 @@ def test_a_copy_that_is_not_its_manifest_s_files_is_refused(ranks, tmp_path: Pat
 def _header_only(header: dict, held: str) -> list:
     import torch.distributed as dist
 
-    from zerostall.tiers.transfer import _send_header
+    from zerostall.tiers.stream import send_header
 
     if dist.get_rank() == 0:
         return _exchange([], [(1, Path(held))], 4096)
-    _send_header(dist.group.WORLD, 0, header)
+    send_header(dist.group.WORLD, 0, header)
     return []
 
 
-@pytest.mark.parametrize("header", [{"files": [[MANIFEST_NAME, 4]], "chunk": 0, "wave": 4},
-                                    {"files": [[MANIFEST_NAME, 4]], "chunk": 1 << 40, "wave": 4},
-                                    {"files": [[MANIFEST_NAME, -4]], "chunk": 4096, "wave": 4},
-                                    {"files": [], "chunk": 4096, "wave": 4}, {"files": [[MANIFEST_NAME, 4]]}, [1]])
+@pytest.mark.parametrize("header", [{"files": [[MANIFEST_NAME, 4]], "chunk": 0, "wave": 4, "cuts": [[]]},
+                                    {"files": [[MANIFEST_NAME, 4]], "chunk": 1 << 40, "wave": 4, "cuts": [[]]},
+                                    {"files": [[MANIFEST_NAME, -4]], "chunk": 4096, "wave": 4, "cuts": [[]]},
+                                    {"files": [], "chunk": 4096, "wave": 4, "cuts": []},
+                                    {"files": [[MANIFEST_NAME, 4]]},
+                                    {"files": [[MANIFEST_NAME, 4]], "chunk": 4096, "wave": 4},
+                                    {"files": [[MANIFEST_NAME, 4]], "chunk": 4096, "wave": 4, "cuts": [[4]]},
+                                    {"files": [[MANIFEST_NAME, 9]], "chunk": 4096, "wave": 4, "cuts": [[3, 2]]},
+                                    [1]])
 def test_a_malformed_header_is_refused(ranks, tmp_path: Path, header) -> None:
     held = tmp_path / "node" / "rank_00001"
     kind, message = ranks(2).run(_header_only, header, str(held))[0]
@@ -454,7 +529,7 @@ def _dies_while_sending(own: str, held: str) -> list:
         def kill_when_arriving() -> None:
             def arriving() -> bool:
                 try:
-                    return any(f.stat().st_size for d in folder.glob(INCOMING + "*") for f in d.iterdir())
+                    return any(f.stat().st_blocks for d in folder.glob(INCOMING + "*") for f in d.iterdir())
                 except OSError:  # a folder or file that went meanwhile
                     return False
             wait_for(arriving, "the copy to arrive")

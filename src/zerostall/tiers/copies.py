@@ -9,7 +9,9 @@ uses the persistent tier, which reshards.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections import Counter
 from typing import Any, NamedTuple
 
 import torch
@@ -18,6 +20,7 @@ import xxhash
 from ..collectives import ALONE
 from ..errors import StateMismatchError
 from ..format.boxes import local_box
+from ..format.layout import Manifest
 from ..loading.checkpoint import Checkpoint
 from ..options import LoadOptions
 from ..state import Flat, Path, flatten, init_optimizer_state, rebuild
@@ -51,11 +54,44 @@ def view(state: Any, *, restoring: bool = False) -> View:
     return View(out, flat, digest.hexdigest())
 
 
-def load_copy(state: Any, target: View, path: str | os.PathLike[str], *, options: LoadOptions) -> Any:
+def placeable(options: LoadOptions) -> bool:
+    """Whether a restore with ``options`` may receive a copy into memory: it loads every key as saved."""
+    return options.keys is None and not options.prefix and not options.strip
+
+
+def placements(target: View, manifest: Manifest) -> dict[int, torch.Tensor]:
+    """Where a copy of this rank's layout arriving from a peer may be received straight into
+    ``target`` (its :func:`view` made ``restoring``): by entry index, the memory, as bytes, of each
+    tensor leaf that takes the entry's one chunk as it is (on the CPU, a plain contiguous tensor of
+    the entry's dtype and shape), when the entry's dotted name is its own; none for another layout."""
+    tree, flat, digest = target
+    meta = manifest.metadata if isinstance(manifest.metadata, dict) else {}
+    if meta.get(LAYOUT_KEY) != digest or manifest.world_size != 1:
+        return {}
+    names = Counter(e.fqn for e in manifest.entries)
+    out = {}
+    for i, entry in enumerate(manifest.entries):
+        if entry.kind != "tensor" or entry.inner_of is not None or len(entry.chunks) != 1 or names[entry.fqn] > 1:
+            continue
+        if not isinstance(flat.leaves.get(entry.path), torch.Tensor):
+            continue
+        piece = _get(tree, entry.path)
+        if (type(piece) in (torch.Tensor, torch.nn.Parameter) and piece.device.type == "cpu" and piece.is_contiguous()
+                and str(piece.dtype).removeprefix("torch.") == entry.dtype and tuple(piece.shape) == entry.shape
+                and not (piece.is_conj() or piece.is_neg()) and piece.nbytes == entry.chunks[0].nbytes):
+            out[i] = piece.detach().reshape(-1).view(torch.uint8)
+    return out
+
+
+def load_copy(state: Any, target: View, path: str | os.PathLike[str], *, options: LoadOptions,
+              placed: frozenset[str] = frozenset()) -> Any:
     """Load the copy at ``path`` into ``state`` (``target``: its :func:`view` made ``restoring``)
     in place (tensors filled, python values and stateful objects handed their values) and return
-    it. The copy must have been saved from this rank's layout (:class:`StateMismatchError` otherwise)."""
+    it, leaving out the entries ``placed`` (dotted names: already received into their tensors).
+    The copy must have been saved from this rank's layout (:class:`StateMismatchError` otherwise)."""
     tree, flat, digest = target
+    if placed:  # only placed where the options select every key (see ``placeable``)
+        options = dataclasses.replace(options, keys=lambda name: name not in placed)
     with Checkpoint(os.fspath(path), options, process_group=ALONE) as ck:
         saved = ck.metadata.get(LAYOUT_KEY) if isinstance(ck.metadata, dict) else None
         if saved != digest:

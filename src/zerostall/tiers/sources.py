@@ -4,7 +4,8 @@ Every rank reports its node's copies (one rank a node) and the digest of its own
 picks the newest step that holds a copy of every rank's state, saved from the layout that rank
 has now, on some node (:func:`choose`), unless the persistent tier holds a newer one. A rank
 whose node holds its copy loads it (``"local"``); the others receive theirs from a node that
-holds it (``"peer"``), every block checked on arrival. Every rank then says how it fared: if any
+holds it (``"peer"``), every block checked on arrival, straight into the state where it can
+(:mod:`zerostall.tiers.transfer`). Every rank then says how it fared: if any
 copy was damaged, every rank goes on together, to the next copy of that state, then to an
 older step, and (returning None) to the persistent tier; any other failure is raised on every rank.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -24,13 +26,16 @@ from ..storage import storage_for
 from .copies import LAYOUT_KEY
 from .local import NodeDirectory
 from .nodes import Nodes
-from .transfer import exchange
+from .transfer import Landed, Placer, exchange
 
 log = logging.getLogger(__name__)
 
 LOCAL, PEER = "local", "peer"
 
 Copy = tuple[int, int, int]  # (node, step, rank): one node's copy of one rank's state at one step
+Load = Callable[[str, bool, frozenset[str]], Any]
+"""Loads a copy: (its folder, whether it was just received, every block checked on arrival, the
+entries already received into their tensors, by dotted name)."""
 
 
 @dataclass
@@ -87,12 +92,12 @@ def choose(nodes: Nodes, digests: list[str], held: list[dict[int, dict[int, str]
 
 
 def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, digest: str,
-                       newer_than: int | None, load: Callable[[str, bool], Any], *, fallback: bool,
+                       newer_than: int | None, load: Load, place: Placer | None, *, fallback: bool,
                        fallbacks: list[tuple[str, str]]) -> tuple[Choice, Any] | None:
     """Restore this rank from the tiers (see the module's docstring): returns the choice made and
-    what ``load(copy path, checked)`` returned (``checked``: the copy was just received, every block
-    checked on arrival), or None when the persistent tier is to be used. Copies
-    found damaged are added to ``fallbacks`` (what, why)."""
+    what ``load`` returned, or None when the persistent tier is to be used; a copy from a peer is
+    received into memory where ``place`` says. Copies found damaged are added to ``fallbacks``
+    (what, why)."""
     rank = group.rank
     reports = group.all_gather_object((digest, report(directory, group.size, nodes.leads(rank))))
     digests = [d for d, _ in reports]
@@ -108,7 +113,7 @@ def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirec
             _say_why_not(group, held, newer_than)
             return None
         chosen = Choice(choice["step"], [tuple(s) for s in choice["sources"]], choice["kinds"])
-        outcome, result = _attempt(group, pg, nodes, directory, chosen, load)
+        outcome, result = _attempt(group, pg, nodes, directory, chosen, load, place)
         try:
             outcomes = group.all_gather_object(outcome)
         except RuntimeError as exc:  # a rank died or timed out: the restarted job restores again
@@ -134,20 +139,26 @@ def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirec
                 "local-tier copy of step %d is damaged (%s): trying the next copy", chosen.step, reason)
 
 
-def _attempt(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, choice: Choice,
-             load: Callable[[str, bool], Any]) -> tuple[tuple[str, str], Any]:
+def _attempt(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, choice: Choice, load: Load,
+             place: Placer | None) -> tuple[tuple[str, str], Any]:
     """Receive this rank's copy if it is a peer's, send the copies others need from this rank,
     then load; returns (outcome, message) and what ``load`` returned."""
     rank, step = group.rank, choice.step
     sends = [(r, directory.copy_path(step, r)) for r, (_, sender) in enumerate(choice.sources)
              if sender == rank and r != rank]
     receives = [(choice.sources[rank][1], directory.copy_path(step, rank))] if choice.kinds[rank] == PEER else []
+    landed = None
     try:
-        if sends or receives:
-            exchange(pg, sends, receives)
-        return (OK, ""), load(str(directory.copy_path(step, rank)), bool(receives))
+        got = exchange(pg, sends, receives, place=place) if sends or receives else []
+        landed = got[0] if receives and isinstance(got[0], Landed) else None
+        if landed is not None:
+            return (OK, ""), load(str(landed.folder), True, landed.placed)
+        return (OK, ""), load(str(directory.copy_path(step, rank)), bool(receives), frozenset())
     except Exception as exc:
         return (kind_of(exc) if kind_of(exc) == DAMAGED else FAILED, f"{type(exc).__name__}: {exc}"), None
+    finally:
+        if landed is not None:  # holds only what did not go into memory: never kept
+            shutil.rmtree(landed.folder, ignore_errors=True)
 
 
 def _as_json(choice: Choice | None) -> Any:

@@ -25,7 +25,7 @@ from ..roots.restore import RestoreInfo
 from ..roots.root import step_tag, tag_step
 from ..saving.asynchronous import AsyncSaver
 from ..saving.handles import SaveHandle
-from .copies import LAYOUT_KEY, View, load_copy, view
+from .copies import LAYOUT_KEY, View, load_copy, placeable, placements, view
 from .local import LocalTier, NodeDirectory, check_space, run_id_for
 from .nodes import Nodes, gather_nodes
 from .replication import Replicator
@@ -114,9 +114,10 @@ class NodeTier:
         steps = [s for tag, damage in candidates if damage is None and (s := tag_step(tag)) is not None]
         target = view(state, restoring=True)
         fallbacks: list[tuple[str, str]] = []
+        place = functools.partial(placements, target) if placeable(options) else None
         got = restore_from_tiers(self.restoring, self.pg, self.nodes, self.directory, target.digest,
                                  steps[0] - 1 if steps else None, functools.partial(_load, state, target, options),
-                                 fallback=fallback, fallbacks=fallbacks)
+                                 place, fallback=fallback, fallbacks=fallbacks)
         if got is None:
             return RestoreInfo(None, None, (), tuple(fallbacks)), None
         choice, loaded = got
@@ -149,7 +150,10 @@ class NodeTier:
                     dist.destroy_process_group(self.pg)
 
 
-def _load(state: dict[str, Any], target: View, options: LoadOptions, path: str, checked: bool) -> Any:
-    """Load a copy into ``state`` (seen as ``target``); one received just now had every block
-    checked on arrival, so it is not checked a second time."""
-    return load_copy(state, target, path, options=dataclasses.replace(options, verify=False) if checked else options)
+def _load(state: dict[str, Any], target: View, options: LoadOptions, path: str, checked: bool,
+          placed: frozenset[str]) -> Any:
+    """Load a copy into ``state`` (seen as ``target``), but the entries ``placed`` (received into
+    their tensors); one received just now had every block checked on arrival, so it is not checked
+    a second time."""
+    return load_copy(state, target, path, options=dataclasses.replace(options, verify=False) if checked else options,
+                     placed=placed)

@@ -1,16 +1,22 @@
 """Copies between ranks: a rank's copy (a directory holding one committed checkpoint) sent over a
 process group, verified where it arrives before it is published.
 
-Each transfer is one stream between two ranks: a header (the length of a JSON document, then the
-document: the copy's file names and sizes, or why there is nothing), then the bytes of the files,
-manifest first, in chunks, a few on the wire at once. No pickling, no collective: point-to-point
-messages only, every wait bounded by the group's own timeout. The sender's files are
+Each transfer is one stream between two ranks (:mod:`zerostall.tiers.stream`): a header, then the
+bytes of the files, manifest first, in chunks, a few on the wire at once. No pickling, no
+collective: point-to-point messages only, every wait bounded by the group's own timeout. The sender's files are
 memory-mapped (the network reads the page cache, no copy in between). The receiver checks each
 data file's bytes as they arrive, against the manifest that came first, before writing them
 (:class:`~zerostall.loading.verification.ArrivingFile`: every check ``zs.verify`` makes, with no
 read-back), a few files at once, into a sibling folder ``.incoming-...`` (removed by the local
 tier at start-up if a crash leaves one), renamed into place once every file has passed. Files are
 not fsynced: a copy torn by a power loss fails its checksums when it is read, and another is used.
+
+A restore receives its own copy straight into the state where it can (``place``): each tensor
+that lies in one chunk of the copy and whose memory can take its bytes as they are (on the CPU,
+contiguous, of the same dtype and shape) is received into that memory and checked there, as the
+raw transport would receive it, instead of being written to a file and read back; the rest of the
+copy arrives into its folder as above, is loaded from there, and the folder, which lacks the
+placed bytes, is never published.
 """
 
 from __future__ import annotations
@@ -20,42 +26,59 @@ import os
 import secrets
 import shutil
 import threading
-from itertools import zip_longest
-from collections import deque
+from bisect import bisect_right
 from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.checksums import CACHE_PIECE
-from ..format.layout import MANIFEST_NAME, dump_json, load_json
-from ..loading.opening import read_manifest, read_manifest_head
+from ..format.layout import MANIFEST_NAME, Manifest
+from ..loading.opening import read_manifest
 from ..loading.reader import ChunkReader
 from ..loading.verification import ArrivingFile, arriving_files, verify_all
 from ..storage.base import check_name
 from ..storage.local import LocalStorage, open_regular
+from .stream import CHUNK_LIMIT, IN_FLIGHT, Plan, Wire, plan_header, receive_header, send_header
 
 INCOMING = ".incoming-"
 """The prefix of a copy's folder while it arrives, beside the folder it is published as."""
 
-_HEADER_LIMIT = 64 << 20  # a copy's names and sizes; more is a broken or hostile stream
-_CHUNK_LIMIT = 64 << 20  # the largest chunk a receiver takes (it holds a few)
+PLACEABLE = 256 << 10
+"""The bytes of a chunk from which a sender cuts the stream at its bounds, so that a restoring
+receiver may put it straight into memory (smaller ones travel with their neighbours)."""
+
+Placer = Callable[[Manifest], dict[int, torch.Tensor]]
+"""Given a received copy's manifest: the memory (contiguous ``uint8``, the chunk's size) each
+tensor entry (by index) of one chunk may be received into."""
+
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-_IN_FLIGHT = 4  # chunks of one transfer on the wire at once
 _WRITERS = 4  # files of one copy that travel, and are written, at once
 
 
+@dataclass(frozen=True)
+class Landed:
+    """A copy received partly into memory (see the module's docstring): the rest of it is in
+    ``folder``, which is never published (it lacks the placed bytes); load it from there leaving
+    out the entries ``placed`` (dotted names), then remove it."""
+
+    folder: Path
+    placed: frozenset[str]
+
+
 def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequence[tuple[int, Path]], *,
-             chunk_bytes: int = 4 << 20) -> list[Path | None]:
+             chunk_bytes: int = 4 << 20, place: Placer | None = None) -> list[Path | Landed | None]:
     """Run every transfer of this rank at once (no deadlock: each rank may send to and receive from
     several ranks, the same ones included). ``sends``: (destination rank in ``pg``, copy directory,
     or None when this rank has nothing: the receiver is told so), sent in chunks of ``chunk_bytes``.
     ``receives``: (source rank, the directory to publish the copy as; one there is replaced).
-    Returns, per receive, that directory, or None when the sender had nothing. Raises once every
+    ``place``: put what it can of each received copy straight into memory (see the module's
+    docstring). Returns, per receive, that directory (a :class:`Landed` when something was put into
+    memory: nothing published), or None when the sender had nothing. Raises once every
     transfer has ended: a copy that fails its checks is :class:`CorruptCheckpointError` naming the
     source rank and the file (nothing is published), a peer that died or timed out a
     :class:`CheckpointError` naming it."""
@@ -64,12 +87,12 @@ def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequen
         if len(set(peers)) != len(peers) or me in peers or not all(0 <= r < dist.get_world_size(pg) for r in peers):
             raise ValueError(f"exchange on rank {me}: each rank to {what} must be another rank of the group, once: "
                              f"{peers}")
-    if not 0 < chunk_bytes <= _CHUNK_LIMIT:
-        raise ValueError(f"exchange: chunk_bytes must be in 1..{_CHUNK_LIMIT}, not {chunk_bytes}")
+    if not 0 < chunk_bytes <= CHUNK_LIMIT:
+        raise ValueError(f"exchange: chunk_bytes must be in 1..{CHUNK_LIMIT}, not {chunk_bytes}")
     if not (sends or receives):
         return []
     jobs = [lambda r=r, p=p: _send(pg, r, None if p is None else Path(p), chunk_bytes) for r, p in sends]
-    jobs += [lambda r=r, p=p: _receive(pg, r, Path(p)) for r, p in receives]
+    jobs += [lambda r=r, p=p: _receive(pg, r, Path(p), place) for r, p in receives]
     with ThreadPoolExecutor(len(jobs), thread_name_prefix="zerostall-transfer") as pool:
         futures = [pool.submit(job) for job in jobs]
     errors = [f.exception() for f in futures if f.exception() is not None]
@@ -78,45 +101,20 @@ def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequen
     return [f.result() for f in futures[len(sends):]]
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """What a header announces: the files (names and sizes, the manifest first), the chunk size and
-    how many files travel at once."""
-
-    files: list[tuple[str, int]]
-    chunk: int
-    wave: int
-
-    def waves(self) -> Iterator[tuple[list[int], Iterator[tuple[int, int, int]]]]:
-        """The order the chunks travel in, by wave: (its files' indexes, its chunks as (file index,
-        offset, size)). The manifest travels alone, then the other files ``wave`` at a time, their
-        chunks in turn, so the receiver writes that many files at once (writes into one file wait
-        for each other)."""
-        starts = range(1, len(self.files), self.wave)
-        for group in [[0]] + [list(range(i, min(i + self.wave, len(self.files)))) for i in starts]:
-            turns = zip_longest(*(self._chunks(f) for f in group))
-            yield group, (c for turn in turns for c in turn if c is not None)
-
-    def _chunks(self, f: int) -> Iterator[tuple[int, int, int]]:
-        size = self.files[f][1]
-        for offset in range(0, size, self.chunk):
-            yield f, offset, min(self.chunk, size - offset)
-
-
 def _send(pg: Any, dst: int, copy: Path | None, chunk_bytes: int) -> None:
     """Send ``copy`` (its manifest first, then the files it lists) to ``dst``; None: word that there is none."""
     try:
         try:
-            files, data = ([], []) if copy is None else _open_copy(copy)
+            files, data, cuts = ([], [], []) if copy is None else _open_copy(copy)
         except (CheckpointError, OSError) as exc:  # the receiver learns why, then this rank raises it
-            _send_header(pg, dst, {"error": f"{type(exc).__name__}: {exc}"})
+            send_header(pg, dst, {"error": f"{type(exc).__name__}: {exc}"})
             raise CheckpointError(f"cannot send the copy {copy} to rank {dst}: {exc}") from exc
         if copy is None:
-            _send_header(pg, dst, {"files": None})
+            send_header(pg, dst, {"files": None})
             return
-        plan = _Plan(files, chunk_bytes, _WRITERS)
-        _send_header(pg, dst, {"files": [list(f) for f in files], "chunk": plan.chunk, "wave": plan.wave})
-        wire = _Wire(pg, dst)
+        plan = Plan(files, chunk_bytes, _WRITERS, cuts)
+        send_header(pg, dst, plan_header(plan))
+        wire = Wire(pg, dst)
         for _, chunks in plan.waves():
             for f, offset, n in chunks:
                 wire.send(data[f][offset:offset + n])
@@ -126,13 +124,19 @@ def _send(pg: Any, dst: int, copy: Path | None, chunk_bytes: int) -> None:
                               f"{exc}") from exc
 
 
-def _open_copy(copy: Path) -> tuple[list[tuple[str, int]], list[torch.Tensor]]:
+def _open_copy(copy: Path) -> tuple[list[tuple[str, int]], list[torch.Tensor], list[list[int]]]:
     """The files of the committed copy ``copy`` (its manifest, then the data files it lists) with
-    their sizes, and their bytes, mapped (the network reads them from the page cache, no copy; a
-    copy's files are never rewritten in place, so none shrinks under its map)."""
-    head = read_manifest_head(LocalStorage(os.fspath(copy), fsync=False))  # the file list: no entries to parse
-    files, data = [], []
-    for name in [MANIFEST_NAME, *head.files]:
+    their sizes, their bytes, mapped (the network reads them from the page cache, no copy; a
+    copy's files are never rewritten in place, so none shrinks under its map), and where each is
+    cut: the bounds of its chunks of at least :data:`PLACEABLE` bytes."""
+    manifest = read_manifest(LocalStorage(os.fspath(copy), fsync=False))
+    bounds: dict[str, set[int]] = {name: set() for name in manifest.files}
+    for entry in manifest.entries:
+        for chunk in entry.chunks:
+            if chunk.nbytes >= PLACEABLE and chunk.file in bounds:
+                bounds[chunk.file].update((chunk.offset, chunk.offset + chunk.nbytes))
+    files, data, cuts = [], [], []
+    for name in [MANIFEST_NAME, *manifest.files]:
         fd, size = open_regular(os.path.join(copy, check_name(name)))
         try:
             mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else bytearray()
@@ -140,18 +144,23 @@ def _open_copy(copy: Path) -> tuple[list[tuple[str, int]], list[torch.Tensor]]:
             os.close(fd)
         files.append((name, size))
         data.append(torch.frombuffer(mapped, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8))
-    return files, data
+        cuts.append(sorted(c for c in bounds.get(name, ()) if 0 < c < size))
+    return files, data, cuts
 
 
-def _receive(pg: Any, src: int, final: Path) -> Path | None:
-    """Receive ``src``'s copy into a folder beside ``final``, verify it, publish it as ``final``."""
+def _receive(pg: Any, src: int, final: Path, place: Placer | None) -> Path | Landed | None:
+    """Receive ``src``'s copy into a folder beside ``final`` (into memory what ``place`` allows),
+    verify it, publish it as ``final`` (unless something went into memory)."""
     try:
-        plan = _receive_header(pg, src, final)
+        plan = receive_header(pg, src, final)
         if plan is None:
             return None
         incoming = final.parent / f"{INCOMING}{final.name}-{secrets.token_hex(4)}"
         try:
-            _Arrival(src, final, incoming, plan).receive(_Wire(pg, src))
+            arrival = _Arrival(src, final, incoming, plan, place)
+            arrival.receive(Wire(pg, src))
+            if arrival.placed:
+                return Landed(incoming, frozenset(arrival.placed))
             _publish(incoming, final)
         except BaseException:
             shutil.rmtree(incoming, ignore_errors=True)
@@ -166,12 +175,15 @@ class _Arrival:
     """One copy arriving into ``folder``. The manifest arrives first; then each chunk of a data file
     arrives into a buffer, is hashed into its file's checks (:class:`ArrivingFile`: its size, header
     and every block, against the manifest) and written by its file's writer thread (a file's chunks
-    go to one writer, in order) while the next ones arrive. A failure (a name that is not a plain
-    file name, a file that cannot be written, a check that fails) is raised once every byte has
-    arrived, the rest dropped, so the stream stays whole for the pair's next transfer."""
+    go to one writer, in order) while the next ones arrive; a chunk of a tensor that ``place`` put
+    into memory arrives there and is only hashed. A failure (a name that is not a plain file name, a
+    file that cannot be written, a check that fails) is raised once every byte has arrived, the rest
+    dropped, so the stream stays whole for the pair's next transfer."""
 
-    def __init__(self, src: int, final: Path, folder: Path, plan: _Plan) -> None:
-        self.src, self.final, self.folder, self.plan = src, final, folder, plan
+    def __init__(self, src: int, final: Path, folder: Path, plan: Plan, place: Placer | None = None) -> None:
+        self.src, self.final, self.folder, self.plan, self.place = src, final, folder, plan, place
+        self.spans: dict[int, list[tuple[int, int, torch.Tensor]]] = {}  # by file: (start, end, memory), sorted
+        self.placed: list[str] = []  # the dotted names of the entries put into memory
         self.names = [name for name, _ in plan.files]
         self.failure: CheckpointError | None = None
         self.lock = threading.Lock()
@@ -180,24 +192,33 @@ class _Arrival:
         self.arriving: dict[int, ArrivingFile] = {}  # each data file's checks, once the manifest is read
         self.checks = ThreadPoolExecutor(1, thread_name_prefix="zerostall-transfer-check")
         self.described: Future[int] | None = None  # the manifest's entries checked (verify_all of no file)
-        # a buffer is reused once the chunk in it is written; the wire holds fewer than _IN_FLIGHT chunks
-        self.buffers = [torch.empty(plan.chunk, dtype=torch.uint8) for _ in range(_IN_FLIGHT + _WRITERS)]
+        # a buffer is reused once the chunk in it is written; the wire holds fewer than IN_FLIGHT chunks
+        self.buffers = [torch.empty(plan.chunk, dtype=torch.uint8) for _ in range(IN_FLIGHT + _WRITERS)]
         self.writes: list[Future[None] | None] = [None] * len(self.buffers)
 
-    def receive(self, wire: _Wire) -> None:
+    def receive(self, wire: Wire) -> None:
         fds = self._create()
         try:
             k = 0
             for group, chunks in self.plan.waves():
                 self.lanes.update((f, self.writers[i % _WRITERS]) for i, f in enumerate(group))
                 for f, offset, n in chunks:
+                    into = self._memory(f, offset, n)
+                    if into is not None:
+                        wire.receive(into, lambda f=f, into=into, offset=offset:
+                                     self._store_later(None, fds.get(f), f, into, offset))
+                        continue
                     slot, k = k % len(self.buffers), k + 1
                     if self.writes[slot] is not None:
                         self.writes[slot].result()
                     buf = self.buffers[slot][:n]
                     wire.receive(buf, lambda slot=slot, f=f, buf=buf, offset=offset:
                                  self._store_later(slot, fds.get(f), f, buf, offset))
-                wire.then(lambda group=group: self._arrived(group))
+                if group == [0]:  # the manifest read before any data chunk is posted: it says where they go
+                    wire.finish()
+                    self._arrived(group)
+                else:
+                    wire.then(lambda group=group: self._arrived(group))
             wire.finish()
         finally:
             for writer in self.writers:
@@ -217,21 +238,25 @@ class _Arrival:
             if self.names[0] != MANIFEST_NAME:
                 raise CorruptCheckpointError(f"its file list does not begin with {MANIFEST_NAME}")
             self.folder.mkdir(parents=True)
-            for f, name in enumerate(self.names):
+            for f, (name, size) in enumerate(self.plan.files):
                 fds[f] = os.open(self.folder / check_name(name), _CREATE_FLAGS, 0o644)
+                os.ftruncate(fds[f], size)  # its listed size, holes where bytes went into memory
         except FileExistsError:
             self._fail(CorruptCheckpointError("its file list names a file twice"))
         except (CheckpointError, OSError) as exc:
             self._fail(exc)
         return fds
 
-    def _store_later(self, slot: int, fd: int | None, f: int, buf: torch.Tensor, offset: int) -> None:
-        """A chunk of file ``f`` has arrived in buffer ``slot``: check and write it in the background."""
+    def _store_later(self, slot: int | None, fd: int | None, f: int, buf: torch.Tensor, offset: int) -> None:
+        """A chunk of file ``f`` has arrived in buffer ``slot`` (None: into memory, where it stays):
+        check it, and write it unless it went into memory, in the background."""
         if self.failure is None and fd is not None:
-            self.writes[slot] = self.lanes[f].submit(self._store, fd, f, buf, offset)
+            done = self.lanes[f].submit(self._store, None if slot is None else fd, f, buf, offset)
+            if slot is not None:
+                self.writes[slot] = done
 
-    def _store(self, fd: int, f: int, buf: torch.Tensor, offset: int) -> None:
-        """Check and write the chunk, unless the copy has failed meanwhile."""
+    def _store(self, fd: int | None, f: int, buf: torch.Tensor, offset: int) -> None:
+        """Check the chunk and write it to ``fd`` (None: only check), unless the copy has failed meanwhile."""
         try:
             if self.failure is None:
                 _check_and_write(fd, memoryview(buf.numpy()), offset, self.arriving.get(f))
@@ -262,6 +287,41 @@ class _Arrival:
             self._fail(exc)
             return
         self.described = self.checks.submit(verify_all, reader, allow_pickle=False, files=())
+        if self.place is not None:
+            self._place(manifest)
+
+    def _place(self, manifest: Manifest) -> None:
+        """Choose the memory each placeable chunk arrives into: a tensor entry of one chunk that the
+        stream carries alone (cut at both ends) and whose bytes overlap no other chosen one's, in the
+        files or in memory, so every byte hashed in memory is the byte left there."""
+        index = {name: f for f, (name, _) in enumerate(self.plan.files)}
+        chosen = []
+        for i, into in self.place(manifest).items():
+            chunks = manifest.entries[i].chunks
+            f = index.get(chunks[0].file) if len(chunks) == 1 else None
+            if f and into.dtype == torch.uint8 and into.is_contiguous() and into.numel() == chunks[0].nbytes > 0:
+                start, end = chunks[0].offset, chunks[0].offset + chunks[0].nbytes
+                if self.plan.cut_at(f, start) and self.plan.cut_at(f, end):
+                    chosen.append((f, start, end, into, manifest.entries[i].fqn))
+        kept, ends, memory_end = [], {}, -1
+        for f, start, end, into, name in sorted(chosen, key=lambda c: c[3].data_ptr()):
+            if into.data_ptr() >= memory_end:
+                kept.append((f, start, end, into, name))
+                memory_end = into.data_ptr() + into.numel()
+        for f, start, end, into, name in sorted(kept, key=lambda c: c[:3]):
+            if start >= ends.get(f, 0):
+                self.spans.setdefault(f, []).append((start, end, into))
+                self.placed.append(name)
+                ends[f] = end
+
+    def _memory(self, f: int, offset: int, n: int) -> torch.Tensor | None:
+        """Where in memory the chunk of file ``f`` at ``offset`` of ``n`` bytes arrives, or None (a buffer)."""
+        spans = self.spans.get(f)
+        i = bisect_right(spans, offset, key=lambda s: s[0]) - 1 if spans else -1
+        if i < 0 or offset + n > spans[i][1]:
+            return None
+        start, _, into = spans[i]
+        return into[offset - start:offset - start + n]
 
     def _finish(self, f: int) -> None:
         try:
@@ -288,14 +348,15 @@ class _Arrival:
                                f"{type(exc).__name__}: {exc}")
 
 
-def _check_and_write(fd: int, data: memoryview, offset: int, arriving: ArrivingFile | None) -> None:
+def _check_and_write(fd: int | None, data: memoryview, offset: int, arriving: ArrivingFile | None) -> None:
     """Hash each cache-sized piece of ``data`` into ``arriving``'s checks (None: the manifest, read
-    once written), then write it at ``offset`` of ``fd`` (the piece read from the cache once hashed)."""
+    once written), then write it at ``offset`` of ``fd`` (the piece read from the cache once hashed;
+    None: not written)."""
     for lo in range(0, len(data), CACHE_PIECE):
         view, at = data[lo:lo + CACHE_PIECE], offset + lo
         if arriving is not None:
             arriving.update(view)
-        while len(view):
+        while fd is not None and len(view):
             n = os.pwrite(fd, view, at)
             view, at = view[n:], at + n
 
@@ -312,70 +373,3 @@ def _publish(incoming: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _send_header(pg: Any, dst: int, header: dict[str, Any]) -> None:
-    data = torch.frombuffer(bytearray(dump_json(header)), dtype=torch.uint8)
-    dist.send(torch.tensor([data.numel()], dtype=torch.int64), group_dst=dst, group=pg)
-    dist.send(data, group_dst=dst, group=pg)
-
-
-def _receive_header(pg: Any, src: int, final: Path) -> _Plan | None:
-    """What the copy ``src`` sends holds, or None when it has none; a header of the wrong shape is a
-    :class:`CorruptCheckpointError` (the stream cannot be followed further)."""
-    length = torch.zeros(1, dtype=torch.int64)
-    dist.recv(length, group_src=src, group=pg)
-    n = int(length.item())
-    if not 0 < n <= _HEADER_LIMIT:
-        raise CorruptCheckpointError(f"rank {src} announced a header of {n} bytes for {final}: not a copy (refused)")
-    data = torch.empty(n, dtype=torch.uint8)
-    dist.recv(data, group_src=src, group=pg)
-    try:
-        header = load_json(data.numpy().tobytes())
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"rank {src} sent a header for {final} that is not JSON: {exc}") from None
-    header = header if isinstance(header, dict) else {}
-    if "error" in header:
-        raise CheckpointError(f"rank {src} could not send its copy for {final}: {header['error']}")
-    files, chunk, wave = header.get("files", ()), header.get("chunk"), header.get("wave")
-    if files is None:
-        return None
-    if not (isinstance(files, list) and files and all(isinstance(f, list) and len(f) == 2 and type(f[1]) is int
-                                                      and f[1] >= 0 for f in files)
-            and type(chunk) is int and 0 < chunk <= _CHUNK_LIMIT and type(wave) is int and 0 < wave <= 64):
-        raise CorruptCheckpointError(f"rank {src} sent a header for {final} of the wrong shape: {header!r:.200}")
-    return _Plan([(name, size) for name, size in files], chunk, wave)
-
-
-class _Wire:
-    """The chunks of one transfer on the wire, at most ``_IN_FLIGHT`` at once, completed in order."""
-
-    def __init__(self, pg: Any, peer: int) -> None:
-        self.pg, self.peer = pg, peer
-        self.works: deque[tuple[Any, torch.Tensor | None, Callable[[], None] | None]] = deque()
-
-    def send(self, data: torch.Tensor) -> None:
-        self._post(dist.isend(data, group_dst=self.peer, group=self.pg), data, None)
-
-    def receive(self, into: torch.Tensor, then: Callable[[], None]) -> None:
-        """Receive the next chunk into ``into``; ``then()`` runs once it has arrived."""
-        self._post(dist.irecv(into, group_src=self.peer, group=self.pg), into, then)
-
-    def then(self, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` once every chunk posted so far has arrived (or been sent)."""
-        self._post(None, None, fn)
-
-    def finish(self) -> None:
-        while self.works:
-            self._complete_one()
-
-    def _post(self, work: Any, data: torch.Tensor | None, then: Callable[[], None] | None) -> None:
-        """Queue a transfer (or only a callback); complete the oldest while ``_IN_FLIGHT`` are queued."""
-        self.works.append((work, data, then))  # the tensor stays referenced until its transfer is done
-        if len(self.works) >= _IN_FLIGHT:
-            self._complete_one()
-
-    def _complete_one(self) -> None:
-        work, _, then = self.works.popleft()
-        if work is not None:
-            work.wait()
-        if then is not None:
-            then()
