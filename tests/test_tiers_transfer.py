@@ -195,7 +195,8 @@ def _copies(tmp_path: Path, world: int) -> list[Path]:
     return out
 
 
-def _exchange(sends: list, receives: list, chunk_bytes: int, pg_timeout: float | None = None) -> list:
+def _exchange(sends: list, receives: list, chunk_bytes: int, pg_timeout: float | None = None,
+              cut: bool = False) -> list:
     """Run exchange on this rank; returns the published paths, or the error's type and message."""
     import torch.distributed as dist
 
@@ -205,7 +206,7 @@ def _exchange(sends: list, receives: list, chunk_bytes: int, pg_timeout: float |
     if pg_timeout is not None:
         pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=pg_timeout))
     try:
-        return [None if p is None else str(p) for p in exchange(pg, sends, receives, chunk_bytes=chunk_bytes)]
+        return [None if p is None else str(p) for p in exchange(pg, sends, receives, chunk_bytes=chunk_bytes, cut=cut)]
     except Exception as exc:
         return [type(exc).__name__, str(exc)]
 
@@ -276,16 +277,17 @@ def test_a_flipped_byte_is_caught_and_nothing_is_published(ranks, tmp_path: Path
     _assert_same(zs.load(_empty_like(_state(7)), str(held)), _state(7))
 
 
-def _into_memory(own: str, held: str) -> Any:
-    """Rank 1 sends its copy; rank 0 receives it into a zeroed state where it can, then loads the rest."""
+def _into_memory(own: str, held: str, cut: bool = True) -> Any:
+    """Rank 1 sends its copy (``cut``: as a restore's sender does); rank 0 receives it into a
+    zeroed state where it can, then loads the rest."""
     import torch.distributed as dist
 
     from zerostall.options import LoadOptions
     from zerostall.tiers.copies import load_copy, placements, view
-    from zerostall.tiers.transfer import exchange
+    from zerostall.tiers.transfer import Landed, exchange
 
     if dist.get_rank() == 1:
-        return _exchange([(0, Path(own))], [], 1 << 16)
+        return _exchange([(0, Path(own))], [], 1 << 16, cut=cut)
     state = _empty_like(_state(1))
     memory = {k: v.data_ptr() for k, v in state.items() if isinstance(v, torch.Tensor)}
     target = view(state, restoring=True)
@@ -294,6 +296,8 @@ def _into_memory(own: str, held: str) -> Any:
                           place=functools.partial(placements, target))
     except Exception as exc:
         return [type(exc).__name__, str(exc)]
+    if not isinstance(got, Landed):
+        return {"published": str(got)}
     published = os.path.exists(held)
     placed = {k: torch.equal(state[k], _state(1)[k]) for k in got.placed}  # before the rest is loaded
     loaded = load_copy(state, target, got.folder, options=LoadOptions(verify=False), placed=got.placed)
@@ -321,6 +325,14 @@ def test_a_restore_receives_large_tensors_straight_into_the_state(ranks, tmp_pat
     assert large == ["w"] and sorted(got["placed"]) == large and all(got["placed"].values())
     assert not got["published"] and got["in_place"] and Path(got["folder"]).parent == held.parent
     _assert_same(got["state"], _state(1))
+
+
+def test_a_stream_not_cut_is_received_into_the_folder_and_published(ranks, tmp_path: Path) -> None:
+    """A replication's sender does not cut its stream: nothing can go into memory, the copy is kept."""
+    held = tmp_path / "node" / "rank_00001"
+    got = ranks(2).run(_into_memory, str(_layout_copy(tmp_path)), str(held), False)[0]
+    assert got == {"published": str(held)}
+    _assert_same(zs.load(_empty_like(_state(1)), str(held)), _state(1))
 
 
 def test_a_flipped_byte_in_a_tensor_received_into_memory_is_caught(ranks, tmp_path: Path) -> None:

@@ -149,7 +149,7 @@ def _attempt(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, choi
     receives = [(choice.sources[rank][1], directory.copy_path(step, rank))] if choice.kinds[rank] == PEER else []
     landed = None
     try:
-        got = exchange(pg, sends, receives, place=place) if sends or receives else []
+        got = exchange(pg, sends, receives, cut=place is not None, place=place) if sends or receives else []
         landed = got[0] if receives and isinstance(got[0], Landed) else None
         if landed is not None:
             return (OK, ""), load(str(landed.folder), True, landed.placed)

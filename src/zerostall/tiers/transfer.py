@@ -37,8 +37,11 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format.checksums import CACHE_PIECE
-from ..format.layout import MANIFEST_NAME, Manifest
-from ..loading.opening import read_manifest
+from ..format.envelope import manifest_body
+from ..format.layout import MANIFEST_NAME, Manifest, chunk_items, file_names
+from ..format.manifest_check import parse_head
+from ..gcpause import gc_paused
+from ..loading.opening import read_manifest, read_manifest_bytes
 from ..loading.reader import ChunkReader
 from ..loading.verification import ArrivingFile, arriving_files, verify_all
 from ..storage.base import check_name
@@ -71,11 +74,13 @@ class Landed:
 
 
 def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequence[tuple[int, Path]], *,
-             chunk_bytes: int = 4 << 20, place: Placer | None = None) -> list[Path | Landed | None]:
+             chunk_bytes: int = 4 << 20, cut: bool = False, place: Placer | None = None) -> list[Path | Landed | None]:
     """Run every transfer of this rank at once (no deadlock: each rank may send to and receive from
     several ranks, the same ones included). ``sends``: (destination rank in ``pg``, copy directory,
     or None when this rank has nothing: the receiver is told so), sent in chunks of ``chunk_bytes``.
     ``receives``: (source rank, the directory to publish the copy as; one there is replaced).
+    ``cut``: cut each stream sent at the bounds of its large tensors, for a receiver that puts them
+    into memory (it reads the whole manifest: a restore's senders do, a replication's do not);
     ``place``: put what it can of each received copy straight into memory (see the module's
     docstring). Returns, per receive, that directory (a :class:`Landed` when something was put into
     memory: nothing published), or None when the sender had nothing. Raises once every
@@ -91,7 +96,7 @@ def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequen
         raise ValueError(f"exchange: chunk_bytes must be in 1..{CHUNK_LIMIT}, not {chunk_bytes}")
     if not (sends or receives):
         return []
-    jobs = [lambda r=r, p=p: _send(pg, r, None if p is None else Path(p), chunk_bytes) for r, p in sends]
+    jobs = [lambda r=r, p=p: _send(pg, r, None if p is None else Path(p), chunk_bytes, cut) for r, p in sends]
     jobs += [lambda r=r, p=p: _receive(pg, r, Path(p), place) for r, p in receives]
     with ThreadPoolExecutor(len(jobs), thread_name_prefix="zerostall-transfer") as pool:
         futures = [pool.submit(job) for job in jobs]
@@ -101,11 +106,11 @@ def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequen
     return [f.result() for f in futures[len(sends):]]
 
 
-def _send(pg: Any, dst: int, copy: Path | None, chunk_bytes: int) -> None:
+def _send(pg: Any, dst: int, copy: Path | None, chunk_bytes: int, cut: bool) -> None:
     """Send ``copy`` (its manifest first, then the files it lists) to ``dst``; None: word that there is none."""
     try:
         try:
-            files, data, cuts = ([], [], []) if copy is None else _open_copy(copy)
+            files, data, cuts = ([], [], []) if copy is None else _open_copy(copy, cut)
         except (CheckpointError, OSError) as exc:  # the receiver learns why, then this rank raises it
             send_header(pg, dst, {"error": f"{type(exc).__name__}: {exc}"})
             raise CheckpointError(f"cannot send the copy {copy} to rank {dst}: {exc}") from exc
@@ -124,19 +129,27 @@ def _send(pg: Any, dst: int, copy: Path | None, chunk_bytes: int) -> None:
                               f"{exc}") from exc
 
 
-def _open_copy(copy: Path) -> tuple[list[tuple[str, int]], list[torch.Tensor], list[list[int]]]:
+def _open_copy(copy: Path, cut: bool) -> tuple[list[tuple[str, int]], list[torch.Tensor], list[list[int]]]:
     """The files of the committed copy ``copy`` (its manifest, then the data files it lists) with
     their sizes, their bytes, mapped (the network reads them from the page cache, no copy; a
     copy's files are never rewritten in place, so none shrinks under its map), and where each is
-    cut: the bounds of its chunks of at least :data:`PLACEABLE` bytes."""
-    manifest = read_manifest(LocalStorage(os.fspath(copy), fsync=False))
-    bounds: dict[str, set[int]] = {name: set() for name in manifest.files}
-    for entry in manifest.entries:
-        for chunk in entry.chunks:
-            if chunk.nbytes >= PLACEABLE and chunk.file in bounds:
-                bounds[chunk.file].update((chunk.offset, chunk.offset + chunk.nbytes))
+    cut (``cut``: the bounds of its chunks of at least :data:`PLACEABLE` bytes; else nowhere)."""
+    storage = LocalStorage(os.fspath(copy), fsync=False)
+    raw = read_manifest_bytes(storage)
+    head = parse_head(raw, os.path.join(copy, MANIFEST_NAME))  # the file list: no entries to parse
+    bounds: dict[str, set[int]] = {name: set() for name in head.files}
+    if cut:
+        with gc_paused():  # the body's own checks are the receiver's: here its chunks' bounds only
+            body = manifest_body(raw, os.fspath(copy))
+            names = file_names(body)
+            for entry in body["entries"]:
+                for c in entry["chunks"] if entry.get("kind") == "tensor" else ():
+                    _, _, file, offset, nbytes, _ = chunk_items(c, names)
+                    if nbytes >= PLACEABLE and file in bounds:
+                        bounds[file].update((offset, offset + nbytes))
+            del body
     files, data, cuts = [], [], []
-    for name in [MANIFEST_NAME, *manifest.files]:
+    for name in [MANIFEST_NAME, *head.files]:
         fd, size = open_regular(os.path.join(copy, check_name(name)))
         try:
             mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else bytearray()
