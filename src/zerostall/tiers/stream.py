@@ -66,12 +66,14 @@ class Plan:
 
 
 def send_header(pg: Any, dst: int, header: dict[str, Any]) -> None:
+    """Send ``header`` to ``dst``: its length, then its JSON."""
     data = torch.frombuffer(bytearray(dump_json(header)), dtype=torch.uint8)
     dist.send(torch.tensor([data.numel()], dtype=torch.int64), group_dst=dst, group=pg)
     dist.send(data, group_dst=dst, group=pg)
 
 
 def plan_header(plan: Plan) -> dict[str, Any]:
+    """The header that announces ``plan``."""
     return {"files": [list(f) for f in plan.files], "chunk": plan.chunk, "wave": plan.wave, "cuts": plan.cuts}
 
 

@@ -3,13 +3,14 @@ process group, verified where it arrives before it is published.
 
 Each transfer is one stream between two ranks (:mod:`zerostall.tiers.stream`): a header, then the
 bytes of the files, manifest first, in chunks, a few on the wire at once. No pickling, no
-collective: point-to-point messages only, every wait bounded by the group's own timeout. The sender's files are
-memory-mapped (the network reads the page cache, no copy in between). The receiver checks each
-data file's bytes as they arrive, against the manifest that came first, before writing them
-(:class:`~zerostall.loading.verification.ArrivingFile`: every check ``zs.verify`` makes, with no
-read-back), a few files at once, into a sibling folder ``.incoming-...`` (removed by the local
-tier at start-up if a crash leaves one), renamed into place once every file has passed. Files are
-not fsynced: a copy torn by a power loss fails its checksums when it is read, and another is used.
+collective: point-to-point messages only, every wait bounded by the group's own timeout. The
+sender's files are memory-mapped (the network reads the page cache, no copy in between). The
+receiver checks each data file's bytes as they arrive, against the manifest that came first,
+before writing them (:class:`~zerostall.loading.verification.ArrivingFile`: every check
+``zs.verify`` makes, with no read-back), a few files at once, into a sibling folder
+``.incoming-...`` (removed by the local tier at start-up if a crash leaves one), renamed into
+place once every file has passed. Files are not fsynced: a copy torn by a power loss fails its
+checksums when it is read, and another is used.
 
 A restore receives its own copy straight into the state where it can (``place``): each tensor
 that lies in one chunk of the copy and whose memory can take its bytes as they are (on the CPU,
@@ -384,5 +385,3 @@ def _publish(incoming: Path, final: Path) -> None:
     os.rename(incoming, final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
