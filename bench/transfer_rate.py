@@ -12,7 +12,11 @@ OMP_NUM_THREADS=1) and, rep after rep:
   these is the transport's limit;
 - exchange: rank 0 sends the checkpoint to rank 1 in chunks of --chunk-mb (default: exchange's
   own), which receives it into --dir, checks every block as it arrives and publishes it (deleted
-  between reps, outside the timing);
+  between reps, outside the timing), as a replication does;
+- restore_exchange: the same copy sent as a restore sends it (``cut=True``) and received as a
+  restore receives it: each large tensor straight into rank 1's state (the same tensors, zeroed,
+  allocated before the reps), checked there, the rest into a folder; ``restore`` adds loading that
+  rest into the state (``load_copy``): the whole restore of the copy;
 - verify: the last received copy checked again alone (``zs.verify``, in this process, after the
   ranks are done), to show what checking costs.
 
@@ -27,6 +31,7 @@ object (keys raw_transport_gbps, exchange_gbps, ratio, ...).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -41,7 +46,9 @@ import torch.multiprocessing as mp
 from common import build_state, free_port, init_group, median, print_json, progress, rnd
 
 import zerostall as zs
-from zerostall.tiers.transfer import exchange
+from zerostall.options import LoadOptions
+from zerostall.tiers.copies import LAYOUT_KEY, load_copy, placements, view
+from zerostall.tiers.transfer import Landed, exchange
 
 RAW_CHUNKS = (4 << 20, 16 << 20, 64 << 20)
 
@@ -67,9 +74,25 @@ def timed(fn, cpu: dict[str, list[float]], name: str) -> float:
     return time.perf_counter() - start
 
 
-def worker(rank: int, port: int, copy: str, out: str, nbytes: int, reps: int, chunk: dict[str, int]) -> None:
+def restore(rank: int, copy: str, held: Path, state: dict[str, torch.Tensor], chunk: dict[str, int],
+            load: bool) -> None:
+    """Rank 0 sends ``copy`` as a restore's sender does; rank 1 receives it into ``state`` where it
+    can (``load``: then loads the rest), and removes what is left of it."""
+    target = view(state, restoring=True)
+    got = exchange(dist.group.WORLD, [(1, Path(copy))] if rank == 0 else [], [(0, held)] if rank == 1 else [],
+                   cut=True, place=functools.partial(placements, target), **chunk)
+    if rank == 1:
+        assert isinstance(got[0], Landed), got
+        if load:
+            load_copy(state, target, got[0].folder, options=LoadOptions(verify=False), placed=got[0].placed)
+        shutil.rmtree(got[0].folder)
+
+
+def worker(rank: int, port: int, copy: str, out: str, nbytes: int, reps: int, chunk: dict[str, int],
+           size: int) -> None:
     torch.set_num_threads(1)
     init_group(rank, 2, port, timeout=timedelta(seconds=300))
+    state = {k: v.zero_() for k, v in build_state(size).items()}  # rank 1 restores into it
     largest = max(RAW_CHUNKS)
     buffers = [torch.ones(largest, dtype=torch.uint8) for _ in range(2)]
     whole = torch.ones(nbytes, dtype=torch.uint8)
@@ -85,6 +108,10 @@ def worker(rank: int, port: int, copy: str, out: str, nbytes: int, reps: int, ch
         if rank == 1 and rep < reps:  # the last copy stays for the verify timing
             shutil.rmtree(held.parent)
         dist.barrier()
+        restored = Path(out) / "restored" / "rank_00000"
+        times["restore_exchange"] = timed(lambda: restore(rank, copy, restored, state, chunk, False), cpu,
+                                          "restore_exchange")
+        times["restore"] = timed(lambda: restore(rank, copy, restored, state, chunk, True), cpu, "restore")
         if rep:
             for name, s in times.items():
                 seconds.setdefault(name, []).append(s)
@@ -109,10 +136,12 @@ def main() -> None:
     try:
         copy = out / "own"
         progress(f"saving a {args.size_mb} MiB state into {copy}")
-        zs.save(build_state(args.size_mb << 20), str(copy))
+        saved = build_state(args.size_mb << 20)
+        zs.save(saved, str(copy), metadata={LAYOUT_KEY: view(saved).digest})  # as the local tier saves a copy
         nbytes = sum(f.stat().st_size for f in copy.iterdir())
         chunk = {} if args.chunk_mb is None else {"chunk_bytes": int(args.chunk_mb * (1 << 20))}
-        mp.spawn(worker, args=(free_port(), str(copy), str(out), nbytes, args.reps, chunk), nprocs=2)
+        mp.spawn(worker, args=(free_port(), str(copy), str(out), nbytes, args.reps, chunk, args.size_mb << 20),
+                 nprocs=2)
         sender, receiver = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
         seconds = receiver["seconds"]
         held = str(out / "held" / "rank_00000")
@@ -133,12 +162,16 @@ def main() -> None:
     for name, s in seconds.items():
         used = "".join(f"{cpu[side][name]:>10.3f}" for side in ("sender", "receiver")) if name in cpu["sender"] else ""
         print(f"{name:<18}{rates[name]:>8.2f}{median(s):>10.3f}{used}")
-    print(f"exchange / best raw: {rates['exchange'] / raw_best:.2f}")
+    print(f"exchange / best raw: {rates['exchange'] / raw_best:.2f}; restore_exchange / best raw: "
+          f"{rates['restore_exchange'] / raw_best:.2f}; restore / best raw: {rates['restore'] / raw_best:.2f}")
     if args.json:
         print_json({"bytes": nbytes, "reps": args.reps, "cores": os.cpu_count(), "dir": args.dir,
                     "chunk_mb": args.chunk_mb,
                     "raw_transport_gbps": rnd(raw_best, 3), "exchange_gbps": rnd(rates["exchange"], 3),
                     "ratio": rnd(rates["exchange"] / raw_best, 3), "verify_gbps": rnd(rates["verify"], 3),
+                    "restore_exchange_gbps": rnd(rates["restore_exchange"], 3),
+                    "restore_exchange_ratio": rnd(rates["restore_exchange"] / raw_best, 3),
+                    "restore_ratio": rnd(rates["restore"] / raw_best, 3),
                     "rates_gbps": {k: rnd(v, 3) for k, v in rates.items()},
                     "cpu_s_per_gb": {side: {k: rnd(v, 3) for k, v in c.items()} for side, c in cpu.items()},
                     "seconds": {k: [rnd(x) for x in v] for k, v in seconds.items()}})
