@@ -34,8 +34,8 @@ LOCAL, PEER = "local", "peer"
 
 Copy = tuple[int, int, int]  # (node, step, rank): one node's copy of one rank's state at one step
 Load = Callable[[str, bool, frozenset[str]], Any]
-"""Loads a copy: (its folder, whether it was just received, every block checked on arrival, the
-entries already received into their tensors, by dotted name)."""
+"""Loads a copy, given its folder, whether it was just received (every block then checked on
+arrival) and the entries already received into their tensors (dotted names)."""
 
 
 @dataclass
