@@ -30,6 +30,10 @@ _STEP_RE = re.compile(r"^step_(\d{9,})$")
 _COPY_RE = re.compile(r"^rank_(\d{5,})$")
 _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
+INCOMING = ".incoming-"
+"""The prefix of a copy's folder while it arrives from another node, beside the folder it is
+published as (removed at start-up when a crash leaves one)."""
+
 
 @dataclass(frozen=True)
 class LocalTier:

@@ -47,10 +47,8 @@ from ..loading.reader import ChunkReader
 from ..loading.verification import ArrivingFile, arriving_files, verify_all
 from ..storage.base import check_name
 from ..storage.local import LocalStorage, open_regular
+from .local import INCOMING
 from .stream import CHUNK_LIMIT, IN_FLIGHT, Plan, Wire, plan_header, receive_header, send_header
-
-INCOMING = ".incoming-"
-"""The prefix of a copy's folder while it arrives, beside the folder it is published as."""
 
 PLACEABLE = 256 << 10
 """The bytes of a chunk from which a sender cuts the stream at its bounds, so that a restoring
