@@ -277,9 +277,14 @@ def test_a_flipped_byte_is_caught_and_nothing_is_published(ranks, tmp_path: Path
     _assert_same(zs.load(_empty_like(_state(7)), str(held)), _state(7))
 
 
-def _into_memory(own: str, held: str, cut: bool = True) -> Any:
+def _tied(state: dict) -> dict:
+    """``state`` with a second key for its large tensor: the same tensor (tied weights)."""
+    return {**state, "tied": state["w"]}
+
+
+def _into_memory(own: str, held: str, cut: bool = True, tied: bool = False) -> Any:
     """Rank 1 sends its copy (``cut``: as a restore's sender does); rank 0 receives it into a
-    zeroed state where it can, then loads the rest."""
+    zeroed state (``tied``: see :func:`_tied`) where it can, then loads the rest."""
     import torch.distributed as dist
 
     from zerostall.options import LoadOptions
@@ -288,7 +293,7 @@ def _into_memory(own: str, held: str, cut: bool = True) -> Any:
 
     if dist.get_rank() == 1:
         return _exchange([(0, Path(own))], [], 1 << 16, cut=cut)
-    state = _empty_like(_state(1))
+    state = _tied(_empty_like(_state(1))) if tied else _empty_like(_state(1))
     memory = {k: v.data_ptr() for k, v in state.items() if isinstance(v, torch.Tensor)}
     target = view(state, restoring=True)
     try:
@@ -296,21 +301,21 @@ def _into_memory(own: str, held: str, cut: bool = True) -> Any:
                           place=functools.partial(placements, target))
     except Exception as exc:
         return [type(exc).__name__, str(exc)]
-    if not isinstance(got, Landed):
-        return {"published": str(got)}
+    landed = got if isinstance(got, Landed) else Landed(Path(got), frozenset())
     published = os.path.exists(held)
-    placed = {k: torch.equal(state[k], _state(1)[k]) for k in got.placed}  # before the rest is loaded
-    loaded = load_copy(state, target, got.folder, options=LoadOptions(verify=False), placed=got.placed)
-    return {"placed": placed, "published": published, "folder": str(got.folder), "state": loaded,
+    placed = {k: torch.equal(state[k], _state(1)[k]) for k in landed.placed}  # before the rest is loaded
+    loaded = load_copy(state, target, landed.folder, options=LoadOptions(verify=False), placed=landed.placed)
+    return {"placed": placed, "published": published, "folder": str(landed.folder), "state": loaded,
             "in_place": all(state[k].data_ptr() == ptr for k, ptr in memory.items())}
 
 
-def _layout_copy(tmp_path: Path) -> Path:
+def _layout_copy(tmp_path: Path, tied: bool = False) -> Path:
     """Rank 1's copy as the local tier saves it: with the digest of its layout."""
     from zerostall.tiers.copies import LAYOUT_KEY, view
 
     own = tmp_path / "own_1"
-    zs.save(_state(1), str(own), threads=6, metadata={LAYOUT_KEY: view(_state(1)).digest})
+    state = _tied(_state(1)) if tied else _state(1)
+    zs.save(state, str(own), threads=6, metadata={LAYOUT_KEY: view(state).digest})
     return own
 
 
@@ -327,12 +332,21 @@ def test_a_restore_receives_large_tensors_straight_into_the_state(ranks, tmp_pat
     _assert_same(got["state"], _state(1))
 
 
+def test_a_tensor_another_entry_aliases_is_not_received_into_memory(ranks, tmp_path: Path) -> None:
+    """Tied weights: the alias loads from the copy's bytes of the tensor it aliases, so that tensor
+    must be in the folder, not in memory (loading the alias would copy the folder's hole over it)."""
+    held = tmp_path / "node" / "rank_00001"
+    got = ranks(2).run(_into_memory, str(_layout_copy(tmp_path, tied=True)), str(held), True, True)[0]
+    _assert_same(got["state"], _tied(_state(1)))
+    assert got["placed"] == {} and got["published"] and got["folder"] == str(held)
+
+
 def test_a_stream_not_cut_is_received_into_the_folder_and_published(ranks, tmp_path: Path) -> None:
     """A replication's sender does not cut its stream: nothing can go into memory, the copy is kept."""
     held = tmp_path / "node" / "rank_00001"
     got = ranks(2).run(_into_memory, str(_layout_copy(tmp_path)), str(held), False)[0]
-    assert got == {"published": str(held)}
-    _assert_same(zs.load(_empty_like(_state(1)), str(held)), _state(1))
+    assert got["placed"] == {} and got["published"] and got["folder"] == str(held)
+    _assert_same(got["state"], _state(1))
 
 
 def test_a_flipped_byte_in_a_tensor_received_into_memory_is_caught(ranks, tmp_path: Path) -> None:

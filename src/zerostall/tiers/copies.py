@@ -63,15 +63,18 @@ def placements(target: View, manifest: Manifest) -> dict[int, torch.Tensor]:
     """Where a copy of this rank's layout arriving from a peer may be received straight into
     ``target`` (its :func:`view` made ``restoring``): by entry index, the memory, as bytes, of each
     tensor leaf that takes the entry's one chunk as it is (on the CPU, a plain contiguous tensor of
-    the entry's dtype and shape), when the entry's dotted name is its own; none for another layout."""
+    the entry's dtype and shape), when the entry's dotted name is its own and no alias entry reads
+    its bytes (tied weights: the alias loads from the copy's folder); none for another layout."""
     tree, flat, digest = target
     meta = manifest.metadata if isinstance(manifest.metadata, dict) else {}
     if meta.get(LAYOUT_KEY) != digest or manifest.world_size != 1:
         return {}
     names = Counter(e.fqn for e in manifest.entries)
+    aliased = {e.alias_of for e in manifest.entries if e.kind == "alias"}
     out = {}
     for i, entry in enumerate(manifest.entries):
-        if entry.kind != "tensor" or entry.inner_of is not None or len(entry.chunks) != 1 or names[entry.fqn] > 1:
+        if (entry.kind != "tensor" or entry.inner_of is not None or len(entry.chunks) != 1 or names[entry.fqn] > 1
+                or i in aliased):
             continue
         if not isinstance(flat.leaves.get(entry.path), torch.Tensor):
             continue
