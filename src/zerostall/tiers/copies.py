@@ -20,7 +20,7 @@ import xxhash
 from ..collectives import ALONE
 from ..errors import StateMismatchError
 from ..format.boxes import local_box
-from ..format.layout import Manifest
+from ..format.layout import Manifest, dtype_name
 from ..loading.checkpoint import Checkpoint
 from ..options import LoadOptions
 from ..state import Flat, Path, flatten, init_optimizer_state, rebuild
@@ -80,7 +80,7 @@ def placements(target: View, manifest: Manifest) -> dict[int, torch.Tensor]:
             continue
         piece = _get(tree, entry.path)
         if (type(piece) in (torch.Tensor, torch.nn.Parameter) and piece.device.type == "cpu" and piece.is_contiguous()
-                and str(piece.dtype).removeprefix("torch.") == entry.dtype and tuple(piece.shape) == entry.shape
+                and dtype_name(piece.dtype) == entry.dtype and tuple(piece.shape) == entry.shape
                 and not (piece.is_conj() or piece.is_neg()) and piece.nbytes == entry.chunks[0].nbytes):
             out[i] = piece.detach().reshape(-1).view(torch.uint8)
     return out
