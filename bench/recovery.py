@@ -227,7 +227,7 @@ def tree_bytes(path: str) -> int:
 def received_bytes(got: list[Any]) -> list[int]:
     """The bytes of each copy an exchange received (those it put into memory included: the folder
     left for the rest holds every file at its full size), taken before the restore removes it."""
-    return [tree_bytes(str(p.folder if isinstance(p, transfer.Landed) else p)) for p in got if p is not None]
+    return [tree_bytes(str(p.folder)) for p in got if p is not None]
 
 
 def restore_once(scenario: str, rank: int, state: dict[str, Any], run: dict[str, str], args: argparse.Namespace,

@@ -84,7 +84,8 @@ def restore(rank: int, copy: str, held: Path, state: dict[str, torch.Tensor], ch
     if rank == 1:
         assert isinstance(got[0], Landed), got
         if load:
-            load_copy(state, target, got[0].folder, options=LoadOptions(verify=False), placed=got[0].placed)
+            load_copy(state, target, got[0].folder, options=LoadOptions(verify=False), placed=got[0].placed,
+                      manifest=got[0].manifest)
         shutil.rmtree(got[0].folder)
 
 

@@ -191,6 +191,21 @@ def test_a_flipped_byte_in_a_replica_is_found_before_it_is_used_and_an_older_ste
     assert "rank 2's copy on node a" in after[0]["info"].fallbacks[0][0]
 
 
+def test_every_copy_damaged_and_an_empty_root_is_an_error_not_a_fresh_start(ranks, tmp_path):
+    """Copies were tried (received into the state, loaded on other ranks) and all found damaged: the
+    restore raises on every rank rather than return None, which would start training afresh from a
+    state holding part of what it loaded."""
+    pool, root, base = ranks(4), str(tmp_path / "root"), str(tmp_path / "nodes")
+    pool.run(train, root, base, 10)  # local steps 5 and 10; the root saves at 12: none
+    shutil.rmtree(node_dir(base, "b"))
+    for step in (5, 10):
+        flip_a_byte(copy_files(base, "a", step, 2)[0])  # node a's replicas of rank 2: its only copies
+    after = pool.run_per_rank(train, [(root, base, END, node) for node in ("a", "a", "c", "c")])
+    for got in after:
+        assert got["error"][0] == "CorruptCheckpointError" and "holds no checkpoint" in got["error"][1], got
+        assert [what.split(",")[0] for what, _ in got["info"].fallbacks] == ["step 10", "step 5"]
+
+
 def test_a_save_that_never_committed_on_one_rank_restores_the_previous_step(run):
     """As a crash in the middle of rank 3's local save of step 20 leaves it: its data, no manifest."""
     pool, root, base, whole = run

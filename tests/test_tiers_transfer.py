@@ -91,7 +91,7 @@ def test_no_chunk_crosses_a_cut() -> None:
 
     plan = Plan([("manifest.json", 2), ("a", 10)], chunk=4, wave=1, cuts=[[], [2, 3, 9]])
     assert [list(chunks) for _, chunks in plan.waves()][1] == [(1, 0, 2), (1, 2, 1), (1, 3, 4), (1, 7, 2), (1, 9, 1)]
-    assert [o for o in range(11) if plan.cut_at(1, o)] == [0, 2, 3, 9, 10]
+    assert plan.edges() == {(0, 0), (0, 2), (1, 0), (1, 2), (1, 3), (1, 9), (1, 10)}
 
 
 def _manifest(folder: Path):
@@ -206,7 +206,8 @@ def _exchange(sends: list, receives: list, chunk_bytes: int, pg_timeout: float |
     if pg_timeout is not None:
         pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=pg_timeout))
     try:
-        return [None if p is None else str(p) for p in exchange(pg, sends, receives, chunk_bytes=chunk_bytes, cut=cut)]
+        got = exchange(pg, sends, receives, chunk_bytes=chunk_bytes, cut=cut)
+        return [None if p is None else str(p.folder) for p in got]
     except Exception as exc:
         return [type(exc).__name__, str(exc)]
 
@@ -289,7 +290,7 @@ def _into_memory(own: str, held: str, cut: bool = True, tied: bool = False) -> A
 
     from zerostall.options import LoadOptions
     from zerostall.tiers.copies import load_copy, placements, view
-    from zerostall.tiers.transfer import Landed, exchange
+    from zerostall.tiers.transfer import exchange
 
     if dist.get_rank() == 1:
         return _exchange([(0, Path(own))], [], 1 << 16, cut=cut)
@@ -297,14 +298,14 @@ def _into_memory(own: str, held: str, cut: bool = True, tied: bool = False) -> A
     memory = {k: v.data_ptr() for k, v in state.items() if isinstance(v, torch.Tensor)}
     target = view(state, restoring=True)
     try:
-        (got,) = exchange(dist.group.WORLD, [], [(1, Path(held))], chunk_bytes=1 << 16,
-                          place=functools.partial(placements, target))
+        (landed,) = exchange(dist.group.WORLD, [], [(1, Path(held))], chunk_bytes=1 << 16,
+                             place=functools.partial(placements, target))
     except Exception as exc:
         return [type(exc).__name__, str(exc)]
-    landed = got if isinstance(got, Landed) else Landed(Path(got), frozenset())
     published = os.path.exists(held)
     placed = {k: torch.equal(state[k], _state(1)[k]) for k in landed.placed}  # before the rest is loaded
-    loaded = load_copy(state, target, landed.folder, options=LoadOptions(verify=False), placed=landed.placed)
+    loaded = load_copy(state, target, landed.folder, options=LoadOptions(verify=False), placed=landed.placed,
+                       manifest=landed.manifest)
     return {"placed": placed, "published": published, "folder": str(landed.folder), "state": loaded,
             "in_place": all(state[k].data_ptr() == ptr for k, ptr in memory.items())}
 
@@ -357,6 +358,91 @@ def test_a_flipped_byte_in_a_tensor_received_into_memory_is_caught(ranks, tmp_pa
     kind, message = ranks(2).run(_into_memory, str(own), str(held))[0]
     assert kind == "CorruptCheckpointError" and "rank 1" in message and "entry w" in message, message
     assert not held.parent.exists() or os.listdir(held.parent) == []
+
+
+def test_placed_entries_are_named_by_their_key_path_as_a_load_selects_them(ranks, tmp_path: Path) -> None:
+    """A manifest whose recorded dotted name of ``w`` differs from its key path's (checksum sealed
+    again, so it verifies): the loader selects by the key path, so ``w`` must be left out by that
+    name, or it would load from the folder's hole (zeros) unchecked."""
+    from zerostall.format.checksums import checksum
+    from zerostall.format.envelope import checked_body
+
+    own = _layout_copy(tmp_path)
+    body = checked_body((own / MANIFEST_NAME).read_bytes(), str(own))
+    forged = body.replace(b'"fqn":"w"', b'"fqn":"zzz"', 1)
+    assert forged != body
+    (own / MANIFEST_NAME).write_bytes(b'{"checksum":"' + checksum(forged).encode() + b'","manifest":' + forged + b"}\n")
+    zs.verify(str(own))
+    got = ranks(2).run(_into_memory, str(own), str(tmp_path / "node" / "rank_00001"))[0]
+    assert sorted(got["placed"]) == ["w"] and all(got["placed"].values())
+    _assert_same(got["state"], _state(1))
+
+
+def _into_memory_failing(own: str, held: str) -> Any:
+    """Rank 1 sends its copy, cut; rank 0 receives it into a zeroed state and returns the error and the state."""
+    import torch.distributed as dist
+
+    from zerostall.tiers.copies import placements, view
+    from zerostall.tiers.transfer import exchange
+
+    if dist.get_rank() == 1:
+        return _exchange([(0, Path(own))], [], 1 << 16, cut=True)
+    state = {k: torch.zeros(1 << 20) for k in _six()}
+    try:
+        exchange(dist.group.WORLD, [], [(1, Path(held))], chunk_bytes=1 << 16,
+                 place=functools.partial(placements, view(state, restoring=True)))
+    except Exception as exc:
+        return [type(exc).__name__, str(exc), state]
+    return [None, "", state]
+
+
+def _six() -> dict:
+    g = torch.Generator().manual_seed(6)
+    return {f"t{i}": torch.randn(1 << 20, generator=g) for i in range(6)}
+
+
+def test_once_a_check_fails_nothing_more_is_received_into_memory(ranks, tmp_path: Path) -> None:
+    """Six tensors of 4 MiB, a data file each; a byte flipped in the first file: the copy fails,
+    and the files of the next wave go to scratch buffers, never into the state unchecked."""
+    from zerostall.tiers.copies import LAYOUT_KEY, view
+
+    own = tmp_path / "own"
+    zs.save(_six(), str(own), threads=6, metadata={LAYOUT_KEY: view(_six()).digest})
+    manifest = _manifest(own)
+    names = list(manifest.files)
+    first, later = names[0], names[4:]  # the stream sends them in this order, four files a wave
+    chunk = next(e.chunks[0] for e in manifest.entries if e.chunks and e.chunks[0].file == first)
+    _flip_at(own / first, chunk.offset)
+    kind, message, state = ranks(2).run(_into_memory_failing, str(own), str(tmp_path / "node" / "rank_00001"))[0]
+    assert kind == "CorruptCheckpointError" and "checksum mismatch" in message, message
+    untouched = [e.fqn for e in manifest.entries if e.chunks and e.chunks[0].file in later]
+    assert len(untouched) == 2 and all(not state[k].any() for k in untouched)
+
+
+def _send_nothing_receive_into_memory(own: str, held: str, elsewhere: str) -> Any:
+    """Rank 0 sends a copy it lacks while it receives rank 1's into memory; rank 1 the other way."""
+    import torch.distributed as dist
+
+    from zerostall.tiers.copies import placements, view
+    from zerostall.tiers.transfer import exchange
+
+    if dist.get_rank() == 1:
+        return _exchange([(0, Path(own))], [(0, Path(elsewhere))], 1 << 16, cut=True)
+    state = _empty_like(_state(1))
+    try:
+        exchange(dist.group.WORLD, [(1, Path(held).parent / "missing")], [(1, Path(held))], chunk_bytes=1 << 16,
+                 place=functools.partial(placements, view(state, restoring=True)))
+    except Exception as exc:
+        return [type(exc).__name__, str(exc)]
+    return None
+
+
+def test_a_failed_send_removes_what_was_received_into_memory_beside_it(ranks, tmp_path: Path) -> None:
+    held = tmp_path / "node" / "rank_00001"
+    kind, message = ranks(2).run(_send_nothing_receive_into_memory, str(_layout_copy(tmp_path)), str(held),
+                                 str(tmp_path / "other" / "rank_00000"))[0]
+    assert kind == "CheckpointError" and "cannot send" in message, message
+    assert os.listdir(held.parent) == []
 
 
 def _flip_at(path: Path, offset: int) -> None:
@@ -524,6 +610,8 @@ def _header_only(header: dict, held: str) -> list:
                                     {"files": [[MANIFEST_NAME, 4]], "chunk": 4096, "wave": 4},
                                     {"files": [[MANIFEST_NAME, 4]], "chunk": 4096, "wave": 4, "cuts": [[4]]},
                                     {"files": [[MANIFEST_NAME, 9]], "chunk": 4096, "wave": 4, "cuts": [[3, 2]]},
+                                    {"files": [[f"f{i}", 0] for i in range(5000)], "chunk": 4096, "wave": 4,
+                                     "cuts": [[]] * 5000},
                                     [1]])
 def test_a_malformed_header_is_refused(ranks, tmp_path: Path, header) -> None:
     held = tmp_path / "node" / "rank_00001"

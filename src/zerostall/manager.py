@@ -297,7 +297,7 @@ class CheckpointManager:
                 raise unreachable
             loaded = restore_first_whole(self.group, self.checkpoint_root, candidates,
                                          functools.partial(self._load, state, options), fallback=fallback,
-                                         named=named, record=functools.partial(self._record, info.fallbacks))
+                                         named=named, earlier=info.fallbacks, record=self._record)
         if loaded is None:  # nothing committed yet
             return None
         for key, value in state.items():  # python values and tuples are new objects: put them in place
@@ -313,8 +313,8 @@ class CheckpointManager:
             self._pinned.add(step)
         return step
 
-    def _record(self, earlier: tuple[tuple[str, str], ...], info: RestoreInfo) -> None:
-        self.last_restore = dataclasses.replace(info, fallbacks=earlier + info.fallbacks)
+    def _record(self, info: RestoreInfo) -> None:
+        self.last_restore = info
 
     def _load(self, state: Any, options: LoadOptions, tag: str) -> tuple[int | None, dict[str, Any]]:
         """Load checkpoint ``tag`` into the tensors of ``state``; returns its step and the loaded

@@ -19,12 +19,13 @@ from ..collectives import Group
 from ..errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ..format import codec, subclass
 from ..format.boxes import Box, intersect, region, whole
-from ..format.layout import Entry
+from ..format.layout import Entry, Manifest
 from ..gcpause import gc_paused
 from ..memory import tensor_bytes
 from ..options import LoadOptions, default_threads
 from ..state import Path, rebuild
 from ..storage import Storage
+from ..storage.references import linked
 from . import foreign as sources
 from .broadcast import broadcast_fill
 from .fetch import Fetcher
@@ -44,12 +45,15 @@ class Checkpoint:
 
     @gc_paused()  # the manifest's per-entry objects: no cyclic collection while they are built
     def __init__(self, path: str | os.PathLike[str] | Storage, options: LoadOptions, *,
-                 process_group: Any = None, instead: Instead | None = None) -> None:
+                 process_group: Any = None, instead: Instead | None = None, manifest: Manifest | None = None) -> None:
         self.group = Group(process_group)
         asked, file = sources.split_file(path)  # a single safetensors file: its directory's storage
         self.options = options
-        self.storage, self.manifest = agreed_source(asked, self.group, allow_pickle=options.allow_pickle, file=file,
-                                                    instead=instead, deferred=True)  # entries: when first used
+        if manifest is not None:  # the caller read and checked the one at ``path`` (a copy, as it arrived)
+            self.storage, self.manifest = linked(asked, manifest), manifest
+        else:
+            self.storage, self.manifest = agreed_source(asked, self.group, allow_pickle=options.allow_pickle,
+                                                        file=file, instead=instead, deferred=True)  # entries: when used
         self.path = self.storage.location
         self.tag = os.path.basename(self.path.rstrip("/"))
         if self.storage is not asked and self.group.is_coordinator:

@@ -82,14 +82,16 @@ def newest_first(root: CheckpointRoot) -> list[tuple[str, str | None]]:
 
 def restore_first_whole(group: Group, root: CheckpointRoot, candidates: list[tuple[str, str | None]],
                         attempt: Callable[[str], tuple[int | None, T]], *, fallback: bool, named: bool,
-                        record: Callable[[RestoreInfo], None]) -> T | None:
+                        record: Callable[[RestoreInfo], None], earlier: tuple[tuple[str, str], ...] = ()) -> T | None:
     """``attempt(tag)`` (which returns the step it restored and a result) on every rank for each of
     ``candidates`` (tags of ``root`` newest first, with why for those known to be damaged) until it
     succeeds on every rank, going on only past damage and only when ``fallback``; returns its
     result (None for no candidates: a fresh start). Otherwise raises on every rank: a damaged
     checkpoint's error names what failed (and what ``fallback=True`` would restore), and when every
     candidate is damaged it lists them. ``named``: the one candidate was asked for by tag.
-    ``record`` gets what was restored (and passed over), whether this raises or not."""
+    ``earlier``: copies already found damaged elsewhere (a faster tier's): with no candidate, no
+    fresh start either (their bytes may be in the state), an error. ``record`` gets what was
+    restored (and passed over, ``earlier`` first), whether this raises or not."""
     damaged: list[tuple[str, str]] = []
     restored: RestoreInfo | None = None
     try:
@@ -106,7 +108,7 @@ def restore_first_whole(group: Group, root: CheckpointRoot, candidates: list[tup
                 outcomes = group.all_gather_object(outcome)
             if all(kind == OK for kind, _, _ in outcomes):
                 sources = tuple(source for _, _, source in outcomes)
-                restored = RestoreInfo(step, sources[group.rank], sources, tuple(damaged), tag)
+                restored = RestoreInfo(step, sources[group.rank], sources, earlier + tuple(damaged), tag)
                 return result
             found = [(rank, message) for rank, (kind, message, _) in enumerate(outcomes) if kind == DAMAGED]
             if not found or any(kind == FAILED for kind, _, _ in outcomes):  # never resume an older step over it
@@ -122,9 +124,14 @@ def restore_first_whole(group: Group, root: CheckpointRoot, candidates: list[tup
             log.log(logging.WARNING if group.is_coordinator else logging.DEBUG,
                     "checkpoint %s is damaged (%s): restoring the previous committed one, %s, instead (restore "
                     "with fallback=False to refuse)", root.where(tag), reason, following[0][0])
+        if earlier:
+            tried = "; ".join(f"{what}: {why}" for what, why in earlier[:3])
+            raise CorruptCheckpointError(f"every copy tried is damaged ({tried}) and {root.location} holds no "
+                                         "checkpoint: nothing whole is left to restore, and the state may hold part "
+                                         "of a damaged copy; build the state anew to start from scratch")
         return None
     finally:
-        record(restored or RestoreInfo(None, None, (), tuple(damaged)))
+        record(restored or RestoreInfo(None, None, (), earlier + tuple(damaged)))
 
 
 def _by_rank(messages: list[tuple[int, str]]) -> str:

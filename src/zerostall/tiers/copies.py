@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import Counter
-from typing import Any, NamedTuple
+from typing import Any, Collection, NamedTuple
 
 import torch
 import xxhash
@@ -23,7 +23,7 @@ from ..format.boxes import local_box
 from ..format.layout import Manifest, dtype_name
 from ..loading.checkpoint import Checkpoint
 from ..options import LoadOptions
-from ..state import Flat, Path, flatten, init_optimizer_state, rebuild
+from ..state import Flat, Path, flatten, fqn, init_optimizer_state, rebuild
 
 LAYOUT_KEY = "layout"
 """The copy's metadata key holding the digest of the layout it was saved from (see :func:`view`)."""
@@ -59,21 +59,23 @@ def placeable(options: LoadOptions) -> bool:
     return options.keys is None and not options.prefix and not options.strip
 
 
-def placements(target: View, manifest: Manifest) -> dict[int, torch.Tensor]:
+def placements(target: View, manifest: Manifest, which: Collection[int]) -> dict[int, torch.Tensor]:
     """Where a copy of this rank's layout arriving from a peer may be received straight into
-    ``target`` (its :func:`view` made ``restoring``): by entry index, the memory, as bytes, of each
-    tensor leaf that takes the entry's one chunk as it is (on the CPU, a plain contiguous tensor of
-    the entry's dtype and shape), when the entry's dotted name is its own and no alias entry reads
-    its bytes (tied weights: the alias loads from the copy's folder); none for another layout."""
+    ``target`` (its :func:`view` made ``restoring``): by entry index, among ``which``, the memory, as
+    bytes, of each tensor leaf that takes the entry's one chunk as it is (on the CPU, a plain
+    contiguous tensor of the entry's dtype and shape), when the entry's dotted name is its own and
+    no alias entry reads its bytes (tied weights: the alias loads from the copy's folder); none for
+    another layout."""
     tree, flat, digest = target
     meta = manifest.metadata if isinstance(manifest.metadata, dict) else {}
     if meta.get(LAYOUT_KEY) != digest or manifest.world_size != 1:
         return {}
-    names = Counter(e.fqn for e in manifest.entries)
+    names = Counter(fqn(e.path) for e in manifest.entries)  # as a load selects them (``placed``)
     aliased = {e.alias_of for e in manifest.entries if e.kind == "alias"}
     out = {}
-    for i, entry in enumerate(manifest.entries):
-        if (entry.kind != "tensor" or entry.inner_of is not None or len(entry.chunks) != 1 or names[entry.fqn] > 1
+    for i in which:
+        entry = manifest.entries[i]
+        if (entry.kind != "tensor" or entry.inner_of is not None or len(entry.chunks) != 1 or names[fqn(entry.path)] > 1
                 or i in aliased):
             continue
         if not isinstance(flat.leaves.get(entry.path), torch.Tensor):
@@ -87,15 +89,16 @@ def placements(target: View, manifest: Manifest) -> dict[int, torch.Tensor]:
 
 
 def load_copy(state: Any, target: View, path: str | os.PathLike[str], *, options: LoadOptions,
-              placed: frozenset[str] = frozenset()) -> Any:
+              placed: frozenset[str] = frozenset(), manifest: Manifest | None = None) -> Any:
     """Load the copy at ``path`` into ``state`` (``target``: its :func:`view` made ``restoring``)
     in place (tensors filled, python values and stateful objects handed their values) and return
-    it, leaving out the entries ``placed`` (dotted names: already received into their tensors).
-    The copy must have been saved from this rank's layout (:class:`StateMismatchError` otherwise)."""
+    it, leaving out the entries ``placed`` (dotted names: already received into their tensors);
+    ``manifest``: the copy's, already read and checked (as it arrived). The copy must have been
+    saved from this rank's layout (:class:`StateMismatchError` otherwise)."""
     tree, flat, digest = target
     if placed:  # only placed where the options select every key (see ``placeable``)
         options = dataclasses.replace(options, keys=lambda name: name not in placed)
-    with Checkpoint(os.fspath(path), options, process_group=ALONE) as ck:
+    with Checkpoint(os.fspath(path), options, process_group=ALONE, manifest=manifest) as ck:
         saved = ck.metadata.get(LAYOUT_KEY) if isinstance(ck.metadata, dict) else None
         if saved != digest:
             raise StateMismatchError(f"the local-tier copy {path} was saved from another layout of the state (another "

@@ -33,9 +33,9 @@ log = logging.getLogger(__name__)
 LOCAL, PEER = "local", "peer"
 
 Copy = tuple[int, int, int]  # (node, step, rank): one node's copy of one rank's state at one step
-Load = Callable[[str, bool, frozenset[str]], Any]
-"""Loads a copy, given its folder, whether it was just received (every block then checked on
-arrival) and the entries already received into their tensors (dotted names)."""
+Load = Callable[[str, Landed | None], Any]
+"""Loads a copy, given its folder and, for one just received, how it landed (every block checked
+on arrival, its manifest read, some entries maybe already received into their tensors)."""
 
 
 @dataclass
@@ -150,14 +150,12 @@ def _attempt(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, choi
     landed = None
     try:
         got = exchange(pg, sends, receives, cut=place is not None, place=place) if sends or receives else []
-        landed = got[0] if receives and isinstance(got[0], Landed) else None
-        if landed is not None:
-            return (OK, ""), load(str(landed.folder), True, landed.placed)
-        return (OK, ""), load(str(directory.copy_path(step, rank)), bool(receives), frozenset())
+        landed = got[0] if got and receives else None
+        return (OK, ""), load(str(directory.copy_path(step, rank) if landed is None else landed.folder), landed)
     except Exception as exc:
         return (kind_of(exc) if kind_of(exc) == DAMAGED else FAILED, f"{type(exc).__name__}: {exc}"), None
     finally:
-        if landed is not None:  # holds only what did not go into memory: never kept
+        if landed is not None and landed.placed:  # holds only what did not go into memory: never kept
             shutil.rmtree(landed.folder, ignore_errors=True)
 
 

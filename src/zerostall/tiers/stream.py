@@ -9,7 +9,6 @@ alone, so a receiver follows the stream to its end whatever it makes of the byte
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 from itertools import zip_longest
@@ -28,6 +27,8 @@ CHUNK_LIMIT = 64 << 20
 """The largest chunk a receiver takes (it holds a few)."""
 IN_FLIGHT = 4
 """Chunks of one transfer on the wire at once."""
+FILES_LIMIT = 4096
+"""A copy's files (its manifest and a data file per writer thread); more is a broken or hostile stream."""
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,9 @@ class Plan:
             for offset in range(lo, hi, self.chunk):
                 yield f, offset, min(self.chunk, hi - offset)
 
-    def cut_at(self, f: int, offset: int) -> bool:
-        """Whether a chunk of file ``f`` begins at ``offset`` after a cut, the file's start or its end."""
-        cuts, i = self.cuts[f], bisect_left(self.cuts[f], offset)
-        return offset in (0, self.files[f][1]) or (i < len(cuts) and cuts[i] == offset)
+    def edges(self) -> set[tuple[int, int]]:
+        """Every (file index, offset) that a chunk begins at or ends at for sure: each file's start, cuts and end."""
+        return {(f, c) for f, (_, size) in enumerate(self.files) for c in (0, *self.cuts[f], size)}
 
 
 def send_header(pg: Any, dst: int, header: dict[str, Any]) -> None:
@@ -97,7 +97,7 @@ def receive_header(pg: Any, src: int, final: Path) -> Plan | None:
     files, chunk, wave, cuts = header.get("files", ()), header.get("chunk"), header.get("wave"), header.get("cuts")
     if files is None:
         return None
-    if not (isinstance(files, list) and files and all(isinstance(f, list) and len(f) == 2 and type(f[1]) is int
+    if not (isinstance(files, list) and 0 < len(files) <= FILES_LIMIT and all(isinstance(f, list) and len(f) == 2 and type(f[1]) is int
                                                       and f[1] >= 0 for f in files)
             and type(chunk) is int and 0 < chunk <= CHUNK_LIMIT and type(wave) is int and 0 < wave <= 64
             and isinstance(cuts, list) and len(cuts) == len(files)

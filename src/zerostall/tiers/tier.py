@@ -30,6 +30,7 @@ from .local import LocalTier, NodeDirectory, check_space, run_id_for
 from .nodes import Nodes, gather_nodes
 from .replication import Replicator
 from .sources import restore_from_tiers
+from .transfer import Landed
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +151,10 @@ class NodeTier:
                     dist.destroy_process_group(self.pg)
 
 
-def _load(state: dict[str, Any], target: View, options: LoadOptions, path: str, checked: bool,
-          placed: frozenset[str]) -> Any:
-    """Load a copy into ``state`` (seen as ``target``), but the entries ``placed`` (received into
-    their tensors); one received just now had every block checked on arrival, so it is not checked
-    a second time."""
-    return load_copy(state, target, path, options=dataclasses.replace(options, verify=False) if checked else options,
-                     placed=placed)
+def _load(state: dict[str, Any], target: View, options: LoadOptions, path: str, landed: Landed | None) -> Any:
+    """Load a copy into ``state`` (seen as ``target``); one just received (``landed``) had every
+    block checked on arrival, so it is not checked a second time, and its manifest is not read again."""
+    if landed is None:
+        return load_copy(state, target, path, options=options)
+    return load_copy(state, target, path, options=dataclasses.replace(options, verify=False), placed=landed.placed,
+                     manifest=landed.manifest)

@@ -31,7 +31,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ from ..gcpause import gc_paused
 from ..loading.opening import read_manifest, read_manifest_bytes
 from ..loading.reader import ChunkReader
 from ..loading.verification import ArrivingFile, arriving_files, verify_all
+from ..state import fqn
 from ..storage.base import check_name
 from ..storage.local import LocalStorage, open_regular
 from .local import INCOMING
@@ -54,9 +55,9 @@ PLACEABLE = 256 << 10
 """The bytes of a chunk from which a sender cuts the stream at its bounds, so that a restoring
 receiver may put it straight into memory (smaller ones travel with their neighbours)."""
 
-Placer = Callable[[Manifest], dict[int, torch.Tensor]]
-"""Given a received copy's manifest: the memory (contiguous ``uint8``, the chunk's size) each
-tensor entry (by index) of one chunk may be received into."""
+Placer = Callable[[Manifest, Collection[int]], dict[int, torch.Tensor]]
+"""Given a received copy's manifest and the tensor entries (by index) whose one chunk the stream
+carries alone: the memory (contiguous ``uint8``, the chunk's size) each of them may be received into."""
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 _WRITERS = 4  # files of one copy that travel, and are written, at once
@@ -64,16 +65,18 @@ _WRITERS = 4  # files of one copy that travel, and are written, at once
 
 @dataclass(frozen=True)
 class Landed:
-    """A copy received partly into memory (see the module's docstring): the rest of it is in
-    ``folder``, which is never published (it lacks the placed bytes); load it from there leaving
-    out the entries ``placed`` (dotted names), then remove it."""
+    """A copy received: ``folder`` holds it, with its ``manifest`` as read and checked on arrival
+    (no need to read it again). When entries went straight into memory (``placed``, dotted names),
+    ``folder`` lacks their bytes and is never published: load it leaving them out, then remove it;
+    else it is the published copy."""
 
     folder: Path
     placed: frozenset[str]
+    manifest: Manifest
 
 
 def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequence[tuple[int, Path]], *,
-             chunk_bytes: int = 4 << 20, cut: bool = False, place: Placer | None = None) -> list[Path | Landed | None]:
+             chunk_bytes: int = 4 << 20, cut: bool = False, place: Placer | None = None) -> list[Landed | None]:
     """Run every transfer of this rank at once (no deadlock: each rank may send to and receive from
     several ranks, the same ones included). ``sends``: (destination rank in ``pg``, copy directory,
     or None when this rank has nothing: the receiver is told so), sent in chunks of ``chunk_bytes``.
@@ -81,8 +84,8 @@ def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequen
     ``cut``: cut each stream sent at the bounds of its large tensors, for a receiver that puts them
     into memory (it reads the whole manifest: a restore's senders do, a replication's do not);
     ``place``: put what it can of each received copy straight into memory (see the module's
-    docstring). Returns, per receive, that directory (a :class:`Landed` when something was put into
-    memory: nothing published), or None when the sender had nothing. Raises once every
+    docstring). Returns, per receive, how the copy landed (:class:`Landed`), or None when the
+    sender had nothing. Raises once every
     transfer has ended: a copy that fails its checks is :class:`CorruptCheckpointError` naming the
     source rank and the file (nothing is published), a peer that died or timed out a
     :class:`CheckpointError` naming it."""
@@ -101,6 +104,10 @@ def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequen
         futures = [pool.submit(job) for job in jobs]
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
+        for f in futures[len(sends):]:  # a copy received partly into memory, if this rank's send failed
+            landed = f.result() if f.exception() is None else None
+            if landed is not None and landed.placed:
+                shutil.rmtree(landed.folder, ignore_errors=True)
         raise errors[0]
     return [f.result() for f in futures[len(sends):]]
 
@@ -160,7 +167,7 @@ def _open_copy(copy: Path, cut: bool) -> tuple[list[tuple[str, int]], list[torch
     return files, data, cuts
 
 
-def _receive(pg: Any, src: int, final: Path, place: Placer | None) -> Path | Landed | None:
+def _receive(pg: Any, src: int, final: Path, place: Placer | None) -> Landed | None:
     """Receive ``src``'s copy into a folder beside ``final`` (into memory what ``place`` allows),
     verify it, publish it as ``final`` (unless something went into memory)."""
     try:
@@ -172,7 +179,7 @@ def _receive(pg: Any, src: int, final: Path, place: Placer | None) -> Path | Lan
             arrival = _Arrival(src, final, incoming, plan, place)
             arrival.receive(Wire(pg, src))
             if arrival.placed:
-                return Landed(incoming, frozenset(arrival.placed))
+                return Landed(incoming, frozenset(arrival.placed), arrival.manifest)
             _publish(incoming, final)
         except BaseException:
             shutil.rmtree(incoming, ignore_errors=True)
@@ -180,7 +187,7 @@ def _receive(pg: Any, src: int, final: Path, place: Placer | None) -> Path | Lan
     except RuntimeError as exc:  # what torch.distributed raises for a dead peer or a timeout
         raise CheckpointError(f"receiving rank {src}'s copy for {final} failed (rank {src} died, or timed out): "
                               f"{exc}") from exc
-    return final
+    return Landed(final, frozenset(), arrival.manifest)
 
 
 class _Arrival:
@@ -204,6 +211,7 @@ class _Arrival:
         self.arriving: dict[int, ArrivingFile] = {}  # each data file's checks, once the manifest is read
         self.checks = ThreadPoolExecutor(1, thread_name_prefix="zerostall-transfer-check")
         self.described: Future[int] | None = None  # the manifest's entries checked (verify_all of no file)
+        self.manifest: Manifest | None = None  # once read
         # a buffer is reused once the chunk in it is written; the wire holds fewer than IN_FLIGHT chunks
         self.buffers = [torch.empty(plan.chunk, dtype=torch.uint8) for _ in range(IN_FLIGHT + _WRITERS)]
         self.writes: list[Future[None] | None] = [None] * len(self.buffers)
@@ -215,7 +223,7 @@ class _Arrival:
             for group, chunks in self.plan.waves():
                 self.lanes.update((f, self.writers[i % _WRITERS]) for i, f in enumerate(group))
                 for f, offset, n in chunks:
-                    into = self._memory(f, offset, n)
+                    into = self._memory(f, offset, n) if self.failure is None else None  # failed: into buffers, unused
                     if into is not None:
                         wire.receive(into, lambda f=f, into=into, offset=offset:
                                      self._store_later(None, fds.get(f), f, into, offset))
@@ -272,7 +280,7 @@ class _Arrival:
         try:
             if self.failure is None:
                 _check_and_write(fd, memoryview(buf.numpy()), offset, self.arriving.get(f))
-        except (CheckpointError, OSError) as exc:
+        except Exception as exc:  # whatever it is, the copy is not taken
             self._fail(exc)
 
     def _arrived(self, group: list[int]) -> None:
@@ -298,6 +306,7 @@ class _Arrival:
         except CheckpointError as exc:
             self._fail(exc)
             return
+        self.manifest = manifest
         self.described = self.checks.submit(verify_all, reader, allow_pickle=False, files=())
         if self.place is not None:
             self._place(manifest)
@@ -307,14 +316,18 @@ class _Arrival:
         stream carries alone (cut at both ends) and whose bytes overlap no other chosen one's, in the
         files or in memory, so every byte hashed in memory is the byte left there."""
         index = {name: f for f, (name, _) in enumerate(self.plan.files)}
+        edges, alone = self.plan.edges(), {}  # alone: the entries of one chunk cut at both ends: (file, start, end)
+        for i, entry in enumerate(manifest.entries):
+            if entry.kind == "tensor" and len(entry.chunks) == 1:
+                f, start = index.get(entry.chunks[0].file), entry.chunks[0].offset
+                end = start + entry.chunks[0].nbytes
+                if f and end > start and (f, start) in edges and (f, end) in edges:
+                    alone[i] = (f, start, end)
         chosen = []
-        for i, into in self.place(manifest).items():
-            chunks = manifest.entries[i].chunks
-            f = index.get(chunks[0].file) if len(chunks) == 1 else None
-            if f and into.dtype == torch.uint8 and into.is_contiguous() and into.numel() == chunks[0].nbytes > 0:
-                start, end = chunks[0].offset, chunks[0].offset + chunks[0].nbytes
-                if self.plan.cut_at(f, start) and self.plan.cut_at(f, end):
-                    chosen.append((f, start, end, into, manifest.entries[i].fqn))
+        for i, into in (self.place(manifest, alone.keys()) if alone else {}).items():
+            f, start, end = alone.get(i, (0, 0, 0))
+            if f and into.dtype == torch.uint8 and into.is_contiguous() and into.numel() == end - start:
+                chosen.append((f, start, end, into, fqn(manifest.entries[i].path)))  # the name a load selects by
         kept, ends, memory_end = [], {}, -1
         for f, start, end, into, name in sorted(chosen, key=lambda c: c[3].data_ptr()):
             if into.data_ptr() >= memory_end:
@@ -339,7 +352,7 @@ class _Arrival:
         try:
             if self.failure is None:
                 self.arriving[f].finish()
-        except CheckpointError as exc:
+        except Exception as exc:  # whatever it is, the copy is not taken
             self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
