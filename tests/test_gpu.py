@@ -193,6 +193,52 @@ def test_a_gpu_load_writes_after_the_callers_work_on_its_targets_and_is_done_whe
             assert out[key].is_cuda and torch.equal(out[key], expected), key
 
 
+def peer_state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {"big": torch.randn(1 << 18, generator=g), "odd": torch.randn(70_001, generator=g).to(torch.bfloat16),
+            "small": torch.randn(10, generator=g), "step": 3}
+
+
+def _restore_into_cuda(own: str, held: str) -> dict:
+    """Rank 1 sends the copy ``own`` as a restore's sender does; rank 0 receives it into zeroed
+    CUDA tensors (large ones through a buffer, checked, copied to the GPU) and loads the rest."""
+    import functools
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from zerostall.options import LoadOptions
+    from zerostall.tiers.copies import load_copy, placements, view
+    from zerostall.tiers.transfer import exchange
+
+    if dist.get_rank() == 1:
+        exchange(dist.group.WORLD, [(0, Path(own))], [], chunk_bytes=1 << 16, cut=True)
+        return {}
+    state = {k: torch.zeros_like(v, device="cuda") if isinstance(v, torch.Tensor) else 0
+             for k, v in peer_state().items()}
+    memory = {k: v.data_ptr() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    target = view(state, restoring=True)
+    (landed,) = exchange(dist.group.WORLD, [], [(1, Path(held))], chunk_bytes=1 << 16,
+                         place=functools.partial(placements, target))
+    loaded = load_copy(state, target, landed.folder, options=LoadOptions(verify=False), placed=landed.placed,
+                       manifest=landed.manifest)
+    return {"placed": sorted(landed.placed), "equal": {k: torch.equal(v.cpu(), peer_state()[k])
+                                                     for k, v in loaded.items() if isinstance(v, torch.Tensor)},
+            "on_gpu": all(state[k].is_cuda and state[k].data_ptr() == p for k, p in memory.items()),
+            "step": loaded["step"]}
+
+
+def test_a_peer_copy_is_received_into_gpu_state_through_a_buffer(ranks, tmp_path):
+    """A local-tier copy from a peer restores CUDA tensors of at least 256 KiB by copying each
+    checked chunk from a host buffer into the target's own GPU memory; bit-exact, in place."""
+    from zerostall.tiers.copies import LAYOUT_KEY, view
+
+    own = tmp_path / "own"
+    zs.save(peer_state(), str(own), metadata={LAYOUT_KEY: view(peer_state()).digest})
+    got = ranks(2).run(_restore_into_cuda, str(own), str(tmp_path / "node" / "rank_00001"))[0]
+    assert got["placed"] == ["big"] and all(got["equal"].values()) and got["on_gpu"] and got["step"] == 3, got
+
+
 def test_the_pool_is_pinned_for_gpu_state_and_unpinned_by_close(tmp_path):
     with zs.AsyncSaver() as saver:
         saver.save({"w": torch.ones(1 << 16)}, str(tmp_path / "cpu")).result()

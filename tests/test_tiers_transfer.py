@@ -283,25 +283,30 @@ def _tied(state: dict) -> dict:
     return {**state, "tied": state["w"]}
 
 
-def _into_memory(own: str, held: str, cut: bool = True, tied: bool = False) -> Any:
+def _into_memory(own: str, held: str, cut: bool = True, tied: bool = False, copied: bool = False) -> Any:
     """Rank 1 sends its copy (``cut``: as a restore's sender does); rank 0 receives it into a
-    zeroed state (``tied``: see :func:`_tied`) where it can, then loads the rest."""
+    zeroed state (``tied``: see :func:`_tied`) where it can, then loads the rest. ``copied``: every
+    placed chunk goes through a buffer and is copied into the state, as for a GPU's memory."""
     import torch.distributed as dist
 
     from zerostall.options import LoadOptions
+    from zerostall.tiers import transfer
     from zerostall.tiers.copies import load_copy, placements, view
-    from zerostall.tiers.transfer import exchange
 
     if dist.get_rank() == 1:
         return _exchange([(0, Path(own))], [], 1 << 16, cut=cut)
     state = _tied(_empty_like(_state(1))) if tied else _empty_like(_state(1))
     memory = {k: v.data_ptr() for k, v in state.items() if isinstance(v, torch.Tensor)}
     target = view(state, restoring=True)
+    direct = transfer.direct
+    transfer.direct = (lambda into: False) if copied else direct
     try:
-        (landed,) = exchange(dist.group.WORLD, [], [(1, Path(held))], chunk_bytes=1 << 16,
-                             place=functools.partial(placements, target))
+        (landed,) = transfer.exchange(dist.group.WORLD, [], [(1, Path(held))], chunk_bytes=1 << 16,
+                                      place=functools.partial(placements, target))
     except Exception as exc:
         return [type(exc).__name__, str(exc)]
+    finally:
+        transfer.direct = direct
     published = os.path.exists(held)
     placed = {k: torch.equal(state[k], _state(1)[k]) for k in landed.placed}  # before the rest is loaded
     loaded = load_copy(state, target, landed.folder, options=LoadOptions(verify=False), placed=landed.placed,
@@ -320,13 +325,15 @@ def _layout_copy(tmp_path: Path, tied: bool = False) -> Path:
     return own
 
 
-def test_a_restore_receives_large_tensors_straight_into_the_state(ranks, tmp_path: Path) -> None:
-    """The tensors of at least PLACEABLE bytes arrive in the target's own memory, right before
-    anything is loaded; the rest loads from the folder, which is not published; bit-exact."""
-    from zerostall.tiers.transfer import PLACEABLE
+@pytest.mark.parametrize("copied", [False, True], ids=["received", "copied"])
+def test_a_restore_receives_large_tensors_straight_into_the_state(ranks, tmp_path: Path, copied: bool) -> None:
+    """The tensors of at least PLACEABLE bytes arrive in the target's own memory (received there,
+    or, as for a GPU, through a buffer and copied), right before anything is loaded; the rest loads
+    from the folder, which is not published; bit-exact."""
+    from zerostall.tiers.placing import PLACEABLE
 
     held = tmp_path / "node" / "rank_00001"
-    got = ranks(2).run(_into_memory, str(_layout_copy(tmp_path)), str(held))[0]
+    got = ranks(2).run(_into_memory, str(_layout_copy(tmp_path)), str(held), True, False, copied)[0]
     large = sorted(k for k, v in _state(1).items() if isinstance(v, torch.Tensor) and v.nbytes >= PLACEABLE)
     assert large == ["w"] and sorted(got["placed"]) == large and all(got["placed"].values())
     assert not got["published"] and got["in_place"] and Path(got["folder"]).parent == held.parent
@@ -350,12 +357,13 @@ def test_a_stream_not_cut_is_received_into_the_folder_and_published(ranks, tmp_p
     _assert_same(got["state"], _state(1))
 
 
-def test_a_flipped_byte_in_a_tensor_received_into_memory_is_caught(ranks, tmp_path: Path) -> None:
+@pytest.mark.parametrize("copied", [False, True], ids=["received", "copied"])
+def test_a_flipped_byte_in_a_tensor_received_into_memory_is_caught(ranks, tmp_path: Path, copied: bool) -> None:
     own = _layout_copy(tmp_path)
     chunk = next(e.chunks[0] for e in _manifest(own).entries if e.fqn == "w")
     _flip_at(own / chunk.file, chunk.offset + chunk.nbytes // 2)
     held = tmp_path / "node" / "rank_00001"
-    kind, message = ranks(2).run(_into_memory, str(own), str(held))[0]
+    kind, message = ranks(2).run(_into_memory, str(own), str(held), True, False, copied)[0]
     assert kind == "CorruptCheckpointError" and "rank 1" in message and "entry w" in message, message
     assert not held.parent.exists() or os.listdir(held.parent) == []
 

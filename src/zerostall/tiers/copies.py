@@ -62,10 +62,10 @@ def placeable(options: LoadOptions) -> bool:
 def placements(target: View, manifest: Manifest, which: Collection[int]) -> dict[int, torch.Tensor]:
     """Where a copy of this rank's layout arriving from a peer may be received straight into
     ``target`` (its :func:`view` made ``restoring``): by entry index, among ``which``, the memory, as
-    bytes, of each tensor leaf that takes the entry's one chunk as it is (on the CPU, a plain
-    contiguous tensor of the entry's dtype and shape), when the entry's dotted name is its own and
-    no alias entry reads its bytes (tied weights: the alias loads from the copy's folder); none for
-    another layout."""
+    bytes, of each tensor leaf that takes the entry's one chunk as it is (a plain contiguous tensor
+    of the entry's dtype and shape, on the CPU or a GPU), when the entry's dotted name is its own
+    and no alias entry reads its bytes (tied weights: the alias loads from the copy's folder); none
+    for another layout."""
     tree, flat, digest = target
     meta = manifest.metadata if isinstance(manifest.metadata, dict) else {}
     if meta.get(LAYOUT_KEY) != digest or manifest.world_size != 1:
@@ -81,8 +81,8 @@ def placements(target: View, manifest: Manifest, which: Collection[int]) -> dict
         if not isinstance(flat.leaves.get(entry.path), torch.Tensor):
             continue
         piece = _get(tree, entry.path)
-        if (type(piece) in (torch.Tensor, torch.nn.Parameter) and piece.device.type == "cpu" and piece.is_contiguous()
-                and dtype_name(piece.dtype) == entry.dtype and tuple(piece.shape) == entry.shape
+        if (type(piece) in (torch.Tensor, torch.nn.Parameter) and piece.device.type in ("cpu", "cuda")
+                and piece.is_contiguous() and dtype_name(piece.dtype) == entry.dtype and tuple(piece.shape) == entry.shape
                 and not (piece.is_conj() or piece.is_neg()) and piece.nbytes == entry.chunks[0].nbytes):
             out[i] = piece.detach().reshape(-1).view(torch.uint8)
     return out

@@ -26,7 +26,8 @@ from ..storage import storage_for
 from .copies import LAYOUT_KEY
 from .local import NodeDirectory
 from .nodes import Nodes
-from .transfer import Landed, Placer, exchange
+from .placing import Placer
+from .transfer import Landed, exchange
 
 log = logging.getLogger(__name__)
 

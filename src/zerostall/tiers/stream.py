@@ -97,8 +97,8 @@ def receive_header(pg: Any, src: int, final: Path) -> Plan | None:
     files, chunk, wave, cuts = header.get("files", ()), header.get("chunk"), header.get("wave"), header.get("cuts")
     if files is None:
         return None
-    if not (isinstance(files, list) and 0 < len(files) <= FILES_LIMIT and all(isinstance(f, list) and len(f) == 2 and type(f[1]) is int
-                                                      and f[1] >= 0 for f in files)
+    if not (isinstance(files, list) and 0 < len(files) <= FILES_LIMIT
+            and all(isinstance(f, list) and len(f) == 2 and type(f[1]) is int and f[1] >= 0 for f in files)
             and type(chunk) is int and 0 < chunk <= CHUNK_LIMIT and type(wave) is int and 0 < wave <= 64
             and isinstance(cuts, list) and len(cuts) == len(files)
             and all(_increasing(c, size) for c, (_, size) in zip(cuts, files))):

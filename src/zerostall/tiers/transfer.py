@@ -13,11 +13,11 @@ place once every file has passed. Files are not fsynced: a copy torn by a power 
 checksums when it is read, and another is used.
 
 A restore receives its own copy straight into the state where it can (``place``): each tensor
-that lies in one chunk of the copy and whose memory can take its bytes as they are (on the CPU,
-contiguous, of the same dtype and shape) is received into that memory and checked there, as the
-raw transport would receive it, instead of being written to a file and read back; the rest of the
-copy arrives into its folder as above, is loaded from there, and the folder, which lacks the
-placed bytes, is never published.
+that lies in one chunk of the copy and whose memory can take its bytes as they are (contiguous,
+of the same dtype and shape) is received into that memory and checked there, as the raw transport
+would receive it (on a GPU: into a buffer, checked, then copied there), instead of being written
+to a file and read back; the rest of the copy arrives into its folder as above, is loaded from
+there, and the folder, which lacks the placed bytes, is never published.
 """
 
 from __future__ import annotations
@@ -27,11 +27,10 @@ import os
 import secrets
 import shutil
 import threading
-from bisect import bisect_right
 from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,19 +44,11 @@ from ..gcpause import gc_paused
 from ..loading.opening import read_manifest, read_manifest_bytes
 from ..loading.reader import ChunkReader
 from ..loading.verification import ArrivingFile, arriving_files, verify_all
-from ..state import fqn
 from ..storage.base import check_name
 from ..storage.local import LocalStorage, open_regular
 from .local import INCOMING
+from .placing import PLACEABLE, Placer, Spans, direct
 from .stream import CHUNK_LIMIT, IN_FLIGHT, Plan, Wire, plan_header, receive_header, send_header
-
-PLACEABLE = 256 << 10
-"""The bytes of a chunk from which a sender cuts the stream at its bounds, so that a restoring
-receiver may put it straight into memory (smaller ones travel with their neighbours)."""
-
-Placer = Callable[[Manifest, Collection[int]], dict[int, torch.Tensor]]
-"""Given a received copy's manifest and the tensor entries (by index) whose one chunk the stream
-carries alone: the memory (contiguous ``uint8``, the chunk's size) each of them may be received into."""
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 _WRITERS = 4  # files of one copy that travel, and are written, at once
@@ -178,8 +169,8 @@ def _receive(pg: Any, src: int, final: Path, place: Placer | None) -> Landed | N
         try:
             arrival = _Arrival(src, final, incoming, plan, place)
             arrival.receive(Wire(pg, src))
-            if arrival.placed:
-                return Landed(incoming, frozenset(arrival.placed), arrival.manifest)
+            if arrival.spans and arrival.spans.placed:
+                return Landed(incoming, frozenset(arrival.spans.placed), arrival.manifest)
             _publish(incoming, final)
         except BaseException:
             shutil.rmtree(incoming, ignore_errors=True)
@@ -201,8 +192,7 @@ class _Arrival:
 
     def __init__(self, src: int, final: Path, folder: Path, plan: Plan, place: Placer | None = None) -> None:
         self.src, self.final, self.folder, self.plan, self.place = src, final, folder, plan, place
-        self.spans: dict[int, list[tuple[int, int, torch.Tensor]]] = {}  # by file: (start, end, memory), sorted
-        self.placed: list[str] = []  # the dotted names of the entries put into memory
+        self.spans: Spans | None = None  # where in memory chunks arrive, once the manifest is read
         self.names = [name for name, _ in plan.files]
         self.failure: CheckpointError | None = None
         self.lock = threading.Lock()
@@ -223,8 +213,8 @@ class _Arrival:
             for group, chunks in self.plan.waves():
                 self.lanes.update((f, self.writers[i % _WRITERS]) for i, f in enumerate(group))
                 for f, offset, n in chunks:
-                    into = self._memory(f, offset, n) if self.failure is None else None  # failed: into buffers, unused
-                    if into is not None:
+                    into = self.spans.memory(f, offset, n) if self.spans and self.failure is None else None
+                    if into is not None and direct(into):  # else into a buffer (failed: unused)
                         wire.receive(into, lambda f=f, into=into, offset=offset:
                                      self._store_later(None, fds.get(f), f, into, offset))
                         continue
@@ -232,8 +222,8 @@ class _Arrival:
                     if self.writes[slot] is not None:
                         self.writes[slot].result()
                     buf = self.buffers[slot][:n]
-                    wire.receive(buf, lambda slot=slot, f=f, buf=buf, offset=offset:
-                                 self._store_later(slot, fds.get(f), f, buf, offset))
+                    wire.receive(buf, lambda slot=slot, f=f, buf=buf, offset=offset, into=into:
+                                 self._store_later(slot, fds.get(f), f, buf, offset, into))
                 if group == [0]:  # the manifest read before any data chunk is posted: it says where they go
                     wire.finish()
                     self._arrived(group)
@@ -267,19 +257,24 @@ class _Arrival:
             self._fail(exc)
         return fds
 
-    def _store_later(self, slot: int | None, fd: int | None, f: int, buf: torch.Tensor, offset: int) -> None:
+    def _store_later(self, slot: int | None, fd: int | None, f: int, buf: torch.Tensor, offset: int,
+                     into: torch.Tensor | None = None) -> None:
         """A chunk of file ``f`` has arrived in buffer ``slot`` (None: into memory, where it stays):
-        check it, and write it unless it went into memory, in the background."""
+        check it, then write it to its file or copy it ``into`` memory (a GPU's), in the background."""
         if self.failure is None and fd is not None:
-            done = self.lanes[f].submit(self._store, None if slot is None else fd, f, buf, offset)
+            done = self.lanes[f].submit(self._store, None if slot is None or into is not None else fd, f, buf, offset,
+                                        into)
             if slot is not None:
                 self.writes[slot] = done
 
-    def _store(self, fd: int | None, f: int, buf: torch.Tensor, offset: int) -> None:
-        """Check the chunk and write it to ``fd`` (None: only check), unless the copy has failed meanwhile."""
+    def _store(self, fd: int | None, f: int, buf: torch.Tensor, offset: int, into: torch.Tensor | None) -> None:
+        """Check the chunk, then write it to ``fd`` or copy it ``into`` memory (neither: only check),
+        unless the copy has failed meanwhile."""
         try:
             if self.failure is None:
                 _check_and_write(fd, memoryview(buf.numpy()), offset, self.arriving.get(f))
+            if into is not None and self.failure is None:
+                into.copy_(buf)  # before the buffer is reused: from pageable memory a copy is done when it returns
         except Exception as exc:  # whatever it is, the copy is not taken
             self._fail(exc)
 
@@ -309,44 +304,7 @@ class _Arrival:
         self.manifest = manifest
         self.described = self.checks.submit(verify_all, reader, allow_pickle=False, files=())
         if self.place is not None:
-            self._place(manifest)
-
-    def _place(self, manifest: Manifest) -> None:
-        """Choose the memory each placeable chunk arrives into: a tensor entry of one chunk that the
-        stream carries alone (cut at both ends) and whose bytes overlap no other chosen one's, in the
-        files or in memory, so every byte hashed in memory is the byte left there."""
-        index = {name: f for f, (name, _) in enumerate(self.plan.files)}
-        edges, alone = self.plan.edges(), {}  # alone: the entries of one chunk cut at both ends: (file, start, end)
-        for i, entry in enumerate(manifest.entries):
-            if entry.kind == "tensor" and len(entry.chunks) == 1:
-                f, start = index.get(entry.chunks[0].file), entry.chunks[0].offset
-                end = start + entry.chunks[0].nbytes
-                if f and end > start and (f, start) in edges and (f, end) in edges:
-                    alone[i] = (f, start, end)
-        chosen = []
-        for i, into in (self.place(manifest, alone.keys()) if alone else {}).items():
-            f, start, end = alone.get(i, (0, 0, 0))
-            if f and into.dtype == torch.uint8 and into.is_contiguous() and into.numel() == end - start:
-                chosen.append((f, start, end, into, fqn(manifest.entries[i].path)))  # the name a load selects by
-        kept, ends, memory_end = [], {}, -1
-        for f, start, end, into, name in sorted(chosen, key=lambda c: c[3].data_ptr()):
-            if into.data_ptr() >= memory_end:
-                kept.append((f, start, end, into, name))
-                memory_end = into.data_ptr() + into.numel()
-        for f, start, end, into, name in sorted(kept, key=lambda c: c[:3]):
-            if start >= ends.get(f, 0):
-                self.spans.setdefault(f, []).append((start, end, into))
-                self.placed.append(name)
-                ends[f] = end
-
-    def _memory(self, f: int, offset: int, n: int) -> torch.Tensor | None:
-        """Where in memory the chunk of file ``f`` at ``offset`` of ``n`` bytes arrives, or None (a buffer)."""
-        spans = self.spans.get(f)
-        i = bisect_right(spans, offset, key=lambda s: s[0]) - 1 if spans else -1
-        if i < 0 or offset + n > spans[i][1]:
-            return None
-        start, _, into = spans[i]
-        return into[offset - start:offset - start + n]
+            self.spans = Spans(self.plan, manifest, self.place)
 
     def _finish(self, f: int) -> None:
         try:
