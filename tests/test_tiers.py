@@ -191,6 +191,18 @@ def test_a_flipped_byte_in_a_replica_is_found_before_it_is_used_and_an_older_ste
     assert "rank 2's copy on node a" in after[0]["info"].fallbacks[0][0]
 
 
+def test_a_damaged_own_copy_on_a_rank_that_sends_to_a_peer_falls_back_after_its_sends(run):
+    """Rank 0 loads its own copy while it sends rank 2's (node b is lost): its copy is damaged, its
+    send completes all the same, and every rank goes to the older step (rank 0's only other copy
+    was on node b)."""
+    pool, root, base, whole = run
+    shutil.rmtree(node_dir(base, "b"))
+    flip_a_byte(copy_files(base, "a", 20, 0)[0])
+    after = pool.run_per_rank(train, [(root, base, END, node) for node in ("a", "a", "c", "c")])
+    check_resumed(after, whole, 15, ("local", "local", "peer", "peer"))
+    assert "rank 0's copy on node a" in after[0]["info"].fallbacks[0][0]
+
+
 def test_every_copy_damaged_and_an_empty_root_is_an_error_not_a_fresh_start(ranks, tmp_path):
     """Copies were tried (received into the state, loaded on other ranks) and all found damaged: the
     restore raises on every rank rather than return None, which would start training afresh from a

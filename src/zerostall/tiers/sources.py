@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from ..collectives import Group
@@ -143,13 +145,17 @@ def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirec
 def _attempt(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, choice: Choice, load: Load,
              place: Placer | None) -> tuple[tuple[str, str], Any]:
     """Receive this rank's copy if it is a peer's, send the copies others need from this rank,
-    then load; returns (outcome, message) and what ``load`` returned."""
+    then load (a copy on this rank's node: while the sends go); returns (outcome, message) and
+    what ``load`` returned."""
     rank, step = group.rank, choice.step
     sends = [(r, directory.copy_path(step, r)) for r, (_, sender) in enumerate(choice.sources)
              if sender == rank and r != rank]
     receives = [(choice.sources[rank][1], directory.copy_path(step, rank))] if choice.kinds[rank] == PEER else []
     landed = None
     try:
+        if sends and not receives:
+            return (OK, ""), _load_while_sending(pg, sends, str(directory.copy_path(step, rank)), load,
+                                                 cut=place is not None)
         got = exchange(pg, sends, receives, cut=place is not None, place=place) if sends or receives else []
         landed = got[0] if got and receives else None
         return (OK, ""), load(str(directory.copy_path(step, rank) if landed is None else landed.folder), landed)
@@ -158,6 +164,20 @@ def _attempt(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, choi
     finally:
         if landed is not None and landed.placed:  # holds only what did not go into memory: never kept
             shutil.rmtree(landed.folder, ignore_errors=True)
+
+
+def _load_while_sending(pg: Any, sends: list[tuple[int, Path]], own: str, load: Load, *, cut: bool) -> Any:
+    """Load this rank's copy ``own`` while its ``sends`` go; the sends end (peers wait on them)
+    whatever the load does, and the first error is raised."""
+    with ThreadPoolExecutor(1, thread_name_prefix="zerostall-send") as pool:
+        sending = pool.submit(exchange, pg, sends, [], cut=cut)
+        try:
+            loaded = load(own, None)
+        except BaseException:
+            sending.exception()
+            raise
+        sending.result()
+    return loaded
 
 
 def _as_json(choice: Choice | None) -> Any:
