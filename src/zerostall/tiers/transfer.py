@@ -76,10 +76,9 @@ def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequen
     into memory (it reads the whole manifest: a restore's senders do, a replication's do not);
     ``place``: put what it can of each received copy straight into memory (see the module's
     docstring). Returns, per receive, how the copy landed (:class:`Landed`), or None when the
-    sender had nothing. Raises once every
-    transfer has ended: a copy that fails its checks is :class:`CorruptCheckpointError` naming the
-    source rank and the file (nothing is published), a peer that died or timed out a
-    :class:`CheckpointError` naming it."""
+    sender had nothing. Raises once every transfer has ended: a copy that fails its checks is
+    :class:`CorruptCheckpointError` naming the source rank and the file (nothing is published), a
+    peer that died or timed out a :class:`CheckpointError` naming it."""
     me = dist.get_rank(pg)
     for what, peers in (("send to", [r for r, _ in sends]), ("receive from", [r for r, _ in receives])):
         if len(set(peers)) != len(peers) or me in peers or not all(0 <= r < dist.get_world_size(pg) for r in peers):
