@@ -20,6 +20,7 @@ from ..errors import CheckpointError, CorruptCheckpointError, UnsupportedValueEr
 from ..format import codec
 from ..format.checksums import BlockHasher
 from ..format.layout import Chunk, Entry
+from ..gcpause import gc_paused
 from .foreign import describe
 from .reader import ChunkReader, resolve
 
@@ -138,6 +139,7 @@ def _decode_safely(entry: Entry) -> None:
             raise CorruptCheckpointError(f"entry {entry.fqn}: {exc}") from exc
 
 
+@gc_paused()  # a few objects per chunk: no cyclic collections over the process meanwhile
 def arriving_files(fetcher: ChunkReader, sizes: dict[str, int]) -> dict[str, ArrivingFile]:
     """The checks of the manifest's data files ``sizes`` (name: size as it arrives), each with its
     chunks, found in one pass over the entries."""

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import ALONE, Group
+from ..gcpause import gc_paused
 from ..options import LoadOptions, SaveOptions
 from ..roots.restore import RestoreInfo
 from ..roots.root import step_tag, tag_step
@@ -105,6 +106,7 @@ class NodeTier:
                 check_space(self.options.directory, (self.options.keep + 1) * sum(sizes[r] for r in held),
                             self.directory.bytes_used())
 
+    @gc_paused()  # the caller waits: no cyclic collections over the per-leaf and per-chunk objects
     def restore(self, state: dict[str, Any], options: LoadOptions, candidates: list[tuple[str, str | None]],
                 unreachable: Exception | None, *, fallback: bool) -> tuple[RestoreInfo, Any]:
         """Restore ``state`` from the newest step the tiers hold for every rank, unless the root's
