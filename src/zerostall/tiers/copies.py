@@ -73,12 +73,10 @@ def placements(target: View, manifest: Manifest, which: Collection[int]) -> dict
     names = Counter(fqn(e.path) for e in manifest.entries)  # as a load selects them (``placed``)
     aliased = {e.alias_of for e in manifest.entries if e.kind == "alias"}
     out = {}
-    for i in which:
+    for i in which:  # tensor entries of one chunk (see ``placing.Placer``)
         entry = manifest.entries[i]
-        if (entry.kind != "tensor" or entry.inner_of is not None or len(entry.chunks) != 1 or names[fqn(entry.path)] > 1
-                or i in aliased):
-            continue
-        if not isinstance(flat.leaves.get(entry.path), torch.Tensor):
+        if (entry.inner_of is not None or names[fqn(entry.path)] > 1 or i in aliased
+                or not isinstance(flat.leaves.get(entry.path), torch.Tensor)):
             continue
         piece = _get(tree, entry.path)
         if (type(piece) in (torch.Tensor, torch.nn.Parameter) and piece.device.type in ("cpu", "cuda")

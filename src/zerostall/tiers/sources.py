@@ -157,7 +157,7 @@ def _attempt(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, choi
             return (OK, ""), _load_while_sending(pg, sends, str(directory.copy_path(step, rank)), load,
                                                  cut=place is not None)
         got = exchange(pg, sends, receives, cut=place is not None, place=place) if sends or receives else []
-        landed = got[0] if got and receives else None
+        landed = got[0] if receives else None
         return (OK, ""), load(str(directory.copy_path(step, rank) if landed is None else landed.folder), landed)
     except Exception as exc:
         return (kind_of(exc) if kind_of(exc) == DAMAGED else FAILED, f"{type(exc).__name__}: {exc}"), None
