@@ -24,7 +24,9 @@ an NVMe swap folder against ``shutil.copytree`` and the raw copy rate.
    writes a file of the rank's bytes (those of its files in the default engine's checkpoint) with
    ``os.write`` from a preallocated buffer and fsyncs it, then reads it back with ``os.preadv``
    into that buffer (``load_s``) and into a new one (``load_fresh_s``: memory not touched yet, as
-   an engine's ``load`` must return new tensors; the pages are dropped again in between). A
+   an engine's ``load`` must return new tensors; ``load_fresh_huge_s``: the same into memory
+   offered for huge pages, as zerostall allocates what it reads into; the pages are dropped again
+   in between). A
    time is the slowest rank's, from a barrier to the end of its call; the figure is the median of
    the timed reps. A warm-up rep runs first and checks every load: the engine's state is zeroed
    after the save and must equal the saved digest once loaded. A load's ``read_s`` is the part of it
@@ -91,6 +93,7 @@ from common import describe, free_port, median, print_json, progress, remove, rn
 import zerostall as zs  # noqa: E402
 from zerostall.integrations.deepspeed import attach, swap  # noqa: E402
 from zerostall.integrations.deepspeed.swap import SwapFolders  # noqa: E402
+from zerostall.memory import host_empty  # noqa: E402
 
 WORLD = 2
 WIDTH = 2048  # the layers are WIDTH x WIDTH
@@ -296,6 +299,8 @@ def raw_rep(root: str, rank: int, buffer: torch.Tensor) -> dict[str, float]:
     out["load_s"] = timed(lambda: read(view))
     settle(path)
     out["load_fresh_s"] = timed(lambda: read(memoryview(torch.empty(view.nbytes, dtype=torch.uint8).numpy())))
+    settle(path)
+    out["load_fresh_huge_s"] = timed(lambda: read(memoryview(host_empty(view.nbytes).numpy())))
     dist.barrier()
     remove(path)
     return out
@@ -372,7 +377,7 @@ def summarize_engines(ranks: list[dict[str, Any]], reps: int) -> dict[str, Any]:
         runs = [run for run in runs if all(run)]
         if name in errors or not runs:
             continue
-        for what in ("save_s", "commit_s", "load_s", "load_fresh_s", "read_s"):
+        for what in ("save_s", "commit_s", "load_s", "load_fresh_s", "load_fresh_huge_s", "read_s"):
             if what in runs[0][0]:
                 out[f"{name}_{what}"] = rnd(median([max(t[what] for t in run) for run in runs]))
         if "fsync_s" in runs[0][0]:
@@ -394,7 +399,8 @@ def summarize_engines(ranks: list[dict[str, Any]], reps: int) -> dict[str, Any]:
         out[f"zerostall_vs_fast_{what}"] = ratio(f"zerostall_{what}_s", f"fast_{what}_s")
         out[f"zerostall_vs_raw_{what}"] = ratio("raw_" + what + "_gbps", f"zerostall_{what}_gbps")
     out["zerostall_read_vs_raw_read"] = ratio("zerostall_read_s", "raw_load_s")  # the files read, placing apart
-    out["zerostall_read_vs_raw_fresh_read"] = ratio("zerostall_read_s", "raw_load_fresh_s")  # into new memory, as a load
+    out["zerostall_read_vs_raw_fresh_read"] = ratio("zerostall_read_s", "raw_load_fresh_s")  # into new memory
+    out["zerostall_read_vs_raw_fresh_huge_read"] = ratio("zerostall_read_s", "raw_load_fresh_huge_s")
     out["zerostall_read_vs_default_read"] = ratio("zerostall_read_s", "default_read_s")
     if "default_save_s" in out and "default_fsync_s" in out and "zerostall_save_s" in out:
         out["zerostall_vs_default_save_with_fsync"] = rnd(
@@ -555,7 +561,9 @@ def print_engines(e: dict[str, Any], r: dict[str, Any]) -> None:
     print("read s: the part of a load spent in the checkpoint engine's own calls (open, load, close), the files "
           f"read into memory; the rest is DeepSpeed putting the state in place. zerostall's read vs raw read: "
           f"x{e.get('zerostall_read_vs_raw_read')} (into new memory, {cell('raw_load_fresh_s', '.3f', 0)} s: "
-          f"x{e.get('zerostall_read_vs_raw_fresh_read')}), vs the default engine's read: "
+          f"x{e.get('zerostall_read_vs_raw_fresh_read')}; offered huge pages, "
+          f"{cell('raw_load_fresh_huge_s', '.3f', 0)} s: "
+          f"x{e.get('zerostall_read_vs_raw_fresh_huge_read')}), vs the default engine's read: "
           f"x{e.get('zerostall_read_vs_default_read')}")
     print(f"zerostall vs default: save x{e.get('zerostall_vs_default_save')} (default + its fsync: "
           f"x{e.get('zerostall_vs_default_save_with_fsync')}), load x{e.get('zerostall_vs_default_load')}; vs fast: "

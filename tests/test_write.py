@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import gc
+import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 from zerostall.format.checksums import block_checksums, pieces
-from zerostall.memory import owned_bytes, tensor_bytes
+from zerostall.memory import host_empty, owned_bytes, tensor_bytes
 from zerostall.saving.write import device_pieces
 
 
@@ -40,3 +42,30 @@ def test_byte_views_refuse_tensors_off_the_host():
     for view in (tensor_bytes, owned_bytes):
         with pytest.raises(ValueError, match="needs a tensor in host memory, not on meta"):
             view(torch.empty(4, device="meta"))
+
+
+def _huge_pages_on_advice() -> bool:
+    """Linux with transparent huge pages given only where advised (so the advice is what gives them)."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return mode.exists() and "[madvise]" in mode.read_text()
+
+
+def _huge_kib(t: torch.Tensor) -> int:
+    """AnonHugePages of the mappings overlapping ``t``'s memory, from /proc/self/smaps."""
+    lo, hi, inside, kib = t.data_ptr(), t.data_ptr() + t.nbytes, False, 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        span = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if span:
+            inside = int(span[1], 16) < hi and lo < int(span[2], 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            kib += int(line.split()[1])
+    return kib
+
+
+@pytest.mark.skipif(not _huge_pages_on_advice(), reason="needs Linux with transparent huge pages in madvise mode")
+def test_new_memory_for_a_bulk_fill_is_offered_huge_pages():
+    t = host_empty((16, 1 << 20), torch.float32)
+    t.fill_(1.0)
+    plain = torch.empty((16, 1 << 20), dtype=torch.float32).fill_(1.0)
+    assert t.shape == (16, 1 << 20) and t.dtype == torch.float32 and torch.equal(t, plain)
+    assert _huge_kib(t) > 0 and _huge_kib(plain) == 0

@@ -21,7 +21,7 @@ from ..format import codec, subclass
 from ..format.boxes import Box, intersect, region, whole
 from ..format.layout import Entry, Manifest
 from ..gcpause import gc_paused
-from ..memory import tensor_bytes
+from ..memory import host_empty, tensor_bytes
 from ..options import LoadOptions, default_threads
 from ..state import Path, rebuild
 from ..storage import Storage
@@ -180,7 +180,7 @@ class Checkpoint:
                 values.append(self.read(key, verify=verify))
                 continue
             self._fetcher.check_sizes(entry)
-            out = torch.empty(entry.shape or (), dtype=entry.torch_dtype)
+            out = host_empty(entry.shape or (), entry.torch_dtype)
             targets.append((out, whole(out), entry))
             values.append(out)
         if targets:
@@ -190,7 +190,7 @@ class Checkpoint:
     def _tensor(self, entry: Entry, verify: bool, box: Box | None = None) -> torch.Tensor:
         """Tensor entry ``entry`` whole, or its part ``box``."""
         if box is not None:
-            out = torch.empty(box[1], dtype=entry.torch_dtype)
+            out = host_empty(box[1], entry.torch_dtype)
             self._fetcher.fill([(out, box, entry)], verify, self.options.max_staging_bytes)
             return out
         shape, dtype = entry.shape or (), entry.torch_dtype
@@ -205,7 +205,7 @@ class Checkpoint:
                 raw = torch.frombuffer(mapped, dtype=torch.uint8, count=chunk.nbytes, offset=chunk.offset)
                 return raw.view(dtype).reshape(shape)
         self._fetcher.check_sizes(entry)  # before allocating what the manifest says the files hold
-        out = torch.empty(shape, dtype=dtype)
+        out = host_empty(shape, dtype)
         self._fetcher.fill([(out, whole(out), entry)], verify, self.options.max_staging_bytes)
         return out
 
@@ -300,7 +300,7 @@ class Checkpoint:
                 plan.replacements[path] = self._subclass(entry, trusted, o.verify)
                 continue
             self._fetcher.check_sizes(entry)
-            out = torch.empty(entry.shape or (), dtype=like.dtype if like is not None else entry.torch_dtype)
+            out = host_empty(entry.shape or (), like.dtype if like is not None else entry.torch_dtype)
             if entry.kind == "subclass":
                 self._copy(out, whole(out), entry, ".".join(map(str, path)), o)
             else:

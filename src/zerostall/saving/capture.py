@@ -35,6 +35,7 @@ import torch
 from ..devices import CallerStreams, cuda_devices, host_register, host_unregister, on_stream, worker_device
 from ..errors import SharedMemoryError, StateChangedError
 from ..gcpause import gc_paused
+from ..memory import host_empty
 from ..storage.base import free_bytes
 from .collect import Version, WriteItem, counters, versions_of
 from .recollect import Snapshot
@@ -108,7 +109,7 @@ class BufferPool:
             offsets.append(total)
             total += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
         size = max(total, 1)
-        arena = _shared_arena(size) if self.shared_memory else torch.empty(size, dtype=torch.uint8)
+        arena = _shared_arena(size) if self.shared_memory else host_empty(size)
         arena.zero_()  # touch every page now: first-touch faults are slow, and belong to allocation
         if pin:
             self._pin(arena, devices)
