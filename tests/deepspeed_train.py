@@ -74,10 +74,12 @@ def main() -> None:
     if args.check_open:
         losses["open"] = check_open(engine.checkpoint_engine, args.dir, args.check_open)
     if args.resume:
+        live, returned = _watch_loads(engine)
         path, client = engine.load_checkpoint(args.dir, args.tag)
         assert path is not None, f"nothing to resume in {args.dir}"
         start = client["step"]
         losses["resumed_from"] = start
+        losses["read_in_place"] = len(live & returned), len(live)
     for step in range(start + 1, args.steps + 1):
         gen = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(4, w, generator=gen)
@@ -117,6 +119,30 @@ def check_open(ours, directory: str, empty: str) -> dict:
     except CheckpointNotFoundError as exc:
         seen["missing"] = str(exc)
     return seen
+
+
+def _watch_loads(engine) -> tuple[set, set]:
+    """Where the tensors of the state dicts DeepSpeed would save now lie (the model's and this rank's
+    optimizer's), and a set the checkpoint engine's loads add the places of what they return to:
+    a load that reads into the engine's own tensors returns them."""
+    def places(tree) -> set:
+        if isinstance(tree, torch.Tensor):
+            return {tree.data_ptr()} if tree.numel() > 1 else set()
+        if isinstance(tree, dict):
+            tree = list(tree.values())
+        return set().union(*map(places, tree)) if isinstance(tree, (list, tuple)) else set()
+
+    live = places([engine.module_state_dict(), engine.optimizer.state_dict()])
+    returned: set = set()
+    load = engine.checkpoint_engine.load
+
+    def watched(path, map_location=None):
+        value = load(path, map_location)
+        returned.update(places(value))
+        return value
+
+    engine.checkpoint_engine.load = watched
+    return live, returned
 
 
 def _write(path: str, rank: int, losses: dict) -> None:

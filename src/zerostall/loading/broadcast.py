@@ -18,6 +18,7 @@ from ..collectives import Group
 from ..errors import CheckpointError
 from ..format.boxes import Box, intersect, region
 from ..format.layout import Chunk, Entry
+from ..memory import host_empty
 from .fetch import Fetcher, Target, direct_read
 
 ChunkId = tuple[int, int]  # an entry's index in the manifest and a chunk's index in the entry
@@ -61,7 +62,7 @@ def _broadcast_batch(fetcher: Fetcher, group: Group, pool: ThreadPoolExecutor, b
     rank runs the same broadcasts, even after a failed read) and copy staged bytes into their
     targets. Returns this rank's first read failure."""
     buffers = {key: wanted[key][0].data.reshape(-1).view(torch.uint8) if key in direct
-               else torch.empty(wanted[key][3].nbytes, dtype=torch.uint8) for key in batch}
+               else host_empty(wanted[key][3].nbytes) for key in batch}
     reads = {key: pool.submit(fetcher.read_chunk, wanted[key][2], wanted[key][3], buffers[key], verify)
              for key in batch if readers[key] == group.rank}
     failure = None

@@ -168,19 +168,24 @@ class Checkpoint:
         whole_blocks = lo % block == 0 and (hi % block == 0 or hi == chunk.nbytes)  # each checked whole
         return lo if not verify or whole_blocks else None
 
-    def read_many(self, keys: Sequence[str | Path], *, verify: bool | None = None) -> list[Any]:
-        """Several entries whole, as :meth:`read` gives each, their tensors read into new memory
-        together, by the reader threads in parallel (many tensors: one parallel read, not one each)."""
+    def read_many(self, keys: Sequence[str | Path], *, verify: bool | None = None,
+                  into: Sequence[torch.Tensor | None] | None = None) -> list[Any]:
+        """Several entries whole, as :meth:`read` gives each, their tensors read together by the
+        reader threads in parallel (many tensors: one parallel read, not one each). ``into``: per
+        key, a tensor to read the entry into in place where it fits (a contiguous CPU tensor of the
+        entry's shape and dtype), else new memory."""
         verify = self.options.verify if verify is None else verify
         values: list[Any] = []
         targets = []
-        for key in keys:
+        for i, key in enumerate(keys):
             entry = self._entry(key)
             if entry.kind != "tensor":
                 values.append(self.read(key, verify=verify))
                 continue
-            self._fetcher.check_sizes(entry)
-            out = host_empty(entry.shape or (), entry.torch_dtype)
+            out = into[i] if into is not None else None
+            if out is None or not _fits(out, entry):
+                self._fetcher.check_sizes(entry)
+                out = host_empty(entry.shape or (), entry.torch_dtype)
             targets.append((out, whole(out), entry))
             values.append(out)
         if targets:
@@ -358,3 +363,9 @@ def _insert(tree: dict[Any, Any], path: Path, value: Any) -> None:
         node = node.setdefault(key, {}) if isinstance(node, dict) else None
     if isinstance(node, dict):
         node[path[-1]] = value
+
+
+def _fits(t: torch.Tensor, entry: Entry) -> bool:
+    """Whether ``entry`` can be read into ``t`` as it is."""
+    return (t.device.type == "cpu" and t.dtype == entry.torch_dtype and tuple(t.shape) == tuple(entry.shape or ())
+            and t.is_contiguous() and type(t) in (torch.Tensor, torch.nn.Parameter))

@@ -8,7 +8,7 @@ import contextlib
 import functools
 import logging
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -85,6 +85,8 @@ def _load_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any
         session = ours.session
         assert session is not None
         folders = SwapFolders.of(engine)
+        if ours.options.in_place:
+            session.into.update(_live_files(engine, session.view, opened, kwargs.get("load_optimizer_states", True)))
         if folders or any(e.path[:1] == (swap.KEY,) for e in session.checkpoint.manifest.entries):
             written = folders.restore(session.checkpoint, ours.group.rank)
             log.info("restored %d bytes of offloaded state into %s", written, ", ".join(folders.folders.values()))
@@ -96,6 +98,20 @@ def _load_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any
         return path, client_state
     finally:
         ours.close()
+
+
+def _live_files(engine: Any, view: str, tag: str, optimizer: bool) -> dict[str, Callable[[], Any]]:
+    """The files whose loads read into the engine's own tensors, each with the state dict that
+    DeepSpeed would save in it now: the model file, and this rank's ZeRO optimizer file unless
+    its state is swapped to NVMe (the swap files hold it then)."""
+    directory = os.path.join(view, tag)
+    into: dict[str, Callable[[], Any]] = {
+        os.path.relpath(engine._get_ckpt_name(view, tag), directory): lambda: {"module": engine.module_state_dict()}}
+    if optimizer and engine.zero_optimization() and engine.optimizer is not None \
+            and not engine.zero_nvme_offload_optimizer():
+        into[os.path.relpath(engine._get_zero_ckpt_name(view, tag), directory)] = \
+            lambda: {"optimizer_state_dict": engine.optimizer.state_dict()}
+    return into
 
 
 def _restore_optimizer_state(engine: Any, saved: Any) -> None:

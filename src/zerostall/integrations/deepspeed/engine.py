@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
@@ -55,9 +55,14 @@ class DeepSpeedOptions(_Options):
     """Options of the saves (threads, fsync, block size...); ``allow_pickle`` above wins."""
     load: LoadOptions | None = None
     """Options of the loads (threads, verify...); ``allow_pickle`` above wins."""
+    in_place: bool = True
+    """Read this rank's optimizer file and the model file into the engine's own tensors where they
+    match (key path, shape, dtype), which DeepSpeed then keeps: no second copy of the state in
+    memory, no new pages to fault in. A load that fails part way leaves those tensors partly
+    overwritten (its error says so): load another checkpoint before training on."""
 
     def __post_init__(self) -> None:
-        self._check_bools("asynchronous", "allow_pickle")
+        self._check_bools("asynchronous", "allow_pickle", "in_place")
         self._check("save", self.save is None or isinstance(self.save, SaveOptions), "None or a SaveOptions")
         self._check("load", self.load is None or isinstance(self.load, LoadOptions), "None or a LoadOptions")
 
@@ -96,6 +101,9 @@ class _Session:
     tag: str
     checkpoint: Checkpoint
     view: str
+    into: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    """Per file name: the state dict DeepSpeed would save in it now, whose tensors that file's
+    load reads into where they match (set by :func:`attach` with ``in_place``)."""
 
     @property
     def directory(self) -> str:
@@ -265,8 +273,20 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
         where = f"{name} of checkpoint {ck.path}"
         value = _file_value(ck, name)
         device = map_location if isinstance(map_location, (str, torch.device)) else None
-        return values.join(value, lambda names: [_to(t, device) for t in ck.read_many(
-            [(name, values.TENSORS, t) for t in names])], where)
+        live = session.into.get(name) if device is None or torch.device(device).type == "cpu" else None
+        into = values.split(live())[values.TENSORS] if live is not None else {}
+
+        def tensors(names: list[str]) -> list[torch.Tensor]:
+            keys = [(name, values.TENSORS, t) for t in names]
+            return [_to(t, device) for t in ck.read_many(keys, into=[into.get(t) for t in names])]
+
+        try:
+            return values.join(value, tensors, where)
+        except CheckpointError as exc:
+            if not into:
+                raise
+            raise type(exc)(f"{exc}; it was being read into the engine's own tensors, which are now partly "
+                            "overwritten: load another checkpoint before training on") from exc
 
     def is_decoupled(self) -> bool:
         return False  # an asynchronous save commits in the background, without waiting at the next step
