@@ -20,7 +20,9 @@ an NVMe swap folder against ``shutil.copytree`` and the raw copy rate.
    DeepSpeed's default engine is, to set its save against that engine's alone). Each rep,
    in an order rotated by one per rep, each contender saves (``engine.save_checkpoint(dir, tag)``)
    and loads the same tag back into the same engine (``engine.load_checkpoint(dir, tag)``; the
-   checkpoints of the last two are zerostall's, so they are not loaded again), and ``raw``
+   checkpoints of the last two are zerostall's, so they are not loaded again; before a load the
+   optimizer's state is dropped, as a new process that resumes has none until its first step,
+   while its weight and fp32 partitions exist), and ``raw``
    writes a file of the rank's bytes (those of its files in the default engine's checkpoint) with
    ``os.write`` from a preallocated buffer and fsyncs it, then reads it back with ``os.preadv``
    into that buffer (``load_s``) and into a new one (``load_fresh_s``: memory not touched yet, as
@@ -225,6 +227,7 @@ def engine_rep(name: str, engine: Any, root: str, rep: int, rank: int, check: bo
         if check:
             for t in state_tensors(engine):
                 t.detach().zero_()
+        engine.optimizer.optimizer.state.clear()  # as in a new process: AdamW's moments come with its first step
         # the fast engine loads with torch.load's default weights_only=True, which refuses DeepSpeed's
         # own objects in its files (the default engine passes weights_only=False): lift it, as torch allows
         with environ(name == "fast", TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1"), engine_reads(engine) as spent:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from zerostall.format.checksums import block_checksums, pieces
+from zerostall import memory
 from zerostall.memory import host_empty, owned_bytes, tensor_bytes
 from zerostall.saving.write import device_pieces
 
@@ -69,3 +70,13 @@ def test_new_memory_for_a_bulk_fill_is_offered_huge_pages():
     plain = torch.empty((16, 1 << 20), dtype=torch.float32).fill_(1.0)
     assert t.shape == (16, 1 << 20) and t.dtype == torch.float32 and torch.equal(t, plain)
     assert _huge_kib(t) > 0 and _huge_kib(plain) == 0
+
+
+@pytest.mark.skipif(not _huge_pages_on_advice(), reason="needs Linux with transparent huge pages in madvise mode")
+def test_huge_pages_are_not_asked_for_when_turned_off(monkeypatch):
+    monkeypatch.setenv("ZEROSTALL_HUGE_PAGES", "0")
+    memory._advise.cache_clear()
+    try:
+        assert _huge_kib(host_empty(16 << 20).fill_(1)) == 0
+    finally:
+        memory._advise.cache_clear()

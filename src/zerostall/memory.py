@@ -1,9 +1,13 @@
-"""Zero-copy byte views of tensor memory, for writing from and reading into tensors directly."""
+"""Zero-copy byte views of tensor memory, for writing from and reading into tensors directly; new
+host memory for bulk fills."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 import sys
+from typing import Callable
 
 import torch
 
@@ -15,25 +19,41 @@ _memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
 
 _HUGE_PAGE = 1 << 21
 _MADV_HUGEPAGE = 14
-_madvise = ctypes.CDLL(None, use_errno=True).madvise if sys.platform.startswith("linux") else None
-if _madvise is not None:
-    _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+@functools.lru_cache(maxsize=None)
+def _advise() -> Callable[..., int] | None:
+    """``madvise`` where advice is what gives huge pages: Linux with transparent huge pages in
+    ``madvise`` mode (``always`` gives them unasked, without the compaction advice may cost), unless
+    ``ZEROSTALL_HUGE_PAGES=0``."""
+    if not sys.platform.startswith("linux") or os.environ.get("ZEROSTALL_HUGE_PAGES", "1") == "0":
+        return None
+    try:
+        with open(_THP_MODE) as f:
+            if "[madvise]" not in f.read():
+                return None
+    except OSError:
+        return None
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise
 
 
 def host_empty(shape: int | tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """A new CPU tensor for a bulk fill (a read, a staging copy), its memory offered to the kernel
-    for transparent huge pages (Linux): first touches then fault once per 2 MiB, not per 4 KiB.
+    for transparent huge pages: filling it then faults once per 2 MiB, not per 4 KiB.
 
     What ``THP_MEM_ALLOC_ENABLE=1`` does for every torch allocation of the process, here only for
-    the memory zerostall fills. Without transparent huge pages (or outside Linux) a plain
-    ``torch.empty``.
+    the memory zerostall fills; elsewhere (see :func:`_advise`) a plain ``torch.empty``.
     """
     out = torch.empty(shape, dtype=dtype)
     n = out.nbytes
-    if _madvise is not None and n >= 4 * _HUGE_PAGE:
+    madvise = _advise() if n >= 4 * _HUGE_PAGE else None
+    if madvise is not None:
         ptr = out.data_ptr()
         start = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE  # whole huge pages inside the allocation
-        _madvise(start, ptr + n - start, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
+        madvise(start, ptr + n - start, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
     return out
 
 
