@@ -23,7 +23,8 @@ import torch
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'zerostall[deepspeed]')")
 
 import zerostall as zs  # noqa: E402
-from zerostall.integrations.deepspeed import DeepSpeedOptions, ZeroStallCheckpointEngine  # noqa: E402
+from zerostall.integrations.deepspeed import (DeepSpeedOptions, ZeroStallCheckpointEngine,  # noqa: E402
+                                              fp32_state_dict)
 from zerostall.integrations.deepspeed import values  # noqa: E402
 from zerostall.integrations.deepspeed.swap import SwapFolders  # noqa: E402
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
@@ -105,6 +106,22 @@ def test_a_killed_run_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path: 
     assert {k.split(".")[1] for k in offloaded} == swapped
     assert not any("gradient" in k for k in offloaded)
     assert not (ck / "step3" / "offloaded_tensors").exists()  # no copy of DeepSpeed's own beside ours
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp32_weights_consolidate_as_deepspeeds_own_tool_gives_them(tmp_path: Path, stage: int) -> None:
+    """The same run saved by zerostall and by DeepSpeed's own engine: fp32_state_dict of the one
+    equals DeepSpeed's zero_to_fp32 of the other, bit for bit."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    common = ["--stage", str(stage), "--steps", "3", "--save-at", "3"]
+    job(tmp_path, "ours", *common, "--dir", str(tmp_path / "ours"))
+    job(tmp_path, "theirs", *common, "--dir", str(tmp_path / "theirs"), "--engine", "deepspeed")
+    want = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "theirs"))
+    got = fp32_state_dict(str(tmp_path / "ours"))
+    assert list(got) == list(want) and len(want) == 4
+    assert all(got[k].dtype == torch.float32 and torch.equal(got[k], want[k]) for k in want)
+    assert not list((tmp_path / "ours").glob("*/*.pt"))  # read from zerostall's files, not DeepSpeed's
 
 
 @NVME

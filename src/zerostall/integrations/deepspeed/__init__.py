@@ -11,6 +11,7 @@ if importlib.util.find_spec("deepspeed") is None:
                       "(with DS_BUILD_OPS=0 its ops are built just in time)")
 
 from .attach import attach
+from .consolidate import fp32_state_dict
 from .engine import DeepSpeedOptions, ZeroStallCheckpointEngine
 
-__all__ = ["attach", "DeepSpeedOptions", "ZeroStallCheckpointEngine"]
+__all__ = ["attach", "DeepSpeedOptions", "ZeroStallCheckpointEngine", "fp32_state_dict"]
