@@ -49,6 +49,7 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=0)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--tag", default=None)
+    p.add_argument("--weights-only", action="store_true", help="resume with load_optimizer_states=False")
     p.add_argument("--engine", choices=["zerostall", "deepspeed"], default="zerostall")
     p.add_argument("--asynchronous", action="store_true")
     p.add_argument("--width", type=int, default=512)
@@ -75,7 +76,7 @@ def main() -> None:
         losses["open"] = check_open(engine.checkpoint_engine, args.dir, args.check_open)
     if args.resume:
         live, returned = _watch_loads(engine)
-        path, client = engine.load_checkpoint(args.dir, args.tag)
+        path, client = engine.load_checkpoint(args.dir, args.tag, load_optimizer_states=not args.weights_only)
         assert path is not None, f"nothing to resume in {args.dir}"
         start = client["step"]
         losses["resumed_from"] = start

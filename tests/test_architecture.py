@@ -44,7 +44,7 @@ ORDER = [
     "manager",
     # integrations/: adapters for the frameworks users train with, over the public API
     "integrations.deepspeed.values", "integrations.deepspeed.swap", "integrations.deepspeed.engine",
-    "integrations.deepspeed.attach", "integrations.deepspeed.consolidate", "integrations.deepspeed",
+    "integrations.deepspeed.consolidate", "integrations.deepspeed.attach", "integrations.deepspeed",
     "integrations.lightning.values", "integrations.lightning.checkpoint_io",
     "integrations.lightning.model_parallel", "integrations.lightning",
     "integrations.torchtitan.hf", "integrations.torchtitan.manager", "integrations.torchtitan", "integrations",

@@ -124,6 +124,16 @@ def test_fp32_weights_consolidate_as_deepspeeds_own_tool_gives_them(tmp_path: Pa
     assert not list((tmp_path / "ours").glob("*/*.pt"))  # read from zerostall's files, not DeepSpeed's
 
 
+def test_a_zero3_load_of_the_weights_alone_consolidates_them_through_zerostall(tmp_path: Path) -> None:
+    """ZeRO-3's load_checkpoint(load_optimizer_states=False) runs zero_to_fp32 on the load
+    directory: the resumed run's first step sees the saved weights (its loss is the one of the
+    run that saved them)."""
+    common = ["--stage", "3", "--dir", str(tmp_path / "ck"), "--save-at", "3"]
+    first = job(tmp_path, "first", *common, "--steps", "4")
+    resumed = job(tmp_path, "resumed", *common, "--steps", "4", "--resume", "--weights-only")
+    assert resumed[0]["resumed_from"] == 3 and losses(resumed, range(4, 5)) == losses(first, range(4, 5))
+
+
 @NVME
 def test_swap_files_come_back_under_parameter_names_when_ds_ids_moved(tmp_path: Path) -> None:
     """A process that built another ZeRO-3 model first numbers the parameters differently

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from .consolidate import reading_through
 from .engine import DeepSpeedOptions, ZeroStallCheckpointEngine
 from . import swap
 from .swap import SwapFolders
@@ -90,7 +91,8 @@ def _load_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any
         if folders or any(e.path[:1] == (swap.KEY,) for e in session.checkpoint.manifest.entries):
             written = folders.restore(session.checkpoint, ours.group.rank)
             log.info("restored %d bytes of offloaded state into %s", written, ", ".join(folders.folders.values()))
-        path, client_state = original(session.view, opened, **kwargs)
+        with reading_through(ours):  # under ZeRO-3, a load of weights alone consolidates them with zero_to_fp32
+            path, client_state = original(session.view, opened, **kwargs)
         if path is not None and engine.zero_nvme_offload_optimizer() and kwargs.get("load_optimizer_states", True):
             _restore_optimizer_state(engine, ours.load(engine._get_zero_ckpt_name(session.view, opened)))
         if path is not None:

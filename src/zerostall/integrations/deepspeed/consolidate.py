@@ -1,6 +1,8 @@
 """The fp32 weights of a DeepSpeed checkpoint saved through :func:`attach`, consolidated from every
 rank's ZeRO partitions as DeepSpeed's ``zero_to_fp32`` does it: its own code runs, reading the
-files it asks for from the zerostall checkpoint, every block verified."""
+files it asks for from the zerostall checkpoint, every block verified. DeepSpeed's
+``load_checkpoint`` runs the same code under ZeRO-3 when it loads weights only (see
+:func:`reading_through`)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def fp32_state_dict(checkpoint_dir: str, tag: str | None = None, *,
     try:
         session = ours.session
         assert session is not None
-        with _reading_through(zero_to_fp32, ours):
+        with reading_through(ours):
             return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
                 session.view, tag=opened, exclude_frozen_parameters=exclude_frozen_parameters)
     finally:
@@ -53,10 +55,13 @@ class _Torch:
 
 
 @contextlib.contextmanager
-def _reading_through(module: Any, ours: ZeroStallCheckpointEngine) -> Iterator[None]:
+def reading_through(ours: ZeroStallCheckpointEngine) -> Iterator[None]:
+    """``zero_to_fp32`` reading its files through ``ours`` (its open session) for the duration."""
+    from deepspeed.utils import zero_to_fp32
+
     with _ONE_AT_A_TIME:
-        module.torch = _Torch(ours)
+        zero_to_fp32.torch = _Torch(ours)
         try:
             yield
         finally:
-            module.torch = torch
+            zero_to_fp32.torch = torch

@@ -345,9 +345,13 @@ def _resolve(load_dir: str, tag: str | None) -> str:
 
 def _show(view: str, tag: str, ck: Checkpoint, rank: int) -> None:
     """Lay out ``view/tag`` as DeepSpeed expects to find it: an empty file per stored file (it
-    globs and checks names before reading) and this rank's empty swap folder (it copies from there
-    after the swap files were restored)."""
+    globs and checks names before reading), this rank's empty swap folder (it copies from there
+    after the swap files were restored), and ``view/latest`` naming the tag (its ``zero_to_fp32``
+    reads it)."""
     directory = os.path.join(view, tag)
+    os.makedirs(directory)
+    with open(os.path.join(view, LATEST_NAME), "w") as f:
+        f.write(tag)
     for name in {e.path[0] for e in ck.manifest.entries if e.path and e.path[0] != swap.KEY}:
         target = os.path.normpath(os.path.join(directory, str(name)))
         if not _inside(target, directory) or target == directory:
