@@ -52,6 +52,7 @@ def main() -> None:
     p.add_argument("--weights-only", action="store_true", help="resume with load_optimizer_states=False")
     p.add_argument("--engine", choices=["zerostall", "deepspeed"], default="zerostall")
     p.add_argument("--asynchronous", action="store_true")
+    p.add_argument("--allow-pickle", action="store_true")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--losses", required=True)
     p.add_argument("--check-open", default="", help="first open() latest, a tag, this empty directory, a missing tag")
@@ -69,7 +70,7 @@ def main() -> None:
     if args.engine == "zerostall":
         from zerostall.integrations.deepspeed import attach
 
-        attach(engine, asynchronous=args.asynchronous)
+        attach(engine, asynchronous=args.asynchronous, allow_pickle=args.allow_pickle)
     start = 0
     losses: dict[int, float] = {}
     if args.check_open:

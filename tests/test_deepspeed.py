@@ -124,6 +124,20 @@ def test_fp32_weights_consolidate_as_deepspeeds_own_tool_gives_them(tmp_path: Pa
     assert not list((tmp_path / "ours").glob("*/*.pt"))  # read from zerostall's files, not DeepSpeed's
 
 
+def test_a_run_that_switches_to_zerostall_resumes_from_deepspeeds_own_checkpoint(tmp_path: Path) -> None:
+    """Saved by DeepSpeed's engine, resumed with zerostall attached: refused without allow_pickle
+    (DeepSpeed's files are pickles), exact with it; the next save is a zerostall checkpoint."""
+    common = ["--stage", "2", "--dir", str(tmp_path / "ck")]
+    first = job(tmp_path, "first", *common, "--save-at", "3", "--kill-at", "6", "--engine", "deepspeed",
+                expect_kill=True)
+    with pytest.raises(AssertionError, match="written by DeepSpeed's own engine, whose files are pickles"):
+        job(tmp_path, "refused", *common, "--save-at", "3", "--resume")
+    resumed = job(tmp_path, "resumed", *common, "--save-at", "5", "--resume", "--allow-pickle")
+    assert resumed[0]["resumed_from"] == 3 and losses(resumed, range(4, 7)) == losses(first, range(4, 7))
+    assert (tmp_path / "ck" / "latest").read_text() == "step5" and zs.verify(str(tmp_path / "ck" / "step5")) > 0
+    assert list((tmp_path / "ck" / "step3").glob("*_model_states.pt"))  # DeepSpeed's own, left as it was
+
+
 def test_a_zero3_load_of_the_weights_alone_consolidates_them_through_zerostall(tmp_path: Path) -> None:
     """ZeRO-3's load_checkpoint(load_optimizer_states=False) runs zero_to_fp32 on the load
     directory: the resumed run's first step sees the saved weights (its loss is the one of the

@@ -12,9 +12,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ...errors import CheckpointError
+from . import swap
 from .consolidate import reading_through
 from .engine import DeepSpeedOptions, ZeroStallCheckpointEngine
-from . import swap
 from .swap import SwapFolders
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,11 @@ def _save_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any
 def _load_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any, load_dir: str, tag: Any = None,
                      **kwargs: Any) -> tuple[Any, Any]:
     """DeepSpeed's ``load_checkpoint`` between ``open`` and ``close``: swap files restored in place
-    first (DeepSpeed then resets its swap buffers from them), every file read through the session."""
+    first (DeepSpeed then resets its swap buffers from them), every file read through the session.
+    A checkpoint of DeepSpeed's own engine is loaded by that engine (see :func:`_load_deepspeeds_own`)."""
+    own = ours.deepspeeds_own(load_dir, None if tag is None else str(tag))
+    if own is not None:
+        return _load_deepspeeds_own(engine, ours, original, load_dir, own, **kwargs)
     opened = ours.open(load_dir, None if tag is None else str(tag))
     if opened is None:
         return None, None
@@ -100,6 +105,26 @@ def _load_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any
         return path, client_state
     finally:
         ours.close()
+
+
+def _load_deepspeeds_own(engine: Any, ours: ZeroStallCheckpointEngine, original: Any, load_dir: str, tag: str,
+                         **kwargs: Any) -> tuple[Any, Any]:
+    """Resume from a checkpoint that DeepSpeed's own engine wrote (a run that switched to zerostall):
+    DeepSpeed loads it with its ``torch.load`` engine, which unpickles, so only with ``allow_pickle``."""
+    if not ours.options.allow_pickle:
+        raise CheckpointError(
+            f"checkpoint {tag} in {load_dir} was written by DeepSpeed's own engine, whose files are pickles: to "
+            "resume from it, attach(engine, allow_pickle=True) (unpickling runs code: only for files you trust); "
+            "the saves that follow are zerostall checkpoints")
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    log.warning("loading %s/%s, a checkpoint of DeepSpeed's own engine, with that engine (no blocks to verify)",
+                load_dir, tag)
+    engine.checkpoint_engine = TorchCheckpointEngine(getattr(engine, "_config", None))
+    try:
+        return original(load_dir, tag, **kwargs)
+    finally:
+        engine.checkpoint_engine = ours
 
 
 def _live_files(engine: Any, view: str, tag: str, optimizer: bool) -> dict[str, Callable[[], Any]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import logging
 import os
 import shutil
@@ -26,6 +27,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from ... import api
 from ...collectives import Group
 from ...errors import CheckpointError, CheckpointNotFoundError, InsufficientSpaceError
+from ...format.layout import MANIFEST_NAME
 from ...loading.checkpoint import Checkpoint
 from ...options import LoadOptions, SaveOptions, _Options
 from ...roots.root import LATEST_NAME, CheckpointRoot, validate_tag
@@ -249,6 +251,13 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
         self._session = _Session(load_dir, agreed, checkpoint, view)
         return agreed
 
+    def deepspeeds_own(self, load_dir: str, tag: str | None = None) -> str | None:
+        """``tag`` (None or ``"latest"``: the tag ``latest`` names) when it is a checkpoint that
+        DeepSpeed's own engine wrote in ``load_dir`` (its files and no zerostall manifest), else
+        None. Collective: rank 0 decides."""
+        found = self.group.agree(lambda: _deepspeeds_own(os.fspath(load_dir), tag).encode()).decode()
+        return found or None
+
     def close(self) -> None:
         """Free what :meth:`open` took (its files, its directory of names)."""
         session, self._session = self._session, None
@@ -341,6 +350,21 @@ def _resolve(load_dir: str, tag: str | None) -> str:
                     f"names {named!r}, which is not a committed checkpoint" if named else "is missing", newest)
         return newest
     return ""
+
+
+def _deepspeeds_own(load_dir: str, tag: str | None) -> str:
+    """On rank 0: :meth:`ZeroStallCheckpointEngine.deepspeeds_own` (empty for None)."""
+    if tag is None or tag == LATEST_NAME:
+        try:
+            with open(os.path.join(load_dir, LATEST_NAME)) as f:
+                tag = f.read().strip()
+        except OSError:
+            return ""
+    validate_tag(tag)
+    directory = os.path.join(load_dir, tag)
+    if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
+        return ""
+    return tag if glob.glob(os.path.join(glob.escape(directory), "*_model_states.pt")) else ""
 
 
 def _show(view: str, tag: str, ck: Checkpoint, rank: int) -> None:
