@@ -50,6 +50,8 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--tag", default=None)
     p.add_argument("--weights-only", action="store_true", help="resume with load_optimizer_states=False")
+    p.add_argument("--first-layer-only", action="store_true",
+                   help="resume the module alone through a custom_load_fn that loads its first layer only")
     p.add_argument("--engine", choices=["zerostall", "deepspeed"], default="zerostall")
     p.add_argument("--asynchronous", action="store_true")
     p.add_argument("--allow-pickle", action="store_true")
@@ -77,7 +79,10 @@ def main() -> None:
         losses["open"] = check_open(engine.checkpoint_engine, args.dir, args.check_open)
     if args.resume:
         live, returned = _watch_loads(engine)
-        path, client = engine.load_checkpoint(args.dir, args.tag, load_optimizer_states=not args.weights_only)
+        head = engine.module[2].weight.detach().clone()
+        extra = dict(load_module_only=True, custom_load_fn=_first_layer_only) if args.first_layer_only else {}
+        path, client = engine.load_checkpoint(args.dir, args.tag, load_optimizer_states=not args.weights_only, **extra)
+        losses["head_kept"] = torch.equal(engine.module[2].weight.detach(), head)
         assert path is not None, f"nothing to resume in {args.dir}"
         start = client["step"]
         losses["resumed_from"] = start
@@ -121,6 +126,11 @@ def check_open(ours, directory: str, empty: str) -> dict:
     except CheckpointNotFoundError as exc:
         seen["missing"] = str(exc)
     return seen
+
+
+def _first_layer_only(src: dict, dst: torch.nn.Module) -> None:
+    """A custom_load_fn: the saved first layer, this run's own last layer."""
+    dst.load_state_dict({k: v for k, v in src.items() if k.startswith("0.")}, strict=False)
 
 
 def _watch_loads(engine) -> tuple[set, set]:

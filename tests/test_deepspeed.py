@@ -138,6 +138,15 @@ def test_a_run_that_switches_to_zerostall_resumes_from_deepspeeds_own_checkpoint
     assert list((tmp_path / "ck" / "step3").glob("*_model_states.pt"))  # DeepSpeed's own, left as it was
 
 
+def test_a_custom_load_fn_decides_what_of_the_module_is_loaded(tmp_path: Path) -> None:
+    """The model file is not read into the module's own tensors when a custom_load_fn places it:
+    the layer the function leaves alone keeps this run's weights."""
+    common = ["--stage", "2", "--dir", str(tmp_path / "ck"), "--save-at", "3", "--steps", "3"]
+    job(tmp_path, "first", *common)
+    resumed = job(tmp_path, "resumed", *common, "--resume", "--first-layer-only")
+    assert all(run["head_kept"] for run in resumed.values()), resumed
+
+
 def test_a_zero3_load_of_the_weights_alone_consolidates_them_through_zerostall(tmp_path: Path) -> None:
     """ZeRO-3's load_checkpoint(load_optimizer_states=False) runs zero_to_fp32 on the load
     directory: the resumed run's first step sees the saved weights (its loss is the one of the

@@ -38,6 +38,25 @@ def test_several_entries_are_read_at_once_in_order(saved) -> None:
     assert torch.equal(a, state["a"]) and torch.equal(c, state["b"]["c"]) and n == 4 and torch.equal(d, state["d"])
 
 
+def test_read_many_reads_into_given_tensors_that_fit_and_share_no_memory(saved) -> None:
+    path, state = saved
+    a, d = torch.zeros(3000), torch.zeros(10, dtype=torch.int16)
+    wide, side_by_side = torch.zeros(4500), torch.zeros(6000)
+    with zs.open(path) as ck:
+        got = ck.read_many(["a", ("b", "c"), "b.n", "d"], into=[a, torch.zeros(5, 7), None, d])
+        assert got[0] is a and got[3] is d and got[1].shape == (7, 5)  # the second does not fit: new memory
+        assert torch.equal(a, state["a"]) and torch.equal(d, state["d"]) and torch.equal(got[1], state["b"]["c"])
+        a.zero_()
+        twice = ck.read_many(["a", "a"], into=[a, a])  # two reads into one place would race: neither goes there
+        overlapping = ck.read_many(["a", "a"], into=[wide[:3000], wide[1500:]])
+        apart = ck.read_many(["a", "a"], into=[side_by_side[:3000], side_by_side[3000:]])
+    for t in twice + overlapping + apart:
+        assert torch.equal(t, state["a"])
+    assert not a.any() and not wide.any() and all(t.data_ptr() not in (a.data_ptr(), wide.data_ptr())
+                                                   for t in twice + overlapping)
+    assert apart[0].data_ptr() == side_by_side.data_ptr() and torch.equal(side_by_side, state["a"].repeat(2))
+
+
 def test_a_flipped_byte_is_found_by_reads_into_given_memory_and_by_read_many(saved) -> None:
     path, state = saved
     with zs.open(path) as ck:

@@ -75,8 +75,35 @@ def test_new_memory_for_a_bulk_fill_is_offered_huge_pages():
 @pytest.mark.skipif(not _huge_pages_on_advice(), reason="needs Linux with transparent huge pages in madvise mode")
 def test_huge_pages_are_not_asked_for_when_turned_off(monkeypatch):
     monkeypatch.setenv("ZEROSTALL_HUGE_PAGES", "0")
-    memory._advise.cache_clear()
+    memory._advised.cache_clear()
     try:
         assert _huge_kib(host_empty(16 << 20).fill_(1)) == 0
     finally:
-        memory._advise.cache_clear()
+        memory._advised.cache_clear()
+
+
+def _mapping_of(address: int) -> str | None:
+    """The /proc/self/maps line of the mapping holding ``address``, or None."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= address < hi:
+            return line
+    return None
+
+
+@pytest.mark.skipif(not _huge_pages_on_advice(), reason="needs Linux with transparent huge pages in madvise mode")
+def test_memory_offered_huge_pages_is_a_mapping_of_its_own_gone_with_the_tensor():
+    """The advice must not outlive the tensor on memory the allocator hands out again (the heap)."""
+    for size in (9 << 20, 31 << 20, 64 << 20):  # under and over glibc's largest mmap threshold
+        freed = torch.empty(size + (1 << 20), dtype=torch.uint8)  # a freed large block raises the threshold
+        del freed
+        t = host_empty(size).fill_(7)
+        ptr = t.data_ptr()
+        assert ptr % (1 << 21) == 0 and "[heap]" not in _mapping_of(ptr)
+        view = t[5:9]
+        del t
+        gc.collect()
+        assert _mapping_of(ptr) is not None and view.tolist() == [7] * 4  # a view keeps it
+        del view
+        gc.collect()
+        assert _mapping_of(ptr) is None

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
+import mmap
 import os
-import sys
-from typing import Callable
 
 import torch
 
@@ -18,43 +18,41 @@ _memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
 
 
 _HUGE_PAGE = 1 << 21
-_MADV_HUGEPAGE = 14
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 @functools.lru_cache(maxsize=None)
-def _advise() -> Callable[..., int] | None:
-    """``madvise`` where advice is what gives huge pages: Linux with transparent huge pages in
-    ``madvise`` mode (``always`` gives them unasked, without the compaction advice may cost), unless
+def _advised() -> bool:
+    """Whether advice is what gives huge pages: Linux with transparent huge pages in ``madvise``
+    mode (``always`` gives them unasked, without the compaction advice may cost), unless
     ``ZEROSTALL_HUGE_PAGES=0``."""
-    if not sys.platform.startswith("linux") or os.environ.get("ZEROSTALL_HUGE_PAGES", "1") == "0":
-        return None
+    if not hasattr(mmap, "MADV_HUGEPAGE") or os.environ.get("ZEROSTALL_HUGE_PAGES", "1") == "0":
+        return False
     try:
         with open(_THP_MODE) as f:
-            if "[madvise]" not in f.read():
-                return None
+            return "[madvise]" in f.read()
     except OSError:
-        return None
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return madvise
+        return False
 
 
 def host_empty(shape: int | tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """A new CPU tensor for a bulk fill (a read, a staging copy), its memory offered to the kernel
+    """A new CPU tensor for a bulk fill (a read, a staging copy), in memory offered to the kernel
     for transparent huge pages: filling it then faults once per 2 MiB, not per 4 KiB.
 
-    What ``THP_MEM_ALLOC_ENABLE=1`` does for every torch allocation of the process, here only for
-    the memory zerostall fills; elsewhere (see :func:`_advise`) a plain ``torch.empty``.
+    Where advice gives them (see :func:`_advised`) and the tensor is large, the memory is a mapping
+    of its own, starting on a 2 MiB boundary and unmapped when the tensor is freed, so the advice
+    never reaches memory that the process's allocator hands out again. Otherwise a ``torch.empty``.
+    Either way a plain tensor; like a memory-mapped one, its storage cannot be resized.
     """
-    out = torch.empty(shape, dtype=dtype)
-    n = out.nbytes
-    madvise = _advise() if n >= 4 * _HUGE_PAGE else None
-    if madvise is not None:
-        ptr = out.data_ptr()
-        start = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE  # whole huge pages inside the allocation
-        madvise(start, ptr + n - start, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
-    return out
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    n = math.prod(dims) * dtype.itemsize
+    if n < 4 * _HUGE_PAGE or not _advised():
+        return torch.empty(dims, dtype=dtype)
+    mapping = mmap.mmap(-1, n + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)  # advice only: a refusal changes nothing
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+    start = -whole.data_ptr() % _HUGE_PAGE
+    return whole[start:start + n].view(dtype).view(dims)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -173,17 +173,18 @@ class Checkpoint:
         """Several entries whole, as :meth:`read` gives each, their tensors read together by the
         reader threads in parallel (many tensors: one parallel read, not one each). ``into``: per
         key, a tensor to read the entry into in place where it fits (a contiguous CPU tensor of the
-        entry's shape and dtype), else new memory."""
+        entry's shape and dtype, sharing no memory with another key's), else new memory."""
         verify = self.options.verify if verify is None else verify
+        entries = [self._entry(key) for key in keys]
+        places = _places(entries, into) if into is not None else {}
         values: list[Any] = []
         targets = []
-        for i, key in enumerate(keys):
-            entry = self._entry(key)
+        for i, (key, entry) in enumerate(zip(keys, entries)):
             if entry.kind != "tensor":
                 values.append(self.read(key, verify=verify))
                 continue
-            out = into[i] if into is not None else None
-            if out is None or not _fits(out, entry):
+            out = places.get(i)
+            if out is None:
                 self._fetcher.check_sizes(entry)
                 out = host_empty(entry.shape or (), entry.torch_dtype)
             targets.append((out, whole(out), entry))
@@ -365,7 +366,20 @@ def _insert(tree: dict[Any, Any], path: Path, value: Any) -> None:
         node[path[-1]] = value
 
 
-def _fits(t: torch.Tensor, entry: Entry) -> bool:
-    """Whether ``entry`` can be read into ``t`` as it is."""
-    return (t.device.type == "cpu" and t.dtype == entry.torch_dtype and tuple(t.shape) == tuple(entry.shape or ())
-            and t.is_contiguous() and type(t) in (torch.Tensor, torch.nn.Parameter))
+def _places(entries: list[Entry], into: Sequence[torch.Tensor | None]) -> dict[int, torch.Tensor]:
+    """Which tensor entries of ``entries`` read into ``into``'s tensor of the same index: those it
+    fits (a contiguous CPU tensor of the entry's shape and dtype) whose memory no other one
+    chosen shares (two reads into one place would race)."""
+    fits = [(t.data_ptr(), t.data_ptr() + t.nbytes, i) for i, (t, e) in enumerate(zip(into, entries))
+            if t is not None and e.kind == "tensor" and t.device.type == "cpu" and t.dtype == e.torch_dtype
+            and tuple(t.shape) == tuple(e.shape or ()) and t.is_contiguous()
+            and type(t) in (torch.Tensor, torch.nn.Parameter)]
+    fits.sort()
+    places: dict[int, torch.Tensor] = {}
+    end = -1
+    for k, (lo, hi, i) in enumerate(fits):
+        shared = lo < end or k + 1 < len(fits) and fits[k + 1][0] < hi
+        if lo < hi and not shared:
+            places[i] = into[i]  # type: ignore[assignment]
+        end = max(end, hi)
+    return places

@@ -92,7 +92,7 @@ def _load_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any
         assert session is not None
         folders = SwapFolders.of(engine)
         if ours.options.in_place:
-            session.into.update(_live_files(engine, session.view, opened, kwargs.get("load_optimizer_states", True)))
+            session.into.update(_live_files(engine, session.view, opened, kwargs))
         if folders or any(e.path[:1] == (swap.KEY,) for e in session.checkpoint.manifest.entries):
             written = folders.restore(session.checkpoint, ours.group.rank)
             log.info("restored %d bytes of offloaded state into %s", written, ", ".join(folders.folders.values()))
@@ -127,13 +127,17 @@ def _load_deepspeeds_own(engine: Any, ours: ZeroStallCheckpointEngine, original:
         engine.checkpoint_engine = ours
 
 
-def _live_files(engine: Any, view: str, tag: str, optimizer: bool) -> dict[str, Callable[[], Any]]:
+def _live_files(engine: Any, view: str, tag: str, load: dict[str, Any]) -> dict[str, Callable[[], Any]]:
     """The files whose loads read into the engine's own tensors, each with the state dict that
-    DeepSpeed would save in it now: the model file, and this rank's ZeRO optimizer file unless
-    its state is swapped to NVMe (the swap files hold it then)."""
+    DeepSpeed would save in it now: the model file unless a ``custom_load_fn`` decides what of it
+    goes where, and this rank's ZeRO optimizer file when it is loaded and its state is not swapped
+    to NVMe (the swap files hold it then). ``load``: the keywords of ``load_checkpoint``."""
     directory = os.path.join(view, tag)
-    into: dict[str, Callable[[], Any]] = {
-        os.path.relpath(engine._get_ckpt_name(view, tag), directory): lambda: {"module": engine.module_state_dict()}}
+    into: dict[str, Callable[[], Any]] = {}
+    if load.get("custom_load_fn") is None:
+        into[os.path.relpath(engine._get_ckpt_name(view, tag), directory)] = \
+            lambda: {"module": engine.module_state_dict()}
+    optimizer = load.get("load_optimizer_states", True) and not load.get("load_module_only", False)
     if optimizer and engine.zero_optimization() and engine.optimizer is not None \
             and not engine.zero_nvme_offload_optimizer():
         into[os.path.relpath(engine._get_zero_ckpt_name(view, tag), directory)] = \
