@@ -186,17 +186,22 @@ def test_damaged_data_file_header_fails_verify_and_loads_stay_exact(saved):
     assert torch.equal(out["layer"]["weight"], state["layer"]["weight"])
 
 
-def test_manifest_without_header_checksums_still_verifies(saved):
-    """Manifests written before data-file headers were checksummed have no ``headers``: verify
-    checks everything else."""
+@pytest.mark.parametrize("drop", ["all", "one"])
+def test_a_manifest_of_a_current_version_without_a_header_checksum_is_refused(saved, drop):
+    """Only manifests of format version 1, written before data-file headers were checksummed, may
+    lack ``headers``: without one, a damaged header would pass verify."""
     path, _ = saved
     manifest_path = os.path.join(path, "manifest.json")
     body = load_json(open(manifest_path, "rb").read())["manifest"]
-    del body["headers"]
+    if drop == "all":
+        del body["headers"]
+    else:
+        body["headers"].popitem()
     raw = json.dumps(body, separators=(",", ":")).encode()
     with open(manifest_path, "wb") as f:
         f.write(b'{"checksum":"%s","manifest":%s}\n' % (xxhash.xxh3_64_hexdigest(raw).encode(), raw))
-    assert zs.verify(path) > 0
+    with pytest.raises(zs.CorruptCheckpointError, match="headers.*missing"):
+        zs.verify(path)
 
 
 # -- (c) no manifest, no checkpoint ----------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .layout import REFS_VERSION, data_file_parts
+from .layout import HEADERS_VERSION, REFS_VERSION, data_file_parts
 from .tensor_check import HEX16, MAX_INT, FieldError, clip, field, int_field
 from .value_check import check_value
 
@@ -46,12 +46,17 @@ def check_head(d: dict[str, Any]) -> None:
     check_value(metadata, "metadata")
     if len(metadata) == 1 and next(iter(metadata)).startswith("$") and "$dict" not in metadata:
         raise FieldError("metadata", f"{clip(metadata)} is not an encoded dict")
-    if "headers" in d:
-        for name, digest in field(d, "headers", dict).items():
+    if "headers" in d or d["version"] >= HEADERS_VERSION:
+        headers = field(d, "headers", dict)
+        for name, digest in headers.items():
             if name not in files:
                 raise FieldError(f"headers[{clip(name)}]", "not a file of the checkpoint (a key of files)")
             if type(digest) is not str or not HEX16.fullmatch(digest):
                 raise FieldError(f"headers[{name!r}]", f"{clip(digest)} is not an xxh3-64 checksum (16 hex digits)")
+        unchecked = [name for name in files if name not in headers] if d["version"] >= HEADERS_VERSION else []
+        if unchecked:  # its header bytes would be under no checksum
+            raise FieldError(f"headers[{clip(unchecked[0])}]", "missing: every data file's header has a checksum "
+                                                               f"from format version {HEADERS_VERSION}")
 
 
 def _checked_refs(d: dict[str, Any], files: dict[str, Any]) -> dict[str, str]:

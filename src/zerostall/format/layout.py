@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # reading a manifest needs no torch: only dtype_from_name imp
 FORMAT_NAME = "zerostall"
 FORMAT_VERSION = 4  # the version written, and the newest this zerostall reads
 SUBCLASS_VERSION = 2  # the first version with "subclass" entries (tensor subclasses stored as their inner tensors)
+HEADERS_VERSION = 2  # the first version whose every data file has its header checksum in "headers"
 REFS_VERSION = 3  # the first version whose chunks may lie in data files of other checkpoints of the root ("refs")
 ARRAY_CHUNKS_VERSION = 4  # the first version whose chunks are arrays naming their file by its index in "files"
 CHUNK_FIELDS = ("offsets", "sizes", "file", "offset", "nbytes", "checksums")  # a chunk array's items, in order
