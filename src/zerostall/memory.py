@@ -41,8 +41,8 @@ def host_empty(shape: int | tuple[int, ...], dtype: torch.dtype = torch.uint8) -
 
     Where advice gives them (see :func:`_advised`) and the tensor is large, the memory is a mapping
     of its own, starting on a 2 MiB boundary and unmapped when the tensor is freed, so the advice
-    never reaches memory that the process's allocator hands out again. Otherwise a ``torch.empty``.
-    Either way a plain tensor; like a memory-mapped one, its storage cannot be resized.
+    never reaches memory that the process's allocator hands out again; like a memory-mapped
+    tensor's, its storage cannot be resized. Otherwise a plain ``torch.empty``.
     """
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
     n = math.prod(dims) * dtype.itemsize
