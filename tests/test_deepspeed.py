@@ -268,6 +268,22 @@ def test_an_object_our_encoding_cannot_hold_is_named_or_pickled_on_request(tmp_p
     assert read_tag(ours, tmp_path, "t1", "f.pt") == {"client": {"n": 3}}
 
 
+def test_deepspeeds_own_checkpoint_is_found_through_its_latest_and_a_bad_latest_is_none(tmp_path: Path) -> None:
+    """``deepspeeds_own`` reads ``latest`` as the root does: DeepSpeed's plain tag names its
+    checkpoint; a ``latest`` that names no valid tag (a path, or far too large) is no checkpoint."""
+    ours = ZeroStallCheckpointEngine()
+    (tmp_path / "global_step4").mkdir()
+    (tmp_path / "global_step4" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (tmp_path / "latest").write_text("global_step4\n")
+    assert ours.deepspeeds_own(str(tmp_path)) == "global_step4"
+    assert ours.deepspeeds_own(str(tmp_path), "global_step4") == "global_step4"
+    for bad in ("../global_step4", "global_step4" * 100_000):
+        (tmp_path / "latest").write_text(bad)
+        assert ours.deepspeeds_own(str(tmp_path)) is None
+    save_tag(ours, tmp_path, "global_step5", {"f.pt": {"x": torch.ones(2)}})  # ours: not DeepSpeed's
+    assert ours.deepspeeds_own(str(tmp_path)) is None and ours.deepspeeds_own(str(tmp_path), "global_step5") is None
+
+
 def test_saving_a_tag_again_replaces_it_and_latest_follows_the_commit(tmp_path: Path) -> None:
     ours = ZeroStallCheckpointEngine()
     save_tag(ours, tmp_path, "best", {"f.pt": {"x": torch.zeros(3)}}, step=1)

@@ -60,7 +60,7 @@ class DeepSpeedOptions(_Options):
     in_place: bool = True
     """Read this rank's optimizer file and the model file into the engine's own tensors where they
     match (key path, shape, dtype), which DeepSpeed then keeps: no second copy of the state in
-    memory, no new pages to fault in. A load that fails part way leaves those tensors partly
+    memory, no new pages to fault in. A load that fails part way may leave those tensors partly
     overwritten (its error says so): load another checkpoint before training on."""
 
     def __post_init__(self) -> None:
@@ -294,7 +294,7 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
         except CheckpointError as exc:
             if not into:
                 raise
-            raise type(exc)(f"{exc}; it was being read into the engine's own tensors, which are now partly "
+            raise type(exc)(f"{exc}; it was being read into the engine's own tensors, which may now be partly "
                             "overwritten: load another checkpoint before training on") from exc
 
     def is_decoupled(self) -> bool:
@@ -355,10 +355,8 @@ def _resolve(load_dir: str, tag: str | None) -> str:
 def _deepspeeds_own(load_dir: str, tag: str | None) -> str:
     """On rank 0: :meth:`ZeroStallCheckpointEngine.deepspeeds_own` (empty for None)."""
     if tag is None or tag == LATEST_NAME:
-        try:
-            with open(os.path.join(load_dir, LATEST_NAME)) as f:
-                tag = f.read().strip()
-        except OSError:
+        tag = CheckpointRoot(storage_for(load_dir)).read_latest()  # as DeepSpeed writes it: a plain tag
+        if tag is None:
             return ""
     validate_tag(tag)
     directory = os.path.join(load_dir, tag)
