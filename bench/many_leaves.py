@@ -35,7 +35,11 @@ gc-tracked objects and allocated blocks (``sys.getallocatedblocks``) an open zer
 against DCP's metadata object; what an ``AsyncSaver`` keeps between saves of the state, and the
 peak its second ``save()`` call allocates; each divided by N. Then "same bytes in 100 tensors":
 sync save and load of a flat state of 100 fp32 tensors holding the same bytes, both libraries, the
-same reps. --profile: cProfile of one more zerostall async ``save()`` call per state, top functions
+same reps. Then the floors of per-tensor work, for the state and for those 100 tensors: walking it
+in plain Python for each tensor's key path, dtype and shape (``describe_s``, the least any manifest
+records), and torch's own batched copies of every tensor into one buffer and back (``pack_s``,
+``unpack_s``: one ``flatten_dense_tensors`` call, one ``unflatten_dense_tensors`` and
+``_foreach_copy_``), which say what per-tensor work costs below any design. --profile: cProfile of one more zerostall async ``save()`` call per state, top functions
 to stderr and the JSON.
 
 Acceptance (issue 31): async ``save()`` returns within 30 ms at 20,000 tensors and 150 ms at
@@ -377,6 +381,45 @@ def few_tensors(nbytes: int, root: str, reps: int) -> dict[str, dict[str, float]
     return {name: {k: rnd(median(v)) for k, v in s.items()} for name, s in seconds.items()}
 
 
+def describe_tensors(tree: Any, path: tuple[Any, ...], out: list[tuple[Any, ...]]) -> None:
+    """Each tensor's key path, dtype and shape: the least any manifest records of it, walked in plain Python."""
+    if isinstance(tree, torch.Tensor):
+        out.append((path, tree.dtype, tuple(tree.shape)))
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            describe_tensors(v, (*path, k), out)
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            describe_tensors(v, (*path, i), out)
+
+
+def floors(state: Any, nbytes: int, reps: int) -> dict[str, dict[str, float]]:
+    """What per-tensor work costs at its least, for this state and for the same bytes in BASE_TENSORS
+    tensors: ``describe_s`` (:func:`describe_tensors`, CPython's share of any save or load), ``pack_s`` (every
+    tensor copied into one buffer by one call into torch, ``flatten_dense_tensors``, per dtype) and
+    ``unpack_s`` (copied back out: ``unflatten_dense_tensors`` and one ``_foreach_copy_``). Medians of reps."""
+    few = build_state(nbytes, n=BASE_TENSORS, dtypes=(torch.float32,))
+    out = {}
+    for name, tree in (("state", state), (f"{BASE_TENSORS}_tensors", few)):
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors(tree):
+            by_dtype.setdefault(t.dtype, []).append(t)
+        groups = list(by_dtype.values())
+        packed = [torch._C._nn.flatten_dense_tensors(ts) for ts in groups]
+
+        def unpack() -> None:
+            for flat, ts in zip(packed, groups):
+                torch._foreach_copy_(ts, torch._C._nn.unflatten_dense_tensors(flat, ts))
+
+        figures: dict[str, list[float]] = {"describe_s": [], "pack_s": [], "unpack_s": []}
+        for _ in range(reps):
+            figures["describe_s"].append(timed(describe_tensors, tree, (), []))
+            figures["pack_s"].append(timed(lambda: [torch._C._nn.flatten_dense_tensors(ts) for ts in groups]))
+            figures["unpack_s"].append(timed(unpack))
+        out[name] = {f: rnd(median(v)) for f, v in figures.items()}
+    return out
+
+
 def run_state(kind: str, n: int, args: argparse.Namespace, root: str, errors: dict[str, str],
               warmed: set[str]) -> dict[str, Any]:
     """Every figure of one state: timed reps of both contenders, bookkeeping memory, the 100-tensor baseline;
@@ -440,6 +483,8 @@ def run_state(kind: str, n: int, args: argparse.Namespace, root: str, errors: di
         out[f"same_bytes_{BASE_TENSORS}_tensors"] = few_tensors(nbytes, root, args.reps)
     except Exception as exc:  # noqa: BLE001 - reported in errors
         errors[f"{kind}_{n}_same_bytes"] = describe(exc)
+    progress(f"{kind} {n}: the floors of per-tensor work")
+    out["floors"] = floors(state, nbytes, args.reps)
     out["zerostall_over_dcp"] = {f: ratio(out["zerostall"].get(f), out["dcp"].get(g)) for f, g in AGAINST.items()}
     out["seconds"] = {name: {f: [round(v, 4) for v in s] for f, s in fs.items()} for name, fs in seconds.items()}
     return out
@@ -488,6 +533,9 @@ def print_tables(results: dict[str, dict[str, Any]], targets: list[dict[str, Any
             for name, figs in few.items():
                 print(f"{f'{name} same bytes in {BASE_TENSORS} tensors':36s} save {fmt(figs['save_s'])} s"
                       f"  load {fmt(figs['load_s'])} s")
+        for name, figs in r.get("floors", {}).items():
+            print(f"{f'floor, {name}':36s} describe {fmt(figs['describe_s'])} s  pack {fmt(figs['pack_s'])} s"
+                  f"  unpack {fmt(figs['unpack_s'])} s")
     print("\nacceptance (issue 31)")
     for t in targets:
         print(f"  {'met    ' if t['met'] else 'NOT met'} {t['target']}: {fmt(t['value'])} (limit {t['limit']})")
