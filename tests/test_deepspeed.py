@@ -284,6 +284,47 @@ def test_deepspeeds_own_checkpoint_is_found_through_its_latest_and_a_bad_latest_
     assert ours.deepspeeds_own(str(tmp_path)) is None and ours.deepspeeds_own(str(tmp_path), "global_step5") is None
 
 
+def test_zero_to_fp32_reads_through_an_engine_in_the_calling_thread_only_and_may_nest(tmp_path: Path) -> None:
+    """While one thread consolidates through zerostall, another thread's zero_to_fp32 (on DeepSpeed's
+    own files) still reads with torch; a nested use reads through the inner engine, then the outer
+    one again; afterwards zero_to_fp32 has torch back."""
+    import threading
+
+    from deepspeed.utils import zero_to_fp32
+
+    from zerostall.integrations.deepspeed.consolidate import reading_through
+
+    class Reads:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def load(self, path: str, map_location: object = None) -> str:
+            return self.name
+
+    theirs = tmp_path / "theirs.pt"
+    torch.save({"x": torch.ones(2)}, theirs)
+    inside, outside = threading.Event(), threading.Event()
+    seen: list[object] = []
+
+    def other_thread() -> None:
+        inside.wait(30)
+        seen.append(zero_to_fp32.torch.load(theirs, map_location="cpu", weights_only=False))
+        outside.set()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    with reading_through(Reads("outer")):  # type: ignore[arg-type]
+        inside.set()
+        assert outside.wait(30)
+        assert zero_to_fp32.torch.load("a.pt") == "outer"
+        with reading_through(Reads("inner")):  # type: ignore[arg-type]
+            assert zero_to_fp32.torch.load("a.pt") == "inner"
+        assert zero_to_fp32.torch.load("a.pt") == "outer"
+    worker.join(30)
+    assert torch.equal(seen[0]["x"], torch.ones(2))  # type: ignore[index]
+    assert zero_to_fp32.torch is torch
+
+
 def test_saving_a_tag_again_replaces_it_and_latest_follows_the_commit(tmp_path: Path) -> None:
     ours = ZeroStallCheckpointEngine()
     save_tag(ours, tmp_path, "best", {"f.pt": {"x": torch.zeros(3)}}, step=1)

@@ -25,6 +25,8 @@ def test_a_tensor_is_read_into_the_tensor_given_whole_or_a_box_of_it(saved) -> N
         assert ck.read("a", out=out) is out and torch.equal(out, state["a"])
         part = torch.empty(1000)
         assert torch.equal(ck.read("a", box=((1500,), (1000,)), out=part), state["a"][1500:2500])
+        for start in (0, 1024, 3000):  # an empty box, at a block's start or the end, reads nothing and checks nothing
+            assert ck.read("a", box=((start,), (0,)), out=torch.empty(0)).shape == (0,)
         with pytest.raises(ValueError, match=r"cannot receive a .*shape \[3000\]"):
             ck.read("a", out=torch.empty(2999))
         with pytest.raises(ValueError, match="cannot receive b.c"):

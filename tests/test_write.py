@@ -100,6 +100,9 @@ def test_memory_offered_huge_pages_is_a_mapping_of_its_own_gone_with_the_tensor(
         t = host_empty(size).fill_(7)
         ptr = t.data_ptr()
         assert ptr % (1 << 21) == 0 and "[heap]" not in _mapping_of(ptr)
+        assert t.untyped_storage().nbytes() == size  # no padding: a torch.save of it writes its bytes alone
+        with pytest.raises(RuntimeError):
+            t.resize_(size + 1)
         view = t[5:9]
         del t
         gc.collect()

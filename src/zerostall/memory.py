@@ -50,9 +50,9 @@ def host_empty(shape: int | tuple[int, ...], dtype: torch.dtype = torch.uint8) -
         return torch.empty(dims, dtype=dtype)
     mapping = mmap.mmap(-1, n + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mapping.madvise(mmap.MADV_HUGEPAGE)  # advice only: a refusal changes nothing
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
-    start = -whole.data_ptr() % _HUGE_PAGE
-    return whole[start:start + n].view(dtype).view(dims)
+    start = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % _HUGE_PAGE
+    # a storage of exactly its bytes (saved or shared, it carries no padding), keeping the mapping alive
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=start).view(dtype).view(dims)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -161,8 +161,8 @@ class Checkpoint:
         whole entry straight into ``out`` already, and other boxes through staging)."""
         chunk = entry.chunks[0] if len(entry.chunks) == 1 else None
         shape = tuple(entry.shape or ())
-        if chunk is None or box is None or len(shape) != 1 or chunk.sizes != shape:
-            return None
+        if chunk is None or box is None or len(shape) != 1 or chunk.sizes != shape or not box[1][0]:
+            return None  # an empty box has no bytes (and no block) to read
         itemsize, block = entry.torch_dtype.itemsize, self.manifest.block_size
         lo, hi = box[0][0] * itemsize, (box[0][0] + box[1][0]) * itemsize
         whole_blocks = lo % block == 0 and (hi % block == 0 or hi == chunk.nbytes)  # each checked whole

@@ -16,7 +16,8 @@ import torch
 from ...errors import CheckpointNotFoundError
 from .engine import ZeroStallCheckpointEngine
 
-_ONE_AT_A_TIME = threading.Lock()  # the files' reader is swapped into zero_to_fp32 for the call
+_ROUTES: dict[int, list[ZeroStallCheckpointEngine]] = {}  # by thread: the engines it reads through, innermost last
+_GUARD = threading.Lock()  # over _ROUTES and the swap of zero_to_fp32's torch
 
 
 def fp32_state_dict(checkpoint_dir: str, tag: str | None = None, *,
@@ -42,26 +43,40 @@ def fp32_state_dict(checkpoint_dir: str, tag: str | None = None, *,
 
 
 class _Torch:
-    """``torch`` as ``zero_to_fp32`` sees it during the call: ``load`` reads through the engine."""
+    """``torch`` as ``zero_to_fp32`` sees it while some thread reads through an engine: that
+    thread's ``load`` reads through its innermost engine; every other call is torch's own."""
 
-    def __init__(self, ours: ZeroStallCheckpointEngine) -> None:
-        self._ours = ours
+    def __init__(self, real: Any) -> None:
+        self.real = real
 
-    def load(self, f: Any, map_location: Any = None, **_: Any) -> Any:
-        return self._ours.load(os.fspath(f), map_location=map_location)
+    def load(self, f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+        routes = _ROUTES.get(threading.get_ident())
+        if not routes:
+            return self.real.load(f, map_location, *args, **kwargs)
+        return routes[-1].load(os.fspath(f), map_location=map_location)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
+        return getattr(self.real, name)
 
 
 @contextlib.contextmanager
 def reading_through(ours: ZeroStallCheckpointEngine) -> Iterator[None]:
-    """``zero_to_fp32`` reading its files through ``ours`` (its open session) for the duration."""
+    """``zero_to_fp32`` reading its files through ``ours`` (its open session) in this thread for the
+    duration; other threads' uses of it are left alone, and calls may nest."""
     from deepspeed.utils import zero_to_fp32
 
-    with _ONE_AT_A_TIME:
-        zero_to_fp32.torch = _Torch(ours)
-        try:
-            yield
-        finally:
-            zero_to_fp32.torch = torch
+    me = threading.get_ident()
+    with _GUARD:
+        if not isinstance(zero_to_fp32.torch, _Torch):
+            zero_to_fp32.torch = _Torch(zero_to_fp32.torch)
+        _ROUTES.setdefault(me, []).append(ours)
+    try:
+        yield
+    finally:
+        with _GUARD:
+            routes = _ROUTES[me]
+            routes.pop()
+            if not routes:
+                del _ROUTES[me]
+            if not _ROUTES and isinstance(zero_to_fp32.torch, _Torch):
+                zero_to_fp32.torch = zero_to_fp32.torch.real
