@@ -531,3 +531,46 @@ def test_a_local_tier_inside_the_root_is_refused_before_anything_is_written(tmp_
     assert not root.exists() or not any(root.iterdir())
     with zs.CheckpointManager(str(root), local=zs.LocalTier(str(tmp_path / "node"), every=1, replicas=1)) as mgr:
         mgr.save(1, single_state(1.0))  # beside the root: fine
+
+
+def replication_of_step_20_fails_then_node_a_is_lost(base: str) -> tuple[dict, Any]:
+    """Two ranks on nodes a and b, a local save every 10 steps; node b cannot take rank 0's copy of
+    step 20 (its disk full); then node a is lost: what node b held, and what a restore gives."""
+    from zerostall.tiers import transfer
+
+    rank = dist.get_rank()
+    real = transfer._publish
+
+    def publish(incoming: Any, final: Any) -> None:
+        if rank == 1 and final.parent.name == "step_000000020":
+            raise OSError(28, "No space left on device")
+        real(incoming, final)
+
+    os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
+    node = os.path.join(base, "node-" + "ab"[rank])
+    tier = zs.LocalTier(node, every=10, keep=1, replicas=2, timeout_s=60)
+    transfer._publish = publish
+    try:
+        with zs.CheckpointManager(os.path.join(base, "root"), save_every=1000, fsync=False, local=tier) as mgr:
+            for step in range(1, 21):
+                if mgr.should_save(step):  # the local tier's steps 10 and 20
+                    mgr.save(step, single_state(100.0 * rank + step))
+            mgr.wait()
+            held = mgr.tier.directory.holdings()
+    finally:
+        transfer._publish = real
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(node)
+    dist.barrier()
+    state = single_state(-1.0)
+    with zs.CheckpointManager(os.path.join(base, "root"), fsync=False, local=tier) as mgr:
+        return held, (mgr.restore(state), float(state["w"][0]), mgr.last_restore.sources)
+
+
+def test_a_step_whose_replication_failed_does_not_retire_the_last_replicated_one(ranks, tmp_path):
+    """Step 20 could not be replicated (node b's disk was full), yet counted as replicated, so
+    retention deleted step 10: losing node a then left nothing to restore."""
+    (held_a, _), (held_b, restored_b) = ranks(2).run(replication_of_step_20_fails_then_node_a_is_lost, str(tmp_path))
+    assert held_b == {10: [0, 1], 20: [1]}
+    assert restored_b == (10, 110.0, ("peer", "local"))

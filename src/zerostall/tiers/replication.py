@@ -9,9 +9,10 @@ is published only once every block checked. A failure is logged and counted, nev
 training: the step is then restored from other copies, or the root.
 
 Then, in one small all-reduce on the same group, the ranks agree on the newest step every rank
-has saved and replicated (the all-reduce itself waits for every rank's exchange of that step);
-each node's first rank deletes those older than the ``keep`` newest of them (never a newer step:
-its save may still be writing).
+has saved, and the newest every rank has saved and replicated (the all-reduce itself waits for
+every rank's exchange of that step); each node's first rank deletes the saved steps older than
+the ``keep`` newest of them, but never the newest replicated one (while replication fails, it is
+the step a lost node restores from) nor a newer step (its save may still be writing).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Replicator:
         self.replicated: list[tuple[int, float]] = []
         """Steps replicated on this rank, with the seconds each took."""
         self._queue: queue.Queue[tuple[int, bool] | None] = queue.Queue()
+        self._saved = -1  # the newest step this rank saved
         self._done = -1  # the newest step this rank saved and replicated
         self._thread = threading.Thread(target=self._run, name="zerostall-replication", daemon=True)
         self._thread.start()
@@ -56,10 +58,11 @@ class Replicator:
         while (job := self._queue.get()) is not None:
             step, saved = job
             try:
-                if self.holders or self.sources:
-                    self._replicate(step, saved)
+                replicated = self._replicate(step, saved) if self.holders or self.sources else True
                 if saved:
-                    self._done = step
+                    self._saved = step
+                    if replicated:
+                        self._done = step
                 self._retire()
             except Exception as exc:  # the tier's group failed (a peer died): the next restore sorts it out
                 log.warning("local tier: retiring old steps after step %d failed: %s: %s", step,
@@ -68,7 +71,7 @@ class Replicator:
                 self._queue.task_done()
         self._queue.task_done()
 
-    def _replicate(self, step: int, saved: bool) -> None:
+    def _replicate(self, step: int, saved: bool) -> bool:
         start = time.perf_counter()
         own = self.directory.copy_path(step, self.rank) if saved else None
         try:
@@ -78,15 +81,16 @@ class Replicator:
             self.failures += 1
             log.warning("replicating step %d of rank %d failed (%d so far): %s: %s", step, self.rank, self.failures,
                         type(exc).__name__, exc)
-            return
+            return False
         self.replicated.append((step, time.perf_counter() - start))
+        return True
 
     def _retire(self) -> None:
-        (complete,) = self.group.all_reduce_min([self._done])
+        saved, replicated = self.group.all_reduce_min([self._saved, self._done])
         if not self.leader:
             return
-        done = [s for s in self.directory.steps() if s <= complete]
-        self.directory.remove_steps(done[:-self.keep])
+        done = [s for s in self.directory.steps() if s <= saved]
+        self.directory.remove_steps([s for s in done[:-self.keep] if s != replicated])
 
     def wait(self) -> None:
         """Block until every step submitted so far is replicated (or failed) and retired."""
