@@ -285,15 +285,37 @@ def test_local_tier_options_are_checked_when_built():
 
 
 def test_start_up_removes_other_runs_and_unfinished_copies_and_keeps_committed_ones(tmp_path):
+    """Removed: a run no process holds any more, a copy that never committed, a replica still
+    arriving. Kept: a run still held (another job on the node), and every folder that is not a
+    run's: the whole checkpoint root once went, when it lay in the tier's directory."""
+    ended, live = NodeDirectory(str(tmp_path), "run-0"), NodeDirectory(str(tmp_path), "run-live")
+    for other in (ended, live):
+        other.claim()
+        os.makedirs(other.step_path(5))
+    ended.release()  # run-0's job ended (or crashed); run-live's lives on
+    os.makedirs(tmp_path / "ckpt" / "step_000000030")  # the root, or a dataset
     d = NodeDirectory(str(tmp_path), "run-1")
+    d.claim()
     zs.save({"w": torch.ones(3)}, str(d.copy_path(10, 0)))
     os.makedirs(d.copy_path(20, 0))
     (d.copy_path(20, 0) / "data-x.safetensors").write_bytes(b"partial")
     os.makedirs(d.step_path(20) / ".incoming-rank_00001-abc")
-    os.makedirs(tmp_path / "run-0" / "step_000000005")
     d.clean_at_start()
-    assert sorted(os.listdir(tmp_path)) == ["run-1"]
-    assert d.holdings() == {10: [0]}
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "run-1", "run-live"]
+    assert os.listdir(tmp_path / "ckpt") == ["step_000000030"] and d.holdings() == {10: [0]}
+    d.release()
+    live.release()
+
+
+def test_every_spelling_of_a_root_directory_names_one_run(tmp_path):
+    """The run id hashed the root as spelled: through a symbolic link the restarted job was another
+    run, and its start-up removed the run's own local steps."""
+    from zerostall.tiers.local import run_id_for
+
+    (tmp_path / "root").mkdir()
+    os.symlink(tmp_path / "root", tmp_path / "link")
+    ids = {run_id_for(str(p)) for p in (tmp_path / "root", tmp_path / "link", f"{tmp_path}/./root/", f"/{tmp_path}/root")}
+    assert len(ids) == 1
 
 
 def test_too_little_space_is_a_typed_error_with_the_numbers(tmp_path):

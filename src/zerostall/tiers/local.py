@@ -5,12 +5,16 @@ per rank whose state the node keeps (its own ranks', and the replicas it receive
 
     <directory>/<run id>/step_000000010/rank_00003/manifest.json, data files
 
-A copy exists once its manifest does (the save's atomic commit); anything else found at start-up
-(another run's folders, a copy whose save never committed, a replica still arriving) is removed.
+A copy exists once its manifest does (the save's atomic commit). A run's folder holds a marker
+file, ``.zerostall-run``, which the node's first rank keeps locked (``flock``) while the run
+lives. At start-up, what a crashed trainer or a finished run left is removed: other runs' folders
+(those with a marker no live process holds; nothing else in the directory is touched), copies
+whose save never committed, replicas still arriving.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -29,6 +33,9 @@ log = logging.getLogger(__name__)
 _STEP_RE = re.compile(r"^step_(\d{9,})$")
 _COPY_RE = re.compile(r"^rank_(\d{5,})$")
 _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+MARKER = ".zerostall-run"
+"""The file that makes a folder of the node directory a run's (see the module's docstring)."""
 
 INCOMING = ".incoming-"
 """The prefix of a copy's folder while it arrives from another node, beside the folder it is
@@ -56,7 +63,8 @@ class LocalTier:
 
     run_id: str | None = None
     """Keeps runs apart in a shared directory; None: derived from the persistent root, so it stays
-    the same when the job is requeued. At start, other runs' folders are removed."""
+    the same when the job is requeued. At start, the folders of other runs that no live process
+    holds are removed (nothing else in the directory is touched)."""
 
     timeout_s: float = 300.0
     """The longest any transfer between nodes may wait (replication and restore): a peer that died
@@ -88,8 +96,10 @@ def check_outside(tier: LocalTier, root: str) -> None:
 
 
 def run_id_for(persistent: str) -> str:
-    """The run id of the run whose persistent root is ``persistent`` (a path or URL)."""
-    return "run-" + hashlib.sha256(persistent.encode()).hexdigest()[:16]
+    """The run id of the run whose persistent root is ``persistent`` (a URL, or a path: resolved,
+    so every spelling of one directory, through symbolic links too, gives the same id)."""
+    where = persistent if "://" in persistent else os.path.realpath(persistent)
+    return "run-" + hashlib.sha256(where.encode()).hexdigest()[:16]
 
 
 class NodeDirectory:
@@ -98,6 +108,20 @@ class NodeDirectory:
     def __init__(self, directory: str, run_id: str) -> None:
         self.top = Path(directory)
         self.run = self.top / run_id
+        self._claim: int | None = None  # the locked marker's descriptor, while this process holds the run
+
+    def claim(self) -> None:
+        """Make the run's folder and marker, and hold the marker locked (shared) until :meth:`release`:
+        no other run's start-up removes a live run."""
+        self.run.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.run / MARKER, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        self._claim = fd
+
+    def release(self) -> None:
+        fd, self._claim = self._claim, None
+        if fd is not None:
+            os.close(fd)
 
     def step_path(self, step: int) -> Path:
         return self.run / f"step_{step:09d}"
@@ -124,17 +148,19 @@ class NodeDirectory:
         return [step for step, _ in self._steps()]
 
     def clean_at_start(self) -> list[str]:
-        """Remove other runs' folders, copies that never committed and replicas still arriving (a
-        crashed trainer's leftovers); returns what was removed. Run by one rank of the node."""
-        removed = [p for p in _entries(self.top) if p.is_dir() and p != self.run]
+        """Remove other runs' folders that no live process holds, copies that never committed and
+        replicas still arriving (a crashed trainer's leftovers); returns what was removed. Run by
+        one rank of the node, once it has claimed the run (:meth:`claim`)."""
+        removed = [p for p in _entries(self.top) if p != self.run and _remove_abandoned(p)]
+        others = len(removed)
         for _, folder in self._steps():
             for p in _entries(folder):
                 if not (_COPY_RE.match(p.name) and (p / MANIFEST_NAME).is_file()):
                     removed.append(p)
         for p in _entries(self.run):
-            if not _STEP_RE.match(p.name):
+            if not _STEP_RE.match(p.name) and p.name != MARKER:
                 removed.append(p)
-        for p in removed:
+        for p in removed[others:]:
             _remove(p)
         for _, folder in self._steps():
             if not any(_entries(folder)):
@@ -180,6 +206,27 @@ def check_space(directory: str, needed: int, reusable: int) -> None:
         f"the local tier in {directory} needs {needed} bytes ((keep + 1) x this node's copies), but its file system "
         f"has {free} bytes free (+{reusable} this run's older copies){shm}: free space there, lower "
         "LocalTier.keep or replicas, or choose a larger directory; nothing was written")
+
+
+def _remove_abandoned(folder: Path) -> bool:
+    """Remove ``folder`` if it is a run's folder (it holds the marker) that no live process holds,
+    holding its marker locked meanwhile; whether it was removed."""
+    if folder.is_symlink() or not (folder / MARKER).is_file():
+        return False
+    try:
+        fd = os.open(folder / MARKER, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False  # a live run holds it
+    try:
+        _remove(folder)
+    finally:
+        os.close(fd)
+    return True
 
 
 def _entries(folder: Path) -> list[Path]:

@@ -2,7 +2,7 @@
 
 Built once on every rank (collective): the node of every rank, the tier's own gloo process group
 (transfers between nodes never share the training group), and the node's directory cleaned of
-what a crashed trainer or another run left. Each local save captures this rank's whole state
+what a crashed trainer or a finished run left. Each local save captures this rank's whole state
 asynchronously into its own copy, with no collective (but the first save's space check); once it
 committed, the background worker (:mod:`zerostall.tiers.replication`) sends it to the holders and
 retires old steps. A failed local save is logged and counted, never raised into training.
@@ -52,6 +52,7 @@ class NodeTier:
         with group.failing_together(f"the local tier in {options.directory} could not be prepared on {{failed}} other "
                                     "rank(s) (their errors say why)"):
             if self.leader:
+                self.directory.claim()
                 self.directory.clean_at_start()
         self.replicas = min(options.replicas, self.nodes.count)
         if options.replicas > 1 and self.nodes.count == 1 and group.is_coordinator:
@@ -149,6 +150,7 @@ class NodeTier:
                 self.saver.close()
             finally:
                 self.replicator.close()
+                self.directory.release()
                 if self.pg is not None:
                     dist.destroy_process_group(self.pg)
 
