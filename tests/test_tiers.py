@@ -596,3 +596,32 @@ def test_a_step_whose_replication_failed_does_not_retire_the_last_replicated_one
     (held_a, _), (held_b, restored_b) = ranks(2).run(replication_of_step_20_fails_then_node_a_is_lost, str(tmp_path))
     assert held_b == {10: [0, 1], 20: [1]}
     assert restored_b == (10, 110.0, ("peer", "local"))
+
+
+def test_an_io_error_listing_a_local_copy_is_raised_not_taken_for_damage(tmp_path, monkeypatch):
+    """An I/O error reading step 35's manifest left the copy out: the restore quietly took step 30."""
+    import errno
+
+    from zerostall.tiers import sources
+
+    def manager() -> zs.CheckpointManager:
+        return zs.CheckpointManager(str(tmp_path / "root"), save_every=100, fsync=False,
+                                    local=zs.LocalTier(str(tmp_path / "node"), every=5, keep=2, replicas=1))
+
+    with manager() as mgr:
+        for step in (30, 35):
+            mgr.save(step, single_state(float(step)))
+    real = sources.read_manifest_head
+
+    def flaky(storage: Any) -> Any:
+        if "step_000000035" in storage.location:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(storage)
+
+    monkeypatch.setattr(sources, "read_manifest_head", flaky)
+    state = single_state(0.0)
+    with manager() as mgr, pytest.raises(OSError, match="Input/output error"):
+        mgr.restore(state)
+    monkeypatch.setattr(sources, "read_manifest_head", real)
+    with manager() as mgr:
+        assert mgr.restore(state) == 35 and state["step"] == 35

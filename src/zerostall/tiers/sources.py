@@ -52,7 +52,8 @@ class Choice:
 
 def report(directory: NodeDirectory, world: int, leader: bool) -> dict[int, dict[int, str]]:
     """This node's copies: {step: {rank: layout digest}}, the digest empty for copies a restore on
-    ``world`` ranks cannot use (only the node's first rank lists them, once for the node)."""
+    ``world`` ranks cannot use (only the node's first rank lists them, once for the node). A copy
+    whose manifest is damaged is left out; another error reading it (an I/O error) is raised."""
     held: dict[int, dict[int, str]] = {}
     if not leader:
         return held
@@ -61,7 +62,9 @@ def report(directory: NodeDirectory, world: int, leader: bool) -> dict[int, dict
             try:
                 head = read_manifest_head(storage_for(str(directory.copy_path(step, rank))))
             except (CheckpointError, OSError) as exc:
-                log.warning("local-tier copy of rank %d at step %d is unreadable, not used: %s", rank, step, exc)
+                if kind_of(exc) != DAMAGED:
+                    raise  # an I/O error is not damage: the copy may be the newest whole one
+                log.warning("local-tier copy of rank %d at step %d is damaged, not used: %s", rank, step, exc)
                 continue
             meta = head.metadata if isinstance(head.metadata, dict) else {}
             usable = head.world_size == 1 and meta.get("world_size") == world and isinstance(meta.get(LAYOUT_KEY), str)
@@ -102,7 +105,10 @@ def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirec
     received into memory where ``place`` says. Copies found damaged are added to ``fallbacks``
     (what, why)."""
     rank = group.rank
-    reports = group.all_gather_object((digest, report(directory, group.size, nodes.leads(rank))))
+    with group.failing_together("the local tier could not be listed on {failed} other rank(s) (their errors say "
+                                "why)"):
+        mine = report(directory, group.size, nodes.leads(rank))
+    reports = group.all_gather_object((digest, mine))
     digests = [d for d, _ in reports]
     held: list[dict[int, dict[int, str]]] = [{} for _ in range(nodes.count)]
     for r, (_, copies) in enumerate(reports):
