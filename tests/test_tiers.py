@@ -625,3 +625,25 @@ def test_an_io_error_listing_a_local_copy_is_raised_not_taken_for_damage(tmp_pat
     monkeypatch.setattr(sources, "read_manifest_head", real)
     with manager() as mgr:
         assert mgr.restore(state) == 35 and state["step"] == 35
+
+
+def test_a_rollback_leaves_no_newer_local_step_for_a_later_restore(tmp_path):
+    """After a restore of root step 20, the local tier still held step 50 of the abandoned run:
+    the next restore took it over the new run's step 30."""
+    def manager() -> zs.CheckpointManager:
+        return zs.CheckpointManager(str(tmp_path / "root"), save_every=10, fsync=False,
+                                    local=zs.LocalTier(str(tmp_path / "node"), every=5, keep=1, replicas=1))
+
+    with manager() as mgr:
+        for step in range(1, 51):
+            if mgr.should_save(step):
+                mgr.save(step, single_state(1000.0 + step))
+    state = single_state(0.0)
+    with manager() as mgr:
+        assert mgr.restore(state, tag="step_000000020") == 20 and state["step"] == 1020
+        assert mgr.tier.directory.steps() == []
+        for step in range(21, 31):
+            if mgr.should_save(step):
+                mgr.save(step, single_state(2000.0 + step))
+    with manager() as mgr:
+        assert mgr.restore(state) == 30 and state["step"] == 2030 and mgr.last_restore.source == "local"

@@ -130,9 +130,8 @@ class CheckpointManager:
     def save(self, step: int, state: Any, *, metrics: dict[str, float] | None = None,
              tag: str | None = None) -> SaveInfo | SaveHandle:
         """create → save → commit: write ``state`` as ``step`` (or ``tag``) into every tier due
-        (see :meth:`should_save`), then, for the root, update ``latest`` and apply retention once
-        it has committed. A local-tier save is always asynchronous; when it is the only one due,
-        its handle is returned."""
+        (see :meth:`should_save`), then, for the root, update ``latest`` and apply retention once it
+        has committed. A local-tier save is always asynchronous; when the only one due, its handle is returned."""
         step = checked_step(step)
         if step is None:
             raise UnsupportedValueError("CheckpointManager.save needs the training step (a non-negative int)")
@@ -298,6 +297,8 @@ class CheckpointManager:
             loaded = restore_first_whole(self.group, self.checkpoint_root, candidates,
                                          functools.partial(self._load, state, options), fallback=fallback,
                                          named=named, earlier=info.fallbacks, record=self._record)
+        if self.tier is not None:  # the run goes on from this step: the tier's newer steps are another timeline's
+            self.tier.forget_after(self.last_restore.step if loaded is not None else None)
         if loaded is None:  # nothing committed yet
             return None
         for key, value in state.items():  # python values and tuples are new objects: put them in place
@@ -370,8 +371,7 @@ class CheckpointManager:
             self._pending_delete.result()
 
     def _settle_commit(self) -> None:
-        """Wait for the commit step (``latest``, retention) of the last asynchronous save; its
-        failure is raised here, once."""
+        """Wait for the commit (``latest``, retention) of the last asynchronous save; its failure is raised here."""
         committing, self._committing = self._committing, None
         if committing is not None:
             committing.result()

@@ -131,6 +131,14 @@ class NodeTier:
         kinds = tuple(choice.kinds)
         return RestoreInfo(choice.step, kinds[self.group.rank], kinds, tuple(fallbacks), step_tag(choice.step)), loaded
 
+    def forget_after(self, step: int | None) -> None:
+        """Delete this node's local steps newer than ``step`` (None: every one), once a restore took
+        ``step``: they belong to a timeline that does not go on (a rollback, saves made after the
+        step a crash fell back to), so no later restore takes them or mixes them with this run's."""
+        self.wait()
+        if self.leader:
+            self.directory.remove_steps([s for s in self.directory.steps() if step is None or s > step])
+
     def wait_staged(self) -> None:
         self.saver.wait_staged()
 
