@@ -151,20 +151,16 @@ class NodeDirectory:
         """Remove other runs' folders that no live process holds, copies that never committed and
         replicas still arriving (a crashed trainer's leftovers); returns what was removed. Run by
         one rank of the node, once it has claimed the run (:meth:`claim`)."""
-        removed = [p for p in _entries(self.top) if p != self.run and _remove_abandoned(p)]
-        others = len(removed)
-        for _, folder in self._steps():
-            for p in _entries(folder):
-                if not (_COPY_RE.match(p.name) and (p / MANIFEST_NAME).is_file()):
-                    removed.append(p)
-        for p in _entries(self.run):
-            if not _STEP_RE.match(p.name) and p.name != MARKER:
-                removed.append(p)
-        for p in removed[others:]:
+        others = [p for p in _entries(self.top) if p != self.run and _remove_abandoned(p)]
+        leftovers = [p for _, folder in self._steps() for p in _entries(folder)
+                     if not (_COPY_RE.match(p.name) and (p / MANIFEST_NAME).is_file())]
+        leftovers += [p for p in _entries(self.run) if not _STEP_RE.match(p.name) and p.name != MARKER]
+        for p in leftovers:
             _remove(p)
         for _, folder in self._steps():
             if not any(_entries(folder)):
                 _remove(folder)
+        removed = others + leftovers
         if removed:
             log.info("local tier %s: removed %s", self.top, ", ".join(str(p.relative_to(self.top)) for p in removed))
         return [str(p) for p in removed]
@@ -218,15 +214,13 @@ def _remove_abandoned(folder: Path) -> bool:
     except OSError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return False  # a live run holds it
-    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a live run holds it
         _remove(folder)
+        return True
+    except OSError:
+        return False
     finally:
         os.close(fd)
-    return True
 
 
 def _entries(folder: Path) -> list[Path]:

@@ -136,8 +136,10 @@ class NodeTier:
         ``step``: they belong to a timeline that does not go on (a rollback, saves made after the
         step a crash fell back to), so no later restore takes them or mixes them with this run's."""
         self.wait()
-        if self.leader:
-            self.directory.remove_steps([s for s in self.directory.steps() if step is None or s > step])
+        with self.restoring.failing_together("the local tier's newer steps could not be removed on {failed} other "
+                                             "rank(s) (their errors say why)"):  # and no rank saves before they are
+            if self.leader:
+                self.directory.remove_steps([s for s in self.directory.steps() if step is None or s > step])
 
     def wait_staged(self) -> None:
         self.saver.wait_staged()
