@@ -395,6 +395,7 @@ def _into_memory_failing(own: str, held: str) -> Any:
 
     if dist.get_rank() == 1:
         return _exchange([(0, Path(own))], [], 1 << 16, cut=True)
+    _checks_lag_at_first()
     state = {k: torch.zeros(1 << 20) for k in _six()}
     try:
         exchange(dist.group.WORLD, [], [(1, Path(held))], chunk_bytes=1 << 16,
@@ -402,6 +403,24 @@ def _into_memory_failing(own: str, held: str) -> Any:
     except Exception as exc:
         return [type(exc).__name__, str(exc), state]
     return [None, "", state]
+
+
+def _checks_lag_at_first() -> None:
+    """The first check of each arriving file takes a second (a loaded machine): a failure is seen
+    long after the chunks behind it have arrived."""
+    import time
+
+    from zerostall.loading.verification import ArrivingFile
+
+    update, begun = ArrivingFile.update, set()
+
+    def lagging(self: Any, data: Any) -> None:
+        if id(self) not in begun:
+            begun.add(id(self))
+            time.sleep(1.0)
+        update(self, data)
+
+    ArrivingFile.update = lagging
 
 
 def _six() -> dict:

@@ -185,9 +185,11 @@ class _Arrival:
     arrives into a buffer, is hashed into its file's checks (:class:`ArrivingFile`: its size, header
     and every block, against the manifest) and written by its file's writer thread (a file's chunks
     go to one writer, in order) while the next ones arrive; a chunk of a tensor that ``place`` put
-    into memory arrives there and is only hashed. A failure (a name that is not a plain file name, a
-    file that cannot be written, a check that fails) is raised once every byte has arrived, the rest
-    dropped, so the stream stays whole for the pair's next transfer."""
+    into memory arrives there and is only hashed; each wave then waits for the one before to be
+    checked, so once a check fails the waves after it arrive into buffers, not memory. A failure (a
+    name that is not a plain file name, a file that cannot be written, a check that fails) is raised
+    once every byte has arrived, the rest dropped, so the stream stays whole for the pair's next
+    transfer."""
 
     def __init__(self, src: int, final: Path, folder: Path, plan: Plan, place: Placer | None = None) -> None:
         self.src, self.final, self.folder, self.plan, self.place = src, final, folder, plan, place
@@ -210,6 +212,8 @@ class _Arrival:
         try:
             k = 0
             for group, chunks in self.plan.waves():
+                if self.spans is not None and group[0] > 1:
+                    self._settle(wire)
                 self.lanes.update((f, self.writers[i % _WRITERS]) for i, f in enumerate(group))
                 for f, offset, n in chunks:
                     into = self.spans.memory(f, offset, n) if self.spans and self.failure is None else None
@@ -239,6 +243,13 @@ class _Arrival:
             self._fail(self.described.exception())
         if self.failure is not None:
             raise self.failure
+
+    def _settle(self, wire: Wire) -> None:
+        """Wait until every chunk of the wave before has arrived and been checked, so a failure in
+        it is known before the next wave decides what it receives into memory."""
+        wire.finish()
+        for writer in self.writers:
+            writer.submit(lambda: None).result()
 
     def _create(self) -> dict[int, int]:
         """A descriptor of each file (by index), made empty; none after a failure."""
