@@ -689,12 +689,12 @@ def test_a_silent_or_dead_peer_fails_the_transfer_without_a_hang(tmp_path: Path)
     pool = RankPool(2)
     try:
         kind, message = pool.run(_silent_peer, 3.0, str(held), timeout=60)[0]
-        assert kind == "CheckpointError" and "rank 1" in message and str(held) in message
+        assert kind == "LinkError" and "rank 1" in message and str(held) in message
         with pytest.raises(RankError) as caught:
             pool.run(_dies_while_sending, str(big), str(held), timeout=120)
     finally:
         pool.close()
     assert caught.value.dead == [1] and not caught.value.timed_out
     kind, message = caught.value.results[0]
-    assert kind == "CheckpointError" and "rank 1" in message and str(held) in message
+    assert kind == "LinkError" and "rank 1" in message and str(held) in message
     assert not held.parent.exists() or os.listdir(held.parent) == []

@@ -91,7 +91,12 @@ class CheckpointManager:
         if local is not None:
             check_outside(local, self.root)
         self.group.agree(functools.partial(self._take_root, lease_ttl))  # a refusal is raised on every rank
-        self.tier = NodeTier(local, self.group, self.root) if local is not None else None
+        self.tier = None
+        try:
+            self.tier = NodeTier(local, self.group, self.root) if local is not None else None
+        except BaseException:
+            self.close()  # the root's lease and the threads: a manager that did not start holds nothing
+            raise
         self._due: tuple[int, bool, bool] | None = None  # should_save's last answer: step, persistent, local
         self._sharing: SaveHandle | None = None  # the root's save copying from the local tier's capture
 
@@ -138,7 +143,7 @@ class CheckpointManager:
         metrics = checked_metrics(metrics)
         persistent, local = self._tiers_due(step) if tag is None else (True, False)
         tag = tag or step_tag(step)
-        storage = self._create(tag) if persistent else None
+        storage = self.checkpoint_root.child(validate_tag(tag)) if persistent else None
         self.loaders.before_save(state, sys._getframe(1))
         wrapped = self._wrap(state)
         shared = None  # the local save, whose capture the root's save of the same step copies from
@@ -216,11 +221,6 @@ class CheckpointManager:
         else:
             committing.set_result(None)
 
-    def _create(self, tag: str) -> Storage:
-        """The storage a new checkpoint ``tag`` is written into (created by the save itself)."""
-        validate_tag(tag)
-        return self.checkpoint_root.child(tag)
-
     def _commit(self, tag: str, step: int | None) -> None:
         """After the checkpoint committed: point ``latest`` at it, then apply retention in the
         background. If ``latest`` cannot be written (a full disk), raise and delete nothing."""
@@ -296,7 +296,8 @@ class CheckpointManager:
                 raise unreachable
             loaded = restore_first_whole(self.group, self.checkpoint_root, candidates,
                                          functools.partial(self._load, state, options), fallback=fallback,
-                                         named=named, earlier=info.fallbacks, record=self._record)
+                                         named=named, earlier=info.fallbacks,
+                                         record=functools.partial(setattr, self, "last_restore"))
         if self.tier is not None:  # the run goes on from this step: the tier's newer steps are another timeline's
             self.tier.forget_after(self.last_restore.step if loaded is not None else None)
         if loaded is None:  # nothing committed yet
@@ -313,9 +314,6 @@ class CheckpointManager:
         if step is not None:
             self._pinned.add(step)
         return step
-
-    def _record(self, info: RestoreInfo) -> None:
-        self.last_restore = info
 
     def _load(self, state: Any, options: LoadOptions, tag: str) -> tuple[int | None, dict[str, Any]]:
         """Load checkpoint ``tag`` into the tensors of ``state``; returns its step and the loaded

@@ -60,11 +60,12 @@ def tag_step(tag: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def validate_tag(tag: str) -> None:
-    """Refuse a tag that is not a plain name of its own (a path, ``latest``, the lease, a hidden name)."""
+def validate_tag(tag: str) -> str:
+    """``tag``, refused if it is not a plain name of its own (a path, ``latest``, the lease, a hidden name)."""
     if not isinstance(tag, str) or "/" in tag or tag in (LATEST_NAME, LEASE_NAME) or tag.startswith("."):
         raise InvalidPathError(f"invalid checkpoint tag {tag!r}: a tag is one plain name of a directory under the "
                                f"root (no '/', not {LATEST_NAME!r}, not starting with '.'), e.g. 'best-so-far'")
+    return tag
 
 
 @dataclass

@@ -118,6 +118,15 @@ class NodeDirectory:
         fcntl.flock(fd, fcntl.LOCK_SH)
         self._claim = fd
 
+    def identity(self) -> tuple[int, int] | None:
+        """The run's marker as this process sees it (device, inode), or None where it sees none:
+        ranks that share a node must see one file (two machines given one node id do not)."""
+        try:
+            st = os.stat(self.run / MARKER)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
     def release(self) -> None:
         fd, self._claim = self._claim, None
         if fd is not None:

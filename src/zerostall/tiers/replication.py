@@ -13,6 +13,12 @@ has saved, and the newest every rank has saved and replicated (the all-reduce it
 every rank's exchange of that step); each node's first rank deletes the saved steps older than
 the ``keep`` newest of them, but never the newest replicated one (while replication fails, it is
 the step a lost node restores from) nor a newer step (its save may still be writing).
+
+A peer that dies or a transfer that times out breaks the group for good (gloo closes the pair).
+Each rank then says so once, at error level, and goes on alone: no more replication, and each
+node's first rank keeps the ``keep`` newest steps it has and the steps last agreed on (the
+newest every rank saved, and saved and replicated), deleting the others. A restarted job makes a
+new group and restores as usual.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 from ..collectives import Group
 from .local import NodeDirectory
 from .nodes import Nodes
+from .stream import LinkError
 from .transfer import exchange
 
 log = logging.getLogger(__name__)
@@ -47,6 +54,9 @@ class Replicator:
         self._queue: queue.Queue[tuple[int, bool] | None] = queue.Queue()
         self._saved = -1  # the newest step this rank saved
         self._done = -1  # the newest step this rank saved and replicated
+        self._agreed = (-1, -1)  # the newest steps every rank saved, and saved and replicated, last agreed
+        self.broken: str | None = None
+        """Why the tier's group failed on this rank (None while it works): replication has stopped."""
         self._thread = threading.Thread(target=self._run, name="zerostall-replication", daemon=True)
         self._thread.start()
 
@@ -58,13 +68,14 @@ class Replicator:
         while (job := self._queue.get()) is not None:
             step, saved = job
             try:
-                replicated = self._replicate(step, saved) if self.holders or self.sources else True
+                replicated = self.broken is None and (self._replicate(step, saved) if self.holders or self.sources
+                                                      else True)
                 if saved:
                     self._saved = step
                     if replicated:
                         self._done = step
-                self._retire()
-            except Exception as exc:  # the tier's group failed (a peer died): the next restore sorts it out
+                self._retire(step)
+            except Exception as exc:  # a file system error: the next step retires again
                 log.warning("local tier: retiring old steps after step %d failed: %s: %s", step,
                             type(exc).__name__, exc)
             finally:
@@ -81,16 +92,38 @@ class Replicator:
             self.failures += 1
             log.warning("replicating step %d of rank %d failed (%d so far): %s: %s", step, self.rank, self.failures,
                         type(exc).__name__, exc)
+            if isinstance(exc, LinkError):
+                self._break(exc)
             return False
         self.replicated.append((step, time.perf_counter() - start))
         return True
 
-    def _retire(self) -> None:
-        saved, replicated = self.group.all_reduce_min([self._saved, self._done])
+    def _retire(self, step: int) -> None:
+        """Delete old steps: those every rank saved beyond the ``keep`` newest, but never the newest
+        replicated one; with the group broken, this node's beyond the ``keep`` newest up to ``step``,
+        but never a step last agreed on."""
+        if self.broken is None:
+            try:
+                self._agreed = saved, replicated = tuple(self.group.all_reduce_min([self._saved, self._done]))
+            except RuntimeError as exc:  # what torch.distributed raises for a dead peer or a timeout
+                self._break(exc)
         if not self.leader:
             return
-        done = [s for s in self.directory.steps() if s <= saved]
-        self.directory.remove_steps([s for s in done[:-self.keep] if s != replicated])
+        if self.broken is None:
+            done = [s for s in self.directory.steps() if s <= saved]
+            self.directory.remove_steps([s for s in done[:-self.keep] if s != replicated])
+        else:
+            done = [s for s in self.directory.steps() if s <= step]
+            self.directory.remove_steps([s for s in done[:-self.keep] if s not in self._agreed])
+
+    def _break(self, exc: BaseException) -> None:
+        """The tier's group failed: say so once, loudly, and go on without it (see the module's docstring)."""
+        self.broken = f"{type(exc).__name__}: {exc}"
+        kept = sorted({s for s in self._agreed if s >= 0})
+        log.error("local tier: its process group failed on rank %d (%s). For the rest of this run no step is "
+                  "replicated to other nodes, and each node keeps its %d newest step(s)%s; a restarted job makes a "
+                  "new group", self.rank, self.broken, self.keep,
+                  f" and step(s) {kept}, the newest every rank saved before" if kept else "")
 
     def wait(self) -> None:
         """Block until every step submitted so far is replicated (or failed) and retired."""

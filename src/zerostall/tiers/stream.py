@@ -31,6 +31,11 @@ FILES_LIMIT = 4096
 """A copy's files (its manifest and a data file per writer thread); more is a broken or hostile stream."""
 
 
+class LinkError(CheckpointError):
+    """A transfer between two ranks failed in the transport: the peer died, or a wait timed out.
+    gloo then closes the pair for good, so the group that carried it cannot be trusted again."""
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a header announces: the files (names and sizes, the manifest first), the chunk size,

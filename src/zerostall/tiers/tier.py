@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import ALONE, Group
+from ..errors import CheckpointError
 from ..gcpause import gc_paused
 from ..options import LoadOptions, SaveOptions
 from ..roots.restore import RestoreInfo
@@ -28,7 +29,7 @@ from ..saving.asynchronous import AsyncSaver
 from ..saving.handles import SaveHandle
 from .copies import LAYOUT_KEY, View, load_copy, placeable, placements, view
 from .local import LocalTier, NodeDirectory, check_space, run_id_for
-from .nodes import Nodes, gather_nodes
+from .nodes import NODE_ENV, Nodes, gather_nodes
 from .replication import Replicator
 from .sources import restore_from_tiers
 from .transfer import Landed
@@ -49,11 +50,18 @@ class NodeTier:
             self.pg = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=options.timeout_s))
             self.restoring = Group(self.pg)
         self.leader = self.nodes.leads(group.rank)
-        with group.failing_together(f"the local tier in {options.directory} could not be prepared on {{failed}} other "
-                                    "rank(s) (their errors say why)"):
-            if self.leader:
-                self.directory.claim()
-                self.directory.clean_at_start()
+        try:
+            with group.failing_together(f"the local tier in {options.directory} could not be prepared on {{failed}} "
+                                        "other rank(s) (their errors say why)"):
+                if self.leader:
+                    self.directory.claim()
+                    self.directory.clean_at_start()
+            self._check_one_directory_per_node()
+        except BaseException:
+            self.directory.release()
+            if self.pg is not None:
+                dist.destroy_process_group(self.pg)
+            raise
         self.replicas = min(options.replicas, self.nodes.count)
         if options.replicas > 1 and self.nodes.count == 1 and group.is_coordinator:
             log.info("local tier: one node, so no replicas on other nodes (replicas=%d asked for)", options.replicas)
@@ -63,6 +71,19 @@ class NodeTier:
         self.failures = 0
         """Local saves that failed on this rank (each logged; a restore never uses such a step)."""
         self._space_checked = False
+
+    def _check_one_directory_per_node(self) -> None:
+        """Refuse, on every rank, ranks that share a node id but not its directory (two machines or
+        containers given one ``ZEROSTALL_NODE_ID``): only the first's copies would be listed and retired."""
+        seen = self.group.all_gather_object(self.directory.identity())
+        apart = [r for r, where in enumerate(seen) if where != seen[self.nodes.ranks_on(self.nodes.index(r))[0]]]
+        if apart:
+            first = self.nodes.ranks_on(self.nodes.index(apart[0]))[0]
+            raise CheckpointError(
+                f"rank(s) {apart[:8]} share the node id {self.nodes.ids[apart[0]]!r} with rank {first} but not its "
+                f"local tier directory {self.directory.run}: two machines (or containers) run under one node id. Give "
+                f"each machine its own {NODE_ENV} (or unset it: the hostname and boot id name a node); nothing was "
+                "saved")
 
     def due(self, step: int) -> bool:
         return step % self.options.every == 0
@@ -115,6 +136,12 @@ class NodeTier:
         and the loaded state, or a :class:`RestoreInfo` of no step (with the damaged copies passed
         over) when the root is to be used."""
         self.wait()
+        broken = self.group.all_gather_object(self.replicator.broken)  # on the training group: the tier's failed
+        if any(broken):
+            rank = next(r for r, why in enumerate(broken) if why)
+            raise CheckpointError(f"the local tier's process group failed earlier in this run (on rank {rank}: "
+                                  f"{broken[rank]}), so it cannot restore: restart the job (a new process makes a new "
+                                  "group and restores from the tier), or restore(tag=...) a checkpoint of the root")
         steps = [s for tag, damage in candidates if damage is None and (s := tag_step(tag)) is not None]
         target = view(state, restoring=True)
         fallbacks: list[tuple[str, str]] = []
@@ -136,8 +163,8 @@ class NodeTier:
         ``step``: they belong to a timeline that does not go on (a rollback, saves made after the
         step a crash fell back to), so no later restore takes them or mixes them with this run's."""
         self.wait()
-        with self.restoring.failing_together("the local tier's newer steps could not be removed on {failed} other "
-                                             "rank(s) (their errors say why)"):  # and no rank saves before they are
+        with self.group.failing_together("the local tier's newer steps could not be removed on {failed} other "
+                                         "rank(s) (their errors say why)"):  # and no rank saves before they are
             if self.leader:
                 self.directory.remove_steps([s for s in self.directory.steps() if step is None or s > step])
 

@@ -48,7 +48,7 @@ from ..storage.base import check_name
 from ..storage.local import LocalStorage, open_regular
 from .local import INCOMING
 from .placing import PLACEABLE, Placer, Spans, direct
-from .stream import CHUNK_LIMIT, IN_FLIGHT, Plan, Wire, plan_header, receive_header, send_header
+from .stream import CHUNK_LIMIT, IN_FLIGHT, LinkError, Plan, Wire, plan_header, receive_header, send_header
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 _WRITERS = 4  # files of one copy that travel, and are written, at once
@@ -78,7 +78,7 @@ def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequen
     docstring). Returns, per receive, how the copy landed (:class:`Landed`), or None when the
     sender had nothing. Raises once every transfer has ended: a copy that fails its checks is
     :class:`CorruptCheckpointError` naming the source rank and the file (nothing is published), a
-    peer that died or timed out a :class:`CheckpointError` naming it."""
+    peer that died or timed out a :class:`LinkError` naming it."""
     me = dist.get_rank(pg)
     for what, peers in (("send to", [r for r, _ in sends]), ("receive from", [r for r, _ in receives])):
         if len(set(peers)) != len(peers) or me in peers or not all(0 <= r < dist.get_world_size(pg) for r in peers):
@@ -98,7 +98,7 @@ def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequen
             landed = f.result() if f.exception() is None else None
             if landed is not None and landed.placed:
                 shutil.rmtree(landed.folder, ignore_errors=True)
-        raise errors[0]
+        raise next((e for e in errors if isinstance(e, LinkError)), errors[0])  # a broken link first: it lasts
     return [f.result() for f in futures[len(sends):]]
 
 
@@ -121,7 +121,7 @@ def _send(pg: Any, dst: int, copy: Path | None, chunk_bytes: int, cut: bool) -> 
                 wire.send(data[f][offset:offset + n])
         wire.finish()
     except RuntimeError as exc:  # what torch.distributed raises for a dead peer or a timeout
-        raise CheckpointError(f"sending the copy {copy} to rank {dst} failed (rank {dst} died, or timed out): "
+        raise LinkError(f"sending the copy {copy} to rank {dst} failed (rank {dst} died, or timed out): "
                               f"{exc}") from exc
 
 
@@ -175,7 +175,7 @@ def _receive(pg: Any, src: int, final: Path, place: Placer | None) -> Landed | N
             shutil.rmtree(incoming, ignore_errors=True)
             raise
     except RuntimeError as exc:  # what torch.distributed raises for a dead peer or a timeout
-        raise CheckpointError(f"receiving rank {src}'s copy for {final} failed (rank {src} died, or timed out): "
+        raise LinkError(f"receiving rank {src}'s copy for {final} failed (rank {src} died, or timed out): "
                               f"{exc}") from exc
     return Landed(final, frozenset(), arrival.manifest)
 

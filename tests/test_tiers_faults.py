@@ -1,0 +1,100 @@
+"""The local tier when the job around it goes wrong: two machines under one node id, and the
+tier's own process group broken by a transfer that timed out. Two gloo ranks, a simulated node
+and a directory each (``ZEROSTALL_NODE_ID``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import zerostall as zs
+
+
+def single_state(value: float) -> dict:
+    return {"w": torch.full((1000,), value), "step": int(value)}
+
+
+def one_node_id_two_directories(base: str) -> tuple[str, str]:
+    """Both ranks say they run on node "same", but each has a directory of its own (two machines)."""
+    os.environ["ZEROSTALL_NODE_ID"] = "same"
+    tier = zs.LocalTier(os.path.join(base, f"machine-{dist.get_rank()}"), every=5, replicas=2, timeout_s=30)
+    try:
+        with zs.CheckpointManager(os.path.join(base, "root"), fsync=False, local=tier):
+            pass
+    except zs.CheckpointError as exc:
+        refused = type(exc).__name__, str(exc)
+    else:
+        return "", ""
+    os.environ["ZEROSTALL_NODE_ID"] = f"machine-{dist.get_rank()}"  # set right: the refused manager held nothing
+    with zs.CheckpointManager(os.path.join(base, "root"), fsync=False, local=tier) as mgr:
+        mgr.save(5, single_state(5.0))
+    return refused
+
+
+def test_two_machines_under_one_node_id_are_refused_on_every_rank(ranks, tmp_path):
+    """Only the first rank's directory was listed and retired: the other machine's grew without
+    bound and its copies were never restored from. The refused manager left the root's lease."""
+    for kind, message in ranks(2).run(one_node_id_two_directories, str(tmp_path)):
+        assert kind == "CheckpointError", message
+        assert "rank(s) [1] share the node id 'same' with rank 0" in message and "ZEROSTALL_NODE_ID" in message
+
+
+def a_replication_times_out_then_the_run_goes_on(base: str) -> dict:
+    """Nodes a and b, a local save every 10 steps, keep=1: rank 0's save of step 10 ends after
+    node b's receive of it timed out (a slow disk), which breaks the tier's group. Returns what
+    each node held at step 60, the errors logged, what a restore in the same run and one in a new
+    run (a new group) gave."""
+    import time
+
+    from zerostall.tiers.replication import Replicator
+
+    rank = dist.get_rank()
+    os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
+    tier = zs.LocalTier(os.path.join(base, "node-" + "ab"[rank]), every=10, keep=1, replicas=2, timeout_s=2)
+    root = os.path.join(base, "root")
+    real, errors = Replicator.submit, []
+
+    def late(self: Any, step: int, saved: bool) -> None:
+        if rank == 0 and step == 10:
+            time.sleep(4)
+        real(self, step, saved)
+
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: errors.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("zerostall").addHandler(handler)
+    Replicator.submit = late
+    out: dict = {}
+    try:
+        with zs.CheckpointManager(root, save_every=1000, fsync=False, local=tier) as mgr:
+            for step in range(1, 61):
+                if mgr.should_save(step):
+                    mgr.save(step, single_state(100.0 * rank + step))
+            mgr.wait()
+            out["held"] = mgr.tier.directory.holdings()
+            try:
+                mgr.restore(single_state(-1.0))
+            except zs.CheckpointError as exc:
+                out["same run"] = str(exc)
+    finally:
+        Replicator.submit = real
+        logging.getLogger("zerostall").removeHandler(handler)
+    out["errors"] = errors
+    state = single_state(-1.0)
+    with zs.CheckpointManager(root, fsync=False, local=tier) as mgr:
+        out["new run"] = mgr.restore(state), float(state["w"][0]), mgr.last_restore.sources
+    return out
+
+
+def test_a_transfer_that_timed_out_stops_replication_loudly_and_local_retention_goes_on(ranks, tmp_path):
+    """One timed-out transfer closed the tier's gloo pair for good: every later replication and
+    every retention failed, with warnings only, and each node kept every step it saved."""
+    for rank, out in enumerate(ranks(2).run(a_replication_times_out_then_the_run_goes_on, str(tmp_path))):
+        assert out["held"] == {60: [rank]}
+        failed = [m for m in out["errors"] if "its process group failed" in m]
+        assert len(failed) == 1 and "no step is replicated" in failed[0], out["errors"]
+        assert "cannot restore: restart the job" in out["same run"]
+        assert out["new run"] == (60, 100.0 * rank + 60, ("local", "local"))
