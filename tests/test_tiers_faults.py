@@ -98,3 +98,39 @@ def test_a_transfer_that_timed_out_stops_replication_loudly_and_local_retention_
         assert len(failed) == 1 and "no step is replicated" in failed[0], out["errors"]
         assert "cannot restore: restart the job" in out["same run"]
         assert out["new run"] == (60, 100.0 * rank + 60, ("local", "local"))
+
+
+def _flip_a_data_byte(folder: str) -> None:
+    data = max((os.path.join(folder, f) for f in os.listdir(folder) if f != "manifest.json"), key=os.path.getsize)
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) - 100)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+
+
+def test_a_damaged_root_checkpoint_falls_back_to_a_newer_local_step_before_an_older_root_one(tmp_path):
+    """The root's step 40 damaged (found while loading it), the local tier holding step 35: the
+    restore fell back within the root, to step 30, and lost five steps. Then with step 35's copy
+    damaged too: the root's step 30, both passed over said."""
+    def manager() -> zs.CheckpointManager:
+        return zs.CheckpointManager(str(tmp_path / "root"), save_every=10, fsync=False,
+                                    local=zs.LocalTier(str(tmp_path / "node"), every=7, keep=1, replicas=1))
+
+    with manager() as mgr:
+        for step in range(1, 41):
+            if mgr.should_save(step):
+                mgr.save(step, single_state(float(step)))
+    _flip_a_data_byte(str(tmp_path / "root" / "step_000000040"))
+    state = single_state(0.0)
+    with manager() as mgr:
+        assert mgr.restore(state) == 35 and float(state["w"][0]) == 35.0
+        info = mgr.last_restore
+        assert (info.source, info.tag, [tag for tag, _ in info.fallbacks]) == ("local", "step_000000035",
+                                                                                ["step_000000040"])
+    _flip_a_data_byte(str(tmp_path / "node" / os.listdir(tmp_path / "node")[0] / "step_000000035" / "rank_00000"))
+    with manager() as mgr:
+        assert mgr.restore(state) == 30 and float(state["w"][0]) == 30.0
+        info = mgr.last_restore
+        assert info.source == "persistent" and [tag for tag, _ in info.fallbacks][0] == "step_000000040"
+        assert "step 35" in info.fallbacks[1][0], info.fallbacks

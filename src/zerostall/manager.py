@@ -288,16 +288,15 @@ class CheckpointManager:
             if not tiers:
                 raise
             candidates, unreachable = [], exc
-        info, loaded = self.tier.restore(self._wrap(state), options, candidates, unreachable, fallback=fallback) \
-            if self.tier is not None and tiers else (NOTHING, None)
-        self.last_restore = info
-        if info.step is None:  # the root's newest is newer, or the tiers hold no whole step
-            if unreachable is not None:
-                raise unreachable
-            loaded = restore_first_whole(self.group, self.checkpoint_root, candidates,
-                                         functools.partial(self._load, state, options), fallback=fallback,
-                                         named=named, earlier=info.fallbacks,
-                                         record=functools.partial(setattr, self, "last_restore"))
+        root = functools.partial(restore_first_whole, self.group, self.checkpoint_root,
+                                 attempt=functools.partial(self._load, state, options), fallback=fallback, named=named,
+                                 record=functools.partial(setattr, self, "last_restore"))
+        if self.tier is not None and tiers:  # the newest step of the root and the tiers together
+            info, loaded = self.tier.restore(self._wrap(state), options, candidates, unreachable, fallback=fallback,
+                                             root=root)
+            self.last_restore = info or self.last_restore
+        else:
+            loaded = root(candidates)
         if self.tier is not None:  # the run goes on from this step: the tier's newer steps are another timeline's
             self.tier.forget_after(self.last_restore.step if loaded is not None else None)
         if loaded is None:  # nothing committed yet

@@ -52,6 +52,14 @@ class RestoreInfo:
 NOTHING = RestoreInfo(None, None, (), ())
 
 
+@dataclass(frozen=True)
+class PassedOver:
+    """What :func:`restore_first_whole` returns when every candidate it was to try (``until``) was
+    damaged and another source goes on: the checkpoints passed over and why."""
+
+    fallbacks: tuple[tuple[str, str], ...]
+
+
 def kind_of(exc: BaseException) -> str:
     """How a failed attempt counts: DAMAGED (the checkpoint's bytes or files are not what was saved),
     ELSEWHERE (a plain :class:`CheckpointError` with no I/O error behind it: how a rank learns that
@@ -82,7 +90,8 @@ def newest_first(root: CheckpointRoot) -> list[tuple[str, str | None]]:
 
 def restore_first_whole(group: Group, root: CheckpointRoot, candidates: list[tuple[str, str | None]],
                         attempt: Callable[[str], tuple[int | None, T]], *, fallback: bool, named: bool,
-                        record: Callable[[RestoreInfo], None], earlier: tuple[tuple[str, str], ...] = ()) -> T | None:
+                        record: Callable[[RestoreInfo], None], earlier: tuple[tuple[str, str], ...] = (),
+                        until: int | None = None) -> T | PassedOver | None:
     """``attempt(tag)`` (which returns the step it restored and a result) on every rank for each of
     ``candidates`` (tags of ``root`` newest first, with why for those known to be damaged) until it
     succeeds on every rank, going on only past damage and only when ``fallback``; returns its
@@ -91,11 +100,13 @@ def restore_first_whole(group: Group, root: CheckpointRoot, candidates: list[tup
     candidate is damaged it lists them. ``named``: the one candidate was asked for by tag.
     ``earlier``: copies already found damaged elsewhere (a faster tier's): with no candidate, no
     fresh start either (their bytes may be in the state), an error. ``record`` gets what was
-    restored (and passed over, ``earlier`` first), whether this raises or not."""
+    restored (and passed over, ``earlier`` first), whether this raises or not. ``until``: only the
+    first ``until`` candidates are tried, then another source (a faster tier's step, no older than
+    the rest): when they are all damaged, :class:`PassedOver` is returned for it to go on."""
     damaged: list[tuple[str, str]] = []
     restored: RestoreInfo | None = None
     try:
-        for n, (tag, known) in enumerate(candidates):
+        for n, (tag, known) in enumerate(candidates[:until]):
             error: Exception | None = None
             if known is not None:  # found damaged while listing, the same on every rank: not tried
                 outcomes = [(DAMAGED, known, "")]
@@ -118,12 +129,15 @@ def restore_first_whole(group: Group, root: CheckpointRoot, candidates: list[tup
                     [(rank, message) for rank, (kind, message, _) in enumerate(outcomes) if kind != OK]))
             reason = _by_rank(found) if len(outcomes) > 1 else found[0][1]
             damaged.append((tag, reason))
-            following = candidates[n + 1:]
-            if not (fallback and following):
+            following, handing = candidates[n + 1:], until is not None and n + 1 >= until
+            if not (fallback and (following or handing)):
                 raise _refusal(error, root, tag, reason, damaged, following, named) from error
             log.log(logging.WARNING if group.is_coordinator else logging.DEBUG,
-                    "checkpoint %s is damaged (%s): restoring the previous committed one, %s, instead (restore "
-                    "with fallback=False to refuse)", root.where(tag), reason, following[0][0])
+                    "checkpoint %s is damaged (%s): restoring %s instead (restore with fallback=False to refuse)",
+                    root.where(tag), reason, "a faster tier's newest whole step" if handing
+                    else f"the previous committed one, {following[0][0]},")
+        if until is not None:
+            return PassedOver(earlier + tuple(damaged))
         if earlier:
             tried = "; ".join(f"{what}: {why}" for what, why in earlier[:3])
             raise CorruptCheckpointError(f"every copy tried is damaged ({tried}) and {root.location} holds no "

@@ -97,23 +97,42 @@ def choose(nodes: Nodes, digests: list[str], held: list[dict[int, dict[int, str]
     return None
 
 
-def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, digest: str,
-                       newer_than: int | None, load: Load, place: Placer | None, *, fallback: bool,
-                       fallbacks: list[tuple[str, str]]) -> tuple[Choice, Any] | None:
-    """Restore this rank from the tiers (see the module's docstring): returns the choice made and
-    what ``load`` returned, or None when the persistent tier is to be used; a copy from a peer is
-    received into memory where ``place`` says. Copies found damaged are added to ``fallbacks``
-    (what, why)."""
-    rank = group.rank
+@dataclass(frozen=True)
+class Survey:
+    """What every node holds, as every rank learned it: each rank's layout digest, and by node
+    the copies it holds ({step: {rank: digest}}, as :func:`report` gives)."""
+
+    digests: list[str]
+    held: list[dict[int, dict[int, str]]]
+
+    def newest(self, nodes: Nodes) -> int | None:
+        """The newest step with a good copy of every rank's state on some node (the same on every rank)."""
+        choice = choose(nodes, self.digests, self.held, set(), None)
+        return None if choice is None else choice.step
+
+
+def survey(group: Group, nodes: Nodes, directory: NodeDirectory, digest: str) -> Survey:
+    """Every node's copies and every rank's layout ``digest`` (collective: each node's first rank
+    lists its directory, then one all-gather)."""
     with group.failing_together("the local tier could not be listed on {failed} other rank(s) (their errors say "
                                 "why)"):
-        mine = report(directory, group.size, nodes.leads(rank))
+        mine = report(directory, group.size, nodes.leads(group.rank))
     reports = group.all_gather_object((digest, mine))
-    digests = [d for d, _ in reports]
     held: list[dict[int, dict[int, str]]] = [{} for _ in range(nodes.count)]
     for r, (_, copies) in enumerate(reports):
         if copies:
             held[nodes.index(r)] = copies
+    return Survey([d for d, _ in reports], held)
+
+
+def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, seen: Survey,
+                       newer_than: int | None, load: Load, place: Placer | None, *, fallback: bool,
+                       fallbacks: list[tuple[str, str]]) -> tuple[Choice, Any] | None:
+    """Restore this rank from the tiers (see the module's docstring), from what ``seen`` found:
+    returns the choice made and what ``load`` returned, or None when the persistent tier is to be
+    used; a copy from a peer is received into memory where ``place`` says. Copies found damaged
+    are added to ``fallbacks`` (what, why)."""
+    digests, held = seen.digests, seen.held
     bad: set[Copy] = set()
     while True:
         choice = json.loads(group.agree(lambda: json.dumps(_as_json(choose(nodes, digests, held, bad, newer_than)))

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import logging
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from ..collectives import ALONE, Group
 from ..errors import CheckpointError
 from ..gcpause import gc_paused
 from ..options import LoadOptions, SaveOptions
-from ..roots.restore import RestoreInfo
+from ..roots.restore import PassedOver, RestoreInfo
 from ..roots.root import step_tag, tag_step
 from ..saving.asynchronous import AsyncSaver
 from ..saving.handles import SaveHandle
@@ -31,7 +31,7 @@ from .copies import LAYOUT_KEY, View, load_copy, placeable, placements, view
 from .local import LocalTier, NodeDirectory, check_space, run_id_for
 from .nodes import NODE_ENV, Nodes, gather_nodes
 from .replication import Replicator
-from .sources import restore_from_tiers
+from .sources import restore_from_tiers, survey
 from .transfer import Landed
 
 log = logging.getLogger(__name__)
@@ -130,11 +130,13 @@ class NodeTier:
 
     @gc_paused()  # the caller waits: no cyclic collections over the per-leaf and per-chunk objects
     def restore(self, state: dict[str, Any], options: LoadOptions, candidates: list[tuple[str, str | None]],
-                unreachable: Exception | None, *, fallback: bool) -> tuple[RestoreInfo, Any]:
-        """Restore ``state`` from the newest step the tiers hold for every rank, unless the root's
-        newest committed checkpoint (first of ``candidates``) is newer; returns what was restored
-        and the loaded state, or a :class:`RestoreInfo` of no step (with the damaged copies passed
-        over) when the root is to be used."""
+                unreachable: Exception | None, *, fallback: bool,
+                root: Callable[..., Any]) -> tuple[RestoreInfo | None, Any]:
+        """Restore ``state`` from the newest step: the root's checkpoints (``candidates``, newest
+        first) newer than the newest step the tiers hold for every rank, then that step (its other
+        copies, older steps), then the root's older checkpoints. ``root(candidates, earlier=...,
+        until=...)`` restores from the root as :func:`restore_first_whole` does, recording what it
+        restored. Returns what the tiers restored (None when the root did) and the loaded state."""
         self.wait()
         broken = self.group.all_gather_object(self.replicator.broken)  # on the training group: the tier's failed
         if any(broken):
@@ -142,16 +144,27 @@ class NodeTier:
             raise CheckpointError(f"the local tier's process group failed earlier in this run (on rank {rank}: "
                                   f"{broken[rank]}), so it cannot restore: restart the job (a new process makes a new "
                                   "group and restores from the tier), or restore(tag=...) a checkpoint of the root")
-        steps = [s for tag, damage in candidates if damage is None and (s := tag_step(tag)) is not None]
         target = view(state, restoring=True)
+        seen = survey(self.restoring, self.nodes, self.directory, target.digest)
+        best = seen.newest(self.nodes)
+        cut = 0 if best is None else next((n for n, (tag, _) in enumerate(candidates)
+                                           if (s := tag_step(tag)) is not None and s <= best), len(candidates))
         fallbacks: list[tuple[str, str]] = []
+        if cut:  # the root's newer checkpoints first; all of them damaged: the tiers' step
+            got = root(candidates, until=cut)
+            if not isinstance(got, PassedOver):
+                return None, got
+            fallbacks += got.fallbacks
+        rest = [s for tag, damage in candidates[cut:] if damage is None and (s := tag_step(tag)) is not None]
         place = functools.partial(placements, target) if placeable(options) else None
-        got = restore_from_tiers(self.restoring, self.pg, self.nodes, self.directory, target.digest,
-                                 steps[0] - 1 if steps else None, functools.partial(_load, state, target, options),
-                                 place, fallback=fallback, fallbacks=fallbacks)
-        if got is None:
-            return RestoreInfo(None, None, (), tuple(fallbacks)), None
-        choice, loaded = got
+        chosen = restore_from_tiers(self.restoring, self.pg, self.nodes, self.directory, seen,
+                                    rest[0] - 1 if rest else None, functools.partial(_load, state, target, options),
+                                    place, fallback=fallback, fallbacks=fallbacks)
+        if chosen is None:
+            if unreachable is not None:
+                raise unreachable
+            return None, root(candidates[cut:], earlier=tuple(fallbacks))
+        choice, loaded = chosen
         if unreachable is not None and self.group.is_coordinator:
             log.warning("the checkpoint root could not be listed (%s): restored step %d from the local tier",
                         unreachable, choice.step)
