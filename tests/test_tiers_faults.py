@@ -8,6 +8,7 @@ import logging
 import os
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -128,6 +129,8 @@ def test_a_damaged_root_checkpoint_falls_back_to_a_newer_local_step_before_an_ol
         info = mgr.last_restore
         assert (info.source, info.tag, [tag for tag, _ in info.fallbacks]) == ("local", "step_000000035",
                                                                                 ["step_000000040"])
+    with manager() as mgr, pytest.raises(zs.CorruptCheckpointError, match="newest step a faster tier holds whole"):
+        mgr.restore(state, fallback=False)
     _flip_a_data_byte(str(tmp_path / "node" / os.listdir(tmp_path / "node")[0] / "step_000000035" / "rank_00000"))
     with manager() as mgr:
         assert mgr.restore(state) == 30 and float(state["w"][0]) == 30.0

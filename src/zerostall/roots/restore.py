@@ -131,7 +131,7 @@ def restore_first_whole(group: Group, root: CheckpointRoot, candidates: list[tup
             damaged.append((tag, reason))
             following, handing = candidates[n + 1:], until is not None and n + 1 >= until
             if not (fallback and (following or handing)):
-                raise _refusal(error, root, tag, reason, damaged, following, named) from error
+                raise _refusal(error, root, tag, reason, damaged, following, named, handing) from error
             log.log(logging.WARNING if group.is_coordinator else logging.DEBUG,
                     "checkpoint %s is damaged (%s): restoring %s instead (restore with fallback=False to refuse)",
                     root.where(tag), reason, "a faster tier's newest whole step" if handing
@@ -153,15 +153,18 @@ def _by_rank(messages: list[tuple[int, str]]) -> str:
 
 
 def _refusal(error: Exception | None, root: CheckpointRoot, tag: str, reason: str, damaged: list[tuple[str, str]],
-             following: list[tuple[str, str | None]], named: bool) -> CheckpointError:
+             following: list[tuple[str, str | None]], named: bool, handing: bool = False) -> CheckpointError:
     """The error of a restore that stops at damaged ``tag``: falling back was off (the hint names
-    what ``fallback=True`` would restore), there was nothing before it, or every one was damaged."""
+    what ``fallback=True`` would restore; ``handing``: a faster tier's step), there was nothing
+    before it, or every one was damaged."""
     if len(damaged) > 1:
         tried = "; ".join(f"{name} ({why})" for name, why in damaged)
         return CorruptCheckpointError(f"every checkpoint tried under {root.location} is damaged, so nothing was "
                                       f"restored (the state's tensors may hold partly loaded values): {tried}")
     previous = next((name for name, known in following if known is None), None)
-    if previous is not None:
+    if handing:
+        hint = "; restore(..., fallback=True) restores the newest step a faster tier holds whole instead"
+    elif previous is not None:
         hint = f"; restore(..., fallback=True) restores the previous committed checkpoint, {previous}, instead"
     else:
         hint = (f"; it was asked for by tag={tag!r}, so no other is restored in its place (restore without tag= "
