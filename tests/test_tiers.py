@@ -214,7 +214,7 @@ def test_every_copy_damaged_and_an_empty_root_is_an_error_not_a_fresh_start(rank
         flip_a_byte(copy_files(base, "a", step, 2)[0])  # node a's replicas of rank 2: its only copies
     after = pool.run_per_rank(train, [(root, base, END, node) for node in ("a", "a", "c", "c")])
     for got in after:
-        assert got["error"][0] == "CorruptCheckpointError" and "holds no checkpoint" in got["error"][1], got
+        assert got["error"][0] == "CorruptCheckpointError" and "holds no other checkpoint" in got["error"][1], got
         assert [what.split(",")[0] for what, _ in got["info"].fallbacks] == ["step 10", "step 5"]
 
 

@@ -137,3 +137,29 @@ def test_a_damaged_root_checkpoint_falls_back_to_a_newer_local_step_before_an_ol
         info = mgr.last_restore
         assert info.source == "persistent" and [tag for tag, _ in info.fallbacks][0] == "step_000000040"
         assert "step 35" in info.fallbacks[1][0], info.fallbacks
+
+
+def test_a_named_root_checkpoint_counts_by_its_step_against_the_local_tier(tmp_path):
+    """A named checkpoint of the root (no step in its tag) was taken for newer than every local
+    step: `init` (step 0) was restored over the local tier's step 30, which the restore then deleted
+    as another timeline's; `best` (step 42) over the local step 45."""
+    def manager(name: str, save_every: int) -> zs.CheckpointManager:
+        return zs.CheckpointManager(str(tmp_path / name / "root"), save_every=save_every, fsync=False,
+                                    local=zs.LocalTier(str(tmp_path / name / "node"), every=15, keep=2, replicas=1))
+
+    with manager("init", 1000) as mgr:
+        mgr.save(0, single_state(0.0), tag="init")
+        for step in range(1, 31):
+            if mgr.should_save(step):
+                mgr.save(step, single_state(float(step)))
+    with manager("best", 40) as mgr:
+        for step in range(1, 46):
+            if mgr.should_save(step):
+                mgr.save(step, single_state(float(step)))
+            if step == 42:
+                mgr.save(step, single_state(float(step)), tag="best")
+    for name, step in (("init", 30), ("best", 45)):
+        state = single_state(-1.0)
+        with manager(name, 1000) as mgr:
+            assert mgr.restore(state) == step and float(state["w"][0]) == step, name
+            assert mgr.last_restore.source == "local" and step in mgr.tier.directory.holdings()

@@ -282,7 +282,7 @@ class CheckpointManager:
         named = tag not in (None, "latest")
         tiers, unreachable = self.tier is not None and not named, None
         try:
-            candidates = [(tag, None)] if named else json.loads(self.group.agree(
+            candidates = [(tag, None, -1)] if named else json.loads(self.group.agree(
                 lambda: json.dumps(newest_first(self.checkpoint_root)).encode()))
         except CheckpointError as exc:  # the local tier may do without the root
             if not tiers:

@@ -71,7 +71,12 @@ def kind_of(exc: BaseException) -> str:
     return FAILED
 
 
-def newest_first(root: CheckpointRoot) -> list[tuple[str, str | None]]:
+Candidate = tuple[str, str | None, int]
+"""A checkpoint a restore may try: its tag, why it is known to be damaged (None: not known), its
+step (-1 for a checkpoint without one)."""
+
+
+def newest_first(root: CheckpointRoot) -> list[Candidate]:
     """The checkpoints a restore tries, newest first: the committed ones, and those of a step tag
     whose manifest is damaged (with why: they are passed over, and said to be). A manifest that
     could not be read for another reason (an I/O error) is raised: it may be the newest."""
@@ -85,15 +90,15 @@ def newest_first(root: CheckpointRoot) -> list[tuple[str, str | None]]:
         step = tag_step(tag)
         if step is not None:
             found.append((step, tag, f"{type(exc).__name__}: {exc}"))
-    return [(tag, damage) for _, tag, damage in sorted(found, reverse=True)]
+    return [(tag, damage, step) for step, tag, damage in sorted(found, reverse=True)]
 
 
-def restore_first_whole(group: Group, root: CheckpointRoot, candidates: list[tuple[str, str | None]],
+def restore_first_whole(group: Group, root: CheckpointRoot, candidates: list[Candidate],
                         attempt: Callable[[str], tuple[int | None, T]], *, fallback: bool, named: bool,
                         record: Callable[[RestoreInfo], None], earlier: tuple[tuple[str, str], ...] = (),
                         until: int | None = None) -> T | PassedOver | None:
     """``attempt(tag)`` (which returns the step it restored and a result) on every rank for each of
-    ``candidates`` (tags of ``root`` newest first, with why for those known to be damaged) until it
+    ``candidates`` (checkpoints of ``root``, newest first, as :func:`newest_first` lists them) until it
     succeeds on every rank, going on only past damage and only when ``fallback``; returns its
     result (None for no candidates: a fresh start). Otherwise raises on every rank: a damaged
     checkpoint's error names what failed (and what ``fallback=True`` would restore), and when every
@@ -106,7 +111,7 @@ def restore_first_whole(group: Group, root: CheckpointRoot, candidates: list[tup
     damaged: list[tuple[str, str]] = []
     restored: RestoreInfo | None = None
     try:
-        for n, (tag, known) in enumerate(candidates[:until]):
+        for n, (tag, known, _) in enumerate(candidates[:until]):
             error: Exception | None = None
             if known is not None:  # found damaged while listing, the same on every rank: not tried
                 outcomes = [(DAMAGED, known, "")]
@@ -141,8 +146,8 @@ def restore_first_whole(group: Group, root: CheckpointRoot, candidates: list[tup
         if earlier:
             tried = "; ".join(f"{what}: {why}" for what, why in earlier[:3])
             raise CorruptCheckpointError(f"every copy tried is damaged ({tried}) and {root.location} holds no "
-                                         "checkpoint: nothing whole is left to restore, and the state may hold part "
-                                         "of a damaged copy; build the state anew to start from scratch")
+                                         "other checkpoint: nothing whole is left to restore, and the state may hold "
+                                         "part of a damaged copy; build the state anew to start from scratch")
         return None
     finally:
         record(restored or RestoreInfo(None, None, (), earlier + tuple(damaged)))
@@ -153,7 +158,7 @@ def _by_rank(messages: list[tuple[int, str]]) -> str:
 
 
 def _refusal(error: Exception | None, root: CheckpointRoot, tag: str, reason: str, damaged: list[tuple[str, str]],
-             following: list[tuple[str, str | None]], named: bool, handing: bool = False) -> CheckpointError:
+             following: list[Candidate], named: bool, handing: bool = False) -> CheckpointError:
     """The error of a restore that stops at damaged ``tag``: falling back was off (the hint names
     what ``fallback=True`` would restore; ``handing``: a faster tier's step), there was nothing
     before it, or every one was damaged."""
@@ -161,7 +166,7 @@ def _refusal(error: Exception | None, root: CheckpointRoot, tag: str, reason: st
         tried = "; ".join(f"{name} ({why})" for name, why in damaged)
         return CorruptCheckpointError(f"every checkpoint tried under {root.location} is damaged, so nothing was "
                                       f"restored (the state's tensors may hold partly loaded values): {tried}")
-    previous = next((name for name, known in following if known is None), None)
+    previous = next((name for name, known, _ in following if known is None), None)
     if handing:
         hint = "; restore(..., fallback=True) restores the newest step a faster tier holds whole instead"
     elif previous is not None:

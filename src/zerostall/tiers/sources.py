@@ -213,5 +213,5 @@ def _say_why_not(group: Group, held: list[dict[int, dict[int, str]]], newer_than
     steps = sorted({s for copies in held for s in copies}, reverse=True)
     if steps and group.is_coordinator:
         log.warning("the local tier holds steps %s, but no step %sholds a good copy of every rank's state saved from "
-                    "the layout the ranks have now (another world size or mesh, or copies lost): restoring from the "
-                    "persistent tier", steps[:5], "" if newer_than is None else f"newer than {newer_than} ")
+                    "the layout the ranks have now (another world size or mesh, copies lost or damaged): restoring "
+                    "from the persistent tier", steps[:5], "" if newer_than is None else f"newer than {newer_than} ")

@@ -23,8 +23,8 @@ from ..collectives import ALONE, Group
 from ..errors import CheckpointError
 from ..gcpause import gc_paused
 from ..options import LoadOptions, SaveOptions
-from ..roots.restore import PassedOver, RestoreInfo
-from ..roots.root import step_tag, tag_step
+from ..roots.restore import Candidate, PassedOver, RestoreInfo
+from ..roots.root import step_tag
 from ..saving.asynchronous import AsyncSaver
 from ..saving.handles import SaveHandle
 from .copies import LAYOUT_KEY, View, load_copy, placeable, placements, view
@@ -129,7 +129,7 @@ class NodeTier:
                             self.directory.bytes_used())
 
     @gc_paused()  # the caller waits: no cyclic collections over the per-leaf and per-chunk objects
-    def restore(self, state: dict[str, Any], options: LoadOptions, candidates: list[tuple[str, str | None]],
+    def restore(self, state: dict[str, Any], options: LoadOptions, candidates: list[Candidate],
                 unreachable: Exception | None, *, fallback: bool,
                 root: Callable[..., Any]) -> tuple[RestoreInfo | None, Any]:
         """Restore ``state`` from the newest step: the root's checkpoints (``candidates``, newest
@@ -147,15 +147,15 @@ class NodeTier:
         target = view(state, restoring=True)
         seen = survey(self.restoring, self.nodes, self.directory, target.digest)
         best = seen.newest(self.nodes)
-        cut = 0 if best is None else next((n for n, (tag, _) in enumerate(candidates)
-                                           if (s := tag_step(tag)) is not None and s <= best), len(candidates))
+        cut = 0 if best is None else next((n for n, (_, _, step) in enumerate(candidates) if step <= best),
+                                          len(candidates))
         fallbacks: list[tuple[str, str]] = []
         if cut:  # the root's newer checkpoints first; all of them damaged: the tiers' step
             got = root(candidates, until=cut)
             if not isinstance(got, PassedOver):
                 return None, got
             fallbacks += got.fallbacks
-        rest = [s for tag, damage in candidates[cut:] if damage is None and (s := tag_step(tag)) is not None]
+        rest = [step for _, damage, step in candidates[cut:] if damage is None]
         place = functools.partial(placements, target) if placeable(options) else None
         chosen = restore_from_tiers(self.restoring, self.pg, self.nodes, self.directory, seen,
                                     rest[0] - 1 if rest else None, functools.partial(_load, state, target, options),
