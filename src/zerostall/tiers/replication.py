@@ -15,19 +15,23 @@ the ``keep`` newest of them, but never the newest replicated one (while replicat
 the step a lost node restores from) nor a newer step (its save may still be writing).
 
 A peer that dies or a transfer that times out breaks the group for good (gloo closes the pair).
-Each rank then says so once, at error level, and goes on alone: no more replication, and each
-node's first rank keeps the ``keep`` newest steps it has and the steps last agreed on (the
-newest every rank saved, and saved and replicated), deleting the others. A restarted job makes a
-new group and restores as usual.
+Each rank then says so once, at error level, and goes on without it: no more replication, and
+the ranks agree through the group's key-value store instead (the job's rendezvous store, which
+outlives the pair): each posts the steps it saved, and each node's first rank deletes the steps
+every rank saved beyond the ``keep`` newest of them, but never the newest replicated before the
+break; until every rank has posted, nothing. A restarted job makes a new group and restores as usual.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import time
 from typing import Any
+
+import torch.distributed as dist
 
 from ..collectives import Group
 from .local import NodeDirectory
@@ -36,6 +40,8 @@ from .stream import LinkError
 from .transfer import exchange
 
 log = logging.getLogger(__name__)
+
+_POSTED = 64  # the newest steps a rank posts as saved, once the group is broken
 
 class Replicator:
     """This rank's background worker of the local tier (see the module's docstring)."""
@@ -55,6 +61,7 @@ class Replicator:
         self._saved = -1  # the newest step this rank saved
         self._done = -1  # the newest step this rank saved and replicated
         self._agreed = (-1, -1)  # the newest steps every rank saved, and saved and replicated, last agreed
+        self._kept: list[int] = []  # the newest steps this rank saved (posted to the store once broken)
         self.broken: str | None = None
         """Why the tier's group failed on this rank (None while it works): replication has stopped."""
         self._thread = threading.Thread(target=self._run, name="zerostall-replication", daemon=True)
@@ -72,9 +79,10 @@ class Replicator:
                                                       else True)
                 if saved:
                     self._saved = step
+                    self._kept = [*self._kept[1 - _POSTED:], step]
                     if replicated:
                         self._done = step
-                self._retire(step)
+                self._retire()
             except Exception as exc:  # a file system error: the next step retires again
                 log.warning("local tier: retiring old steps after step %d failed: %s: %s", step,
                             type(exc).__name__, exc)
@@ -98,32 +106,45 @@ class Replicator:
         self.replicated.append((step, time.perf_counter() - start))
         return True
 
-    def _retire(self, step: int) -> None:
-        """Delete old steps: those every rank saved beyond the ``keep`` newest, but never the newest
-        replicated one; with the group broken, this node's beyond the ``keep`` newest up to ``step``,
-        but never a step last agreed on."""
+    def _retire(self) -> None:
+        """Delete the steps every rank saved beyond the ``keep`` newest, but never the newest
+        replicated one (agreed on the group, or through its store once the group is broken)."""
+        saved: int | None = None
+        replicated = self._agreed[1]
         if self.broken is None:
             try:
                 self._agreed = saved, replicated = tuple(self.group.all_reduce_min([self._saved, self._done]))
             except RuntimeError as exc:  # what torch.distributed raises for a dead peer or a timeout
                 self._break(exc)
-        if not self.leader:
+        if self.broken is not None:
+            saved = self._saved_everywhere()
+        if not self.leader or saved is None:
             return
-        if self.broken is None:
-            done = [s for s in self.directory.steps() if s <= saved]
-            self.directory.remove_steps([s for s in done[:-self.keep] if s != replicated])
-        else:
-            done = [s for s in self.directory.steps() if s <= step]
-            self.directory.remove_steps([s for s in done[:-self.keep] if s not in self._agreed])
+        done = [s for s in self.directory.steps() if s <= saved]
+        self.directory.remove_steps([s for s in done[:-self.keep] if s != replicated])
+
+    def _saved_everywhere(self) -> int | None:
+        """With the group broken: post the steps this rank saved to the group's store, and (on a
+        node's first rank) return the newest step every rank has posted; None while unknown."""
+        key = "zerostall-tier-saved/{}"
+        try:
+            store = dist.distributed_c10d._get_process_group_store(self.pg)
+            store.set(key.format(self.rank), json.dumps(self._kept))
+            keys = [key.format(r) for r in range(self.group.size)]
+            if not self.leader or not store.check(keys):
+                return None
+            everywhere = set.intersection(*(set(json.loads(store.get(k))) for k in keys))
+        except Exception as exc:  # no store to reach: nothing is deleted
+            log.debug("local tier: the store of the tier's group cannot be used: %s: %s", type(exc).__name__, exc)
+            return None
+        return max(everywhere, default=None)
 
     def _break(self, exc: BaseException) -> None:
         """The tier's group failed: say so once, loudly, and go on without it (see the module's docstring)."""
         self.broken = f"{type(exc).__name__}: {exc}"
-        kept = sorted({s for s in self._agreed if s >= 0})
         log.error("local tier: its process group failed on rank %d (%s). For the rest of this run no step is "
-                  "replicated to other nodes, and each node keeps its %d newest step(s)%s; a restarted job makes a "
-                  "new group", self.rank, self.broken, self.keep,
-                  f" and step(s) {kept}, the newest every rank saved before" if kept else "")
+                  "replicated to other nodes (local saves go on, old ones retired as before); a restarted job makes "
+                  "a new group", self.rank, self.broken)
 
     def wait(self) -> None:
         """Block until every step submitted so far is replicated (or failed) and retired."""
