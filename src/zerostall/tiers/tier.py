@@ -138,12 +138,11 @@ class NodeTier:
         until=...)`` restores from the root as :func:`restore_first_whole` does, recording what it
         restored. Returns what the tiers restored (None when the root did) and the loaded state."""
         self.wait()
-        broken = self.group.all_gather_object(self.replicator.broken)  # on the training group: the tier's failed
-        if any(broken):
-            rank = next(r for r, why in enumerate(broken) if why)
-            raise CheckpointError(f"the local tier's process group failed earlier in this run (on rank {rank}: "
-                                  f"{broken[rank]}), so it cannot restore: restart the job (a new process makes a new "
-                                  "group and restores from the tier), or restore(tag=...) a checkpoint of the root")
+        why = self.replicator.broken or "on another rank"
+        if self.group.all_reduce_min([self.replicator.broken is None])[0] == 0:  # on the training group
+            raise CheckpointError(f"the local tier's process group failed earlier in this run ({why}), so it cannot "
+                                  "restore: restart the job (a new process makes a new group and restores from the "
+                                  "tier), or restore(tag=...) a checkpoint of the root")
         target = view(state, restoring=True)
         seen = survey(self.restoring, self.nodes, self.directory, target.digest)
         best = seen.newest(self.nodes)
