@@ -217,3 +217,53 @@ def test_with_the_group_broken_a_step_is_retired_only_once_every_rank_saved_a_ne
     assert caught.value.dead == [1]
     assert caught.value.results[0] == {20: [0, 1], 30: [0]} and caught.value.results[2] == {20: [2], 30: [2]}
     assert ranks(3).run(restore_after_the_crash, str(tmp_path)) == [(20, 20.0), (20, 120.0), (20, 220.0)]
+
+
+def a_restore_times_out_then_is_retried(base: str) -> list:
+    """Nodes a and b, node b lost: rank 1 receives its copy from rank 0, which starts sending
+    after the tier's timeout (a slow disk), so the restore fails; then both ranks restore again in
+    the same process. Returns what each restore raised."""
+    import time
+
+    from zerostall.tiers import sources
+
+    rank = dist.get_rank()
+    os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
+    node = os.path.join(base, "node-" + "ab"[rank])
+    root = os.path.join(base, "root")
+    with zs.CheckpointManager(root, save_every=1000, fsync=False, local=zs.LocalTier(node, every=10, timeout_s=2)) as mgr:
+        mgr.save(10, single_state(100.0 * rank + 10)) if mgr.should_save(10) else None
+    dist.barrier()
+    if rank == 1:
+        import shutil
+
+        shutil.rmtree(node)
+    dist.barrier()
+    real = sources.exchange
+
+    def slow(pg: Any, sends: Any, receives: Any, **kw: Any) -> Any:
+        if sends:
+            time.sleep(4)
+        return real(pg, sends, receives, **kw)
+
+    sources.exchange = slow
+    raised = []
+    try:
+        with zs.CheckpointManager(root, fsync=False, local=zs.LocalTier(node, every=10, timeout_s=2)) as mgr:
+            for _ in range(2):
+                try:
+                    mgr.restore(single_state(-1.0))
+                    raised.append(None)
+                except Exception as exc:
+                    raised.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        sources.exchange = real
+    return raised
+
+
+def test_a_restore_whose_transfer_timed_out_says_so_when_retried_in_the_same_process(ranks, tmp_path):
+    """A restore's transfer that timed out broke the tier's group; a second restore in the same
+    process used it anyway and failed on the closed connection, with no word of why."""
+    for first, second in ranks(2).run(a_restore_times_out_then_is_retried, str(tmp_path)):
+        assert first.startswith("CheckpointError") and "restoring step 10" in first, first
+        assert second.startswith("CheckpointError") and "process group failed earlier" in second, second

@@ -139,6 +139,15 @@ class Replicator:
             return None
         return max(everywhere, default=None)
 
+    def lost_link(self, exc: BaseException) -> None:
+        """Take the tier's group for broken if ``exc`` came of a transfer's or a collective's failure
+        (a restore's, say), so a later restore in this process says so instead of using the group."""
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, (LinkError, RuntimeError)):
+            cause = cause.__cause__
+        if cause is not None and self.broken is None:
+            self._break(cause)
+
     def _break(self, exc: BaseException) -> None:
         """The tier's group failed: say so once, loudly, and go on without it (see the module's docstring)."""
         self.broken = f"{type(exc).__name__}: {exc}"

@@ -141,7 +141,7 @@ def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirec
             _say_why_not(group, held, newer_than)
             return None
         chosen = Choice(choice["step"], [tuple(s) for s in choice["sources"]], choice["kinds"])
-        outcome, result = _attempt(group, pg, nodes, directory, chosen, load, place)
+        outcome, result, error = _attempt(group, pg, nodes, directory, chosen, load, place)
         try:
             outcomes = group.all_gather_object(outcome)
         except RuntimeError as exc:  # a rank died or timed out: the restarted job restores again
@@ -153,7 +153,7 @@ def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirec
         if not damaged or any(kind == FAILED for kind, _ in outcomes):
             failed = [(r, m) for r, (k, m) in enumerate(outcomes) if k != OK]
             raise CheckpointError(f"restoring step {chosen.step} from the local tier failed on "
-                                  + "; ".join(f"rank {r}: {m}" for r, m in failed))
+                                  + "; ".join(f"rank {r}: {m}" for r, m in failed)) from error
         for r, message in damaged:
             node = chosen.sources[r][0]
             bad.add((node, chosen.step, r))
@@ -168,10 +168,10 @@ def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirec
 
 
 def _attempt(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, choice: Choice, load: Load,
-             place: Placer | None) -> tuple[tuple[str, str], Any]:
+             place: Placer | None) -> tuple[tuple[str, str], Any, Exception | None]:
     """Receive this rank's copy if it is a peer's, send the copies others need from this rank,
-    then load (a copy on this rank's node: while the sends go); returns (outcome, message) and
-    what ``load`` returned."""
+    then load (a copy on this rank's node: while the sends go); returns (outcome, message), what
+    ``load`` returned and this rank's error (None when it succeeded)."""
     rank, step = group.rank, choice.step
     sends = [(r, directory.copy_path(step, r)) for r, (_, sender) in enumerate(choice.sources)
              if sender == rank and r != rank]
@@ -180,12 +180,12 @@ def _attempt(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, choi
     try:
         if sends and not receives:
             return (OK, ""), _load_while_sending(pg, sends, str(directory.copy_path(step, rank)), load,
-                                                 cut=place is not None)
+                                                 cut=place is not None), None
         got = exchange(pg, sends, receives, cut=place is not None, place=place) if sends or receives else []
         landed = got[0] if receives else None
-        return (OK, ""), load(str(directory.copy_path(step, rank) if landed is None else landed.folder), landed)
+        return (OK, ""), load(str(directory.copy_path(step, rank) if landed is None else landed.folder), landed), None
     except Exception as exc:
-        return (kind_of(exc) if kind_of(exc) == DAMAGED else FAILED, f"{type(exc).__name__}: {exc}"), None
+        return (kind_of(exc) if kind_of(exc) == DAMAGED else FAILED, f"{type(exc).__name__}: {exc}"), None, exc
     finally:
         if landed is not None and landed.placed:  # holds only what did not go into memory: never kept
             shutil.rmtree(landed.folder, ignore_errors=True)

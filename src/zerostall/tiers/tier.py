@@ -156,9 +156,13 @@ class NodeTier:
             fallbacks += got.fallbacks
         rest = [step for _, damage, step in candidates[cut:] if damage is None]
         place = functools.partial(placements, target) if placeable(options) else None
-        chosen = restore_from_tiers(self.restoring, self.pg, self.nodes, self.directory, seen,
-                                    rest[0] - 1 if rest else None, functools.partial(_load, state, target, options),
-                                    place, fallback=fallback, fallbacks=fallbacks)
+        try:
+            chosen = restore_from_tiers(self.restoring, self.pg, self.nodes, self.directory, seen,
+                                        rest[0] - 1 if rest else None, functools.partial(_load, state, target, options),
+                                        place, fallback=fallback, fallbacks=fallbacks)
+        except CheckpointError as exc:
+            self.replicator.lost_link(exc)
+            raise
         if chosen is None:
             if unreachable is not None:
                 raise unreachable
