@@ -197,10 +197,10 @@ def broken_from_the_start_then_a_rank_dies_saving(base: str) -> dict:
         return mgr.tier.directory.holdings()
 
 
-def restore_after_the_crash(base: str) -> tuple:
+def restore_after_the_crash(base: str, nodes: str = "aab") -> tuple:
     rank = dist.get_rank()
-    os.environ["ZEROSTALL_NODE_ID"] = "aab"[rank]
-    tier = zs.LocalTier(os.path.join(base, "node-" + "aab"[rank]), every=10, keep=1, replicas=2, timeout_s=30)
+    os.environ["ZEROSTALL_NODE_ID"] = nodes[rank]
+    tier = zs.LocalTier(os.path.join(base, "node-" + nodes[rank]), every=10, keep=1, replicas=2, timeout_s=30)
     state = single_state(-1.0)
     with zs.CheckpointManager(os.path.join(base, "root"), fsync=False, local=tier) as mgr:
         return mgr.restore(state), float(state["w"][0])
@@ -267,3 +267,94 @@ def test_a_restore_whose_transfer_timed_out_says_so_when_retried_in_the_same_pro
     for first, second in ranks(2).run(a_restore_times_out_then_is_retried, str(tmp_path)):
         assert first.startswith("CheckpointError") and "restoring step 10" in first, first
         assert second.startswith("CheckpointError") and "process group failed earlier" in second, second
+
+
+def broken_then_rolled_back_then_a_rank_dies_saving(base: str) -> dict:
+    """Nodes a and b, the tier's group broken from step 10 on (every transfer fails as a dead link
+    would), local saves 10 to 40, the root's tag `good` at step 20; then a rollback to `good`, the
+    steps saved again, and rank 1 dies before its new step 40: what each node holds then."""
+    from zerostall.tiers import replication
+    from zerostall.tiers.stream import LinkError
+
+    rank = dist.get_rank()
+    os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
+
+    def dead_link(*_: Any, **__: Any) -> None:
+        raise LinkError("injected: the peer is gone")
+
+    replication.exchange = dead_link
+    tier = zs.LocalTier(os.path.join(base, "node-" + "ab"[rank]), every=10, keep=1, replicas=2, timeout_s=30)
+    with zs.CheckpointManager(os.path.join(base, "root"), save_every=1000, fsync=False, local=tier) as mgr:
+        for step in range(1, 41):
+            if mgr.should_save(step):
+                mgr.save(step, single_state(float(step)))
+                mgr.wait()
+            if step == 20:
+                mgr.save(20, single_state(20.0), tag="good")
+        dist.barrier()
+        assert mgr.restore(single_state(-1.0), tag="good") == 20
+        for step in range(21, 41):
+            if mgr.should_save(step):
+                dist.barrier()  # the training step's collectives
+                if rank == 1 and step == 40:
+                    os._exit(0)
+                mgr.save(step, single_state(1000.0 + step))
+                mgr.wait()
+        return mgr.tier.directory.holdings()
+
+
+def test_after_a_rollback_the_steps_of_the_abandoned_timeline_no_longer_count_as_saved(ranks, tmp_path):
+    """With the group broken, the steps a rank posted as saved outlived a rollback: once saved
+    again, step 40 counted as saved by every rank while rank 1 had not saved it, so node a deleted
+    the new step 30, and rank 1's crash left no whole step."""
+    from distributed import RankError
+
+    with pytest.raises(RankError) as caught:
+        ranks(2).run(broken_then_rolled_back_then_a_rank_dies_saving, str(tmp_path))
+    assert caught.value.dead == [1] and caught.value.results[0] == {30: [0], 40: [0]}
+    assert ranks(2).run(restore_after_the_crash, str(tmp_path), "ab") == [(30, 1030.0), (30, 1030.0)]
+
+
+def test_a_load_that_runs_out_of_memory_does_not_take_the_tier_for_broken(tmp_path, monkeypatch):
+    """An out-of-memory error loading a local copy (a RuntimeError) was taken for a broken link: the
+    tier refused every later restore of the run and stopped replicating."""
+    from zerostall.tiers import tier as tiers
+
+    def manager() -> zs.CheckpointManager:
+        return zs.CheckpointManager(str(tmp_path / "root"), save_every=100, fsync=False,
+                                    local=zs.LocalTier(str(tmp_path / "node"), every=5, replicas=1))
+
+    with manager() as mgr:
+        mgr.save(5, single_state(5.0))
+    real = tiers._load
+
+    def out_of_memory(*args: Any) -> Any:
+        monkeypatch.setattr(tiers, "_load", real)
+        raise torch.OutOfMemoryError("injected: out of memory")
+
+    monkeypatch.setattr(tiers, "_load", out_of_memory)
+    state = single_state(0.0)
+    with manager() as mgr:
+        with pytest.raises(zs.CheckpointError, match="OutOfMemoryError"):
+            mgr.restore(state)
+        assert mgr.restore(state) == 5 and mgr.tier.replicator.broken is None
+
+
+def test_a_step_damaged_in_the_root_and_the_local_tier_falls_back_to_the_tiers_older_step(tmp_path):
+    """Step 40 damaged in both the root and the local tier (found while loading): the tier was asked
+    only for steps as new as the root's 40, so the restore fell to the root's step 20 past the
+    tier's whole step 35."""
+    def manager() -> zs.CheckpointManager:
+        return zs.CheckpointManager(str(tmp_path / "root"), save_every=20, fsync=False,
+                                    local=zs.LocalTier(str(tmp_path / "node"), every=5, keep=3, replicas=1))
+
+    with manager() as mgr:
+        for step in range(1, 41):
+            if mgr.should_save(step):
+                mgr.save(step, single_state(float(step)))
+    _flip_a_data_byte(str(tmp_path / "root" / "step_000000040"))
+    _flip_a_data_byte(str(tmp_path / "node" / os.listdir(tmp_path / "node")[0] / "step_000000040" / "rank_00000"))
+    state = single_state(0.0)
+    with manager() as mgr:
+        assert mgr.restore(state) == 35 and float(state["w"][0]) == 35.0
+        assert mgr.last_restore.source == "local" and len(mgr.last_restore.fallbacks) == 2

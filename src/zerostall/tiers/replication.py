@@ -47,8 +47,9 @@ class Replicator:
     """This rank's background worker of the local tier (see the module's docstring)."""
 
     def __init__(self, group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, replicas: int,
-                 keep: int) -> None:
+                 keep: int, token: str) -> None:
         self.group, self.pg, self.directory, self.keep = group, pg, directory, keep
+        self._key = f"zerostall-tier-{token}-saved/{{}}"  # this tier's posts (another attempt's are other keys)
         self.rank = group.rank
         self.leader = nodes.leads(self.rank)
         self.holders = nodes.holders(self.rank, replicas)
@@ -126,7 +127,7 @@ class Replicator:
     def _saved_everywhere(self) -> int | None:
         """With the group broken: post the steps this rank saved to the group's store, and (on a
         node's first rank) return the newest step every rank has posted; None while unknown."""
-        key = "zerostall-tier-saved/{}"
+        key = self._key
         try:
             store = dist.distributed_c10d._get_process_group_store(self.pg)
             store.set(key.format(self.rank), json.dumps(self._kept))
@@ -139,11 +140,23 @@ class Replicator:
             return None
         return max(everywhere, default=None)
 
+    def forget_after(self, step: int | None) -> None:
+        """The run goes on from ``step`` (None: from scratch): steps newer than it were deleted, so
+        they no longer count as saved, also in what this rank posts (at once, while the group is broken)."""
+        def kept(s: int) -> int:
+            return s if step is not None and s <= step else -1
+
+        self._kept = [s for s in self._kept if kept(s) >= 0]
+        self._saved, self._done, self._agreed = kept(self._saved), kept(self._done), (kept(self._agreed[0]),
+                                                                                     kept(self._agreed[1]))
+        if self.broken is not None:
+            self._saved_everywhere()
+
     def lost_link(self, exc: BaseException) -> None:
         """Take the tier's group for broken if ``exc`` came of a transfer's or a collective's failure
         (a restore's, say), so a later restore in this process says so instead of using the group."""
         cause: BaseException | None = exc
-        while cause is not None and not isinstance(cause, (LinkError, RuntimeError)):
+        while cause is not None and not isinstance(cause, LinkError):
             cause = cause.__cause__
         if cause is not None and self.broken is None:
             self._break(cause)

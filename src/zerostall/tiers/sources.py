@@ -29,6 +29,7 @@ from .copies import LAYOUT_KEY
 from .local import NodeDirectory
 from .nodes import Nodes
 from .placing import Placer
+from .stream import LinkError
 from .transfer import Landed, exchange
 
 log = logging.getLogger(__name__)
@@ -105,9 +106,10 @@ class Survey:
     digests: list[str]
     held: list[dict[int, dict[int, str]]]
 
-    def newest(self, nodes: Nodes) -> int | None:
-        """The newest step with a good copy of every rank's state on some node (the same on every rank)."""
-        choice = choose(nodes, self.digests, self.held, set(), None)
+    def newest(self, nodes: Nodes, bad: set[Copy]) -> int | None:
+        """The newest step with a good copy of every rank's state on some node, leaving out the
+        copies found ``bad`` (the same on every rank)."""
+        choice = choose(nodes, self.digests, self.held, bad, None)
         return None if choice is None else choice.step
 
 
@@ -127,26 +129,26 @@ def survey(group: Group, nodes: Nodes, directory: NodeDirectory, digest: str) ->
 
 def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, seen: Survey,
                        newer_than: int | None, load: Load, place: Placer | None, *, fallback: bool,
-                       fallbacks: list[tuple[str, str]]) -> tuple[Choice, Any] | None:
+                       fallbacks: list[tuple[str, str]], bad: set[Copy]) -> tuple[Choice, Any] | None:
     """Restore this rank from the tiers (see the module's docstring), from what ``seen`` found:
     returns the choice made and what ``load`` returned, or None when the persistent tier is to be
     used; a copy from a peer is received into memory where ``place`` says. Copies found damaged
-    are added to ``fallbacks`` (what, why)."""
+    are added to ``bad`` and to ``fallbacks`` (what, why)."""
     digests, held = seen.digests, seen.held
-    bad: set[Copy] = set()
     while True:
         choice = json.loads(group.agree(lambda: json.dumps(_as_json(choose(nodes, digests, held, bad, newer_than)))
                                         .encode()))
         if choice is None:
-            _say_why_not(group, held, newer_than)
             return None
         chosen = Choice(choice["step"], [tuple(s) for s in choice["sources"]], choice["kinds"])
         outcome, result, error = _attempt(group, pg, nodes, directory, chosen, load, place)
         try:
             outcomes = group.all_gather_object(outcome)
         except RuntimeError as exc:  # a rank died or timed out: the restarted job restores again
+            link = LinkError(f"the tier's group failed: {exc}")
+            link.__cause__ = exc
             raise CheckpointError(f"restoring step {chosen.step} from the local tier failed: not every rank answered "
-                                  f"({exc}); this rank's outcome: {outcome[1] or 'ok'}") from exc
+                                  f"({exc}); this rank's outcome: {outcome[1] or 'ok'}") from link
         if all(kind == OK for kind, _ in outcomes):
             return chosen, result
         damaged = [(r, message) for r, (kind, message) in enumerate(outcomes) if kind == DAMAGED]
@@ -209,9 +211,10 @@ def _as_json(choice: Choice | None) -> Any:
     return None if choice is None else {"step": choice.step, "sources": choice.sources, "kinds": choice.kinds}
 
 
-def _say_why_not(group: Group, held: list[dict[int, dict[int, str]]], newer_than: int | None) -> None:
-    steps = sorted({s for copies in held for s in copies}, reverse=True)
+def say_why_not(group: Group, seen: Survey) -> None:
+    """Log, once, that the tiers hold steps but none that a restore can use (it goes on from the root)."""
+    steps = sorted({s for copies in seen.held for s in copies}, reverse=True)
     if steps and group.is_coordinator:
-        log.warning("the local tier holds steps %s, but no step %sholds a good copy of every rank's state saved from "
-                    "the layout the ranks have now (another world size or mesh, copies lost or damaged): restoring "
-                    "from the persistent tier", steps[:5], "" if newer_than is None else f"newer than {newer_than} ")
+        log.warning("the local tier holds steps %s, but no step left holds a good copy of every rank's state saved "
+                    "from the layout the ranks have now (another world size or mesh, copies lost or damaged): "
+                    "restoring from the persistent tier", steps[:5])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import secrets
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -31,7 +32,7 @@ from .copies import LAYOUT_KEY, View, load_copy, placeable, placements, view
 from .local import LocalTier, NodeDirectory, check_space, run_id_for
 from .nodes import NODE_ENV, Nodes, gather_nodes
 from .replication import Replicator
-from .sources import restore_from_tiers, survey
+from .sources import restore_from_tiers, say_why_not, survey
 from .transfer import Landed
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,9 @@ class NodeTier:
         if options.replicas > 1 and self.nodes.count == 1 and group.is_coordinator:
             log.info("local tier: one node, so no replicas on other nodes (replicas=%d asked for)", options.replicas)
         background = self.restoring if group.size > 1 else Group(ALONE)
-        self.replicator = Replicator(background, self.pg, self.nodes, self.directory, self.replicas, options.keep)
+        token = group.agree(lambda: secrets.token_hex(8).encode()).decode()  # this tier's, in the group's store
+        self.replicator = Replicator(background, self.pg, self.nodes, self.directory, self.replicas, options.keep,
+                                     token)
         self.saver = AsyncSaver()
         self.failures = 0
         """Local saves that failed on this rank (each logged; a restore never uses such a step)."""
@@ -145,28 +148,34 @@ class NodeTier:
                                   "tier), or restore(tag=...) a checkpoint of the root")
         target = view(state, restoring=True)
         seen = survey(self.restoring, self.nodes, self.directory, target.digest)
-        best = seen.newest(self.nodes)
-        cut = 0 if best is None else next((n for n, (_, _, step) in enumerate(candidates) if step <= best),
-                                          len(candidates))
-        fallbacks: list[tuple[str, str]] = []
-        if cut:  # the root's newer checkpoints first; all of them damaged: the tiers' step
-            got = root(candidates, until=cut)
-            if not isinstance(got, PassedOver):
-                return None, got
-            fallbacks += got.fallbacks
-        rest = [step for _, damage, step in candidates[cut:] if damage is None]
+        load = functools.partial(_load, state, target, options)
         place = functools.partial(placements, target) if placeable(options) else None
-        try:
-            chosen = restore_from_tiers(self.restoring, self.pg, self.nodes, self.directory, seen,
-                                        rest[0] - 1 if rest else None, functools.partial(_load, state, target, options),
-                                        place, fallback=fallback, fallbacks=fallbacks)
-        except CheckpointError as exc:
-            self.replicator.lost_link(exc)
-            raise
-        if chosen is None:
+        fallbacks: list[tuple[str, str]] = []
+        bad: set[tuple[int, int, int]] = set()  # copies found damaged
+        i = 0  # the root's next checkpoint to try
+        while (best := seen.newest(self.nodes, bad)) is not None:  # the tiers' newest whole step left
+            cut = next((n for n in range(i, len(candidates)) if candidates[n][2] <= best), len(candidates))
+            if cut > i:  # the root's newer checkpoints first; all of them damaged: the tiers' step
+                got = root(candidates[i:], until=cut - i, earlier=tuple(fallbacks))
+                if not isinstance(got, PassedOver):
+                    return None, got
+                fallbacks = list(got.fallbacks)
+            rest = [step for _, damage, step in candidates[cut:] if damage is None]
+            try:  # the tiers' steps no older than the root's next (all damaged: the root's next, and on)
+                chosen = restore_from_tiers(self.restoring, self.pg, self.nodes, self.directory, seen,
+                                            rest[0] - 1 if rest else None, load, place, fallback=fallback,
+                                            fallbacks=fallbacks, bad=bad)
+            except CheckpointError as exc:
+                self.replicator.lost_link(exc)
+                raise
+            if chosen is not None:
+                break
+            i = cut
+        else:
+            say_why_not(self.group, seen)
             if unreachable is not None:
                 raise unreachable
-            return None, root(candidates[cut:], earlier=tuple(fallbacks))
+            return None, root(candidates[i:], earlier=tuple(fallbacks))
         choice, loaded = chosen
         if unreachable is not None and self.group.is_coordinator:
             log.warning("the checkpoint root could not be listed (%s): restored step %d from the local tier",
@@ -183,6 +192,7 @@ class NodeTier:
                                          "rank(s) (their errors say why)"):  # and no rank saves before they are
             if self.leader:
                 self.directory.remove_steps([s for s in self.directory.steps() if step is None or s > step])
+            self.replicator.forget_after(step)
 
     def wait_staged(self) -> None:
         self.saver.wait_staged()
