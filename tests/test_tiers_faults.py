@@ -4,9 +4,10 @@ and a directory each (``ZEROSTALL_NODE_ID``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -171,22 +172,33 @@ def test_a_named_root_checkpoint_counts_by_its_step_against_the_local_tier(tmp_p
             assert mgr.last_restore.source == "local" and step in mgr.tier.directory.holdings()
 
 
-def broken_from_the_start_then_a_rank_dies_saving(base: str) -> dict:
-    """Nodes a (ranks 0, 1) and b (rank 2), a local save every 10 steps, keep=1; every transfer
-    fails as a dead link would, so the tier's group is broken from step 10 on. Rank 1 dies before
-    its save of step 30: what each node holds once the others' step 30 is retired."""
+@contextlib.contextmanager
+def on_a_broken_tier(base: str, nodes: str) -> Iterator[tuple[int, zs.CheckpointManager]]:
+    """This rank (on node ``nodes[rank]``) and a manager whose local tier (every 10 steps, keep=1)
+    has every transfer fail as a dead link would: its group is broken from the first local save on."""
     from zerostall.tiers import replication
     from zerostall.tiers.stream import LinkError
 
     rank = dist.get_rank()
-    os.environ["ZEROSTALL_NODE_ID"] = "aab"[rank]
+    os.environ["ZEROSTALL_NODE_ID"] = nodes[rank]
 
     def dead_link(*_: Any, **__: Any) -> None:
         raise LinkError("injected: the peer is gone")
 
-    replication.exchange = dead_link
-    tier = zs.LocalTier(os.path.join(base, "node-" + "aab"[rank]), every=10, keep=1, replicas=2, timeout_s=30)
-    with zs.CheckpointManager(os.path.join(base, "root"), save_every=1000, fsync=False, local=tier) as mgr:
+    real, replication.exchange = replication.exchange, dead_link
+    tier = zs.LocalTier(os.path.join(base, "node-" + nodes[rank]), every=10, keep=1, replicas=2, timeout_s=30)
+    try:
+        with zs.CheckpointManager(os.path.join(base, "root"), save_every=1000, fsync=False, local=tier) as mgr:
+            yield rank, mgr
+    finally:
+        replication.exchange = real
+
+
+def broken_from_the_start_then_a_rank_dies_saving(base: str) -> dict:
+    """Nodes a (ranks 0, 1) and b (rank 2), a local save every 10 steps, keep=1; every transfer
+    fails as a dead link would, so the tier's group is broken from step 10 on. Rank 1 dies before
+    its save of step 30: what each node holds once the others' step 30 is retired."""
+    with on_a_broken_tier(base, "aab") as (rank, mgr):
         for step in range(1, 31):
             if mgr.should_save(step):
                 dist.barrier()  # the training step's collectives: every rank has finished the step before
@@ -273,18 +285,7 @@ def broken_then_rolled_back_then_a_rank_dies_saving(base: str) -> dict:
     """Nodes a and b, the tier's group broken from step 10 on (every transfer fails as a dead link
     would), local saves 10 to 40, the root's tag `good` at step 20; then a rollback to `good`, the
     steps saved again, and rank 1 dies before its new step 40: what each node holds then."""
-    from zerostall.tiers import replication
-    from zerostall.tiers.stream import LinkError
-
-    rank = dist.get_rank()
-    os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
-
-    def dead_link(*_: Any, **__: Any) -> None:
-        raise LinkError("injected: the peer is gone")
-
-    replication.exchange = dead_link
-    tier = zs.LocalTier(os.path.join(base, "node-" + "ab"[rank]), every=10, keep=1, replicas=2, timeout_s=30)
-    with zs.CheckpointManager(os.path.join(base, "root"), save_every=1000, fsync=False, local=tier) as mgr:
+    with on_a_broken_tier(base, "ab") as (rank, mgr):
         for step in range(1, 41):
             if mgr.should_save(step):
                 mgr.save(step, single_state(float(step)))
