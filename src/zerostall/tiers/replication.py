@@ -127,11 +127,10 @@ class Replicator:
     def _saved_everywhere(self) -> int | None:
         """With the group broken: post the steps this rank saved to the group's store, and (on a
         node's first rank) return the newest step every rank has posted; None while unknown."""
-        key = self._key
         try:
             store = dist.distributed_c10d._get_process_group_store(self.pg)
-            store.set(key.format(self.rank), json.dumps(self._kept))
-            keys = [key.format(r) for r in range(self.group.size)]
+            store.set(self._key.format(self.rank), json.dumps(self._kept))
+            keys = [self._key.format(r) for r in range(self.group.size)]
             if not self.leader or not store.check(keys):
                 return None
             everywhere = set.intersection(*(set(json.loads(store.get(k))) for k in keys))
@@ -147,14 +146,14 @@ class Replicator:
             return s if step is not None and s <= step else -1
 
         self._kept = [s for s in self._kept if kept(s) >= 0]
-        self._saved, self._done, self._agreed = kept(self._saved), kept(self._done), (kept(self._agreed[0]),
-                                                                                     kept(self._agreed[1]))
+        self._saved, self._done = kept(self._saved), kept(self._done)
+        self._agreed = (kept(self._agreed[0]), kept(self._agreed[1]))
         if self.broken is not None:
             self._saved_everywhere()
 
     def lost_link(self, exc: BaseException) -> None:
-        """Take the tier's group for broken if ``exc`` came of a transfer's or a collective's failure
-        (a restore's, say), so a later restore in this process says so instead of using the group."""
+        """Take the tier's group for broken if ``exc`` came of a broken link (a restore's transfer or
+        collective on it), so a later restore in this process says so instead of using the group."""
         cause: BaseException | None = exc
         while cause is not None and not isinstance(cause, LinkError):
             cause = cause.__cause__
