@@ -14,12 +14,13 @@ every rank's exchange of that step); each node's first rank deletes the saved st
 the ``keep`` newest of them, but never the newest replicated one (while replication fails, it is
 the step a lost node restores from) nor a newer step (its save may still be writing).
 
-A peer that dies or a transfer that times out breaks the group for good (gloo closes the pair).
-Each rank then says so once, at error level, and goes on without it: no more replication, and
+A peer that dies or a transfer that times out breaks the group (gloo closes the pair). Each rank
+then says so once, at error level, and goes on without it: no more replication, and
 the ranks agree through the group's key-value store instead (the job's rendezvous store, which
 outlives the pair): each posts the steps it saved, and each node's first rank deletes the steps
 every rank saved beyond the ``keep`` newest of them, but never the newest replicated before the
-break; until every rank has posted, nothing. A restarted job makes a new group and restores as usual.
+break; until every rank has posted, nothing. The training thread makes a new group at its next
+collective point (:meth:`~zerostall.tiers.tier.NodeTier.mend`), and this worker goes on with it.
 """
 
 from __future__ import annotations
@@ -160,12 +161,16 @@ class Replicator:
         if cause is not None and self.broken is None:
             self._break(cause)
 
+    def relink(self, group: Group, pg: Any) -> None:
+        """Go on with the tier's new group (made on every rank while this worker had nothing to do)."""
+        self.group, self.pg, self.broken = group, pg, None
+
     def _break(self, exc: BaseException) -> None:
         """The tier's group failed: say so once, loudly, and go on without it (see the module's docstring)."""
         self.broken = f"{type(exc).__name__}: {exc}"
-        log.error("local tier: its process group failed on rank %d (%s). For the rest of this run no step is "
-                  "replicated to other nodes (local saves go on, old ones retired as before); a restarted job makes "
-                  "a new group", self.rank, self.broken)
+        log.error("local tier: its process group failed on rank %d (%s). No step is replicated to other nodes "
+                  "until the next persistent save or restore makes a new group (local saves go on, old ones retired "
+                  "as before)", self.rank, self.broken)
 
     def wait(self) -> None:
         """Block until every step submitted so far is replicated (or failed) and retired."""

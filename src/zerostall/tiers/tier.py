@@ -47,8 +47,7 @@ class NodeTier:
         self.pg = None
         self.restoring = group  # the restore's collectives: on the tier's group, bounded by its timeout
         if group.size > 1:
-            ranks = dist.get_process_group_ranks(group.pg)
-            self.pg = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=options.timeout_s))
+            self.pg = self._new_group()
             self.restoring = Group(self.pg)
         self.leader = self.nodes.leads(group.rank)
         try:
@@ -74,6 +73,28 @@ class NodeTier:
         self.failures = 0
         """Local saves that failed on this rank (each logged; a restore never uses such a step)."""
         self._space_checked = False
+
+    def _new_group(self) -> Any:
+        """The tier's own gloo group over the training group's ranks (collective, on every rank of the job)."""
+        return dist.new_group(dist.get_process_group_ranks(self.group.pg), backend="gloo",
+                              timeout=timedelta(seconds=self.options.timeout_s))
+
+    def mend(self, *, if_any: bool = False) -> None:
+        """At a collective point of the training thread (a persistent save; a restore, ``if_any``):
+        once the tier's group failed on every rank (on any rank, ``if_any``), make a new one, so
+        replication goes on from the next local save. Collective on the training group."""
+        if self.pg is None:
+            return
+        broken = self.group.all_reduce_ints([self.replicator.broken is not None])[0]
+        if broken == 0 or (broken < self.group.size and not if_any):  # those not broken yet soon are
+            return
+        self.wait()  # every step submitted so far has been handled without the group, on every rank
+        old, self.pg = self.pg, self._new_group()
+        self.restoring = Group(self.pg)
+        self.replicator.relink(self.restoring, self.pg)
+        dist.destroy_process_group(old)
+        if self.group.is_coordinator:
+            log.warning("local tier: its process group was made anew; replication goes on from the next local save")
 
     def _check_one_directory_per_node(self) -> None:
         """Refuse, on every rank, ranks that share a node id but not its directory (two machines or
@@ -141,11 +162,7 @@ class NodeTier:
         until=...)`` restores from the root as :func:`restore_first_whole` does, recording what it
         restored. Returns what the tiers restored (None when the root did) and the loaded state."""
         self.wait()
-        why = self.replicator.broken or "on another rank"
-        if self.group.all_reduce_min([self.replicator.broken is None])[0] == 0:  # on the training group
-            raise CheckpointError(f"the local tier's process group failed earlier in this run ({why}), so it cannot "
-                                  "restore: restart the job (a new process makes a new group and restores from the "
-                                  "tier), or restore(tag=...) a checkpoint of the root")
+        self.mend(if_any=True)  # a group that failed earlier in this run (a restore that timed out) is made anew
         target = view(state, restoring=True)
         seen = survey(self.restoring, self.nodes, self.directory, target.digest)
         load = functools.partial(_load, state, target, options)
