@@ -15,22 +15,27 @@ the ``keep`` newest of them, but never the newest replicated one (while replicat
 the step a lost node restores from) nor a newer step (its save may still be writing).
 
 A peer that dies or a transfer that times out breaks the group (gloo closes the pair). Each rank
-then says so once, at error level, and goes on without it: no more replication, and
-the ranks agree through the group's key-value store instead (the job's rendezvous store, which
-outlives the pair): each posts the steps it saved, and each node's first rank deletes the steps
-every rank saved beyond the ``keep`` newest of them, but never the newest replicated before the
-break; until every rank has posted, nothing. The training thread makes a new group at its next
-collective point (:meth:`~zerostall.tiers.tier.NodeTier.mend`), and this worker goes on with it.
+then says so once, at error level, and goes on without it: no more replication, and the ranks
+agree through the group's key-value store instead (the job's rendezvous store, which outlives the
+pair): each posts the steps it saved, the first rank posts the newest step every rank has posted
+(so the store answers ranks + nodes requests a step, not ranks × nodes), and each node's first
+rank deletes the steps saved up to it beyond the ``keep`` newest of them, but never the newest
+replicated before the break; until every rank has posted, nothing. The training thread makes a
+new group at its next collective point (:meth:`~zerostall.tiers.tier.NodeTier.mend`), and this
+worker goes on with it.
 """
 
 from __future__ import annotations
 
-import json
+import collections
 import logging
 import queue
 import threading
 import time
+from datetime import timedelta
 from typing import Any
+
+import orjson
 
 import torch.distributed as dist
 
@@ -43,14 +48,18 @@ from .transfer import exchange
 log = logging.getLogger(__name__)
 
 _POSTED = 64  # the newest steps a rank posts as saved, once the group is broken
+_ANSWERS = 8  # the first rank's newest answers kept in the store (a node's first rank may lag behind)
 
 class Replicator:
     """This rank's background worker of the local tier (see the module's docstring)."""
 
     def __init__(self, group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, replicas: int,
-                 keep: int, token: str) -> None:
+                 keep: int, token: str, timeout_s: float) -> None:
         self.group, self.pg, self.directory, self.keep = group, pg, directory, keep
         self._key = f"zerostall-tier-{token}-saved/{{}}"  # this tier's posts (another attempt's are other keys)
+        self._answer = f"zerostall-tier-{token}-everywhere/{{}}"  # the first rank's, by step
+        self._answered: collections.deque[str] = collections.deque()  # the first rank's answers in the store
+        self._timeout = timedelta(seconds=timeout_s)
         self.rank = group.rank
         self.leader = nodes.leads(self.rank)
         self.holders = nodes.holders(self.rank, replicas)
@@ -84,7 +93,7 @@ class Replicator:
                     self._kept = [*self._kept[1 - _POSTED:], step]
                     if replicated:
                         self._done = step
-                self._retire()
+                self._retire(step)
             except Exception as exc:  # a file system error: the next step retires again
                 log.warning("local tier: retiring old steps after step %d failed: %s: %s", step,
                             type(exc).__name__, exc)
@@ -108,7 +117,7 @@ class Replicator:
         self.replicated.append((step, time.perf_counter() - start))
         return True
 
-    def _retire(self) -> None:
+    def _retire(self, step: int) -> None:
         """Delete the steps every rank saved beyond the ``keep`` newest, but never the newest
         replicated one (agreed on the group, or through its store once the group is broken)."""
         saved: int | None = None
@@ -119,38 +128,46 @@ class Replicator:
             except RuntimeError as exc:  # what torch.distributed raises for a dead peer or a timeout
                 self._break(exc)
         if self.broken is not None:
-            saved = self._saved_everywhere()
+            saved = self._saved_everywhere(step)
         if not self.leader or saved is None:
             return
         done = [s for s in self.directory.steps() if s <= saved]
         self.directory.remove_steps([s for s in done[:-self.keep] if s != replicated])
 
-    def _saved_everywhere(self) -> int | None:
-        """With the group broken: post the steps this rank saved to the group's store, and (on a
-        node's first rank) return the newest step every rank has posted; None while unknown."""
+    def _saved_everywhere(self, step: int) -> int | None:
+        """With the group broken, after ``step``: post the steps this rank saved to the group's
+        store; the first rank answers with the newest step every rank has posted, which a node's
+        first rank waits for and returns. None while unknown (not every rank has posted)."""
         try:
             store = dist.distributed_c10d._get_process_group_store(self.pg)
-            store.set(self._key.format(self.rank), json.dumps(self._kept))
-            keys = [self._key.format(r) for r in range(self.group.size)]
-            if not self.leader or not store.check(keys):
+            store.set(self._key.format(self.rank), orjson.dumps(self._kept))
+            answer = self._answer.format(step)
+            if self.rank == 0:
+                keys = [self._key.format(r) for r in range(self.group.size)]
+                posts = [set(orjson.loads(p)) for p in store.multi_get(keys)] if store.check(keys) else []
+                store.set(answer, str(max(set.intersection(*posts), default=-1) if posts else -1))
+                self._answered.append(answer)
+                if len(self._answered) > _ANSWERS:
+                    store.delete_key(self._answered.popleft())
+            if not self.leader:
                 return None
-            everywhere = set.intersection(*(set(json.loads(store.get(k))) for k in keys))
-        except Exception as exc:  # no store to reach: nothing is deleted
+            store.wait([answer], self._timeout)
+            newest = int(store.get(answer))
+        except Exception as exc:  # no store to reach, or no answer in time: nothing is deleted
             log.debug("local tier: the store of the tier's group cannot be used: %s: %s", type(exc).__name__, exc)
             return None
-        return max(everywhere, default=None)
+        return newest if newest >= 0 else None
 
     def forget_after(self, step: int | None) -> None:
         """The run goes on from ``step`` (None: from scratch): steps newer than it were deleted, so
-        they no longer count as saved, also in what this rank posts (at once, while the group is broken)."""
+        they no longer count as saved, also in what this rank posts once the group breaks. (A broken
+        group was made anew first, so the store holds nothing of the abandoned timeline.)"""
         def kept(s: int) -> int:
             return s if step is not None and s <= step else -1
 
         self._kept = [s for s in self._kept if kept(s) >= 0]
         self._saved, self._done = kept(self._saved), kept(self._done)
         self._agreed = (kept(self._agreed[0]), kept(self._agreed[1]))
-        if self.broken is not None:
-            self._saved_everywhere()
 
     def lost_link(self, exc: BaseException) -> None:
         """Take the tier's group for broken if ``exc`` came of a broken link (a restore's transfer or

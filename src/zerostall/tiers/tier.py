@@ -68,7 +68,7 @@ class NodeTier:
         background = self.restoring if group.size > 1 else Group(ALONE)
         token = group.agree(lambda: secrets.token_hex(8).encode()).decode()  # this tier's, in the group's store
         self.replicator = Replicator(background, self.pg, self.nodes, self.directory, self.replicas, options.keep,
-                                     token)
+                                     token, options.timeout_s)
         self.saver = AsyncSaver()
         self.failures = 0
         """Local saves that failed on this rank (each logged; a restore never uses such a step)."""
@@ -80,7 +80,7 @@ class NodeTier:
                               timeout=timedelta(seconds=self.options.timeout_s))
 
     def mend(self, *, if_any: bool = False) -> None:
-        """At a collective point of the training thread (a persistent save; a restore, ``if_any``):
+        """At a collective point of the training thread (a persistent save; a restore or rollback, ``if_any``):
         once the tier's group failed on every rank (on any rank, ``if_any``), make a new one, so
         replication goes on from the next local save. Collective on the training group."""
         if self.pg is None:
@@ -205,6 +205,7 @@ class NodeTier:
         ``step``: they belong to a timeline that does not go on (a rollback, saves made after the
         step a crash fell back to), so no later restore takes them or mixes them with this run's."""
         self.wait()
+        self.mend(if_any=True)  # a broken group's store holds what the ranks posted about the abandoned timeline
         with self.group.failing_together("the local tier's newer steps could not be removed on {failed} other "
                                          "rank(s) (their errors say why)"):  # and no rank saves before they are
             if self.leader:
