@@ -325,6 +325,57 @@ def test_after_a_rollback_the_steps_of_the_abandoned_timeline_no_longer_count_as
     assert ranks(2).run(restore_after_the_crash, str(tmp_path), "ab") == [(30, 1030.0), (30, 1030.0)]
 
 
+def broken_then_rolled_back_by_tag_then_a_rank_dies_saving(base: str) -> dict:
+    """Nodes a (rank 0) and b (ranks 1, 2), the tier's group broken at every local save (every
+    transfer fails as a dead link would), local saves 10 to 40, the root's tag `good` at step 20;
+    then a rollback to `good`, the steps saved again, and rank 2 dies before its new step 40. The
+    first rank answers last for step 40 both times (a slow disk). Returns what each node holds."""
+    import time
+
+    from zerostall.tiers.replication import Replicator
+
+    real, fortieth = Replicator.submit, []
+
+    def late(self: Any, step: int, saved: bool) -> None:
+        if self.rank == 0 and step == 40:
+            fortieth.append(time.sleep(1 + len(fortieth)))
+        real(self, step, saved)
+
+    Replicator.submit = late
+    try:
+        with on_a_broken_tier(base, "abb") as (rank, mgr):
+            for step in range(1, 41):
+                if mgr.should_save(step):
+                    mgr.save(step, single_state(float(step)))
+                    mgr.wait()
+                if step == 20:
+                    mgr.save(20, single_state(20.0), tag="good")
+            dist.barrier()
+            assert mgr.restore(single_state(-1.0), tag="good") == 20
+            for step in range(21, 41):
+                if mgr.should_save(step):
+                    dist.barrier()  # the training step's collectives
+                    if rank == 2 and step == 40:
+                        os._exit(0)
+                    mgr.save(step, single_state(1000.0 + step))
+                    mgr.wait()
+            return mgr.tier.directory.holdings()
+    finally:
+        Replicator.submit = real
+
+
+def test_after_a_rollback_by_tag_no_answer_about_the_abandoned_timeline_is_read(ranks, tmp_path):
+    """With the group broken, a rollback by tag left the first rank's answers about the abandoned
+    timeline in the store: node b's first rank read the old "step 40 saved everywhere" before the
+    new one was posted, and deleted the new step 30, so rank 2's crash left it no whole step."""
+    from distributed import RankError
+
+    with pytest.raises(RankError) as caught:
+        ranks(3).run(broken_then_rolled_back_by_tag_then_a_rank_dies_saving, str(tmp_path))
+    assert caught.value.dead == [2] and caught.value.results[1] == {30: [1, 2], 40: [1]}, caught.value.results
+    assert ranks(3).run(restore_after_the_crash, str(tmp_path), "abb") == [(30, 1030.0)] * 3
+
+
 def test_a_load_that_runs_out_of_memory_does_not_take_the_tier_for_broken(tmp_path, monkeypatch):
     """An out-of-memory error loading a local copy (a RuntimeError) was taken for a broken link: the
     tier refused every later restore of the run and stopped replicating."""
