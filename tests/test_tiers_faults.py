@@ -82,9 +82,14 @@ def a_replication_times_out_then_the_run_goes_on(base: str) -> dict:
             mgr.save(70, single_state(100.0 * rank + 70))
             mgr.wait()
             out["held"] = mgr.tier.directory.holdings()
+            replicator = mgr.tier.replicator
+            store = dist.distributed_c10d._get_process_group_store(mgr.tier.pg)
+            posted = [replicator._key.format(rank), *replicator._answered]  # this rank's keys
+            assert all(store.check([key]) for key in posted) and (rank == 1 or len(posted) > 1)  # answers on rank 0
             assert mgr.should_save(80)  # the root and the local tier: a collective point
             mgr.save(80, single_state(80.0))  # the root's save: the ranks hold the same values
             mgr.wait()
+            out["left in the old store"] = [key for key in posted if store.check([key])]
             out["held at 80"] = mgr.tier.directory.holdings()
             state = single_state(-1.0)
             out["same run"] = mgr.restore(state), float(state["w"][0]), mgr.last_restore.sources
@@ -109,7 +114,7 @@ def test_a_transfer_that_timed_out_stops_replication_loudly_until_the_next_persi
         assert 70 in out["held"] and set(out["held"]) <= {60, 70}, out["held"]
         failed = [m for m in out["errors"] if "its process group failed" in m]
         assert len(failed) == 1 and "No step is replicated" in failed[0], out["errors"]
-        assert out["held at 80"] == {80: [0, 1]}, out["held at 80"]
+        assert out["held at 80"] == {80: [0, 1]} and out["left in the old store"] == [], out
         assert sum("made anew" in m for m in out["errors"]) == (rank == 0), out["errors"]
         assert out["same run"] == out["new run"] == (80, 80.0, ("local", "local"))
 

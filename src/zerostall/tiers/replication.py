@@ -179,7 +179,15 @@ class Replicator:
             self._break(cause)
 
     def relink(self, group: Group, pg: Any) -> None:
-        """Go on with the tier's new group (made on every rank while this worker had nothing to do)."""
+        """Go on with the tier's new group (made on every rank while this worker had nothing to do),
+        once this rank's keys are gone from the old one's store (the job's, which outlives it)."""
+        try:
+            store = dist.distributed_c10d._get_process_group_store(self.pg)
+            for key in [self._key.format(self.rank), *self._answered]:
+                store.delete_key(key)
+        except Exception as exc:  # a few keys left behind
+            log.debug("local tier: the store of the tier's group cannot be used: %s: %s", type(exc).__name__, exc)
+        self._answered.clear()
         self.group, self.pg, self.broken = group, pg, None
 
     def _break(self, exc: BaseException) -> None:
