@@ -171,7 +171,7 @@ class Replicator:
 
     def lost_link(self, exc: BaseException) -> None:
         """Take the tier's group for broken if ``exc`` came of a broken link (a restore's transfer or
-        collective on it), so a later restore in this process says so instead of using the group."""
+        collective on it), so the next restore in this process makes the group anew before using it."""
         cause: BaseException | None = exc
         while cause is not None and not isinstance(cause, LinkError):
             cause = cause.__cause__

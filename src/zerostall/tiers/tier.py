@@ -80,7 +80,7 @@ class NodeTier:
                               timeout=timedelta(seconds=self.options.timeout_s))
 
     def mend(self, *, if_any: bool = False) -> None:
-        """At a collective point of the training thread (a persistent save; a restore or rollback, ``if_any``):
+        """At a collective point of the training thread (a persistent save; a restore, ``if_any``):
         once the tier's group failed on every rank (on any rank, ``if_any``), make a new one, so
         replication goes on from the next local save. Collective on the training group."""
         if self.pg is None:
