@@ -59,17 +59,17 @@ def a_replication_times_out_then_the_run_goes_on(base: str) -> dict:
     os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
     tier = zs.LocalTier(os.path.join(base, "node-" + "ab"[rank]), every=10, keep=1, replicas=2, timeout_s=2)
     root = os.path.join(base, "root")
-    real, errors = Replicator.submit, []
+    real, errors = Replicator._replicate, []
 
-    def late(self: Any, step: int, saved: bool) -> None:
+    def late(self: Any, step: int, saved: bool) -> bool:  # rank 0's save of step 10 commits late
         if rank == 0 and step == 10:
             time.sleep(4)
-        real(self, step, saved)
+        return real(self, step, saved)
 
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: errors.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("zerostall").addHandler(handler)
-    Replicator.submit = late
+    Replicator._replicate = late
     out: dict = {}
     try:
         with zs.CheckpointManager(root, save_every=80, fsync=False, local=tier) as mgr:
@@ -94,7 +94,7 @@ def a_replication_times_out_then_the_run_goes_on(base: str) -> dict:
             state = single_state(-1.0)
             out["same run"] = mgr.restore(state), float(state["w"][0]), mgr.last_restore.sources
     finally:
-        Replicator.submit = real
+        Replicator._replicate = real
         logging.getLogger("zerostall").removeHandler(handler)
     out["errors"] = errors
     state = single_state(-1.0)
@@ -181,6 +181,108 @@ def test_a_named_root_checkpoint_counts_by_its_step_against_the_local_tier(tmp_p
         with manager(name, 1000) as mgr:
             assert mgr.restore(state) == step and float(state["w"][0]) == step, name
             assert mgr.last_restore.source == "local" and step in mgr.tier.directory.holdings()
+
+
+def a_slow_node_saves_while_the_group_is_made_anew(base: str) -> tuple:
+    """Nodes a and b, local saves every 10 steps, a persistent one every 80, the tier's group broken
+    at step 10 (rank 0's replication of it starts after the timeout); node a's local save of step
+    70 commits 6 s late, while the persistent save of step 80 makes the group anew. Returns whether
+    that save returned, the group's state after it, and what each node holds at step 80."""
+    import time
+
+    from zerostall.saving import asynchronous
+    from zerostall.tiers.replication import Replicator
+
+    rank = dist.get_rank()
+    os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
+    tier = zs.LocalTier(os.path.join(base, "node-" + "ab"[rank]), every=10, keep=1, replicas=2, timeout_s=2)
+    replicate, persist = Replicator._replicate, asynchronous.persist
+
+    def late(self: Any, step: int, saved: bool) -> bool:
+        if rank == 0 and step == 10:
+            time.sleep(4)
+        return replicate(self, step, saved)
+
+    def slow(prepared: Any, *args: Any, **kwargs: Any) -> Any:
+        if rank == 0 and prepared.step == 70 and prepared.metadata.get("tier") == "local":
+            time.sleep(6)  # beyond node b's wait for its answer about step 70 and a timeout more
+        return persist(prepared, *args, **kwargs)
+
+    Replicator._replicate, asynchronous.persist = late, slow
+    try:
+        with zs.CheckpointManager(os.path.join(base, "root"), save_every=80, fsync=False, local=tier) as mgr:
+            for step in range(1, 81):
+                if mgr.should_save(step):
+                    mgr.save(step, single_state(float(step)))
+                if step == 60:
+                    mgr.wait()
+                    dist.barrier()
+            mgr.wait()
+            return mgr.tier.replicator.broken, mgr.tier.directory.holdings()
+    finally:
+        Replicator._replicate, asynchronous.persist = replicate, persist
+
+
+def test_a_group_is_made_anew_while_one_node_saves_later_than_the_timeout(ranks, tmp_path):
+    """Each rank waited for its own local save in flight, then made the new group, whose rendezvous
+    waits ``timeout_s`` at most: node a's slow save made node b's wait time out, and the persistent
+    save raised into training on every rank."""
+    assert ranks(2).run(a_slow_node_saves_while_the_group_is_made_anew, str(tmp_path)) == [(None, {80: [0, 1]})] * 2
+
+
+def a_local_save_fails_just_before_the_group_is_made_anew(base: str) -> dict:
+    """Nodes a and b, local saves every 10 steps, a persistent one every 80, the tier's group broken
+    at step 10; rank 0's local save of step 70 fails (a full disk), and a log handler takes 3 s
+    over the error, while the persistent save of step 80 makes the group anew. Returns, per copy
+    each node holds, the step its manifest names."""
+    import time
+
+    from zerostall.saving import asynchronous
+    from zerostall.tiers.replication import Replicator
+
+    rank = dist.get_rank()
+    os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
+    tier = zs.LocalTier(os.path.join(base, "node-" + "ab"[rank]), every=10, keep=1, replicas=2, timeout_s=2)
+    replicate, persist = Replicator._replicate, asynchronous.persist
+
+    def late(self: Any, step: int, saved: bool) -> bool:
+        if rank == 0 and step == 10:
+            time.sleep(4)
+        return replicate(self, step, saved)
+
+    def full(prepared: Any, *args: Any, **kwargs: Any) -> Any:
+        if rank == 0 and prepared.step == 70 and prepared.metadata.get("tier") == "local":
+            raise OSError(28, "No space left on device")
+        return persist(prepared, *args, **kwargs)
+
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: time.sleep(3 if "step 70 failed" in record.getMessage() else 0)  # type: ignore
+    logging.getLogger("zerostall").addHandler(handler)
+    Replicator._replicate, asynchronous.persist = late, full
+    try:
+        with zs.CheckpointManager(os.path.join(base, "root"), save_every=80, fsync=False, local=tier) as mgr:
+            for step in range(1, 81):
+                if mgr.should_save(step):
+                    mgr.save(step, single_state(float(step)))
+                if step == 60:
+                    mgr.wait()
+                    dist.barrier()
+            mgr.wait()
+            held = mgr.tier.directory.holdings()
+            return {(step, r): zs.open(str(mgr.tier.directory.copy_path(step, r))).step
+                    for step, holders in held.items() for r in holders}
+    finally:
+        Replicator._replicate, asynchronous.persist = replicate, persist
+        logging.getLogger("zerostall").removeHandler(handler)
+
+
+def test_a_local_save_that_failed_just_before_the_group_is_made_anew_is_handled_without_it(ranks, tmp_path):
+    """Waiting for the local save in flight returned before its failure reached the replication
+    thread (a slow log handler), so the group was made anew first: that step went out on the new
+    group on one rank, paired with the next step on the other, and node a filed rank 1's step 80
+    as its step 70, which a restore took for step 70's data."""
+    for held in ranks(2).run(a_local_save_fails_just_before_the_group_is_made_anew, str(tmp_path)):
+        assert held and all(step == named for (step, _), named in held.items()), held
 
 
 @contextlib.contextmanager
@@ -339,14 +441,14 @@ def broken_then_rolled_back_by_tag_then_a_rank_dies_saving(base: str) -> dict:
 
     from zerostall.tiers.replication import Replicator
 
-    real, fortieth = Replicator.submit, []
+    real, fortieth = Replicator._saved_everywhere, []
 
-    def late(self: Any, step: int, saved: bool) -> None:
+    def late(self: Any, step: int) -> int | None:
         if self.rank == 0 and step == 40:
             fortieth.append(time.sleep(1 + len(fortieth)))
-        real(self, step, saved)
+        return real(self, step)
 
-    Replicator.submit = late
+    Replicator._saved_everywhere = late
     try:
         with on_a_broken_tier(base, "abb") as (rank, mgr):
             for step in range(1, 41):
@@ -366,7 +468,7 @@ def broken_then_rolled_back_by_tag_then_a_rank_dies_saving(base: str) -> dict:
                     mgr.wait()
             return mgr.tier.directory.holdings()
     finally:
-        Replicator.submit = real
+        Replicator._saved_everywhere = real
 
 
 def test_after_a_rollback_by_tag_no_answer_about_the_abandoned_timeline_is_read(ranks, tmp_path):

@@ -68,6 +68,12 @@ class SaveHandle:
         """Whether this save's failure was raised or returned to someone already."""
         return self.staged.seen or self.committed.seen
 
+    def quiet(self) -> "SaveHandle":
+        """The caller deals with this save's failure itself (logs and counts it): the saver does
+        not raise it at the next save, wait or close; :meth:`result` still does."""
+        self.committed.seen = True
+        return self
+
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the state has been captured: call this before mutating it (optimizer step)."""
         self.staged.result(timeout)

@@ -1,7 +1,8 @@
 """After each local save, in the background: replicate it to other nodes, then retire old steps.
 
-One thread per rank works through the local saves in order, so ``save()`` runs no collective and
-deletes nothing. For each step it sends this rank's copy to its holders and receives the copies
+One thread per rank works through the local saves in order (each handed over by ``save()`` as it
+starts, so waiting for the worker waits for every step saved so far), so ``save()`` runs no
+collective and deletes nothing. For each step it sends this rank's copy to its holders and receives the copies
 it holds for others, all in one :func:`~zerostall.tiers.transfer.exchange` over the tier's own
 process group (never the training group). Every rank takes part in every step, also when its own
 save failed (it then sends word that it has nothing), so the pairs always match. A received copy
@@ -32,6 +33,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent import futures
 from datetime import timedelta
 from typing import Any
 
@@ -66,9 +68,11 @@ class Replicator:
         self.sources = nodes.sources(self.rank, replicas)
         self.failures = 0
         """Steps whose replication failed on this rank (logged each time)."""
+        self.save_failures = 0
+        """Local saves that failed on this rank (logged each time; a restore never uses such a step)."""
         self.replicated: list[tuple[int, float]] = []
         """Steps replicated on this rank, with the seconds each took."""
-        self._queue: queue.Queue[tuple[int, bool] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, Any] | None] = queue.Queue()
         self._saved = -1  # the newest step this rank saved
         self._done = -1  # the newest step this rank saved and replicated
         self._agreed = (-1, -1)  # the newest steps every rank saved, and saved and replicated, last agreed
@@ -78,14 +82,17 @@ class Replicator:
         self._thread = threading.Thread(target=self._run, name="zerostall-replication", daemon=True)
         self._thread.start()
 
-    def submit(self, step: int, saved: bool) -> None:
-        """Replicate ``step`` once its local save is done (``saved``: whether it committed here)."""
-        self._queue.put((step, saved))
+    def submit(self, step: int, committed: Any) -> None:
+        """Replicate ``step`` once its local save ends (``committed``: its future). A failed save is
+        logged and counted here, never raised into training; the step then goes on without it."""
+        self._queue.put((step, committed))
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
-            step, saved = job
+            step, committed = job
             try:
+                futures.wait([committed])
+                saved = self._saved_here(step, committed.exception())
                 replicated = self.broken is None and (self._replicate(step, saved) if self.holders or self.sources
                                                       else True)
                 if saved:
@@ -100,6 +107,13 @@ class Replicator:
             finally:
                 self._queue.task_done()
         self._queue.task_done()
+
+    def _saved_here(self, step: int, failure: BaseException | None) -> bool:
+        if failure is not None:
+            self.save_failures += 1
+            log.error("local-tier save of step %d failed on rank %d (%d so far): %s", step, self.rank,
+                      self.save_failures, failure)
+        return failure is None
 
     def _replicate(self, step: int, saved: bool) -> bool:
         start = time.perf_counter()

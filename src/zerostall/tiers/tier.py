@@ -5,7 +5,7 @@ Built once on every rank (collective): the node of every rank, the tier's own gl
 what a crashed trainer or a finished run left. Each local save captures this rank's whole state
 asynchronously into its own copy, with no collective (but the first save's space check); once it
 committed, the background worker (:mod:`zerostall.tiers.replication`) sends it to the holders and
-retires old steps. A failed local save is logged and counted, never raised into training.
+retires old steps. A failed local save is logged and counted there, never raised into training.
 """
 
 from __future__ import annotations
@@ -70,9 +70,12 @@ class NodeTier:
         self.replicator = Replicator(background, self.pg, self.nodes, self.directory, self.replicas, options.keep,
                                      token, options.timeout_s)
         self.saver = AsyncSaver()
-        self.failures = 0
-        """Local saves that failed on this rank (each logged; a restore never uses such a step)."""
         self._space_checked = False
+
+    @property
+    def failures(self) -> int:
+        """Local saves that failed on this rank (each logged; a restore never uses such a step)."""
+        return self.replicator.save_failures
 
     def _new_group(self) -> Any:
         """The tier's own gloo group over the training group's ranks (collective, on every rank of the job)."""
@@ -88,8 +91,19 @@ class NodeTier:
         broken = self.group.all_reduce_ints([self.replicator.broken is not None])[0]
         if broken == 0 or (broken < self.group.size and not if_any):  # those not broken yet soon are
             return
-        self.wait()  # every step submitted so far has been handled without the group, on every rank
-        old, self.pg = self.pg, self._new_group()
+        self.wait()  # every step saved so far has been handled without the group, on every rank
+        self.group.all_reduce_ints([0])  # and every rank is here: the new group's rendezvous waits timeout_s at most
+        try:
+            fresh, why = self._new_group(), None
+        except Exception as exc:  # the job's store or a rank unreachable: go on without the group, as before
+            fresh, why = None, exc
+        if self.group.all_reduce_min([fresh is not None])[0] == 0:
+            if fresh is not None:
+                dist.destroy_process_group(fresh)
+            log.error("local tier: its process group could not be made anew on rank %d (%s); no step is replicated "
+                      "until the next try", self.group.rank, why or "on another rank")
+            return
+        old, self.pg = self.pg, fresh
         self.restoring = Group(self.pg)
         self.replicator.relink(self.restoring, self.pg)
         dist.destroy_process_group(old)
@@ -126,18 +140,8 @@ class NodeTier:
         handle = self.saver.save(tree, str(path), local, process_group=ALONE, step=step, metadata=metadata)
         assert handle is not None
         self.saver.hold_steps([obj for obj, _ in flat.statefuls.values() if isinstance(obj, torch.optim.Optimizer)])
-        handle.committed.add_done_callback(functools.partial(self._committed, step))
+        self.replicator.submit(step, handle.quiet().committed)  # every rank's worker must see every step
         return handle
-
-    def _committed(self, step: int, done: Any) -> None:
-        """A local save ended: a failure is logged and counted (seen: not raised into training);
-        either way the step goes to the background worker, which every rank's must see."""
-        failure = done.exception()
-        if failure is not None:
-            self.failures += 1
-            log.error("local-tier save of step %d failed on rank %d (%d so far): %s", step, self.group.rank,
-                      self.failures, failure)
-        self.replicator.submit(step, failure is None)
 
     def _check_space(self, nbytes: int) -> None:
         """Before the first local save: each node needs room for (keep + 1) steps of its copies."""
