@@ -498,21 +498,20 @@ def replication_of_step_10_held_back(root: str, base: str) -> dict:
     """Step 5's replication waits until step 10 is saved on this rank; step 10's waits until the
     node's holdings were read. Returns this node's holdings while step 10 is not replicated yet."""
     import threading
-    from pathlib import Path
 
     import zerostall.tiers.replication as replication
 
     os.environ["ZEROSTALL_NODE_ID"] = NODES[dist.get_rank()]
     real, saved_10, at_10, looked = replication.exchange, threading.Event(), threading.Event(), threading.Event()
 
-    def held(pg, sends, receives):
-        step = int(Path([*sends, *receives][0][1]).parent.name.removeprefix("step_"))
+    def held(pg, sends, receives, **kw):
+        step = kw["step"]
         if step == 5:
             saved_10.wait(60)
         if step == 10:
             at_10.set()
             looked.wait(60)
-        return real(pg, sends, receives)
+        return real(pg, sends, receives, **kw)
 
     replication.exchange = held
     try:

@@ -698,3 +698,29 @@ def test_a_silent_or_dead_peer_fails_the_transfer_without_a_hang(tmp_path: Path)
     kind, message = caught.value.results[0]
     assert kind == "LinkError" and "rank 1" in message and str(held) in message
     assert not held.parent.exists() or os.listdir(held.parent) == []
+
+
+def _out_of_step(own: str, held: str) -> list:
+    """Rank 1 sends its copy as step 70's; rank 0 expects step 80's from it (their workers out of step)."""
+    import torch.distributed as dist
+
+    from zerostall.tiers.transfer import exchange
+
+    try:
+        if dist.get_rank() == 1:
+            exchange(dist.group.WORLD, [(0, Path(own))], [], step=70, chunk_bytes=4096)
+        else:
+            exchange(dist.group.WORLD, [], [(1, Path(held))], step=80, chunk_bytes=4096)
+        return []
+    except Exception as exc:
+        return [type(exc).__name__, str(exc)]
+
+
+def test_a_copy_of_another_step_is_refused_as_a_broken_link(ranks, tmp_path: Path) -> None:
+    """Nothing tied a copy to its step: two ranks out of step (one saving step 70 where the other
+    saves step 80) filed each other's copies under the wrong step, and a restore took them for it."""
+    own = _copies(tmp_path, 2)[1]
+    held = tmp_path / "node" / "step_80" / "rank_00001"
+    kind, message = ranks(2).run(_out_of_step, str(own), str(held), timeout=60)[0]
+    assert kind == "LinkError" and "rank 1 sent a copy of step 70" in message and "of step 80" in message, message
+    assert not held.exists()

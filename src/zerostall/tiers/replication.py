@@ -120,7 +120,7 @@ class Replicator:
         own = self.directory.copy_path(step, self.rank) if saved else None
         try:
             exchange(self.pg, [(dst, own) for dst in self.holders],
-                     [(src, self.directory.copy_path(step, src)) for src in self.sources])
+                     [(src, self.directory.copy_path(step, src)) for src in self.sources], step=step)
         except Exception as exc:  # never fatal to training: the step still has its own copies
             self.failures += 1
             log.warning("replicating step %d of rank %d failed (%d so far): %s: %s", step, self.rank, self.failures,

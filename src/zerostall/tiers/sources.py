@@ -181,9 +181,9 @@ def _attempt(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, choi
     landed = None
     try:
         if sends and not receives:
-            return (OK, ""), _load_while_sending(pg, sends, str(directory.copy_path(step, rank)), load,
+            return (OK, ""), _load_while_sending(pg, sends, str(directory.copy_path(step, rank)), load, step=step,
                                                  cut=place is not None), None
-        got = exchange(pg, sends, receives, cut=place is not None, place=place) if sends or receives else []
+        got = exchange(pg, sends, receives, step=step, cut=place is not None, place=place) if sends or receives else []
         landed = got[0] if receives else None
         return (OK, ""), load(str(directory.copy_path(step, rank) if landed is None else landed.folder), landed), None
     except Exception as exc:
@@ -193,11 +193,11 @@ def _attempt(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, choi
             shutil.rmtree(landed.folder, ignore_errors=True)
 
 
-def _load_while_sending(pg: Any, sends: list[tuple[int, Path]], own: str, load: Load, *, cut: bool) -> Any:
+def _load_while_sending(pg: Any, sends: list[tuple[int, Path]], own: str, load: Load, *, step: int, cut: bool) -> Any:
     """Load this rank's copy ``own`` while its ``sends`` go; the sends end (peers wait on them)
     whatever the load does, and the first error is raised."""
     with ThreadPoolExecutor(1, thread_name_prefix="zerostall-send") as pool:
-        sending = pool.submit(exchange, pg, sends, [], cut=cut)
+        sending = pool.submit(exchange, pg, sends, [], step=step, cut=cut)
         try:
             loaded = load(own, None)
         except BaseException:

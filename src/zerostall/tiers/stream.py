@@ -1,10 +1,11 @@
 """The stream of one transfer between two ranks: its header, the order its chunks travel in, and
 the few chunks on the wire at once.
 
-A stream is a header (the length of a JSON document, then the document: the copy's file names and
-sizes, the chunk size, how many files travel at once and where each data file's chunks are cut, or
-why there is nothing), then the files' bytes in chunks. Both ends derive the chunks from the header
-alone, so a receiver follows the stream to its end whatever it makes of the bytes.
+A stream is a header (the length of a JSON document, then the document: the step the copy is of,
+the copy's file names and sizes, the chunk size, how many files travel at once and where each
+data file's chunks are cut, or why there is nothing), then the files' bytes in chunks. Both ends
+derive the chunks from the header alone, so a receiver follows the stream to its end whatever it
+makes of the bytes.
 """
 
 from __future__ import annotations
@@ -82,9 +83,10 @@ def plan_header(plan: Plan) -> dict[str, Any]:
     return {"files": [list(f) for f in plan.files], "chunk": plan.chunk, "wave": plan.wave, "cuts": plan.cuts}
 
 
-def receive_header(pg: Any, src: int, final: Path) -> Plan | None:
-    """What the copy ``src`` sends holds, or None when it has none; a header of the wrong shape is a
-    :class:`CorruptCheckpointError` (the stream cannot be followed further)."""
+def receive_header(pg: Any, src: int, final: Path, step: int | None) -> Plan | None:
+    """What the copy of ``step`` that ``src`` sends holds, or None when it has none; a header of the
+    wrong shape is a :class:`CorruptCheckpointError` (the stream cannot be followed further), one
+    of another step a :class:`LinkError` (the two ranks are out of step: the group is not to be trusted)."""
     length = torch.zeros(1, dtype=torch.int64)
     dist.recv(length, group_src=src, group=pg)
     n = int(length.item())
@@ -97,6 +99,9 @@ def receive_header(pg: Any, src: int, final: Path) -> Plan | None:
     except ValueError as exc:
         raise CorruptCheckpointError(f"rank {src} sent a header for {final} that is not JSON: {exc}") from None
     header = header if isinstance(header, dict) else {}
+    if header.get("step") != step:
+        raise LinkError(f"rank {src} sent a copy of step {header.get('step')!r:.20} for {final}, of step {step}: the "
+                        "two ranks are out of step, so the tier's group is not used again")
     if "error" in header:
         raise CheckpointError(f"rank {src} could not send its copy for {final}: {header['error']}")
     files, chunk, wave, cuts = header.get("files", ()), header.get("chunk"), header.get("wave"), header.get("cuts")

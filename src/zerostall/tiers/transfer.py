@@ -67,11 +67,13 @@ class Landed:
 
 
 def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequence[tuple[int, Path]], *,
-             chunk_bytes: int = 4 << 20, cut: bool = False, place: Placer | None = None) -> list[Landed | None]:
+             step: int | None = None, chunk_bytes: int = 4 << 20, cut: bool = False,
+             place: Placer | None = None) -> list[Landed | None]:
     """Run every transfer of this rank at once (no deadlock: each rank may send to and receive from
     several ranks, the same ones included). ``sends``: (destination rank in ``pg``, copy directory,
     or None when this rank has nothing: the receiver is told so), sent in chunks of ``chunk_bytes``.
     ``receives``: (source rank, the directory to publish the copy as; one there is replaced).
+    ``step``: the step the copies are of, which each sender announces and each receiver checks.
     ``cut``: cut each stream sent at the bounds of its large tensors, for a receiver that puts them
     into memory (it reads the whole manifest: a restore's senders do, a replication's do not);
     ``place``: put what it can of each received copy straight into memory (see the module's
@@ -88,8 +90,8 @@ def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequen
         raise ValueError(f"exchange: chunk_bytes must be in 1..{CHUNK_LIMIT}, not {chunk_bytes}")
     if not (sends or receives):
         return []
-    jobs = [lambda r=r, p=p: _send(pg, r, None if p is None else Path(p), chunk_bytes, cut) for r, p in sends]
-    jobs += [lambda r=r, p=p: _receive(pg, r, Path(p), place) for r, p in receives]
+    jobs = [lambda r=r, p=p: _send(pg, r, None if p is None else Path(p), step, chunk_bytes, cut) for r, p in sends]
+    jobs += [lambda r=r, p=p: _receive(pg, r, Path(p), step, place) for r, p in receives]
     with ThreadPoolExecutor(len(jobs), thread_name_prefix="zerostall-transfer") as pool:
         futures = [pool.submit(job) for job in jobs]
     errors = [f.exception() for f in futures if f.exception() is not None]
@@ -102,19 +104,19 @@ def exchange(pg: Any, sends: Sequence[tuple[int, Path | None]], receives: Sequen
     return [f.result() for f in futures[len(sends):]]
 
 
-def _send(pg: Any, dst: int, copy: Path | None, chunk_bytes: int, cut: bool) -> None:
+def _send(pg: Any, dst: int, copy: Path | None, step: int | None, chunk_bytes: int, cut: bool) -> None:
     """Send ``copy`` (its manifest first, then the files it lists) to ``dst``; None: word that there is none."""
     try:
         try:
             files, data, cuts = ([], [], []) if copy is None else _open_copy(copy, cut)
         except (CheckpointError, OSError) as exc:  # the receiver learns why, then this rank raises it
-            send_header(pg, dst, {"error": f"{type(exc).__name__}: {exc}"})
+            send_header(pg, dst, {"step": step, "error": f"{type(exc).__name__}: {exc}"})
             raise CheckpointError(f"cannot send the copy {copy} to rank {dst}: {exc}") from exc
         if copy is None:
-            send_header(pg, dst, {"files": None})
+            send_header(pg, dst, {"step": step, "files": None})
             return
         plan = Plan(files, chunk_bytes, _WRITERS, cuts)
-        send_header(pg, dst, plan_header(plan))
+        send_header(pg, dst, {"step": step, **plan_header(plan)})
         wire = Wire(pg, dst)
         for _, chunks in plan.waves():
             for f, offset, n in chunks:
@@ -157,11 +159,11 @@ def _open_copy(copy: Path, cut: bool) -> tuple[list[tuple[str, int]], list[torch
     return files, data, cuts
 
 
-def _receive(pg: Any, src: int, final: Path, place: Placer | None) -> Landed | None:
+def _receive(pg: Any, src: int, final: Path, step: int | None, place: Placer | None) -> Landed | None:
     """Receive ``src``'s copy into a folder beside ``final`` (into memory what ``place`` allows),
     verify it, publish it as ``final`` (unless something went into memory)."""
     try:
-        plan = receive_header(pg, src, final)
+        plan = receive_header(pg, src, final, step)
         if plan is None:
             return None
         incoming = final.parent / f"{INCOMING}{final.name}-{secrets.token_hex(4)}"
