@@ -150,9 +150,9 @@ def test_delete_removes_the_manifest_first(tmp_path):
 def test_set_aside_moves_whole_checkpoints_and_never_over_an_earlier_one(ckroot, tmp_path, caplog):
     for step in (2, 3):
         save(tmp_path / step_tag(step), step)
-    ckroot.set_aside([step_tag(2), step_tag(3), "gone"], step=1)
+    ckroot.set_aside([step_tag(2), step_tag(3), "gone"], step=1, target=step_tag(1))
     save(tmp_path / step_tag(3), 33)
-    ckroot.set_aside([step_tag(3)], step=1)
+    ckroot.set_aside([step_tag(3)], step=1, target=step_tag(1))
     aside = sorted(os.listdir(tmp_path / SUPERSEDED_NAME))
     assert aside[:2] == [step_tag(2), step_tag(3)] and aside[2].startswith(step_tag(3) + ".") and len(aside) == 3
     assert ckroot.checkpoints() == []

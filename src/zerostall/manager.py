@@ -203,7 +203,7 @@ class CheckpointManager:
             if later:  # not while retention deletes
                 self._still_the_writer()
                 try:
-                    self._deleter.submit(self.checkpoint_root.set_aside, later, step).result()
+                    self._deleter.submit(self.checkpoint_root.set_aside, later, step, tag).result()
                 except OSError as exc:
                     raise CheckpointError(f"cannot set {', '.join(later)} aside under {self.root} before saving "
                                           f"step {step}: {exc}") from exc

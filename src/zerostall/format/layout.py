@@ -34,6 +34,7 @@ REFS_VERSION = 3  # the first version whose chunks may lie in data files of othe
 ARRAY_CHUNKS_VERSION = 4  # the first version whose chunks are arrays naming their file by its index in "files"
 CHUNK_FIELDS = ("offsets", "sizes", "file", "offset", "nbytes", "checksums")  # a chunk array's items, in order
 MANIFEST_NAME = "manifest.json"
+SUPERSEDED_NAME = ".superseded"  # in a manager's root: the checkpoints a rollback set aside, by tag
 DEFAULT_BLOCK_SIZE = 4 << 20
 RNG_KEY = "__rng__"  # the top-level key under which a CheckpointManager saves every rank's RNG states
 INTERNAL_KEYS = frozenset({RNG_KEY})  # top-level keys zerostall adds for itself: never a user's unexpected keys

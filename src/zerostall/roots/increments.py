@@ -6,13 +6,16 @@ from __future__ import annotations
 from ..options import SaveOptions
 from ..saving.incremental import Reuse
 from ..saving.pipeline import SaveInfo
+from .root import step_tag
 
 
 class Increments:
     """What this rank's next save may refer to. Every rank decides alike from what every rank
     knows (its saves, their steps and outcomes), so no message is needed: a failed save, a step
     saved at or below the last one (which sets that one aside) and every ``full_save_every``-th
-    save make the next save full."""
+    save make the next save full. A checkpoint under a name of its own (``tag="best"``) is saved
+    full and no save refers to it: saving that name again replaces it, which must break no other
+    checkpoint (and a checkpoint of steps refers only to earlier steps, which no rollback sets aside)."""
 
     def __init__(self, options: SaveOptions) -> None:
         self.options = options
@@ -22,7 +25,7 @@ class Increments:
     def base(self, step: int, tag: str) -> Reuse | None:
         """What the save of ``step`` (as ``tag``) may refer to; None for a full save. Taken: until
         this save commits (:meth:`committed`), the next one gets nothing."""
-        if not self.options.incremental:
+        if not self.options.incremental or tag != step_tag(step):
             return None
         last, self._last = self._last, None
         self._saves += 1
@@ -34,5 +37,6 @@ class Increments:
         return last
 
     def committed(self, info: SaveInfo) -> None:
-        """The save just committed: the next one may refer to its chunks."""
-        self._last = info.reuse
+        """The save just committed: the next one may refer to its chunks (not a named one's)."""
+        if info.reuse is None or info.reuse.step is None or info.reuse.tag == step_tag(info.reuse.step):
+            self._last = info.reuse

@@ -19,21 +19,20 @@ from typing import Any, Iterable
 
 from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                       InvalidPathError)
-from ..format.layout import MANIFEST_NAME, ManifestHead, file_generation
+from ..format.layout import MANIFEST_NAME, SUPERSEDED_NAME, ManifestHead, file_generation
 from ..format.retained import RETAINED_NAME
 from ..loading.opening import read_manifest_head
 from ..storage import SMALL_FILE_BYTES, Storage
 from ..storage.location import few
 from ..storage.references import read_retained
 from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
-from .sharing import collect_retained, delete_checkpoint, has_manifest, referenced, refs_set_aside
+from .sharing import collect_retained, delete_checkpoint, has_manifest, referenced, refs_set_aside, set_aside
 
 log = logging.getLogger(__name__)
 
 LATEST_NAME = "latest"
 _PLAIN_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")  # a tag as DeepSpeed writes ``latest``: the name alone
 LEASE_NAME = ".writer-lease"
-SUPERSEDED_NAME = ".superseded"
 TRASH_PREFIX = ".deleting-"
 
 FRAMEWORK_FILES = frozenset({"zero_to_fp32.py"})
@@ -319,8 +318,18 @@ class CheckpointRoot:
     def references(self, but: str | None = None) -> dict[str, set[str]]:
         """The data files of each checkpoint (by tag) that the committed checkpoints of the root
         other than ``but`` refer to, those set aside included (they may be moved back)."""
-        return referenced([i.refs for i in self.checkpoints() if i.name != but]
+        found = self._all_read(but)
+        return referenced([i.refs for i in found if i.name != but]
                           + refs_set_aside(self.storage.child(SUPERSEDED_NAME)))
+
+    def _all_read(self, but: str | None = None) -> list[CheckpointInfo]:
+        """The committed checkpoints; raises if a manifest other than ``but``'s cannot be read now
+        (a damaged one refers to nothing): what it refers to is unknown, so nothing may go."""
+        found = self.checkpoints()
+        for name, exc in self.unreadable.items():
+            if name != but and not isinstance(exc, DAMAGE):
+                raise exc
+        return found
 
     def delete(self, tag: str) -> bool:
         """Delete checkpoint ``tag`` so that it never looks valid half-way: the manifest goes first.
@@ -332,21 +341,10 @@ class CheckpointRoot:
         """Remove retained data that no checkpoint refers to any more (see :mod:`zerostall.roots.sharing`)."""
         collect_retained(self.storage, self.references)
 
-    def set_aside(self, tags: list[str], step: int) -> None:
-        """Move ``tags`` into ``.superseded/``, never over one set aside before: saving ``step``
-        below them forks the run (see :meth:`CheckpointManager.save`), and nothing is lost."""
-        aside = self.storage.child(SUPERSEDED_NAME)
-        aside.create()
-        for tag in tags:
-            name = tag
-            while aside.child(name).exists():
-                name = f"{tag}.{secrets.token_hex(4)}"
-            try:
-                self.storage.move(tag, f"{SUPERSEDED_NAME}/{name}")
-            except FileNotFoundError:
-                continue
-            log.warning("step %d is being saved under %s, which holds later steps: %s moved to %s (move it back "
-                        "to resume from it)", step, self.location, tag, aside.child(name).location)
+    def set_aside(self, tags: list[str], step: int, target: str) -> None:
+        """Move ``tags`` into ``.superseded/`` (see :func:`zerostall.roots.sharing.set_aside`):
+        saving ``step`` as ``target`` below them forks the run (see :meth:`CheckpointManager.save`)."""
+        set_aside(self.storage, tags, step, target, {i.name: i.refs for i in self._all_read()})
 
     def clean_stale_attempts(self, temp_age: float) -> None:
         """Remove ``step_*`` checkpoints that never committed and what an interrupted clean-up left;

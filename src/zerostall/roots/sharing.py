@@ -9,10 +9,11 @@ manifest goes, and a record is shrunk before the files it stops listing are dele
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Callable, Iterable
 
-from ..errors import CheckpointError, IncompleteCheckpointError, UnsafeFileError
-from ..format.layout import MANIFEST_NAME, file_generation
+from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, UnsafeFileError
+from ..format.layout import MANIFEST_NAME, SUPERSEDED_NAME, file_generation
 from ..format.retained import RETAINED_NAME, retained_bytes
 from ..loading.opening import read_manifest_head
 from ..storage import Storage
@@ -75,12 +76,14 @@ def has_manifest(storage: Storage) -> bool:
 
 
 def refs_set_aside(aside: Storage) -> list[dict[str, str]]:
-    """The references of the checkpoints set aside under ``aside`` (``.superseded/``)."""
+    """The references of the checkpoints set aside under ``aside`` (``.superseded/``): those with
+    no manifest (retained data) or a damaged one refer to nothing; one that cannot be read now
+    raises, for what it refers to is unknown."""
     refs = []
     for name in aside.children():
         try:
             refs.append(read_manifest_head(aside.child(name)).refs)
-        except CheckpointError:
+        except (IncompleteCheckpointError, CorruptCheckpointError):
             continue
     return refs
 
@@ -115,3 +118,31 @@ def collect_retained(root: Storage, references: Callable[[], dict[str, set[str]]
 def _delete_tree(root: Storage, tag: str) -> bool:
     root.delete_tree(tag)
     return not root.child(tag).exists()
+
+
+def set_aside(root: Storage, tags: list[str], step: int, target: str, refs: dict[str, dict[str, str]]) -> None:
+    """Move checkpoints ``tags`` of ``root`` into ``.superseded/``, never over one set aside
+    before, to save ``step`` as ``target``; nothing is lost (each may be moved back). Retained data
+    under ``target`` goes with them (only they may refer to it). If a committed checkpoint that
+    stays (``refs``: each one's references) refers to any of them, nothing is moved: it would stop loading."""
+    if target not in tags and RETAINED_NAME in root.child(target).list():
+        tags = [*tags, target]
+    broken = sorted({(name, tag) for name, of in refs.items() if name not in tags for tag in of.values() if tag in tags})
+    if broken:
+        raise CheckpointError(
+            f"cannot save step {step} as {target} under {root.location}: "
+            f"{'; '.join(f'{name} refers to data files of {tag}' for name, tag in broken)}, which saving it would set "
+            "aside (the referring checkpoint would stop loading). Delete or move the referring checkpoint first, or "
+            "save under another tag; nothing was moved")
+    aside = root.child(SUPERSEDED_NAME)
+    aside.create()
+    for tag in tags:
+        name = tag
+        while aside.child(name).exists():
+            name = f"{tag}.{secrets.token_hex(4)}"
+        try:
+            root.move(tag, f"{SUPERSEDED_NAME}/{name}")
+        except FileNotFoundError:
+            continue
+        log.warning("step %d is being saved under %s, which holds later steps: %s moved to %s (move it back, with "
+                    "what it refers to, to resume from it)", step, root.location, tag, aside.child(name).location)

@@ -10,7 +10,7 @@ import re
 from typing import Callable, Iterable
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from ..format.layout import MANIFEST_NAME, Manifest
+from ..format.layout import MANIFEST_NAME, SUPERSEDED_NAME, Manifest
 from ..format.manifest_check import max_manifest_bytes, parse_head
 from ..format.retained import RETAINED_NAME, parse_retained
 from .base import FileStat, Storage
@@ -173,21 +173,24 @@ def linked(storage: Storage, manifest: Manifest) -> Storage:
 
 
 def referrers(checkpoint: Storage) -> list[str]:
-    """The committed checkpoints beside ``checkpoint`` (in its root) that refer to its data files."""
+    """The committed checkpoints beside ``checkpoint`` (in its root), and those a manager set
+    aside there (they may be moved back), that refer to its data files. One whose manifest cannot
+    be read now (not a damaged one) raises: what it refers to is unknown."""
     tag = checkpoint.location.rstrip("/").rsplit("/", 1)[-1]
     root = checkpoint.parent()
+    aside = root.child(SUPERSEDED_NAME)
     found = []
-    for name in root.children():
-        if name == tag or name.startswith("."):
+    for name, holder in [*((n, root.child(n)) for n in root.children()),
+                         *((f"{SUPERSEDED_NAME}/{n}", aside.child(n)) for n in aside.children())]:
+        if name == tag or name.startswith(".") and not name.startswith(f"{SUPERSEDED_NAME}/"):
             continue
-        holder = root.child(name)
         try:
             start = holder.read_head(MANIFEST_NAME, _HEAD)
             if _VERSION_3_ON.search(start) is None or _NO_REFS.match(start):
                 continue  # only format versions 3 on refer, and from version 4 each says so at its start
             raw = holder.read_bytes(MANIFEST_NAME, max_manifest_bytes())
             head = parse_head(raw, f"{holder.location}/{MANIFEST_NAME}")
-        except (OSError, CorruptCheckpointError):
+        except (FileNotFoundError, NotADirectoryError, PermissionError, CorruptCheckpointError):  # none, not ours, damaged
             continue
         if tag in head.refs.values():
             found.append(name)

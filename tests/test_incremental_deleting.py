@@ -1,0 +1,141 @@
+"""Incremental checkpoints and every path that moves or replaces one: a named checkpoint saved
+again, a rollback onto a step whose data was retained, a reference scan that cannot read a
+manifest, an overwrite with referrers set aside. A committed checkpoint never loses what it refers to."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+
+import zerostall as zs
+from hostile import read_body
+from test_incremental import load, make_state, manager, same, snapshot
+from zerostall.roots.increments import Increments
+from zerostall.roots.root import step_tag
+from zerostall.storage import local
+
+
+def test_a_named_checkpoint_is_saved_whole_so_saving_its_name_again_breaks_nothing(tmp_path):
+    """``best`` was the base of the next step's save; saving ``best`` again set the old one aside,
+    and the step referring to it stopped loading (or the new ``best`` referred to itself and was
+    refused)."""
+    state = make_state()
+    with manager(tmp_path) as mgr:
+        mgr.save(10, state, tag="best")
+        state["model"]["lora"].add_(1)
+        mgr.save(20, state)
+        step_20 = snapshot(state)
+        state["model"]["lora"].add_(1)
+        mgr.save(30, state, tag="best")
+        state["model"]["lora"].add_(1)
+        mgr.save(40, state)
+    assert read_body(tmp_path / "best").get("refs", {}) == {}
+    assert set(read_body(tmp_path / step_tag(40))["refs"].values()) == {step_tag(20)}  # not the named one
+    assert same(load(tmp_path, 20, state), step_20) and same(load(tmp_path, 40, state), state)
+
+
+def test_a_save_that_would_set_aside_what_a_staying_checkpoint_refers_to_moves_nothing(tmp_path, monkeypatch):
+    """A root written when a named checkpoint could be a base (an earlier version): saving that
+    name again moved it aside under a step that refers to it. Now refused first, naming both."""
+    def any_base(self, step, tag):  # the earlier rule: the last save, named or not, is the next one's base
+        last, self._last = self._last, None
+        return None if last is None or last.tag == tag or last.step >= step else last
+
+    def any_committed(self, info):
+        self._last = info.reuse
+
+    monkeypatch.setattr(Increments, "base", any_base)
+    monkeypatch.setattr(Increments, "committed", any_committed)
+    state = make_state()
+    with manager(tmp_path) as mgr:
+        mgr.save(10, state)
+        state["model"]["frozen"].add_(1)
+        mgr.save(20, state, tag="best")
+        state["model"]["lora"].add_(1)
+        mgr.save(30, state)
+        step_30 = snapshot(state)
+        assert "best" in read_body(tmp_path / step_tag(30))["refs"].values()
+        with pytest.raises(zs.CheckpointError, match=f"{step_tag(30)} refers to data files of best.*nothing was moved"):
+            mgr.save(40, state, tag="best")
+    assert not (tmp_path / ".superseded").exists() and same(load(tmp_path, 30, state), step_30)
+
+
+def test_a_rollback_onto_a_step_whose_data_was_retained_sets_it_aside_with_its_referrers(tmp_path):
+    """Retention left step 2's data behind a retained record (step 3 refers to it); saving step 2
+    again set step 3 aside, then refused the retained directory: the root held no later step, and a
+    new run's restore started from scratch."""
+    state = make_state()
+    with manager(tmp_path, keep_last=1) as mgr:
+        mgr.save(1, state)
+        state["model"]["frozen"].add_(1)
+        mgr.save(2, state)
+        state["model"]["lora"].add_(1)
+        mgr.save(3, state)
+        step_3 = snapshot(state)
+        mgr.wait()
+        assert "retained.json" in os.listdir(tmp_path / step_tag(2))
+        state["model"]["lora"].add_(1)
+        mgr.save(2, state)
+    with manager(tmp_path) as mgr:
+        assert mgr.restore(make_state()) == 2
+    assert sorted(os.listdir(tmp_path / ".superseded")) == [step_tag(2), step_tag(3)]
+    os.rename(tmp_path / step_tag(2), tmp_path / "new")  # move both back, as the warnings say
+    for step in (2, 3):
+        os.rename(tmp_path / ".superseded" / step_tag(step), tmp_path / step_tag(step))
+    assert same(load(tmp_path, 3, state), step_3)
+
+
+def test_a_manifest_that_cannot_be_read_during_retention_keeps_everything_it_may_refer_to(tmp_path, monkeypatch):
+    """Retention counted references only from the manifests it could read: one read error (an
+    NFS or object store hiccup) on the newest step's manifest made what it refers to look
+    unreferenced, and retention deleted it: the only checkpoint left did not load."""
+    stat = local.LocalStorage.stat
+    calls = []
+
+    def flaky(self, name):
+        if name == "manifest.json" and self.location.endswith(step_tag(3)) \
+                and threading.current_thread().name.startswith("zerostall-retention"):
+            calls.append(name)
+            if len(calls) >= 2:  # the listing that chose what to delete read it; the next one cannot
+                raise OSError(errno.EIO, "Input/output error")
+        return stat(self, name)
+
+    state = make_state()
+    with manager(tmp_path, keep_last=1) as mgr:
+        mgr.save(1, state)
+        state["model"]["frozen"].add_(1)
+        mgr.save(2, state)
+        mgr.wait()
+        monkeypatch.setattr(local.LocalStorage, "stat", flaky)
+        state["model"]["lora"].add_(1)
+        mgr.save(3, state)
+        with pytest.raises(zs.CheckpointError, match=f"cannot read the manifest of .*{step_tag(3)}"):
+            mgr.wait()  # that retention round deleted nothing
+        assert same(load(tmp_path, 3, state), state)
+        monkeypatch.setattr(local.LocalStorage, "stat", stat)
+        state["model"]["lora"].add_(1)
+        mgr.save(4, state)  # the next round retires what it may
+    assert same(load(tmp_path, 4, state), state)
+
+
+def test_replacing_a_checkpoint_that_one_set_aside_refers_to_is_refused(tmp_path):
+    """Only the checkpoints in the root were asked: one set aside by a rollback (which the warning
+    says to move back to resume from) referred to step 1, and ``overwrite=True`` replaced it."""
+    state = make_state()
+    with manager(tmp_path) as mgr:
+        for step in (1, 2, 3):
+            state["model"]["lora"].add_(1)
+            mgr.save(step, state)
+        step_3 = snapshot(state)
+        state["model"]["lora"].add_(1)
+        mgr.save(2, state)  # a rollback: steps 2 and 3 set aside, step 3 referring to step 1
+    assert step_tag(1) in read_body(tmp_path / ".superseded" / step_tag(3))["refs"].values()
+    with pytest.raises(zs.CheckpointError, match=f".superseded/{step_tag(3)}.*refer to"):
+        zs.save(make_state(), tmp_path / step_tag(1), overwrite=True)
+    os.rename(tmp_path / step_tag(2), tmp_path / "new")  # move the set-aside steps back
+    for step in (2, 3):
+        os.rename(tmp_path / ".superseded" / step_tag(step), tmp_path / step_tag(step))
+    assert same(load(tmp_path, 3, state), step_3)
