@@ -139,3 +139,22 @@ def test_replacing_a_checkpoint_that_one_set_aside_refers_to_is_refused(tmp_path
     for step in (2, 3):
         os.rename(tmp_path / ".superseded" / step_tag(step), tmp_path / step_tag(step))
     assert same(load(tmp_path, 3, state), step_3)
+
+
+def test_an_overwrite_checks_for_referrers_again_just_before_it_commits(tmp_path):
+    """The check ran when the overwrite began: a manager's save that committed meanwhile, referring
+    to the checkpoint being replaced, lost those bytes when the overwrite committed."""
+    state = make_state()
+    mgr = manager(tmp_path)
+    mgr.save(1, state)
+    saved = {}
+
+    def meanwhile() -> None:  # just before the overwrite commits, another writer commits step 2
+        state["model"]["lora"].add_(1)
+        mgr.save(2, state)
+        saved[2] = snapshot(state)
+
+    with pytest.raises(zs.CheckpointError, match=f"{step_tag(2)}.*refer to"):
+        zs.save(make_state(), tmp_path / step_tag(1), overwrite=True, fsync=False, before_commit=meanwhile)
+    mgr.close()
+    assert same(load(tmp_path, 2, state), saved[2])

@@ -14,7 +14,7 @@ import operator
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -164,6 +164,19 @@ def _settings(group: Group, storage: Storage, options: SaveOptions, step: Any,
     return step, encoded
 
 
+def _fenced(storage: Storage, options: SaveOptions) -> Callable[[], None] | None:
+    """``options.before_commit``, then (with ``overwrite``) the check, again, that no checkpoint
+    beside ``storage`` refers to what it replaces: one may have committed since the save began."""
+    if not options.overwrite:
+        return options.before_commit
+
+    def check() -> None:
+        if options.before_commit is not None:
+            options.before_commit()
+        check_unreferenced(storage)
+    return check
+
+
 def _planned(group: Group, collected: Collected, storage: Storage, step: int | None, metadata: Any,
              options: SaveOptions, reuse: Reuse | None, collect_s: float,
              recorded: list[Version] | None = None) -> Prepared:
@@ -263,7 +276,7 @@ def persist(prepared: Prepared) -> SaveInfo:
                                     p.metadata, p.options.block_size, refs)
                 linked(storage, manifest)  # every file referred to is still its owner's: else nothing commits
                 publish_manifest(storage, manifest.generation, manifest.to_bytes(), previous,
-                                 before_commit=p.options.before_commit)
+                                 before_commit=_fenced(storage, p.options))
             announce(bell, "ok")
         else:
             await_commit(storage, generation, p.options.commit_timeout, bell)
