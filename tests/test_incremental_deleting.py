@@ -158,3 +158,16 @@ def test_an_overwrite_checks_for_referrers_again_just_before_it_commits(tmp_path
         zs.save(make_state(), tmp_path / step_tag(1), overwrite=True, fsync=False, before_commit=meanwhile)
     mgr.close()
     assert same(load(tmp_path, 2, state), saved[2])
+
+
+def test_a_referenced_file_that_is_missing_is_named_where_it_lies(tmp_path):
+    """The error named the referring checkpoint's directory, where the file never was."""
+    state = make_state()
+    with manager(tmp_path) as mgr:
+        mgr.save(1, state)
+        state["model"]["lora"].add_(1)
+        mgr.save(2, state)
+    name = next(iter(read_body(tmp_path / step_tag(2))["refs"]))
+    os.remove(tmp_path / step_tag(1) / name)
+    with pytest.raises(zs.CorruptCheckpointError, match=f"{name} of .*{step_tag(2)} \\(it lies in {step_tag(1)}"):
+        load(tmp_path, 2, state)

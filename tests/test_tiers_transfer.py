@@ -701,19 +701,23 @@ def test_a_silent_or_dead_peer_fails_the_transfer_without_a_hang(tmp_path: Path)
 
 
 def _out_of_step(own: str, held: str) -> list:
-    """Rank 1 sends its copy as step 70's; rank 0 expects step 80's from it (their workers out of step)."""
+    """Rank 1 sends its copy as step 70's; rank 0 expects step 80's from it (their workers out of step).
+    Rank 0 reads no further, so rank 1's send times out."""
     import torch.distributed as dist
 
     from zerostall.tiers.transfer import exchange
 
+    pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=3))  # broken after: never used again
     try:
         if dist.get_rank() == 1:
-            exchange(dist.group.WORLD, [(0, Path(own))], [], step=70, chunk_bytes=4096)
+            exchange(pg, [(0, Path(own))], [], step=70, chunk_bytes=4096)
         else:
-            exchange(dist.group.WORLD, [], [(1, Path(held))], step=80, chunk_bytes=4096)
+            exchange(pg, [], [(1, Path(held))], step=80, chunk_bytes=4096)
         return []
     except Exception as exc:
         return [type(exc).__name__, str(exc)]
+    finally:
+        dist.destroy_process_group(pg)
 
 
 def test_a_copy_of_another_step_is_refused_as_a_broken_link(ranks, tmp_path: Path) -> None:

@@ -43,6 +43,12 @@ class ChunkReader:
         self._sizes: dict[str, int] = {}  # the actual sizes of the data files looked at
         self._listed = False  # whether _sizes holds the storage's listing (where a listing gives sizes)
 
+    def where(self, name: str) -> str:
+        """The checkpoint data file ``name`` lies in: this one, or (an incremental checkpoint's
+        reference) the one beside it that holds the file."""
+        tag = self.manifest.refs.get(name)
+        return self.path if tag is None else f"{self.path} (it lies in {tag} beside it)"
+
     def close(self) -> None:
         """Release file handles and maps; what was read from a map stays valid."""
         self.storage.close()
@@ -58,7 +64,7 @@ class ChunkReader:
             except CheckpointError:  # not a regular file (UnsafeFileError)
                 raise
             except OSError as exc:
-                raise CheckpointError(f"reading {name} of {self.path} failed: {exc}") from exc
+                raise CheckpointError(f"reading {name} of {self.where(name)} failed: {exc}") from exc
         return self._maps[name]
 
     def check_sizes(self, entry: Entry) -> None:
@@ -80,9 +86,9 @@ class ChunkReader:
                 except CheckpointError:
                     raise
                 except OSError as exc:
-                    raise CheckpointError(f"reading {chunk.file} of {self.path} failed: {exc}") from exc
+                    raise CheckpointError(f"reading {chunk.file} of {self.where(chunk.file)} failed: {exc}") from exc
             if chunk.offset + chunk.nbytes > size:
-                raise CorruptCheckpointError(f"data file {chunk.file} of {self.path} is truncated: entry {entry.fqn} "
+                raise CorruptCheckpointError(f"data file {chunk.file} of {self.where(chunk.file)} is truncated: entry {entry.fqn} "
                                              "lies past its end")
 
     def read_piece(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview, verify: bool) -> None:
@@ -116,12 +122,12 @@ class ChunkReader:
         except FileNotFoundError:
             raise self.missing(name, entry) from None
         except EOFError:
-            raise CorruptCheckpointError(f"data file {name} of {self.path} is truncated: it ends before byte "
+            raise CorruptCheckpointError(f"data file {name} of {self.where(name)} is truncated: it ends before byte "
                                          f"{offset + len(out)}{of}") from None
         except CheckpointError:  # not a regular file (UnsafeFileError)
             raise
         except OSError as exc:
-            raise CheckpointError(f"reading {name} of {self.path}{of} failed: {exc}") from exc
+            raise CheckpointError(f"reading {name} of {self.where(name)}{of} failed: {exc}") from exc
 
     def check_header(self, name: str, data: bytes | memoryview) -> None:
         """Check the safetensors header of data file ``name`` (its first bytes, ``data``) against the
@@ -133,7 +139,7 @@ class ChunkReader:
         expected = self.manifest.headers.get(name)
         if expected is not None and digest != expected:
             raise CorruptCheckpointError(f"the safetensors header of data file {name} is damaged (fails its "
-                                         f"checksum) in {self.path}")
+                                         f"checksum) in {self.where(name)}")
 
     def missing(self, name: str, entry: Entry | None = None) -> CheckpointError:
         """The error for a data file that is gone: damage, unless the checkpoint changed under this
@@ -146,7 +152,7 @@ class ChunkReader:
             now = f"another save ({current}) replaced it" if current else "it was deleted: pruned by retention, or by hand"
             return CheckpointError(f"{self.path} changed while this read session was open ({now}): data file "
                                    f"{name}{of} is gone; open the checkpoint again")
-        return CorruptCheckpointError(f"data file {name} of {self.path} is missing{of}")
+        return CorruptCheckpointError(f"data file {name} of {self.where(name)} is missing{of}")
 
     def _check_count(self, entry: Entry, chunk: Chunk) -> None:
         expected = max(1, -(-chunk.nbytes // self.manifest.block_size))
@@ -164,7 +170,7 @@ class ChunkReader:
             if digest != chunk.checksums[index]:
                 first = chunk.offset + index * block
                 raise CorruptCheckpointError(
-                    f"checksum mismatch in {chunk.file} of {self.path}: entry {entry.fqn}, block {index} "
+                    f"checksum mismatch in {chunk.file} of {self.where(chunk.file)}: entry {entry.fqn}, block {index} "
                     f"(file bytes {first}-{first + min(block, lo + length - index * block)})")
 
     def check_blocks(self, entry: Entry, chunk: Chunk, lo: int, data: memoryview) -> None:
