@@ -171,3 +171,44 @@ def test_a_referenced_file_that_is_missing_is_named_where_it_lies(tmp_path):
     os.remove(tmp_path / step_tag(1) / name)
     with pytest.raises(zs.CorruptCheckpointError, match=f"{name} of .*{step_tag(2)} \\(it lies in {step_tag(1)}"):
         load(tmp_path, 2, state)
+
+
+def test_a_named_save_below_the_last_step_leaves_no_base_it_set_aside(tmp_path):
+    """``save(50, tag="best")`` set step 100 aside, yet the next step's save still referred to it
+    and failed (its data was gone from the root)."""
+    state = make_state()
+    with manager(tmp_path) as mgr:
+        mgr.save(100, state)
+        mgr.save(50, state, tag="best")
+        state["model"]["lora"].add_(1)
+        mgr.save(150, state)
+    assert same(load(tmp_path, 150, state), state)
+
+
+def test_a_folder_set_aside_that_holds_nothing_refers_to_nothing(tmp_path):
+    """An empty folder under ``.superseded/`` (left by moving a checkpoint back by hand) failed
+    every save's retention as a manifest that cannot be read."""
+    state = make_state()
+    (tmp_path / ".superseded" / step_tag(9)).mkdir(parents=True)
+    with manager(tmp_path, keep_last=1) as mgr:
+        for step in (1, 2, 3):
+            state["model"]["lora"].add_(1)
+            mgr.save(step, state)
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("step_")) == [step_tag(1), step_tag(3)]
+
+
+def test_a_step_whose_data_was_retained_is_saved_again_with_no_later_step_left(tmp_path):
+    """Steps 10, 20, 30 (keep_last=1: step 20 retained for 30); ``save(15)`` set 30 aside; then
+    ``save(20)`` was refused (the folder held retained data), and the run could not go past step 20."""
+    state = make_state()
+    with manager(tmp_path, keep_last=1) as mgr:
+        for step in (10, 20, 30):
+            state["model"]["frozen" if step == 20 else "lora"].add_(1)
+            mgr.save(step, state)
+        mgr.wait()
+        assert "retained.json" in os.listdir(tmp_path / step_tag(20))
+        for step in (15, 20):
+            state["model"]["lora"].add_(1)
+            mgr.save(step, state)
+    assert same(load(tmp_path, 20, state), state)
+    assert sorted(os.listdir(tmp_path / ".superseded")) == [step_tag(20), step_tag(30)]

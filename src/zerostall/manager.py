@@ -200,7 +200,7 @@ class CheckpointManager:
             later = [name for name, record in self.checkpoints() if record.step > step or name == tag]
             later += [name for name in self.checkpoint_root.unreadable  # a damaged manifest's step is its tag's
                       if name == tag or (tag_step(name) is not None and tag_step(name) > step)]
-            if later:  # not while retention deletes
+            if later or tag in self.checkpoint_root.bare:  # retained data goes too; not while retention deletes
                 self._still_the_writer()
                 try:
                     self._deleter.submit(self.checkpoint_root.set_aside, later, step, tag).result()

@@ -25,7 +25,11 @@ class Increments:
     def base(self, step: int, tag: str) -> Reuse | None:
         """What the save of ``step`` (as ``tag``) may refer to; None for a full save. Taken: until
         this save commits (:meth:`committed`), the next one gets nothing."""
-        if not self.options.incremental or tag != step_tag(step):
+        if not self.options.incremental:
+            return None
+        if tag != step_tag(step):  # saved whole; the later steps it sets aside are no base any more
+            if self._last is not None and self._last.step is not None and self._last.step > step:
+                self._last = None
             return None
         last, self._last = self._last, None
         self._saves += 1

@@ -181,6 +181,8 @@ class CheckpointRoot:
         self.location = storage.location
         self._seen: dict[str, tuple[str, CheckpointInfo]] = {}  # name -> (manifest version, info)
         self.unreadable: dict[str, CheckpointError] = {}
+        self.bare: set[str] = set()
+        """Folders with no manifest at the last listing (attempts, retained data)."""
         """The checkpoints of the last listing whose manifest is there but could not be read, and why."""
 
     def where(self, name: str) -> str:
@@ -199,6 +201,7 @@ class CheckpointRoot:
         found = []
         seen: dict[str, tuple[str, CheckpointInfo]] = {}
         unreadable: dict[str, CheckpointError] = {}
+        bare: set[str] = set()
         try:
             names = self.storage.children()
         except OSError as exc:
@@ -210,6 +213,7 @@ class CheckpointRoot:
             try:
                 version = storage.stat(MANIFEST_NAME).version
             except (FileNotFoundError, NotADirectoryError):
+                bare.add(name)
                 continue
             except OSError as exc:  # as a failed read of it is (a symbolic link in its place: damage)
                 unreadable[name] = _typed(exc, f"cannot read the manifest of {storage.location}")
@@ -225,7 +229,7 @@ class CheckpointRoot:
                     continue
             seen[name] = (version, info)
             found.append(info)
-        self._seen, self.unreadable = seen, unreadable
+        self._seen, self.unreadable, self.bare = seen, unreadable, bare
         return sorted(found, key=lambda info: (-1 if info.step is None else info.step, info.name))
 
     def latest(self) -> str | None:
@@ -327,7 +331,7 @@ class CheckpointRoot:
         (a damaged one refers to nothing): what it refers to is unknown, so nothing may go."""
         found = self.checkpoints()
         for name, exc in self.unreadable.items():
-            if name != but and not isinstance(exc, DAMAGE):
+            if name != but and not isinstance(exc, (*DAMAGE, CheckpointNotFoundError)):  # gone: refers to nothing
                 raise exc
         return found
 

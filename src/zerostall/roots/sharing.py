@@ -12,7 +12,8 @@ import logging
 import secrets
 from typing import Callable, Iterable
 
-from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, UnsafeFileError
+from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
+                      UnsafeFileError)
 from ..format.layout import MANIFEST_NAME, SUPERSEDED_NAME, file_generation
 from ..format.retained import RETAINED_NAME, retained_bytes
 from ..loading.opening import read_manifest_head
@@ -77,13 +78,13 @@ def has_manifest(storage: Storage) -> bool:
 
 def refs_set_aside(aside: Storage) -> list[dict[str, str]]:
     """The references of the checkpoints set aside under ``aside`` (``.superseded/``): those with
-    no manifest (retained data) or a damaged one refer to nothing; one that cannot be read now
-    raises, for what it refers to is unknown."""
+    no manifest (retained data, an empty folder) or a damaged one refer to nothing; one that cannot
+    be read now raises, for what it refers to is unknown."""
     refs = []
     for name in aside.children():
         try:
             refs.append(read_manifest_head(aside.child(name)).refs)
-        except (IncompleteCheckpointError, CorruptCheckpointError):
+        except (CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError):
             continue
     return refs
 
@@ -127,7 +128,10 @@ def set_aside(root: Storage, tags: list[str], step: int, target: str, refs: dict
     stays (``refs``: each one's references) refers to any of them, nothing is moved: it would stop loading."""
     if target not in tags and RETAINED_NAME in root.child(target).list():
         tags = [*tags, target]
-    broken = sorted({(name, tag) for name, of in refs.items() if name not in tags for tag in of.values() if tag in tags})
+    if not tags:
+        return
+    broken = sorted({(name, tag) for name, of in refs.items() if name not in tags
+                     for tag in of.values() if tag in tags})
     if broken:
         raise CheckpointError(
             f"cannot save step {step} as {target} under {root.location}: "

@@ -174,14 +174,22 @@ class Replicator:
 
     def forget_after(self, step: int | None) -> None:
         """The run goes on from ``step`` (None: from scratch): steps newer than it were deleted, so
-        they no longer count as saved, also in what this rank posts once the group breaks. (A broken
-        group was made anew first, so the store holds nothing of the abandoned timeline.)"""
+        they no longer count as saved, also in what this rank posts; with the group still broken
+        (it could not be made anew), at once, and the first rank's answers about them are removed."""
         def kept(s: int) -> int:
             return s if step is not None and s <= step else -1
 
         self._kept = [s for s in self._kept if kept(s) >= 0]
         self._saved, self._done = kept(self._saved), kept(self._done)
         self._agreed = (kept(self._agreed[0]), kept(self._agreed[1]))
+        if self.broken is not None:
+            try:
+                store = dist.distributed_c10d._get_process_group_store(self.pg)
+                store.set(self._key.format(self.rank), orjson.dumps(self._kept))
+                while self._answered:
+                    store.delete_key(self._answered.popleft())
+            except Exception as exc:  # no store to reach: nothing is deleted while it is so
+                log.debug("local tier: the store of the tier's group cannot be used: %s: %s", type(exc).__name__, exc)
 
     def lost_link(self, exc: BaseException) -> None:
         """Take the tier's group for broken if ``exc`` came of a broken link (a restore's transfer or

@@ -82,15 +82,16 @@ class NodeTier:
         return dist.new_group(dist.get_process_group_ranks(self.group.pg), backend="gloo",
                               timeout=timedelta(seconds=self.options.timeout_s))
 
-    def mend(self, *, if_any: bool = False) -> None:
+    def mend(self, *, if_any: bool = False) -> bool:
         """At a collective point of the training thread (a persistent save; a restore, ``if_any``):
         once the tier's group failed on every rank (on any rank, ``if_any``), make a new one, so
-        replication goes on from the next local save. Collective on the training group."""
+        replication goes on from the next local save. Collective on the training group. Returns
+        whether no rank's group is broken now (the same answer on every rank)."""
         if self.pg is None:
-            return
+            return True
         broken = self.group.all_reduce_ints([self.replicator.broken is not None])[0]
         if broken == 0 or (broken < self.group.size and not if_any):  # those not broken yet soon are
-            return
+            return broken == 0
         self.wait()  # every step saved so far has been handled without the group, on every rank
         self.group.all_reduce_ints([0])  # and every rank is here: the new group's rendezvous waits timeout_s at most
         try:
@@ -102,13 +103,14 @@ class NodeTier:
                 dist.destroy_process_group(fresh)
             log.error("local tier: its process group could not be made anew on rank %d (%s); no step is replicated "
                       "until the next try", self.group.rank, why or "on another rank")
-            return
+            return False
         old, self.pg = self.pg, fresh
         self.restoring = Group(self.pg)
         self.replicator.relink(self.restoring, self.pg)
         dist.destroy_process_group(old)
         if self.group.is_coordinator:
             log.warning("local tier: its process group was made anew; replication goes on from the next local save")
+        return True
 
     def _check_one_directory_per_node(self) -> None:
         """Refuse, on every rank, ranks that share a node id but not its directory (two machines or
@@ -166,7 +168,10 @@ class NodeTier:
         until=...)`` restores from the root as :func:`restore_first_whole` does, recording what it
         restored. Returns what the tiers restored (None when the root did) and the loaded state."""
         self.wait()
-        self.mend(if_any=True)  # a group that failed earlier in this run (a restore that timed out) is made anew
+        if not self.mend(if_any=True):  # a group that failed earlier in this run (a restore that timed out)
+            raise CheckpointError("the local tier's process group failed earlier in this run and could not be made "
+                                  "anew (the log says why), so it cannot restore: restart the job, or "
+                                  "restore(tag=...) a checkpoint of the root")
         target = view(state, restoring=True)
         seen = survey(self.restoring, self.nodes, self.directory, target.digest)
         load = functools.partial(_load, state, target, options)
