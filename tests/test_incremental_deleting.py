@@ -12,10 +12,13 @@ import pytest
 
 import zerostall as zs
 from hostile import read_body
+import test_incremental
 from test_incremental import load, make_state, manager, same, snapshot
 from zerostall.roots.increments import Increments
 from zerostall.roots.root import step_tag
 from zerostall.storage import local
+
+chain = test_incremental.chain  # the fixture: steps 1 and 2, step 2 referring to step 1
 
 
 def test_a_named_checkpoint_is_saved_whole_so_saving_its_name_again_breaks_nothing(tmp_path):
@@ -160,14 +163,11 @@ def test_an_overwrite_checks_for_referrers_again_just_before_it_commits(tmp_path
     assert same(load(tmp_path, 2, state), saved[2])
 
 
-def test_a_referenced_file_that_is_missing_is_named_where_it_lies(tmp_path):
+def test_a_referenced_file_that_is_missing_is_named_where_it_lies(chain):
     """The error named the referring checkpoint's directory, where the file never was."""
+    tmp_path, body = chain  # step 2 refers to step 1
     state = make_state()
-    with manager(tmp_path) as mgr:
-        mgr.save(1, state)
-        state["model"]["lora"].add_(1)
-        mgr.save(2, state)
-    name = next(iter(read_body(tmp_path / step_tag(2))["refs"]))
+    name = next(iter(body["refs"]))
     os.remove(tmp_path / step_tag(1) / name)
     with pytest.raises(zs.CorruptCheckpointError, match=f"{name} of .*{step_tag(2)} \\(it lies in {step_tag(1)}"):
         load(tmp_path, 2, state)

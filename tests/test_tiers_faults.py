@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -183,11 +183,12 @@ def test_a_named_root_checkpoint_counts_by_its_step_against_the_local_tier(tmp_p
             assert mgr.last_restore.source == "local" and step in mgr.tier.directory.holdings()
 
 
-def a_slow_node_saves_while_the_group_is_made_anew(base: str) -> tuple:
+@contextlib.contextmanager
+def broken_at_10_then_mended_at_80(base: str, local_70: Callable[..., Any]) -> Iterator[zs.CheckpointManager]:
     """Nodes a and b, local saves every 10 steps, a persistent one every 80, the tier's group broken
-    at step 10 (rank 0's replication of it starts after the timeout); node a's local save of step
-    70 commits 6 s late, while the persistent save of step 80 makes the group anew. Returns whether
-    that save returned, the group's state after it, and what each node holds at step 80."""
+    at step 10 (rank 0's replication of it starts after the timeout); rank 0's local save of step
+    70 is ``local_70(persist, prepared, ...)``, while the persistent save of step 80 makes the group
+    anew. Yields the manager once every save, step 80's included, is done."""
     import time
 
     from zerostall.saving import asynchronous
@@ -203,12 +204,12 @@ def a_slow_node_saves_while_the_group_is_made_anew(base: str) -> tuple:
             time.sleep(4)
         return replicate(self, step, saved)
 
-    def slow(prepared: Any, *args: Any, **kwargs: Any) -> Any:
+    def at_70(prepared: Any, *args: Any, **kwargs: Any) -> Any:
         if rank == 0 and prepared.step == 70 and prepared.metadata.get("tier") == "local":
-            time.sleep(6)  # beyond node b's wait for its answer about step 70 and a timeout more
+            return local_70(persist, prepared, *args, **kwargs)
         return persist(prepared, *args, **kwargs)
 
-    Replicator._replicate, asynchronous.persist = late, slow
+    Replicator._replicate, asynchronous.persist = late, at_70
     try:
         with zs.CheckpointManager(os.path.join(base, "root"), save_every=80, fsync=False, local=tier) as mgr:
             for step in range(1, 81):
@@ -218,9 +219,22 @@ def a_slow_node_saves_while_the_group_is_made_anew(base: str) -> tuple:
                     mgr.wait()
                     dist.barrier()
             mgr.wait()
-            return mgr.tier.replicator.broken, mgr.tier.directory.holdings()
+            yield mgr
     finally:
         Replicator._replicate, asynchronous.persist = replicate, persist
+
+
+def a_slow_node_saves_while_the_group_is_made_anew(base: str) -> tuple:
+    """Node a's local save of step 70 commits 6 s late (beyond node b's wait for its answer about
+    step 70, and a timeout more). Returns the group's state after step 80 and what each node holds."""
+    import time
+
+    def slow(persist: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        time.sleep(6)
+        return persist(*args, **kwargs)
+
+    with broken_at_10_then_mended_at_80(base, slow) as mgr:
+        return mgr.tier.replicator.broken, mgr.tier.directory.holdings()
 
 
 def test_a_group_is_made_anew_while_one_node_saves_later_than_the_timeout(ranks, tmp_path):
@@ -231,48 +245,22 @@ def test_a_group_is_made_anew_while_one_node_saves_later_than_the_timeout(ranks,
 
 
 def a_local_save_fails_just_before_the_group_is_made_anew(base: str) -> dict:
-    """Nodes a and b, local saves every 10 steps, a persistent one every 80, the tier's group broken
-    at step 10; rank 0's local save of step 70 fails (a full disk), and a log handler takes 3 s
-    over the error, while the persistent save of step 80 makes the group anew. Returns, per copy
-    each node holds, the step its manifest names."""
+    """Rank 0's local save of step 70 fails (a full disk), and a log handler takes 3 s over the
+    error. Returns, per copy each node holds, the step its manifest names."""
     import time
 
-    from zerostall.saving import asynchronous
-    from zerostall.tiers.replication import Replicator
-
-    rank = dist.get_rank()
-    os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
-    tier = zs.LocalTier(os.path.join(base, "node-" + "ab"[rank]), every=10, keep=1, replicas=2, timeout_s=2)
-    replicate, persist = Replicator._replicate, asynchronous.persist
-
-    def late(self: Any, step: int, saved: bool) -> bool:
-        if rank == 0 and step == 10:
-            time.sleep(4)
-        return replicate(self, step, saved)
-
-    def full(prepared: Any, *args: Any, **kwargs: Any) -> Any:
-        if rank == 0 and prepared.step == 70 and prepared.metadata.get("tier") == "local":
-            raise OSError(28, "No space left on device")
-        return persist(prepared, *args, **kwargs)
+    def full(*_: Any, **__: Any) -> Any:
+        raise OSError(28, "No space left on device")
 
     handler = logging.Handler(logging.ERROR)
     handler.emit = lambda record: time.sleep(3 if "step 70 failed" in record.getMessage() else 0)  # type: ignore
     logging.getLogger("zerostall").addHandler(handler)
-    Replicator._replicate, asynchronous.persist = late, full
     try:
-        with zs.CheckpointManager(os.path.join(base, "root"), save_every=80, fsync=False, local=tier) as mgr:
-            for step in range(1, 81):
-                if mgr.should_save(step):
-                    mgr.save(step, single_state(float(step)))
-                if step == 60:
-                    mgr.wait()
-                    dist.barrier()
-            mgr.wait()
+        with broken_at_10_then_mended_at_80(base, full) as mgr:
             held = mgr.tier.directory.holdings()
             return {(step, r): zs.open(str(mgr.tier.directory.copy_path(step, r))).step
                     for step, holders in held.items() for r in holders}
     finally:
-        Replicator._replicate, asynchronous.persist = replicate, persist
         logging.getLogger("zerostall").removeHandler(handler)
 
 
@@ -402,22 +390,28 @@ def broken_then_rolled_back_then_a_rank_dies_saving(base: str) -> dict:
     would), local saves 10 to 40, the root's tag `good` at step 20; then a rollback to `good`, the
     steps saved again, and rank 1 dies before its new step 40: what each node holds then."""
     with on_a_broken_tier(base, "ab") as (rank, mgr):
-        for step in range(1, 41):
-            if mgr.should_save(step):
-                mgr.save(step, single_state(float(step)))
-                mgr.wait()
-            if step == 20:
-                mgr.save(20, single_state(20.0), tag="good")
-        dist.barrier()
-        assert mgr.restore(single_state(-1.0), tag="good") == 20
-        for step in range(21, 41):
-            if mgr.should_save(step):
-                dist.barrier()  # the training step's collectives
-                if rank == 1 and step == 40:
-                    os._exit(0)
-                mgr.save(step, single_state(1000.0 + step))
-                mgr.wait()
-        return mgr.tier.directory.holdings()
+        return rolled_back_to_good_then_dies(rank, mgr, 1)
+
+
+def rolled_back_to_good_then_dies(rank: int, mgr: zs.CheckpointManager, dies: int) -> dict:
+    """Local saves 10 to 40, the root's tag `good` at step 20; then a rollback to `good`, the steps
+    saved again, and rank ``dies`` dies before its new step 40: what this rank's node holds then."""
+    for step in range(1, 41):
+        if mgr.should_save(step):
+            mgr.save(step, single_state(float(step)))
+            mgr.wait()
+        if step == 20:
+            mgr.save(20, single_state(20.0), tag="good")
+    dist.barrier()
+    assert mgr.restore(single_state(-1.0), tag="good") == 20
+    for step in range(21, 41):
+        if mgr.should_save(step):
+            dist.barrier()  # the training step's collectives
+            if rank == dies and step == 40:
+                os._exit(0)
+            mgr.save(step, single_state(1000.0 + step))
+            mgr.wait()
+    return mgr.tier.directory.holdings()
 
 
 def test_after_a_rollback_the_steps_of_the_abandoned_timeline_no_longer_count_as_saved(ranks, tmp_path):
@@ -451,22 +445,7 @@ def broken_then_rolled_back_by_tag_then_a_rank_dies_saving(base: str) -> dict:
     Replicator._saved_everywhere = late
     try:
         with on_a_broken_tier(base, "abb") as (rank, mgr):
-            for step in range(1, 41):
-                if mgr.should_save(step):
-                    mgr.save(step, single_state(float(step)))
-                    mgr.wait()
-                if step == 20:
-                    mgr.save(20, single_state(20.0), tag="good")
-            dist.barrier()
-            assert mgr.restore(single_state(-1.0), tag="good") == 20
-            for step in range(21, 41):
-                if mgr.should_save(step):
-                    dist.barrier()  # the training step's collectives
-                    if rank == 2 and step == 40:
-                        os._exit(0)
-                    mgr.save(step, single_state(1000.0 + step))
-                    mgr.wait()
-            return mgr.tier.directory.holdings()
+            return rolled_back_to_good_then_dies(rank, mgr, 2)
     finally:
         Replicator._saved_everywhere = real
 
