@@ -88,8 +88,8 @@ class ChunkReader:
                 except OSError as exc:
                     raise CheckpointError(f"reading {chunk.file} of {self.where(chunk.file)} failed: {exc}") from exc
             if chunk.offset + chunk.nbytes > size:
-                raise CorruptCheckpointError(f"data file {chunk.file} of {self.where(chunk.file)} is truncated: entry {entry.fqn} "
-                                             "lies past its end")
+                raise CorruptCheckpointError(f"data file {chunk.file} of {self.where(chunk.file)} is truncated: entry "
+                                             f"{entry.fqn} lies past its end")
 
     def read_piece(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview, verify: bool) -> None:
         """Read chunk bytes ``[lo, lo+len(out))``; when verifying (``lo`` is then block-aligned),

@@ -181,9 +181,9 @@ class CheckpointRoot:
         self.location = storage.location
         self._seen: dict[str, tuple[str, CheckpointInfo]] = {}  # name -> (manifest version, info)
         self.unreadable: dict[str, CheckpointError] = {}
+        """The checkpoints of the last listing whose manifest is there but could not be read, and why."""
         self.bare: set[str] = set()
         """Folders with no manifest at the last listing (attempts, retained data)."""
-        """The checkpoints of the last listing whose manifest is there but could not be read, and why."""
 
     def where(self, name: str) -> str:
         """The location of ``name`` under the root, for messages."""

@@ -190,7 +190,7 @@ def referrers(checkpoint: Storage) -> list[str]:
                 continue  # only format versions 3 on refer, and from version 4 each says so at its start
             raw = holder.read_bytes(MANIFEST_NAME, max_manifest_bytes())
             head = parse_head(raw, f"{holder.location}/{MANIFEST_NAME}")
-        except (FileNotFoundError, NotADirectoryError, PermissionError, CorruptCheckpointError):  # none, not ours, damaged
+        except (FileNotFoundError, NotADirectoryError, PermissionError, CorruptCheckpointError):  # none, damaged
             continue
         if tag in head.refs.values():
             found.append(name)
