@@ -554,6 +554,41 @@ def test_a_local_tier_inside_the_root_is_refused_before_anything_is_written(tmp_
         mgr.save(1, single_state(1.0))  # beside the root: fine
 
 
+def manager_with_a_tier_over_a_subgroup(root: str, base: str) -> tuple[str | None, float]:
+    """Ranks 0 and 1 of 3 start a manager with a local tier over their own group; then every rank
+    makes a group together and all-reduces on it: what the manager raised, and the sum."""
+    from datetime import timedelta
+
+    os.environ["ZEROSTALL_NODE_ID"] = "abc"[dist.get_rank()]
+    sub = dist.new_group([0, 1])
+    refused = None
+    if dist.get_rank() < 2:
+        try:
+            with zs.CheckpointManager(root, process_group=sub, local=zs.LocalTier(node_dir(base, "ab"[dist.get_rank()]),
+                                                                                   every=1, replicas=2, timeout_s=5)):
+                pass
+        except zs.CheckpointError as exc:
+            refused = str(exc)
+        with zs.CheckpointManager(root, process_group=sub) as mgr:  # the refused one let go of the root
+            mgr.save(1, single_state(1.0))
+    everyone = dist.new_group([0, 1, 2], timeout=timedelta(seconds=10))
+    total = torch.ones(1)
+    dist.all_reduce(total, group=everyone)
+    dist.destroy_process_group(everyone)
+    dist.destroy_process_group(sub)
+    return refused, total.item()
+
+
+def test_a_local_tier_over_part_of_the_job_is_refused_and_the_jobs_next_group_still_forms(ranks, tmp_path):
+    """Its own group made by two of three ranks put torch's count of groups out of step on the
+    third, so the job's next group hung until its timeout: refused up front, saying why."""
+    out = ranks(3).run(manager_with_a_tier_over_a_subgroup, str(tmp_path / "root"), str(tmp_path / "nodes"))
+    assert [total for _, total in out] == [3.0] * 3
+    assert out[2][0] is None
+    for refused, _ in out[:2]:
+        assert refused is not None and "every rank of the job" in refused and "2 of its 3 ranks" in refused
+
+
 def replication_of_step_20_fails_then_node_a_is_lost(base: str) -> tuple[dict, Any]:
     """Two ranks on nodes a and b, a local save every 10 steps; node b cannot take rank 0's copy of
     step 20 (its disk full); then node a is lost: what node b held, and what a restore gives."""

@@ -42,6 +42,12 @@ class NodeTier:
 
     def __init__(self, options: LocalTier, group: Group, persistent: str) -> None:
         self.options, self.group = options, group
+        if group.size > 1 and group.size != dist.get_world_size():
+            raise CheckpointError(
+                f"the local tier needs a manager over every rank of the job: this one runs on {group.size} of its "
+                f"{dist.get_world_size()} ranks (process_group=...), and the tier's own process group can only be "
+                "made with every rank of the job taking part (torch.distributed's rule). Give the manager "
+                "process_group=None, or leave local= off for it; nothing was saved")
         self.directory = NodeDirectory(options.directory, options.run_id or run_id_for(persistent))
         self.nodes: Nodes = gather_nodes(group)
         self.pg = None
