@@ -35,7 +35,7 @@ import threading
 import time
 from concurrent import futures
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import orjson
 
@@ -48,6 +48,7 @@ from .stream import LinkError
 from .transfer import exchange
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _POSTED = 64  # the newest steps a rank posts as saved, once the group is broken
 _ANSWERS = 8  # the first rank's newest answers kept in the store (a node's first rank may lag behind)
@@ -152,8 +153,7 @@ class Replicator:
         """With the group broken, after ``step``: post the steps this rank saved to the group's
         store; the first rank answers with the newest step every rank has posted, which a node's
         first rank waits for and returns. None while unknown (not every rank has posted)."""
-        try:
-            store = dist.distributed_c10d._get_process_group_store(self.pg)
+        def post_and_read(store: Any) -> int:
             store.set(self._key.format(self.rank), orjson.dumps(self._kept))
             answer = self._answer.format(step)
             if self.rank == 0:
@@ -164,13 +164,12 @@ class Replicator:
                 if len(self._answered) > _ANSWERS:
                     store.delete_key(self._answered.popleft())
             if not self.leader:
-                return None
+                return -1
             store.wait([answer], self._timeout)
-            newest = int(store.get(answer))
-        except Exception as exc:  # no store to reach, or no answer in time: nothing is deleted
-            log.debug("local tier: the store of the tier's group cannot be used: %s: %s", type(exc).__name__, exc)
-            return None
-        return newest if newest >= 0 else None
+            return int(store.get(answer))
+
+        newest = self._in_store(post_and_read)  # no store to reach, or no answer in time: nothing is deleted
+        return newest if newest is not None and newest >= 0 else None
 
     def forget_after(self, step: int | None) -> None:
         """The run goes on from ``step`` (None: from scratch): steps newer than it were deleted, so
@@ -183,13 +182,7 @@ class Replicator:
         self._saved, self._done = kept(self._saved), kept(self._done)
         self._agreed = (kept(self._agreed[0]), kept(self._agreed[1]))
         if self.broken is not None:
-            try:
-                store = dist.distributed_c10d._get_process_group_store(self.pg)
-                store.set(self._key.format(self.rank), orjson.dumps(self._kept))
-                while self._answered:
-                    store.delete_key(self._answered.popleft())
-            except Exception as exc:  # no store to reach: nothing is deleted while it is so
-                log.debug("local tier: the store of the tier's group cannot be used: %s: %s", type(exc).__name__, exc)
+            self._in_store(self._repost)
 
     def lost_link(self, exc: BaseException) -> None:
         """Take the tier's group for broken if ``exc`` came of a broken link (a restore's transfer or
@@ -203,14 +196,28 @@ class Replicator:
     def relink(self, group: Group, pg: Any) -> None:
         """Go on with the tier's new group (made on every rank while this worker had nothing to do),
         once this rank's keys are gone from the old one's store (the job's, which outlives it)."""
-        try:
-            store = dist.distributed_c10d._get_process_group_store(self.pg)
-            for key in [self._key.format(self.rank), *self._answered]:
-                store.delete_key(key)
-        except Exception as exc:  # a few keys left behind
-            log.debug("local tier: the store of the tier's group cannot be used: %s: %s", type(exc).__name__, exc)
+        self._in_store(self._forget_keys)  # a few keys left behind if it cannot
         self._answered.clear()
         self.group, self.pg, self.broken = group, pg, None
+
+    def _repost(self, store: Any) -> None:
+        """Post this rank's saved steps anew, and remove the first rank's answers (about steps gone)."""
+        store.set(self._key.format(self.rank), orjson.dumps(self._kept))
+        while self._answered:
+            store.delete_key(self._answered.popleft())
+
+    def _forget_keys(self, store: Any) -> None:
+        for key in [self._key.format(self.rank), *self._answered]:
+            store.delete_key(key)
+
+    def _in_store(self, work: Callable[[Any], T]) -> T | None:
+        """``work`` on the store of the tier's group (the job's, which outlives a broken group), or
+        None, logged, when the store cannot be reached or does not answer in time."""
+        try:
+            return work(dist.distributed_c10d._get_process_group_store(self.pg))
+        except Exception as exc:
+            log.debug("local tier: the store of the tier's group cannot be used: %s: %s", type(exc).__name__, exc)
+            return None
 
     def _break(self, exc: BaseException) -> None:
         """The tier's group failed: say so once, loudly, and go on without it (see the module's docstring)."""
