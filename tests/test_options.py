@@ -60,9 +60,12 @@ def render() -> str:
            "`src/zerostall/tiers/local.py`, `src/zerostall/integrations/deepspeed/engine.py`, "
            "`src/zerostall/integrations/lightning/checkpoint_io.py`); "
            "`tests/test_options.py` checks "
-           "that it matches them. Every "
+           "that it matches them. A "
            "function that takes an options object also takes its fields as keywords: "
-           "`zs.save(state, path, fsync=False)` is `zs.save(state, path, zs.SaveOptions(fsync=False))`.", ""]
+           "`zs.save(state, path, fsync=False)` is `zs.save(state, path, zs.SaveOptions(fsync=False))`. "
+           "`CheckpointManager` takes the fields of `SaveOptions` and `RetentionPolicy` as keywords, and "
+           "`LoadOptions` as `load_options=` (or as keywords of its `open` and `restore`); `S3Storage` takes "
+           "an `S3Options` only.", ""]
     for name in SOURCES:
         cls = options_class(name)
         doc, docs = field_docs(name)
