@@ -124,6 +124,36 @@ def test_a_manifest_that_cannot_be_read_during_retention_keeps_everything_it_may
     assert same(load(tmp_path, 4, state), state)
 
 
+def test_a_failed_retention_round_is_raised_by_wait_even_after_a_later_save_committed(tmp_path, monkeypatch):
+    """A later save's round replaced the failed round's future, so wait() raised nothing and the
+    failure went unseen; now every round after it fails too (having run) until a wait() raises it."""
+    stat = local.LocalStorage.stat
+    calls = []
+
+    def failing(self, name):  # the second read only: the round's listing reads it, its reference scan cannot
+        if name == "manifest.json" and self.location.endswith(step_tag(2)) \
+                and threading.current_thread().name.startswith("zerostall-retention"):
+            calls.append(name)
+            if len(calls) == 2:
+                raise OSError(errno.EIO, "Input/output error")
+        return stat(self, name)
+
+    state = make_state()
+    with manager(tmp_path, keep_last=1) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        monkeypatch.setattr(local.LocalStorage, "stat", failing)
+        state["model"]["lora"].add_(1)
+        mgr.save(2, state)  # its round cannot read step 2's manifest
+        state["model"]["lora"].add_(1)
+        mgr.save(3, state)  # its round works, and retires steps 1 and 2
+        with pytest.raises(zs.CheckpointError, match=f"cannot read the manifest of .*{step_tag(2)}"):
+            mgr.wait()
+        mgr.save(4, state)
+        mgr.wait()  # raised once
+        assert [name for name, _ in mgr.checkpoints()] == [step_tag(4)]
+    assert same(load(tmp_path, 4, state), state)
+
 def test_replacing_a_checkpoint_that_one_set_aside_refers_to_is_refused(tmp_path):
     """Only the checkpoints in the root were asked: one set aside by a rollback (which the warning
     says to move back to resume from) referred to step 1, and ``overwrite=True`` replaced it."""

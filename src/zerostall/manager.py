@@ -234,12 +234,11 @@ class CheckpointManager:
         except OSError as exc:  # `latest` still names the previous checkpoint, which must stay
             raise CheckpointError(f"{tag} is committed, but {self.checkpoint_root.where(LATEST_NAME)} could not be "
                                   f"pointed at it: {exc}") from exc
-        self._pending_delete = self._deleter.submit(self._apply_retention)
+        self._pending_delete = self._deleter.submit(self._apply_retention, self._pending_delete)
 
     # -- reading -------------------------------------------------------------------------------
     def checkpoints(self) -> list[tuple[str, CheckpointRecord]]:
-        """Committed checkpoints (tag, record), oldest step first (a step-less one counts as step
-        -1). Only the head of each manifest is parsed, once while it stays the same file."""
+        """Committed checkpoints (tag, record), oldest step first (step-less: -1); each manifest's head parsed once."""
         return [(info.name, info.record()) for info in self.checkpoint_root.checkpoints()]
 
     def latest(self) -> str | None:
@@ -303,11 +302,9 @@ class CheckpointManager:
             self.tier.forget_after(self.last_restore.step if loaded is not None else None)
         if loaded is None:  # nothing committed yet
             return None
-        for key, value in state.items():  # python values and tuples are new objects: put them in place
-            if key not in loaded:  # per-rank state left as it is
-                continue
-            got = loaded[key]
-            state[key] = got.value if isinstance(got, RankLocal) and not isinstance(value, RankLocal) else got
+        for key in state.keys() & loaded.keys():  # python values and tuples are new objects: put them in place
+            got = loaded[key]  # (per-rank state not loaded is left as it is)
+            state[key] = got.value if isinstance(got, RankLocal) and not isinstance(state[key], RankLocal) else got
         self.loaders.after_load(state)
         if RNG_KEY in loaded:
             set_rng_state(loaded[RNG_KEY].value)
@@ -344,12 +341,15 @@ class CheckpointManager:
         if self.lease is not None:
             self.lease.fence()()
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, earlier: Future[None] | None) -> None:
+        """One round; an ``earlier`` round's failure (it is done: one thread runs them) is raised after it."""
         self._still_the_writer()
         for tag, rules in retained(self.checkpoint_root.checkpoints(), self.policy, self._pinned).items():
             if not rules:
                 self.checkpoint_root.delete(tag)
         self.checkpoint_root.collect_retained()
+        if earlier is not None and (failed := earlier.exception()) is not None:
+            raise failed
 
     def wait_staged(self) -> None:
         """Block until the asynchronous save in flight (if any) has captured the state: call it
@@ -366,8 +366,9 @@ class CheckpointManager:
         if self.saver is not None:
             self.saver.wait()
         self._settle_commit()
-        if self._pending_delete is not None:
-            self._pending_delete.result()
+        pending, self._pending_delete = self._pending_delete, None
+        if pending is not None:
+            pending.result()
 
     def _settle_commit(self) -> None:
         """Wait for the commit (``latest``, retention) of the last asynchronous save; its failure is raised here."""
