@@ -139,6 +139,19 @@ def test_first_save_makes_the_directory_durable_before_writing(tmp_path, monkeyp
     assert not [e for e in rec.events if e[0] == "unlink"], rec.events
 
 
+
+def test_every_directory_a_first_save_makes_is_durable_in_its_parent_before_writing(tmp_path, monkeypatch):
+    """Only the checkpoint's own entry was fsync'd: the new folders above it could vanish in a
+    power loss, and the committed checkpoint with them."""
+    path = tmp_path / "new1" / "new2" / "step-10"
+    rec = Recorder(monkeypatch)
+    zs.save(make_state(1), path)
+    monkeypatch.undo()
+    _, files = manifest_info(path)
+    syncs = [rec.index("fsync", os.path.realpath(p)) for p in (tmp_path, tmp_path / "new1", tmp_path / "new1" / "new2")]
+    first_data = min(rec.index("fsync", os.path.join(os.path.realpath(path), f)) for f in files)
+    assert syncs == sorted(syncs) and syncs[-1] < first_data, rec.events
+
 def test_fsync_false_never_fsyncs(tmp_path, monkeypatch):
     path = tmp_path / "scratch" / "ckpt"
     zs.save(make_state(1), path, fsync=False, overwrite=True)

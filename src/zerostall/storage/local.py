@@ -60,12 +60,9 @@ def _hf_cache_blobs(location: str) -> str | None:
 
 
 def _file_type(mode: int) -> str:
-    for test, what in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return what
-    return "not a regular file"
+    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((what for test, what in kinds if test(mode)), "not a regular file")
 
 
 def fsync_dir(path: str) -> None:
@@ -93,8 +90,7 @@ def _directory_lock(path: str) -> Iterator[None]:
 
 
 def check_path(path: str) -> str:
-    """``path``, which must be one the OS can name: a NUL byte in it is an :class:`InvalidPathError`
-    naming it (each file-system call would raise a bare ``ValueError``)."""
+    """``path``; a NUL byte in it is an :class:`InvalidPathError` naming it (not each call's bare ``ValueError``)."""
     if "\0" in path:
         raise InvalidPathError(f"the path {path!r} holds a NUL byte ('\\0'), which no file name can hold; check how "
                                "the path was built")
@@ -140,11 +136,15 @@ class LocalStorage(Storage):
         return path
 
     def create(self) -> None:
-        if os.path.isdir(self.location):
-            return
-        os.makedirs(self.location, exist_ok=True)
-        if self.fsync:
-            fsync_dir(os.path.dirname(self.location))
+        """Make the directory and any missing parents, each new entry made durable in its parent."""
+        path, missing = self.location, []
+        while not os.path.isdir(path):
+            missing, path = [path, *missing], os.path.dirname(path)
+        for path in missing:
+            with contextlib.suppress(FileExistsError):  # made meanwhile (by another rank)
+                os.mkdir(path)
+            if self.fsync:
+                fsync_dir(os.path.dirname(path))
 
     def exists(self) -> bool:
         return os.path.isdir(self.location)
