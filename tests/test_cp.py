@@ -4,6 +4,7 @@ manifest last, resumed after an interruption; progress bars and exit statuses of
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pty
@@ -205,6 +206,36 @@ def test_a_complete_looking_file_with_a_bad_block_at_the_destination_is_copied_a
     assert info.files == 1 and info.skipped_files == 1 and dst.names("write") == [damaged]
     assert_loads(tmp_path / "b", expected)
 
+
+
+def test_a_copy_onto_itself_never_deletes_a_file_it_cannot_check(tmp_path: Path) -> None:
+    """In place (how an incremental checkpoint is made self-contained where it lies), a data file
+    that failed its re-check (a read error, a bad block) was deleted to be copied again: from
+    itself, which was then gone."""
+    expected = save(tmp_path / "a")
+    files = data_files(tmp_path / "a")
+    same = FaultyStorage(LocalStorage(str(tmp_path / "a")))
+    same.fail("read_into_many", OSError(errno.EIO, "Input/output error"), times=1)
+    same.fail("read_into", OSError(errno.EIO, "Input/output error"), times=1)
+    with pytest.raises(zs.CheckpointError, match="Input/output error"):
+        zs.copy(tmp_path / "a", same, overwrite=True)
+    assert data_files(tmp_path / "a") == files and not same.names("delete")
+    assert_loads(tmp_path / "a", expected)  # a transient error: run again, it is whole
+
+    with open(tmp_path / "a" / files[0], "r+b") as f:
+        f.seek(-5, os.SEEK_END)
+        f.write(b"\xff\xff\xff\xff\xff")
+    result = run("cp", tmp_path / "a", tmp_path / "a", "--overwrite")
+    assert result.exit_code == 1 and files[0] in result.stderr, result.output
+    assert data_files(tmp_path / "a") == files
+
+
+def test_a_copy_into_the_checkpoint_it_copies_is_refused(tmp_path: Path) -> None:
+    """It committed a checkpoint inside its source, gone with the source at the next prune."""
+    save(tmp_path / "a")
+    result = run("cp", tmp_path / "a", tmp_path / "a" / "backup")
+    assert result.exit_code == 1 and "lies inside the checkpoint it would copy" in result.stderr, result.output
+    assert not (tmp_path / "a" / "backup").exists()
 
 def test_a_destination_with_another_checkpoint_s_files_never_mixes_generations(tmp_path: Path) -> None:
     """Uncommitted files of another checkpoint at the destination are never used and are removed

@@ -6,6 +6,7 @@ command line; and memory bounded by a few slabs, measured in a fresh process."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -82,6 +83,21 @@ def test_one_file_when_it_fits_no_index_bit_exact(tmp_path):
     assert info.bytes == sum(t.nbytes for t in model.values()) and info.skipped == []
     assert_same(read_hf(tmp_path / "hf"), model)
 
+
+
+def test_a_disk_that_fills_up_is_named_in_the_error(tmp_path, monkeypatch):
+    """``os.write`` raises ENOSPC without a file name: the error said only "No space left on device"."""
+    path, _ = saved(tmp_path)
+    write, out = os.write, str(tmp_path / "hf")
+
+    def full(fd: int, data) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(out):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
+    result = CliRunner().invoke(cli, ["export", str(path), out])
+    assert result.exit_code == 1 and "No space left on device" in result.output and out in result.output, result.output
 
 def test_shards_and_index_as_save_pretrained_makes_them(tmp_path):
     from huggingface_hub import split_torch_state_dict_into_shards

@@ -5,7 +5,9 @@ through the root (what others refer to stays as retained data, removed once noth
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -23,6 +25,7 @@ from zerostall.cli import cli
 from zerostall.format.layout import MANIFEST_NAME
 from zerostall.format.retained import RETAINED_NAME
 from zerostall.roots.root import step_tag
+from zerostall.storage import LocalStorage
 
 BLOCK = 64 << 10
 STEPS = (1, 2, 3, 4, 5)
@@ -296,6 +299,33 @@ def test_cp_never_replaces_or_clears_a_checkpoint_others_refer_to(saved, tmp_pat
     assert sorted(p.name for p in step_dir(root, 1).glob("*.safetensors")) == kept
     assert_loads(step_dir(root, 5), saved[5])
 
+
+
+@pytest.mark.parametrize("unreadable", [1, 2])
+def test_a_manifest_that_cannot_be_read_stops_a_replacement_that_could_delete_referenced_data(
+        saved, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unreadable: int) -> None:
+    """A manifest that could not be read (permission denied) counted as no checkpoint (step 1's,
+    the one replaced: cp skipped the check) or as one referring to nothing (step 2's, which refers
+    to step 1): replacing step 1 deleted the data step 2 reads."""
+    root = tmp_path / "root"
+    zs.save({"w": torch.ones(3)}, tmp_path / "other", zs.SaveOptions(fsync=False))
+    owned = sorted(p.name for p in step_dir(root, 1).glob("*.safetensors"))
+    read_head = LocalStorage.read_head
+    denied = os.path.abspath(step_dir(root, unreadable))
+
+    def reading(self: LocalStorage, name: str, n: int) -> bytes:
+        if name == MANIFEST_NAME and self.location == denied:
+            raise PermissionError(errno.EACCES, "Permission denied", os.path.join(denied, name))
+        return read_head(self, name, n)
+
+    monkeypatch.setattr(LocalStorage, "read_head", reading)
+    result = run("cp", tmp_path / "other", step_dir(root, 1), "--overwrite")
+    assert result.exit_code == 1, result.output
+    with pytest.raises(zs.CheckpointError, match="refer to" if unreadable == 1 else "cannot read the manifest"):
+        zs.save({"w": torch.ones(3)}, step_dir(root, 1), overwrite=True, fsync=False)
+    monkeypatch.undo()
+    assert sorted(p.name for p in step_dir(root, 1).glob("*.safetensors")) == owned
+    assert_loads(step_dir(root, 2), saved[2])
 
 def test_a_reference_that_appears_while_cp_overwrites_a_checkpoint_stops_its_commit(tmp_path: Path) -> None:
     root = tmp_path / "root"

@@ -30,7 +30,7 @@ from ..loading.opening import read_manifest_bytes, read_manifest_from
 from ..loading.reader import ChunkReader
 from ..options import default_threads
 from ..storage import Storage, storage_for
-from ..storage.location import check_location, manifest_generation, publish_manifest, remove_stale
+from ..storage.location import check_location, manifest_generation, publish_manifest, remove_stale, within
 from ..storage.references import check_unreferenced, linked
 from .contained import Moved, self_contained
 
@@ -130,23 +130,28 @@ def copy(src: str | os.PathLike[str] | Storage | Source, dst: str | os.PathLike[
     start, began = time.perf_counter(), time.time_ns()  # began: as a save's generation time, for the clean-up
     source = src if isinstance(src, Source) else Source.read(storage_for(src))
     target, manifest = storage_for(dst), source.manifest
+    inside = within(target.location, source.storage.location)
+    in_place = inside and within(source.storage.location, target.location)  # then no file of it is ever deleted
+    if inside and not in_place:
+        raise CheckpointError(f"{target.location} lies inside the checkpoint it would copy "
+                              f"({source.storage.location}); nothing was written: copy it to a location outside it")
     listed = target.sizes()  # one listing, with the sizes where it gives them (an object store)
     names = target.list() if listed is None else list(listed)
     check_location(target, overwrite, what="copy", names=names)
     found = manifest_generation(target)  # the checkpoint the copy replaces: still there at its commit?
     if overwrite:
-        check_unreferenced(target, found is not None)  # its clean-up would delete files that checkpoints beside it read
+        check_unreferenced(target)  # its clean-up would delete files that checkpoints beside it read
     present: dict[str, int | None] = dict.fromkeys(names) if listed is None else dict(listed)
     try:
         target.create()
     except OSError as exc:
         raise CheckpointError(f"cannot create {target.location}: {exc}") from exc
-    job = _Copy(source, target, threads or default_threads(), progress or (lambda n: None))
+    job = _Copy(source, target, threads or default_threads(), progress or (lambda n: None), in_place)
     try:
         copied, skipped = job.run(present)
     finally:
         job.close()
-    recheck = (lambda: check_unreferenced(target, found is not None)) if overwrite else None  # a save beside it
+    recheck = (lambda: check_unreferenced(target)) if overwrite else None  # a save beside it
     # may refer to it by now
     publish_manifest(target, manifest.generation, source.raw, found, what="copy", before_commit=recheck)
     # the checkpoint replaced, and saves or copies begun before this one (interrupted, or refused now that this one
@@ -159,8 +164,9 @@ def copy(src: str | os.PathLike[str] | Storage | Source, dst: str | os.PathLike[
 class _Copy:
     """The data files of one copy, in parallel threads, each file read and checked a run at a time."""
 
-    def __init__(self, source: Source, target: Storage, threads: int, progress: Callable[[int], None]) -> None:
-        self.source, self.target, self.manifest = source.storage, target, source.manifest
+    def __init__(self, source: Source, target: Storage, threads: int, progress: Callable[[int], None],
+                 in_place: bool) -> None:
+        self.source, self.target, self.manifest, self.in_place = source.storage, target, source.manifest, in_place
         self.moved, self.referred = source.moved, source.referred
         self.threads, self.progress = max(1, threads), progress
         self.src_reader = ChunkReader(self.source, self.manifest, threads)
@@ -236,10 +242,12 @@ class _Copy:
 
     def _complete(self, name: str, size: int, found: int | None, runs: list[_Run]) -> bool:
         """Whether data file ``name`` at the destination (``found`` bytes, if known) has its size
-        and passes every check."""
+        and passes every check. In place, the destination's file is the source's own: one that does
+        not is raised (damage or a read error), never copied again over itself."""
         try:
-            if (self.target.size(name) if found is None else found) != size:
-                return False
+            if (actual := self.target.size(name) if found is None else found) != size:
+                raise CorruptCheckpointError(f"data file {name} of {self.target.location} has {actual} bytes, the "
+                                             f"manifest says {size}")
             for run in runs:
                 if self.stop.is_set():
                     raise _Stopped("another copying thread failed")
@@ -248,6 +256,8 @@ class _Copy:
         except _Stopped:
             raise
         except (CheckpointError, OSError) as exc:
+            if self.in_place:
+                raise
             log.info("%s at %s is not complete (%s): copied again", name, self.target.location, exc)
             return False
         return True

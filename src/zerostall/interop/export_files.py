@@ -77,9 +77,11 @@ def _write_file(path: str, parts: Iterable[memoryview]) -> None:
             while len(part):
                 part = part[os.write(fd, part):]
         os.fsync(fd)
-    except BaseException:
+    except BaseException as exc:
         os.close(fd)
         os.unlink(path)
+        if isinstance(exc, OSError) and exc.filename is None:
+            exc.filename = path  # os.write does not say which file filled the disk
         raise
     os.close(fd)
 

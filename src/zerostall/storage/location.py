@@ -10,6 +10,7 @@ any more are removed after. No torch: ``zerostall cp`` runs it.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from typing import Callable, Iterable
 
@@ -38,6 +39,13 @@ def check_location(storage: Storage, overwrite: bool, *, what: str = "save",
         raise CheckpointError(f"{storage.location} holds files that are not part of a zerostall checkpoint "
                               f"({few(foreign)}); nothing was written: {what} into a new or empty location, or into an "
                               "existing checkpoint to replace it")
+
+
+def within(inner: str, outer: str) -> bool:
+    """Whether location ``inner`` is ``outer`` or lies inside it (paths resolved through links; URLs by prefix)."""
+    if "://" not in inner and "://" not in outer:
+        inner, outer = os.path.realpath(inner), os.path.realpath(outer)
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
 
 
 def few(names: list[str], shown: int = 5) -> str:

@@ -190,8 +190,11 @@ def referrers(checkpoint: Storage) -> list[str]:
                 continue  # only format versions 3 on refer, and from version 4 each says so at its start
             raw = holder.read_bytes(MANIFEST_NAME, max_manifest_bytes())
             head = parse_head(raw, f"{holder.location}/{MANIFEST_NAME}")
-        except (FileNotFoundError, NotADirectoryError, PermissionError, CorruptCheckpointError):  # none, damaged
+        except (FileNotFoundError, NotADirectoryError, CorruptCheckpointError):  # none, damaged
             continue
+        except OSError as exc:  # denied, or an I/O error: it may refer to the checkpoint
+            raise CheckpointError(f"cannot read the manifest of {holder.location} ({exc}), so whether it refers to "
+                                  f"data of {checkpoint.location} is unknown; nothing was replaced") from exc
         if tag in head.refs.values():
             found.append(name)
     return found

@@ -27,6 +27,7 @@ from pathlib import Path
 from ..errors import InsufficientSpaceError, InvalidPathError
 from ..format.layout import MANIFEST_NAME
 from ..storage.base import free_bytes
+from ..storage.location import within
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,7 @@ class LocalTier:
 def check_outside(tier: LocalTier, root: str) -> None:
     """Refuse a tier directory inside the persistent root (a local path): the root holds only
     checkpoints, so the next manager on it would refuse to start."""
-    inner, outer = os.path.realpath(tier.directory), os.path.realpath(root)
-    if "://" not in root and os.path.commonpath([inner, outer]) == outer:
+    if "://" not in root and within(tier.directory, root):
         raise InvalidPathError(f"LocalTier.directory {tier.directory} lies inside the checkpoint root {root}, which "
                                "holds only checkpoints (a restarted manager would refuse it): give the local tier a "
                                "directory of its own, such as /dev/shm/zs or one on local NVMe")
