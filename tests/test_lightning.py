@@ -326,6 +326,8 @@ def test_last_checkpoint_is_the_newest_committed_last(tmp_path: Path) -> None:
     io.save_checkpoint({"global_step": 1}, tmp_path / "last.ckpt")  # the newest last, whatever its name
     (tmp_path / "last-v2.ckpt").mkdir()  # a save that never committed (killed before its manifest)
     assert last_checkpoint(tmp_path) == str(tmp_path / "last.ckpt")
+    io.save_checkpoint({"global_step": 5}, tmp_path / "last-v1.ckpt")  # ModelCheckpoint's second run in one folder
+    assert last_checkpoint(tmp_path) == str(tmp_path / "last-v1.ckpt")
     io.save_checkpoint({"global_step": 4}, tmp_path / "final.ckpt")
     assert last_checkpoint(tmp_path, name="final") == str(tmp_path / "final.ckpt")
 

@@ -174,7 +174,7 @@ def last_checkpoint(dirpath: Any, name: str = "last") -> str | None:
     """The newest committed ``last.ckpt`` (or ``last-vN.ckpt``; ``name``: ``ModelCheckpoint``'s
     ``CHECKPOINT_NAME_LAST``) under ``dirpath``, or None: ``ckpt_path="last"`` for an ``s3://``
     ``dirpath``, where Lightning's own lookup finds nothing. A save that never committed is skipped."""
-    pattern = re.compile(rf"{re.escape(name)}(-\d+)?\.ckpt")
+    pattern = re.compile(rf"{re.escape(name)}(-v\d+)?\.ckpt")  # ModelCheckpoint's versions: last-v1.ckpt
     found = [i for i in CheckpointRoot(storage_for(_plain(dirpath))).checkpoints() if pattern.fullmatch(i.name)]
     return max(found, key=lambda i: i.created or 0.0).location if found else None
 
