@@ -284,14 +284,53 @@ def test_initial_load_path_reads_a_zerostall_or_a_torchtitan_dcp_checkpoint(tmp_
         fresh.ckpt.close()
 
 
-def test_a_model_only_checkpoint_restores_the_model_only(tmp_path):
+def test_a_last_model_only_checkpoint_is_not_taken_for_a_resume(tmp_path):
+    """A finished run started again restored the final model alone and trained on from step 0,
+    optimizer and data loader fresh (torchtitan's own manager refuses it too)."""
     run = Run("ckpt", str(tmp_path), async_mode="async", last_save_model_only=True)
     run.steps(1, 3, 3)
-    expected = run.snapshot()["model"]
     run.ckpt.close()
     again = Run("ckpt", str(tmp_path), async_mode="async")
-    assert again.ckpt.load() is True
-    assert same(again.snapshot()["model"], expected) and again.train.step == 0
+    with pytest.raises(zs.CheckpointError, match=f"{step_tag(3)} holds the model alone.*load_step"):
+        again.ckpt.load()
+    assert again.ckpt.load(step=2) is True and again.train.step == 2
+    again.ckpt.close()
+
+
+def load_elsewhere(base: str, **config: Any) -> tuple[bool, Any, int] | str:
+    """Load what one process saved under ``base`` on these ranks: the model, and the train state's step."""
+    run = Run("ckpt", base, **config)
+    try:
+        loaded = run.ckpt.load()
+    except zs.CheckpointError as exc:
+        return str(exc)
+    finally:
+        run.ckpt.close()
+    return loaded, run.snapshot()["model"], run.train.step
+
+
+def test_a_seed_checkpoint_of_one_process_loads_on_two_ranks(ranks, tmp_path):
+    """torchtitan's create_seed_checkpoint saves step 0 on one process; the job then failed on
+    every rank, the seed's one RNG state refused on two ranks."""
+    seed = Run("ckpt", str(tmp_path), last_save_model_only=True)
+    seed.ckpt.save(0, last_step=True)
+    seed.ckpt.close()
+    expected = seed.snapshot()["model"]
+    for loaded, model, step in ranks(2).run(load_elsewhere, str(tmp_path), timeout=240):
+        assert loaded is True and same(model, expected) and step == 0
+
+
+def test_a_checkpoint_of_one_process_resumes_on_two_ranks_without_the_data_loader(ranks, tmp_path):
+    """Refused with advice a torchtitan user cannot follow (``mgr.restore(strict=False)``); DCP
+    reshards it when the data loader is excluded."""
+    run = Run("ckpt", str(tmp_path))
+    run.steps(1, 2, 10)
+    run.ckpt.close()
+    refused = ranks(2).run(load_elsewhere, str(tmp_path), timeout=240)
+    assert all("exclude_from_loading" in r for r in refused), refused
+    out = ranks(2).run(load_elsewhere, str(tmp_path), exclude_from_loading=["dataloader"], timeout=240)
+    for loaded, model, step in out:
+        assert loaded is True and same(model, run.snapshot()["model"]) and step == 2
 
 
 def test_exclude_from_loading_must_name_a_state_key(tmp_path):

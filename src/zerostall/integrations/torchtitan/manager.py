@@ -14,7 +14,7 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools import filesystem
 
 from ... import api
-from ...errors import CheckpointNotFoundError, UnsupportedValueError
+from ...errors import CheckpointError, CheckpointNotFoundError, UnsupportedValueError
 from ...format.layout import RNG_KEY
 from ...manager import CheckpointManager
 from ...roots.root import step_tag
@@ -123,8 +123,11 @@ class ZeroStallCheckpointManager(BaseCheckpointManager):
     def _load(self, step: int = -1) -> bool:
         """Restore the checkpoint of ``step`` (-1: the newest committed, or the previous one if the
         newest is damaged; a missing ``step`` raises ``CheckpointNotFoundError``), else the
-        ``initial_load_path``; False on a fresh start. A model-only checkpoint (a seed checkpoint,
-        step 0, or a last one) restores the model only; ``exclude_from_loading`` keys stay as they are."""
+        ``initial_load_path``; False on a fresh start. As torchtitan's own manager: step 0 (a seed
+        checkpoint) restores the model only, on any number of ranks; a later checkpoint of the model
+        alone (``last_save_model_only``) cannot resume training and raises; ``exclude_from_loading``
+        keys stay as they are. On another number of ranks there is no per-rank state to restore (the
+        RNG states stay each rank's own), so the data loader must be excluded."""
         unknown = set(self.config.exclude_from_loading) - set(self.states)
         if unknown:
             raise UnsupportedValueError(f"checkpoint.exclude_from_loading names {sorted(unknown)}, which the "
@@ -138,10 +141,29 @@ class ZeroStallCheckpointManager(BaseCheckpointManager):
         if ck is None:
             return self._initial_load()
         with ck:
-            model_only = ck.step == 0 or all(k.split(".")[0] in (MODEL, RNG_KEY) for k in ck.entries)
-        keep = [MODEL] if model_only else [k for k in self.states if k not in self.config.exclude_from_loading]
+            if ck.step != 0 and all(k.split(".")[0] in (MODEL, RNG_KEY) for k in ck.entries):
+                raise CheckpointError(f"{ck.path} holds the model alone (checkpoint.last_save_model_only, the end of "
+                                      "a run), so training cannot resume from it: set checkpoint.load_step to an "
+                                      f"earlier step that holds the training state (`zerostall ls {self.folder}` "
+                                      "lists them), or train a new run from it with checkpoint.initial_load_path "
+                                      "and initial_load_model_only")
+            keep = [MODEL] if ck.step == 0 else [k for k in self.states if k not in self.config.exclude_from_loading]
+            if ck.step == 0 or ck.manifest.world_size != self.manager.group.size:
+                return self._load_resharded(ck, keep)
         restored = self.manager.restore({k: self.states[k] for k in keep}, tag, keys=keep + [RNG_KEY])
         log.info("restored step %s from %s", restored, self.folder)
+        return True
+
+    def _load_resharded(self, ck: Any, keep: list[str]) -> bool:
+        """Load ``keep`` of checkpoint ``ck`` without per-rank state: a seed checkpoint (saved by one
+        process), or one saved by another number of ranks, resharded as DCP does."""
+        if DATALOADER in keep:
+            raise CheckpointError(f"{ck.path} was saved by {ck.manifest.world_size} rank(s) and is loaded on "
+                                  f"{self.manager.group.size}: each rank's data-loader position cannot be given to "
+                                  "these ranks one to one; add 'dataloader' to checkpoint.exclude_from_loading to "
+                                  "resume the rest (each rank's data loader and RNG states then start as they are)")
+        ck.load({k: self.states[k] for k in keep}, keys=keep)
+        log.info("restored %s of step %s from %s", ", ".join(keep), ck.step, self.folder)
         return True
 
     def _initial_load(self) -> bool:
