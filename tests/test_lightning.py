@@ -32,7 +32,7 @@ from zerostall.errors import CheckpointError, CorruptCheckpointError, Unsupporte
 from zerostall.format.layout import MANIFEST_NAME  # noqa: E402
 from zerostall.integrations.lightning import (LightningOptions, ZeroStallCheckpointIO,  # noqa: E402
                                              ZeroStallModelParallelStrategy, last_checkpoint)
-from zerostall.integrations.lightning import values  # noqa: E402
+from zerostall.integrations.lightning import checkpoint_io, values  # noqa: E402
 from zerostall.saving import asynchronous  # noqa: E402
 from zerostall.storage import storage_for  # noqa: E402
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
@@ -315,7 +315,8 @@ def test_top_k_and_last_with_asynchronous_saves(tmp_path: Path) -> None:
     data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 2))
     resumed.fit(Tiny({"width": 4}), torch.utils.data.DataLoader(data, batch_size=4), ckpt_path="last")
     assert resumed.ckpt_path == str(tmp_path / "ck" / "last.ckpt") and resumed.global_step == 5
-    assert last_checkpoint(tmp_path / "ck") == str(tmp_path / "ck" / "last.ckpt")
+    # its ModelCheckpoint found last.ckpt there and wrote its own last as last-v1.ckpt: the newest
+    assert last_checkpoint(tmp_path / "ck") == str(tmp_path / "ck" / "last-v1.ckpt")
 
 
 def test_last_checkpoint_is_the_newest_committed_last(tmp_path: Path) -> None:
@@ -331,6 +332,38 @@ def test_last_checkpoint_is_the_newest_committed_last(tmp_path: Path) -> None:
     io.save_checkpoint({"global_step": 4}, tmp_path / "final.ckpt")
     assert last_checkpoint(tmp_path, name="final") == str(tmp_path / "final.ckpt")
 
+
+
+@pytest.mark.parametrize("asynchronous,exchange", [(False, True), (True, True), (False, False)])
+def test_a_save_over_lightnings_own_file_replaces_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     asynchronous: bool, exchange: bool) -> None:
+    """A run switched to the plugin found last.ckpt, a file of Lightning's own checkpointing, and
+    its first save over it failed ("Not a directory"): training died. (``exchange=False``: a file
+    system without an atomic exchange.)"""
+    if not exchange:
+        monkeypatch.setattr(checkpoint_io, "_exchange", lambda a, b: False)
+    TorchCheckpointIO().save_checkpoint({"w": torch.zeros(3)}, tmp_path / "last.ckpt")
+    io = ZeroStallCheckpointIO(asynchronous=asynchronous)
+    io.save_checkpoint({"w": torch.ones(3), "global_step": 7}, tmp_path / "last.ckpt")
+    assert torch.equal(io.load_checkpoint(tmp_path / "last.ckpt")["w"], torch.ones(3))
+    io.teardown()
+    assert os.listdir(tmp_path) == ["last.ckpt"] and zs.verify(str(tmp_path / "last.ckpt")) > 0
+
+
+def test_a_first_save_killed_half_way_leaves_nothing_lightning_would_resume_from(tmp_path: Path) -> None:
+    """Its folder was written in place: Lightning's lookup of "last" (any name with "last" in it)
+    picked the uncommitted last.ckpt, and every restart failed loading it."""
+    script = ("import os, sys, torch, zerostall as zs\n"
+              "from zerostall.integrations.lightning import ZeroStallCheckpointIO\n"
+              "io = ZeroStallCheckpointIO(save=zs.SaveOptions(before_commit=lambda: os._exit(9)))\n"
+              "io.save_checkpoint({'w': torch.ones(3)}, sys.argv[1])\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "last.ckpt")], timeout=120)
+    assert done.returncode == 9
+    assert [n for n in os.listdir(tmp_path) if "last" in n] == [] and last_checkpoint(tmp_path) is None
+    io = ZeroStallCheckpointIO()
+    io.save_checkpoint({"w": torch.full((3,), 2.0)}, tmp_path / "last.ckpt")  # the next run's first save
+    assert torch.equal(io.load_checkpoint(tmp_path / "last.ckpt")["w"], torch.full((3,), 2.0))
+    assert os.listdir(tmp_path) == ["last.ckpt"]
 
 # -- paths Lightning hands over ---------------------------------------------------------------------
 def test_links_and_lightnings_own_files_are_removed_as_files_and_loaded_with_torch(tmp_path: Path) -> None:

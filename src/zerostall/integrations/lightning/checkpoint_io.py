@@ -3,16 +3,23 @@
 Lightning calls ``save_checkpoint`` and ``remove_checkpoint`` on global rank 0 only, so they run
 without any collective (this process alone, even under DDP); ``load_checkpoint`` runs on every
 rank that resumes, each reading on its own. The path Lightning names (``epoch=0-step=10.ckpt``,
-``last.ckpt``) becomes a checkpoint directory, replaced atomically when saved again.
+``last.ckpt``) becomes a checkpoint directory, replaced atomically when saved again. Where no
+committed checkpoint is there yet (a first save; Lightning's own file, from before the plugin), a
+local save is written beside it under a hidden name and moved into place once committed, so that a
+save killed half-way leaves nothing Lightning's lookup of ``"last"`` would pick.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
 import functools
+import hashlib
 import logging
 import os
 import re
+import shutil
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -25,12 +32,14 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from ... import api
 from ...collectives import ALONE
 from ...errors import CheckpointError
+from ...format.layout import MANIFEST_NAME
 from ...loading.checkpoint import Checkpoint
 from ...options import LoadOptions, SaveOptions, _Options
 from ...roots.root import CheckpointRoot
 from ...saving.asynchronous import AsyncSaver
 from ...saving.handles import OneShot, SaveHandle
 from ...storage import storage_for
+from ...storage.local import fsync_dir
 from . import values
 
 log = logging.getLogger(__name__)
@@ -78,6 +87,7 @@ class ZeroStallCheckpointIO(CheckpointIO):
         self.options = LightningOptions.of(options, overrides)
         self._saver: AsyncSaver | None = None  # made at the first asynchronous save (a Trainer may be pickled before)
         self._pending: SaveHandle | None = None
+        self._placing: Future | None = None  # the save in flight's move into place, when it was staged
         self._removals: list[Future] = []
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
@@ -92,14 +102,23 @@ class ZeroStallCheckpointIO(CheckpointIO):
         kwargs: dict[str, Any] = dict(process_group=ALONE, step=step if type(step) is int else None,
                                       metadata={values.METADATA_KEY: {"objects": objects}})
         self._settle_removals()  # a removal into this path must not run after this save began
+        self._settle_placing()  # the last save's move out of the staging folder this one may use
+        target = _plain(path)
+        staged = _staging(target)
         if not self.options.asynchronous:
-            api.save(tree, _plain(path), options, **kwargs)
+            api.save(tree, staged or target, options, **kwargs)
+            if staged is not None:
+                _place(staged, target, options.fsync)
             return
         if self._saver is None:
             self._saver = AsyncSaver()
-        handle = self._saver.save(tree, _plain(path), options, **kwargs)
+        handle = self._saver.save(tree, staged or target, options, **kwargs)
         assert handle is not None
         self._pending = handle
+        if staged is not None:
+            self._placing = placing = Future()
+            handle.committed.add_done_callback(OneShot(functools.partial(_place_after, staged, target, options.fsync,
+                                                                         placing)))
         handle.wait_staged()
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
@@ -109,12 +128,12 @@ class ZeroStallCheckpointIO(CheckpointIO):
         :class:`ZeroStallModelParallelStrategy` comes back whole, its optimizer states keyed by
         parameter name (as ``torch.distributed.checkpoint.state_dict`` gives them)."""
         target = _plain(path)
+        self.wait()  # a save in flight may be this very checkpoint (or replace Lightning's own file there)
         if not _is_url(target) and os.path.isfile(target):
             return TorchCheckpointIO().load_checkpoint(target, map_location, weights_only)
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise TypeError(f"map_location must be None, a torch.device or a device name for a zerostall checkpoint "
                             f"(its tensors load on the CPU and are moved there), not {type(map_location).__name__}")
-        self.wait()  # a save in flight may be this very checkpoint
         options = self.options.load_options(weights_only)
         with Checkpoint(storage_for(target), options, process_group=ALONE) as ck:
             tree = ck.state()
@@ -149,6 +168,7 @@ class ZeroStallCheckpointIO(CheckpointIO):
         try:
             if self._saver is not None:
                 self._saver.wait()
+            self._settle_placing()
         finally:
             self._settle_removals()
 
@@ -159,8 +179,15 @@ class ZeroStallCheckpointIO(CheckpointIO):
         try:
             if saver is not None:
                 saver.close()
+            self._settle_placing()
         finally:
             self._settle_removals()
+
+    def _settle_placing(self) -> None:
+        """Wait for the last staged save's move into place; raise if it failed."""
+        placing, self._placing = self._placing, None
+        if placing is not None:
+            placing.result()
 
     def _settle_removals(self) -> None:
         """Wait for the queued removals; raise the first that failed."""
@@ -177,6 +204,60 @@ def last_checkpoint(dirpath: Any, name: str = "last") -> str | None:
     pattern = re.compile(rf"{re.escape(name)}(-v\d+)?\.ckpt")  # ModelCheckpoint's versions: last-v1.ckpt
     found = [i for i in CheckpointRoot(storage_for(_plain(dirpath))).checkpoints() if pattern.fullmatch(i.name)]
     return max(found, key=lambda i: i.created or 0.0).location if found else None
+
+
+def _staging(path: str) -> str | None:
+    """Where a save of ``path`` is written before it is moved there: a hidden folder beside it
+    (a name Lightning's lookups of ``last`` and ``hpc_ckpt_`` never match) while no committed
+    checkpoint is at ``path``; None (written in place, swapped atomically at its commit) otherwise."""
+    if _is_url(path) or os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+        return None
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(parent, f".zerostall-staging-{hashlib.sha256(name.encode()).hexdigest()[:16]}")
+
+
+def _place(staged: str, path: str, fsync: bool) -> None:
+    """Move the committed checkpoint ``staged`` to ``path``: over Lightning's own file or link
+    there in one atomic exchange where the file system can (else removed first), over a folder
+    whose save never committed, or into the free name."""
+    if os.path.islink(path) or os.path.isfile(path):
+        if _exchange(staged, path):
+            os.remove(staged)  # what was at path
+        else:
+            os.remove(path)
+            os.rename(staged, path)
+    else:
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+            shutil.rmtree(path)  # a save that never committed (killed half-way)
+        os.rename(staged, path)
+    if fsync:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the entries ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False
+    where the system or file system has no such call."""
+    call = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if call is None:
+        return False
+    at_cwd, exchange = -100, 2
+    if call(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), b)
+
+
+def _place_after(staged: str, path: str, fsync: bool, placing: Future, committed: Future) -> None:
+    """A done-callback of a staged save: move it into place once committed (a failed save is its own to raise)."""
+    try:
+        if committed.unseen_exception() is None:  # type: ignore[attr-defined]
+            _place(staged, path, fsync)
+    except BaseException as exc:
+        placing.set_exception(exc)
+    else:
+        placing.set_result(None)
 
 
 def _remove_after(path: str, removal: Future, committed: Future) -> None:
