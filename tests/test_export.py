@@ -99,6 +99,17 @@ def test_a_disk_that_fills_up_is_named_in_the_error(tmp_path, monkeypatch):
     result = CliRunner().invoke(cli, ["export", str(path), out])
     assert result.exit_code == 1 and "No space left on device" in result.output and out in result.output, result.output
 
+def test_an_export_into_the_checkpoint_it_exports_is_refused(tmp_path):
+    """It wrote its files into the checkpoint's folder, where they are foreign files (a later save
+    into that checkpoint is then refused)."""
+    path, _ = saved(tmp_path)
+    before = sorted(os.listdir(path))
+    for out, extra in ((path / "hf", []), (path, ["--overwrite"])):
+        result = CliRunner().invoke(cli, ["export", str(path), str(out), *extra])
+        assert result.exit_code == 2 and "lies inside the checkpoint it exports" in result.output, result.output
+    assert sorted(os.listdir(path)) == before
+
+
 def test_shards_and_index_as_save_pretrained_makes_them(tmp_path):
     from huggingface_hub import split_torch_state_dict_into_shards
 

@@ -35,6 +35,7 @@ from ..roots.naming import Naming
 from ..state import fqn
 from ..storage import Storage
 from ..storage.local import check_path
+from ..storage.location import within
 from .export_files import Item, write_hf, write_torch
 
 log = logging.getLogger(__name__)
@@ -262,6 +263,9 @@ def export_checkpoint(ckpt: str | os.PathLike[str] | Storage | Checkpoint, out: 
 def write_selection(ck: Checkpoint, selection: Selection, target: str, options: ExportOptions,
                     progress: Callable[[int], None] | None = None) -> ExportInfo:
     """Write the ``selection`` of ``ck`` at ``target`` (from :func:`check_target`)."""
+    if within(target, ck.storage.location):  # its files would become foreign files of the checkpoint
+        raise ExportError(f"{target} lies inside the checkpoint it exports ({ck.path}); nothing was written: "
+                          "export to a location outside it")
     threads = options.threads or ck.options.threads or default_threads()
     stream = TensorStream(ck.storage, ck.manifest, threads, SLAB_BYTES, ck.options.max_staging_bytes)
     progress = progress or (lambda n: None)
