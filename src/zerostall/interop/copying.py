@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from ..format.layout import Chunk, Entry, Manifest, generation_time
+from ..format.layout import MANIFEST_NAME, Chunk, Entry, Manifest, generation_time
 from ..loading.opening import read_manifest_bytes, read_manifest_from
 from ..loading.reader import ChunkReader
 from ..options import default_threads
@@ -139,8 +139,9 @@ def copy(src: str | os.PathLike[str] | Storage | Source, dst: str | os.PathLike[
     names = target.list() if listed is None else list(listed)
     check_location(target, overwrite, what="copy", names=names)
     found = manifest_generation(target)  # the checkpoint the copy replaces: still there at its commit?
+    committed = MANIFEST_NAME in names  # by the listing: a manifest that cannot be read is still one
     if overwrite:
-        check_unreferenced(target)  # its clean-up would delete files that checkpoints beside it read
+        check_unreferenced(target, committed)  # its clean-up would delete files that checkpoints beside it read
     present: dict[str, int | None] = dict.fromkeys(names) if listed is None else dict(listed)
     try:
         target.create()
@@ -151,7 +152,7 @@ def copy(src: str | os.PathLike[str] | Storage | Source, dst: str | os.PathLike[
         copied, skipped = job.run(present)
     finally:
         job.close()
-    recheck = (lambda: check_unreferenced(target)) if overwrite else None  # a save beside it
+    recheck = (lambda: check_unreferenced(target, committed)) if overwrite else None  # a save beside it
     # may refer to it by now
     publish_manifest(target, manifest.generation, source.raw, found, what="copy", before_commit=recheck)
     # the checkpoint replaced, and saves or copies begun before this one (interrupted, or refused now that this one
