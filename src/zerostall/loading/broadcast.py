@@ -1,13 +1,16 @@
 """Broadcast loads: chunks that every rank needs whole are read once and sent to the others.
 
 Each such chunk is read (and verified) by one rank, balanced by bytes, and broadcast into
-preallocated buffers on the others: the target tensor itself where layouts match, a bounded
-buffer otherwise. Every rank runs every broadcast, even after a failed read, and then all fail
-together, so no rank waits in a collective for good.
+preallocated buffers on the others: the target tensor itself where layouts match, else a buffer
+of at most the load's staging budget (a larger chunk travels in slices of that size), copied into
+every target that holds the chunk (tied weights loaded into separate tensors each get it). Every
+rank runs every broadcast, even after a failed read or copy, and then all fail together, so no
+rank waits in a collective for good.
 """
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
@@ -16,69 +19,87 @@ import torch
 from ..balance import balance
 from ..collectives import Group
 from ..errors import CheckpointError
-from ..format.boxes import Box, intersect, region
+from ..format.boxes import Box, intersect
 from ..format.layout import Chunk, Entry
-from ..memory import host_empty
-from .fetch import Fetcher, Target, direct_read
+from ..memory import host_empty, tensor_bytes
+from .fetch import MAX_ITEMSIZE, Fetcher, Target, copy_part, direct_read
 
 ChunkId = tuple[int, int]  # an entry's index in the manifest and a chunk's index in the entry
 Whole = tuple[torch.Tensor, Box, Entry, Chunk]  # a target that needs a chunk whole
+Slice = tuple[ChunkId, int, int]  # bytes [lo, hi) of a chunk, broadcast together
 
 
-def broadcast_fill(fetcher: Fetcher, group: Group, targets: list[Target], verify: bool, staging: int) -> set[int]:
+def broadcast_fill(fetcher: Fetcher, group: Group, targets: list[Target], verify: bool,
+                   staging: int) -> set[tuple[int, int]]:
     """Deliver the chunks that every rank needs whole: one rank reads each (balanced by bytes,
     verified) and broadcasts it into preallocated buffers, the target itself where layouts
-    match; other buffers hold at most ``staging`` bytes at a time. Returns the ids of the
-    chunks delivered."""
+    match; other buffers hold at most ``staging`` bytes at a time (at least a block). Returns
+    the (target id, chunk id) pairs delivered."""
     if group.device.type != "cpu":
         raise CheckpointError("broadcast=True moves host buffers and needs a process group that can (gloo); "
                               "open the checkpoint with process_group=dist.new_group(backend='gloo')")
     index = {id(e): i for i, e in enumerate(fetcher.manifest.entries)}
-    wanted: dict[ChunkId, Whole] = {}
+    wanted: dict[ChunkId, list[Whole]] = {}
     for target, box, entry in targets:
         for n, chunk in enumerate(entry.chunks):
             if intersect(box, (chunk.offsets, chunk.sizes)) == (chunk.offsets, chunk.sizes) and chunk.nbytes:
-                wanted[(index[id(entry)], n)] = (target, box, entry, chunk)
+                wanted.setdefault((index[id(entry)], n), []).append((target, box, entry, chunk))
     everyone = group.all_gather_object(sorted(wanted))
     common = sorted(set.intersection(*(set(map(tuple, keys)) for keys in everyone)))
-    order = sorted(range(len(common)), key=lambda i: (-wanted[common[i]][3].nbytes, common[i]))
-    where, _ = balance([wanted[key][3].nbytes for key in common], group.size, order=order)
+    nbytes = {key: wanted[key][0][3].nbytes for key in common}
+    order = sorted(range(len(common)), key=lambda i: (-nbytes[common[i]], common[i]))
+    where, _ = balance([nbytes[key] for key in common], group.size, order=order)
     readers = dict(zip(common, where))
-    direct = {key for key in common if direct_read(*wanted[key])}
-    failure: CheckpointError | None = None
+    for key in common:  # a target that can take the bytes as they are receives them first
+        wanted[key].sort(key=lambda whole: not direct_read(*whole))
+    direct = {key for key in common if direct_read(*wanted[key][0])}
+    unit = math.lcm(fetcher.manifest.block_size, MAX_ITEMSIZE)  # whole blocks and whole elements
+    step = max(unit, staging // unit * unit)
+    slices = [(key, lo, min(lo + step, nbytes[key])) for key in common
+              for lo in (range(0, nbytes[key], step) if key not in direct else (0,))]
+    failure: BaseException | None = None
     with ThreadPoolExecutor(fetcher.threads, thread_name_prefix="zerostall-read") as pool:
-        for batch in _batches(common, lambda k: 0 if k in direct else wanted[k][3].nbytes, staging):
+        for batch in _batches(slices, lambda s: 0 if s[0] in direct else s[2] - s[1], staging):
             failure = _broadcast_batch(fetcher, group, pool, batch, wanted, readers, direct, verify) or failure
     with group.failing_together(f"broadcast load from {fetcher.path} failed: {{failed}} rank(s) could not "
-                                     "read their share (their errors name the file)"):
+                                "read or place their share (their errors name the file)"):
         if failure is not None:
             raise failure
-    return {id(wanted[key][3]) for key in common}
+    return {(id(whole[0]), id(whole[3])) for key in common for whole in wanted[key]}
 
-def _broadcast_batch(fetcher: Fetcher, group: Group, pool: ThreadPoolExecutor, batch: list[ChunkId],
-                     wanted: dict[ChunkId, Whole], readers: dict[ChunkId, int], direct: set[ChunkId],
-                     verify: bool) -> CheckpointError | None:
-    """Read this rank's chunks of ``batch``, broadcast every chunk of it from its reader (every
-    rank runs the same broadcasts, even after a failed read) and copy staged bytes into their
-    targets. Returns this rank's first read failure."""
-    buffers = {key: wanted[key][0].data.reshape(-1).view(torch.uint8) if key in direct
-               else host_empty(wanted[key][3].nbytes) for key in batch}
-    reads = {key: pool.submit(fetcher.read_chunk, wanted[key][2], wanted[key][3], buffers[key], verify)
-             for key in batch if readers[key] == group.rank}
+
+def _broadcast_batch(fetcher: Fetcher, group: Group, pool: ThreadPoolExecutor, batch: list[Slice],
+                     wanted: dict[ChunkId, list[Whole]], readers: dict[ChunkId, int], direct: set[ChunkId],
+                     verify: bool) -> BaseException | None:
+    """Read this rank's slices of ``batch``, broadcast every slice from its reader (every rank
+    runs the same broadcasts, even after a failed read) and copy them into the targets that did
+    not receive them. Returns this rank's first failure."""
+    buffers = {s: wanted[s[0]][0][0].data.reshape(-1).view(torch.uint8) if s[0] in direct
+               else host_empty(s[2] - s[1]) for s in batch}
+    reads = {s: pool.submit(_read_slice, fetcher, wanted[s[0]][0], s, buffers[s], verify)
+             for s in batch if readers[s[0]] == group.rank}
     failure = None
-    for key in batch:
-        if key in reads:
+    for s in batch:
+        if s in reads:
             try:
-                reads[key].result()
-            except CheckpointError as exc:
+                reads[s].result()
+            except Exception as exc:  # whatever it is, this rank still takes part in every broadcast
                 failure = failure or exc
-        group.broadcast_tensor(buffers[key], src=readers[key])
+        group.broadcast_tensor(buffers[s], src=readers[s[0]])
     with torch.no_grad():
-        for key in (k for k in batch if k not in direct):
-            target, box, entry, chunk = wanted[key]
-            src = buffers[key].view(entry.torch_dtype).reshape(chunk.sizes)
-            target[region((chunk.offsets, chunk.sizes), box)].copy_(src)
+        for (key, lo, _), buf in buffers.items():
+            for target, box, entry, chunk in wanted[key][1 if key in direct else 0:]:
+                try:
+                    copy_part(target, box, entry, chunk, (chunk.offsets, chunk.sizes), lo, buf.view(entry.torch_dtype))
+                except Exception as exc:
+                    failure = failure or exc
     return failure
+
+
+def _read_slice(fetcher: Fetcher, whole: Whole, s: Slice, buf: torch.Tensor, verify: bool) -> None:
+    """Read bytes [lo, hi) of the chunk ``s`` names into ``buf``."""
+    _, _, entry, chunk = whole
+    fetcher.read_bytes(entry, chunk, s[1], tensor_bytes(buf), verify)
 
 
 def _batches(items: list[Any], size: Callable[[Any], int], limit: int) -> Iterator[list[Any]]:

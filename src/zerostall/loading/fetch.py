@@ -32,7 +32,7 @@ from .reader import ChunkReader
 
 _PIECE_BYTES = 32 << 20  # the largest single read, in whole blocks
 _STAGE_BYTES = 4 << 20  # a staged read: copied into its target while still in the CPU cache
-_MAX_ITEMSIZE = 16  # the largest element (complex128): staged reads are cut at multiples of every element size
+MAX_ITEMSIZE = 16  # the largest element (complex128): staged reads are cut at multiples of every element size
 Target = tuple[torch.Tensor, Box, Entry]  # a tensor, the box of the global tensor it holds, its entry
 Piece = tuple[Entry, Chunk, int, memoryview]  # bytes [lo, lo + len(out)) of a chunk, to be read into out
 Staged = tuple[torch.Tensor, Box, Entry, Chunk, Box]  # a target, its box, an entry, a chunk, their overlap
@@ -49,11 +49,12 @@ class Fetcher(ChunkReader):
         self._piece_step = max(block, _PIECE_BYTES // block * block)
         self._indexes: dict[int, BoxIndex] = {}  # id of an entry of many chunks -> where its chunks lie
 
-    def fill(self, targets: list[Target], verify: bool, staging: int, skip: set[int] = frozenset()) -> None:
+    def fill(self, targets: list[Target], verify: bool, staging: int,
+             skip: set[tuple[int, int]] = frozenset()) -> None:
         """Copy into each target (a tensor holding ``box`` of its entry) the bytes of every chunk
         that intersects it, reading in parallel: straight into the target when a chunk is exactly
         the target's box and layouts match, through staging buffers otherwise. Chunks whose
-        ``id`` is in ``skip`` were already delivered (by broadcast). A foreign checkpoint has no
+        (target id, chunk id) pair is in ``skip`` were already delivered (by broadcast). A foreign checkpoint has no
         checksums to verify: reads then take only the bytes needed, not whole blocks."""
         verify = verify and self.manifest.foreign is None
         direct, staged = self._route(targets, skip)
@@ -68,7 +69,7 @@ class Fetcher(ChunkReader):
                     run_largest_first(pool, readers, grid.read, grid.requests, verify)
                 else:
                     run_largest_first(pool, readers, self._read_run, _runs(direct, _piece_span, CACHE_PIECE), verify)
-                unit = math.lcm(self.manifest.block_size, _MAX_ITEMSIZE)  # whole blocks and whole elements
+                unit = math.lcm(self.manifest.block_size, MAX_ITEMSIZE)  # whole blocks and whole elements
                 buffers = self.threads * (1 if uploads is None else _Uploads.BUFFERS)
                 step = max(unit, min(_STAGE_BYTES, staging // buffers) // unit * unit)
                 jobs = [job for item in staged for job in self._stage_jobs(item, step, verify)]
@@ -79,7 +80,7 @@ class Fetcher(ChunkReader):
                 cuda.synchronize()  # every upload has landed (also after a failure: buffers are freed)
             self.storage.close()  # the files these threads held open: the next fill has new threads
 
-    def _route(self, targets: list[Target], skip: set[int]) -> tuple[list[Piece], list[Staged]]:
+    def _route(self, targets: list[Target], skip: set[tuple[int, int]]) -> tuple[list[Piece], list[Staged]]:
         """Split the reads for ``targets``: pieces that go straight into a target, and chunk parts
         that go through staging; raise if some part of a target has no stored bytes. Data file
         sizes are checked first where that costs no request: on an object store a read past an
@@ -96,7 +97,7 @@ class Fetcher(ChunkReader):
                 if inter is None:
                     continue
                 covered += math.prod(inter[1])
-                if id(chunk) in skip:
+                if (id(target), id(chunk)) in skip:
                     continue
                 if direct_read(target, box, entry, chunk):
                     direct.extend(self._pieces(entry, chunk, 0, tensor_bytes(target)))
@@ -116,9 +117,9 @@ class Fetcher(ChunkReader):
             index = self._indexes[id(entry)] = BoxIndex([(c.offsets, c.sizes) for c in entry.chunks])
         return [entry.chunks[i] for i in index.overlapping(box)]
 
-    def read_chunk(self, entry: Entry, chunk: Chunk, buf: torch.Tensor, verify: bool) -> None:
-        """Read a whole chunk into ``buf`` (a byte tensor of its size)."""
-        for piece in self._pieces(entry, chunk, 0, tensor_bytes(buf)):
+    def read_bytes(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview, verify: bool) -> None:
+        """Read bytes ``[lo, lo+len(out))`` of ``chunk`` into ``out`` (``lo`` at a block)."""
+        for piece in self._pieces(entry, chunk, lo, out):
             self.read_piece(*piece, verify)
 
     def _stage_jobs(self, item: Staged, step: int, verify: bool) -> list[StageJob]:
@@ -161,10 +162,10 @@ class Fetcher(ChunkReader):
                         assert uploading is not None
                         with uploading.on(target.device.index):
                             data = data.to(target.device, non_blocking=True)
-                            _copy_part(target, box, entry, chunk, inter, lo, data.view(dtype))
+                            copy_part(target, box, entry, chunk, inter, lo, data.view(dtype))
                     else:
                         data = data if at % dtype.itemsize == 0 else data.clone()  # elements start at elements
-                        _copy_part(target, box, entry, chunk, inter, lo, data.view(dtype))
+                        copy_part(target, box, entry, chunk, inter, lo, data.view(dtype))
                 except (RuntimeError, NotImplementedError, TypeError) as exc:
                     if target.dtype == dtype or target.is_cuda and type(exc) is RuntimeError:
                         raise
@@ -269,7 +270,7 @@ def direct_read(target: torch.Tensor, box: Box, entry: Entry, chunk: Chunk) -> b
             and not target.is_conj() and not target.is_neg())
 
 
-def _copy_part(target: torch.Tensor, box: Box, entry: Entry, chunk: Chunk, inter: Box, lo: int,
+def copy_part(target: torch.Tensor, box: Box, entry: Entry, chunk: Chunk, inter: Box, lo: int,
                data: torch.Tensor) -> None:
     """Copy into ``target`` (holding ``box``) the elements of ``inter`` that lie in ``data``: the
     chunk's elements from byte ``lo`` on, as strided regions of the row-major chunk."""

@@ -28,10 +28,9 @@ from ..format.boxes import contiguous_strides, element_span, flat_boxes, interse
 from ..format.layout import Chunk, Entry, Manifest
 from ..memory import tensor_bytes
 from ..storage import Storage
-from .fetch import run_largest_first
+from .fetch import MAX_ITEMSIZE, run_largest_first
 from .reader import ChunkReader
 
-_MAX_ITEMSIZE = 16  # slabs start at whole elements of every dtype
 _END = object()
 
 
@@ -69,7 +68,7 @@ class TensorStream:
         self.block = manifest.block_size
         self.workers = max(threads, storage.requests_in_flight)  # waiting on requests costs no core
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="zerostall-read")
-        self.unit = math.lcm(manifest.block_size, _MAX_ITEMSIZE)  # slabs start at whole blocks: checked reads
+        self.unit = math.lcm(manifest.block_size, MAX_ITEMSIZE)  # slabs start at whole blocks: checked reads
         self.slab = max(self.unit, slab_bytes // self.unit * self.unit)
         self.staging = staging
         self._local = threading.local()  # .buf: this thread's staging buffer
