@@ -16,7 +16,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 import zerostall as zs
 
-CASES = 24
+CASES = 16
 DTYPES = [torch.float32, torch.bfloat16, torch.int16, torch.float64, torch.uint8]
 
 

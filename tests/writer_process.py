@@ -61,6 +61,7 @@ def ending(path: str, how: str) -> None:
     if how == "exit":
         sys.exit(3)
     if how == "interrupt":  # Ctrl-C in a terminal: SIGINT to the whole process group, the writer's too
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores it)
         os.killpg(0, signal.SIGINT)
         threading.Event().wait()  # until the KeyboardInterrupt
 
