@@ -30,7 +30,7 @@ ORDER = [
     # verification, behind the Checkpoint front; tensor streams for exporters
     "loading.foreign.safetensors", "loading.foreign.dcp", "loading.foreign", "loading.opening", "loading.reader",
     "loading.optimizers", "loading.load_plan", "loading.fetch", "loading.broadcast", "loading.verification",
-    "loading.checkpoint", "loading.tensor_stream", "loading",
+    "loading.trees", "loading.checkpoint", "loading.tensor_stream", "loading",
     # roots/: checkpoints by step under a root
     "roots.retention", "roots.sharing", "roots.root", "roots.naming", "roots.restore", "roots.schedule", "roots.lease",
     "roots.loaders", "roots.increments", "roots",

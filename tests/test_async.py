@@ -295,6 +295,33 @@ def test_ranks_skip_together_while_a_save_is_in_flight_on_any_of_them(ranks, tmp
         assert ck.step == 3 and ck.read("w")[0].item() == 3.0
 
 
+def failure_seen_on_rank_0_only(path: str) -> str:
+    """Every rank's first save fails (the coordinator's before_commit raises); rank 0's caller looks
+    at its handle, rank 1's does not, so rank 1's next save raises the failure."""
+    def refuse() -> None:
+        raise RuntimeError("refused")
+
+    with zs.AsyncSaver() as saver:
+        first = saver.save({"w": torch.ones(4)}, f"{path}/a", before_commit=refuse)
+        futures.wait([first.committed])
+        if dist.get_rank() == 0:
+            with pytest.raises(RuntimeError, match="refused"):
+                first.result()
+        try:
+            saver.save({"w": torch.ones(4)}, f"{path}/b").result()
+        except zs.CheckpointError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "saved"
+
+
+def test_a_failure_one_rank_has_not_seen_refuses_the_next_save_on_every_rank(ranks, tmp_path):
+    """Rank 1 used to raise alone, and rank 0 waited in the save's collectives for good."""
+    rank0, rank1 = ranks(2).run(failure_seen_on_rank_0_only, str(tmp_path), timeout=60)
+    assert rank1.startswith("CheckpointError: a previous asynchronous save failed:"), rank1
+    assert rank0.startswith("CheckpointError: a previous asynchronous save failed on 1 other rank(s)"), rank0
+    assert not (tmp_path / "b" / "manifest.json").exists()
+
+
 def test_sigterm_lets_the_save_in_flight_commit(tmp_path):
     """SIGTERM arrives while the save's write is held; the signal opens the hold, then the saver's
     handler drains the save and lets the signal end the process."""

@@ -508,6 +508,34 @@ def test_a_load_one_rank_cannot_plan_fails_on_every_rank(ranks, tmp_path):
     assert rank0.startswith("CheckpointError: load from") and "1 other rank(s) could not match" in rank0
 
 
+def load_half_that_is_damaged_on_rank_0(path: str) -> str:
+    """Each rank loads its half of "w"; only rank 0's half holds a flipped byte."""
+    mesh = init_device_mesh("cpu", (2,))
+    w = DTensor.from_local(torch.zeros(512, 256), mesh, [Shard(0)], run_check=False, shape=(1024, 256),
+                           stride=(256, 1))
+    try:
+        zs.load({"w": w}, path)
+    except zs.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def test_a_read_that_fails_on_one_rank_fails_the_load_on_every_rank(ranks, tmp_path):
+    """The rank whose reads were fine used to return, and wait for the failed one in the job's next collective."""
+    path = tmp_path / "ck"
+    zs.save({"w": torch.arange(1024 * 256, dtype=torch.float32).reshape(1024, 256)}, path, block_size=64 << 10)
+    with zs.open(path) as ck:
+        chunk = ck.entries["w"].chunks[0]
+    with open(path / chunk.file, "r+b") as f:  # row 3: rank 0's half
+        f.seek(chunk.offset + 3 * 256 * 4)
+        byte = f.read(1)[0]
+        f.seek(chunk.offset + 3 * 256 * 4)
+        f.write(bytes([byte ^ 1]))
+    rank0, rank1 = ranks(2).run(load_half_that_is_damaged_on_rank_0, str(path), timeout=60)
+    assert rank0.startswith("CorruptCheckpointError: checksum mismatch"), rank0
+    assert rank1.startswith("CheckpointError: load from") and "1 other rank(s) could not read" in rank1, rank1
+
+
 def save_into_a_foreign_directory(path: str) -> str:
     try:
         zs.save({"w": torch.ones(2), "r": zs.rank_local(torch.full((2,), float(dist.get_rank())))}, path)

@@ -126,6 +126,17 @@ def test_best_never_evicts_the_newest_and_nan_is_never_best(tmp_path):
         assert steps_on_disk(tmp_path) == [2, 4]
 
 
+def test_best_ranks_numpy_scalars_and_infinities_as_numbers(tmp_path):
+    """The best loss was an np.float64 (what np.mean returns): stored encoded, it used to count as
+    no metric, and retention deleted it; an infinite loss counts as the worst."""
+    with zs.CheckpointManager(tmp_path, keep_best=1, metric="loss") as mgr:
+        for step, loss in [(1, 0.9), (2, np.float64(0.1)), (3, np.float32(0.5)), (4, float("inf")), (5, 0.7)]:
+            mgr.save(step, part(step), metrics={"loss": loss})
+            mgr.wait()
+        assert steps_on_disk(tmp_path) == [2, 5]
+        assert [record.metrics["loss"] for _, record in mgr.checkpoints()] == [0.1, 0.7]
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_saving_after_a_rollback_sets_the_later_steps_aside(tmp_path, async_save, caplog):
     """Roll back to step 25 while 30 exists, then train on: retention and restore pick by step, so

@@ -253,6 +253,40 @@ def test_meta_targets_need_materialize(tmp_path):
     assert lazy[0].weight.device.type == "cpu" and torch.equal(lazy[0].weight, model[0].weight)
 
 
+def test_tied_meta_targets_materialize_as_one_tensor(tmp_path):
+    """Weights tied in the model built on the meta device stay tied (each used to get a tensor of its own)."""
+    def tied() -> torch.nn.Module:
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+        model[1].weight = model[0].weight
+        return model
+
+    saved = tied()
+    zs.save({"model": saved}, tmp_path / "ck")
+    with torch.device("meta"):
+        lazy = tied()
+    zs.load({"model": lazy}, tmp_path / "ck", materialize=True)
+    assert lazy[0].weight.data_ptr() == lazy[1].weight.data_ptr() and torch.equal(lazy[0].weight, saved[0].weight)
+
+
+def test_a_load_bumps_the_version_of_what_it_fills_as_load_state_dict_does(tmp_path):
+    """Tensors filled in place (read straight into their memory, or broadcast) count as changed in
+    place: autograd refuses a backward through the old values, and an asynchronous save in flight
+    fails instead of committing a mixture."""
+    zs.save({"w": torch.full((1000,), 2.0)}, tmp_path / "ck")
+    w = torch.ones(1000, requires_grad=True)
+    loss = (w * w).sum()  # saves w for the backward
+    with torch.no_grad():
+        zs.load({"w": w}, tmp_path / "ck")
+    assert torch.equal(w, torch.full((1000,), 2.0))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    into = torch.zeros(1000)
+    before = into._version
+    with zs.open(tmp_path / "ck") as ck:
+        ck.read_many(["w"], into=[into])
+    assert into._version > before and torch.equal(into, torch.full((1000,), 2.0))
+
+
 def test_unsupported_tensors_are_refused_with_their_key(tmp_path):
     with pytest.raises(zs.UnsupportedValueError, match="weights.sparse"):
         zs.save({"weights": {"sparse": torch.eye(3).to_sparse()}}, tmp_path / "a")

@@ -72,8 +72,11 @@ def open_latest(root: str | os.PathLike[str] | Storage, step: int | None = None,
 def load(state: Any, path: str | os.PathLike[str] | Storage, options: LoadOptions | None = None, *,
          process_group: Any = None, **overrides: Any) -> Any:
     """Load the checkpoint ``path`` names (a checkpoint, a root, ``ROOT/latest``, ``ROOT/<step>``:
-    see :func:`open`) into ``state`` in place and return it (see :meth:`Checkpoint.load`)."""
+    see :func:`open`) into ``state`` in place and return it (see :meth:`Checkpoint.load`). A save
+    of the process-wide saver still capturing its state is waited for first."""
     options = LoadOptions.of(options, overrides)
+    if _default is not None and not _default._closed:
+        _default.wait_staged()
     with open(path, options, process_group=process_group) as ck:
         return ck.load(state)
 

@@ -27,6 +27,7 @@ from ..state import Path, rebuild
 from ..storage import Storage
 from ..storage.references import linked
 from . import foreign as sources
+from . import trees
 from .broadcast import broadcast_fill
 from .fetch import Fetcher
 from .load_plan import LoadPlan, LoadPlanner
@@ -191,6 +192,8 @@ class Checkpoint:
             values.append(out)
         if targets:
             self._fetcher.fill(targets, verify, self.options.max_staging_bytes)
+            for out in places.values():  # written as copy_ writes (see load)
+                torch.autograd.graph.increment_version(out)
         return values
 
     def _tensor(self, entry: Entry, verify: bool, box: Box | None = None) -> torch.Tensor:
@@ -258,8 +261,7 @@ class Checkpoint:
         stages) are added by their key paths. Rank-local entries appear as this rank's.
         """
         tree = codec.decode(self.manifest.tree, allow_pickle=self.options.allow_pickle)
-        entries = self.manifest.entries
-        index = {id(e): i for i, e in enumerate(entries)}
+        entries, index = self.manifest.entries, self._index
         cache: dict[int, Any] = {}
         referenced: set[int] = set()
 
@@ -270,11 +272,11 @@ class Checkpoint:
                 cache[target] = self.read(entries[target].path)
             return cache[target]
 
-        result = _build(tree, value)
+        result = trees.build(tree, value)
         for i, entry in enumerate(entries):
             if (i not in referenced and entry.rank is None and entry.inner_of is None and isinstance(result, dict)
                     and entry.path):
-                _insert(result, entry.path, value(i))
+                trees.insert(result, entry.path, value(i))
         return result
 
     @gc_paused()  # the caller waits: no cyclic collections over the per-leaf objects
@@ -297,33 +299,52 @@ class Checkpoint:
             planner.check(plan, plan.wanted)
         received = broadcast_fill(self._fetcher, self.group, plan.tensors, o.verify, o.max_staging_bytes) \
             if together else set()
-        self._fetcher.fill(plan.tensors, o.verify, o.max_staging_bytes, skip=received)
-        for target, box, entry, name in plan.copies:
-            self._copy(target, box, entry, name, o)
-        for path, entry, like in plan.new_tensors:
-            if entry.kind == "subclass" and (like is None or subclass.is_wrapper(like)):
-                trusted = (*o.tensor_subclasses, *((type(like),) if like is not None else ()))
-                plan.replacements[path] = self._subclass(entry, trusted, o.verify)
-                continue
-            self._fetcher.check_sizes(entry)
-            out = host_empty(entry.shape or (), like.dtype if like is not None else entry.torch_dtype)
-            if entry.kind == "subclass":
-                self._copy(out, whole(out), entry, ".".join(map(str, path)), o)
-            else:
-                self._fetcher.fill([(out, whole(out), entry)], o.verify, o.max_staging_bytes)
-            plan.replacements[path] = out
-        for path, found in plan.subtrees:
-            tree: dict[Any, Any] = {}
-            for rel, entry in found:
-                _insert(tree, rel, self.read(entry.path, verify=o.verify))
-            plan.replacements[path] = tree
-        result = rebuild(state, flat, plan.replacements, assign=o.materialize)
+        with (self.group.failing_together(f"load from {self.path} failed: {{failed}} other rank(s) could not read "
+                                          "their part (their errors say why); the state may be partly loaded")
+              if self.group.size > 1 else contextlib.nullcontext()):
+            try:
+                self._fetcher.fill(plan.tensors, o.verify, o.max_staging_bytes, skip=received)
+            finally:  # written as copy_ writes: autograd and an asynchronous save in flight see the change
+                for target in {id(t): t for t, _, _ in plan.tensors}.values():
+                    torch.autograd.graph.increment_version(target)
+            for target, box, entry, name in plan.copies:
+                self._copy(target, box, entry, name, o)
+            self._new_tensors(plan, o)
+            for path, found in plan.subtrees:
+                tree: dict[Any, Any] = {}
+                for rel, entry in found:
+                    trees.insert(tree, rel, self.read(entry.path, verify=o.verify))
+                plan.replacements[path] = tree
+            result = rebuild(state, flat, plan.replacements, assign=o.materialize)
         if o.strict:
             return result
         if plan.mismatch:  # once, not once a rank
             log.log(logging.WARNING if self.group.is_coordinator else logging.DEBUG, "partial load from %s: %s",
                     self.path, plan.describe())
         return result, plan.mismatch
+
+    def _new_tensors(self, plan: LoadPlan, o: LoadOptions) -> None:
+        """Build the tensors the plan allocates (``materialize``, subclasses): one for each meta
+        tensor of the target, so targets that were one tensor (tied weights) stay one."""
+        made: dict[Any, Any] = {}
+        for path, entry, like in plan.new_tensors:
+            same = None if like is None else _identity(like)
+            if same in made:
+                plan.replacements[path] = made[same]
+                continue
+            if entry.kind == "subclass" and (like is None or subclass.is_wrapper(like)):
+                trusted = (*o.tensor_subclasses, *((type(like),) if like is not None else ()))
+                out = self._subclass(entry, trusted, o.verify)
+            else:
+                self._fetcher.check_sizes(entry)
+                out = host_empty(entry.shape or (), like.dtype if like is not None else entry.torch_dtype)
+                if entry.kind == "subclass":
+                    self._copy(out, whole(out), entry, ".".join(map(str, path)), o)
+                else:
+                    self._fetcher.fill([(out, whole(out), entry)], o.verify, o.max_staging_bytes)
+            plan.replacements[path] = out
+            if same is not None:
+                made[same] = out
 
     def _plan_together(self, planner: LoadPlanner, state: Any) -> tuple[Any, LoadPlan]:
         """Plan on every rank, then learn in one all-reduce which entries some rank wants (so an
@@ -345,25 +366,13 @@ class Checkpoint:
         return verify_all(self._fetcher, allow_pickle=self.options.allow_pickle, progress=progress)
 
 
-def _build(node: Any, value: Callable[[int], Any]) -> Any:
-    """The manifest's tree with each entry reference replaced by ``value(index)``."""
-    if isinstance(node, codec.Ref):
-        return value(node.index)
-    if isinstance(node, dict):
-        return {k: _build(v, value) for k, v in node.items()}
-    if isinstance(node, (list, tuple)):
-        return type(node)(_build(v, value) for v in node)
-    return node
-
-
-def _insert(tree: dict[Any, Any], path: Path, value: Any) -> None:
-    """Put ``value`` at ``path`` in nested dicts, creating them; a path that runs into a non-dict
-    node is skipped."""
-    node: Any = tree
-    for key in path[:-1]:
-        node = node.setdefault(key, {}) if isinstance(node, dict) else None
-    if isinstance(node, dict):
-        node[path[-1]] = value
+def _identity(like: torch.Tensor) -> Any:
+    """What makes two targets one tensor: the same storage (a module's state_dict() detaches each
+    tied parameter anew), offset, shape and dtype; for a tensor without a storage, itself."""
+    try:
+        return like.untyped_storage()._cdata, like.storage_offset(), tuple(like.shape), like.stride(), like.dtype
+    except (RuntimeError, NotImplementedError, TypeError):
+        return id(like)
 
 
 def _places(entries: list[Entry], into: Sequence[torch.Tensor | None]) -> dict[int, torch.Tensor]:

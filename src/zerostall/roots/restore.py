@@ -128,10 +128,11 @@ def restore_first_whole(group: Group, root: CheckpointRoot, candidates: list[Can
                 return result
             found = [(rank, message) for rank, (kind, message, _) in enumerate(outcomes) if kind == DAMAGED]
             if not found or any(kind == FAILED for kind, _, _ in outcomes):  # never resume an older step over it
-                if error is not None:
+                if error is not None and kind_of(error) != ELSEWHERE:
                     raise error
+                failed = [(rank, message) for rank, (kind, message, _) in enumerate(outcomes) if kind != OK]
                 raise CheckpointError(f"restoring {root.where(tag)} failed on " + _by_rank(
-                    [(rank, message) for rank, (kind, message, _) in enumerate(outcomes) if kind != OK]))
+                    [(rank, message) for rank, message in failed if outcomes[rank][0] != ELSEWHERE] or failed))
             reason = _by_rank(found) if len(outcomes) > 1 else found[0][1]
             damaged.append((tag, reason))
             following, handing = candidates[n + 1:], until is not None and n + 1 >= until

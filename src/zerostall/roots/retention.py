@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -12,23 +13,28 @@ from ..errors import UnsupportedValueError
 from ..options import SaveOptions
 
 
+def _number(value: Any) -> bool:
+    """A real number (numpy's included), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def numeric_metrics(metrics: dict) -> dict[str, float]:
     """The metrics retention can rank by: the numeric ones."""
-    return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+    return {k: v for k, v in metrics.items() if _number(v)}
 
 
 def checked_metrics(metrics: Any) -> dict[str, float]:
-    """``metrics`` as a dict of names to numbers (what listing and ``keep_best`` rank by)."""
+    """``metrics`` as a dict of names to python numbers (what listing and ``keep_best`` rank by; a
+    numpy scalar, such as ``np.mean`` returns, becomes one)."""
     if metrics is None:
         return {}
     if not isinstance(metrics, Mapping):
         raise UnsupportedValueError(f"metrics={metrics!r} is not a dict: pass e.g. metrics={{'loss': 0.31}}")
-    bad = [k for k, v in metrics.items() if not isinstance(k, str) or isinstance(v, bool)
-           or not isinstance(v, (int, float))]
+    bad = [k for k, v in metrics.items() if not isinstance(k, str) or not _number(v)]
     if bad:
         raise UnsupportedValueError(f"metrics {bad[0]!r} (= {metrics[bad[0]]!r}) is not a number under a string name: "
-                                    "metrics are numbers that listing and keep_best rank by")
-    return dict(metrics)
+                                    "metrics are numbers that listing and keep_best rank by (a tensor: pass .item())")
+    return {k: int(v) if isinstance(v, numbers.Integral) else float(v) for k, v in metrics.items()}
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,7 @@ def kept(records: Sequence[CheckpointRecord], policy: RetentionPolicy,
                 keep(step, "every")
     if policy.keep_best:
         scored = [(r.metrics.get(policy.metric or ""), r.step) for r in records]
-        finite = [(v, s) for v, s in scored if isinstance(v, (int, float)) and not math.isnan(v)]
+        finite = [(v, s) for v, s in scored if _number(v) and not math.isnan(v)]
         sign = 1 if policy.mode == "min" else -1
         for _, step in sorted(finite, key=lambda vs: (sign * vs[0], -vs[1]))[:policy.keep_best]:
             keep(step, "best")

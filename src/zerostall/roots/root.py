@@ -19,6 +19,7 @@ from typing import Any, Iterable
 
 from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                       InvalidPathError)
+from ..format import codec
 from ..format.layout import MANIFEST_NAME, SUPERSEDED_NAME, ManifestHead, file_generation
 from ..format.retained import RETAINED_NAME
 from ..loading.opening import read_manifest_head
@@ -155,7 +156,10 @@ def _size(storage: Storage, name: str) -> int:
 
 def _committed(name: str, storage: Storage, head: ManifestHead) -> CheckpointInfo:
     metadata = head.metadata if isinstance(head.metadata, dict) else {}
-    metrics = metadata.get("metrics")
+    try:  # as saved: non-finite floats and numbers of earlier versions are encoded
+        metrics = codec.decode(metadata.get("metrics"), where=f"{name} metrics")
+    except CheckpointError:
+        metrics = None
     return CheckpointInfo(name, storage.location, COMMITTED, head.step, head.total_bytes, head.created,
                           dict(metrics) if isinstance(metrics, dict) else {},
                           files={n: s for n, s in head.files.items() if n not in head.refs}, refs=head.refs,

@@ -106,8 +106,7 @@ class AsyncSaver:
         if self._closed:
             raise CheckpointError("this AsyncSaver is closed")
         options = SaveOptions.of(options, overrides)
-        self._raise_failure()
-        if self.if_busy == "skip" and self._busy_on_any_rank(process_group):
+        if self._ranks_refuse_or_skip(process_group, path):
             log.info("skipping the save to %s: a save is still in flight", path)
             return None
         if self._current is not None:
@@ -158,12 +157,23 @@ class AsyncSaver:
         if current is not None and not current.staged.done():
             futures.wait([current.staged])
 
-    def _busy_on_any_rank(self, process_group: Any) -> bool:
-        """Whether a save is in flight on this rank or another (one small all-reduce): a save is
-        collective, so the ranks skip together or save together; each finishes a save at its own
-        moment (rank 0 commits, the others see the commit), so their own answers can differ."""
-        busy = self._current is not None and not self._current.done()
-        return Group(process_group).all_reduce_ints([int(busy)])[0] > 0
+    def _ranks_refuse_or_skip(self, process_group: Any, path: Any) -> bool:
+        """Raise an earlier save's failure not yet seen, on every rank if any rank has one (a rank
+        that raised alone would leave the others waiting in the save's collectives); then whether
+        to skip (``if_busy="skip"`` and a save in flight on any rank). When distributed, one small
+        all-reduce: each rank finishes a save at its own moment (rank 0 commits, the others see the
+        commit) and sees a failure where its caller looks, so their own answers can differ."""
+        unseen = self._take_unseen()
+        busy = self.if_busy == "skip" and self._current is not None and not self._current.done()
+        group = Group(process_group)
+        failed, busy_anywhere = group.all_reduce_ints([int(unseen is not None), int(busy)]) if group.size > 1 \
+            else (0, busy)
+        if unseen is not None:
+            raise CheckpointError(f"a previous asynchronous save failed: {unseen}") from unseen
+        if failed:
+            raise CheckpointError(f"a previous asynchronous save failed on {failed} other rank(s) (their errors say "
+                                  f"why), so the save to {path} was not started on any rank")
+        return busy_anywhere > 0
 
     def reserve(self, state: Any, options: SaveOptions | None = None, *, process_group: Any = None,
                 **overrides: Any) -> float:
@@ -238,13 +248,21 @@ class AsyncSaver:
             handle.staged.set_exception(exc)
         handle.committed.set_exception(exc)
 
-    def _raise_failure(self) -> None:
-        """Raise the failure of a save in the background, once, unless its handle already did."""
+    def _take_unseen(self) -> BaseException | None:
+        """The failure of a save in the background that its handle has not raised, taken (it is
+        raised once)."""
         with self._lock:
             failure, self._failure = self._failure, None
-        if failure is not None and not failure[1].failure_seen:
-            failure[1].committed.seen = True
-            raise CheckpointError(f"a previous asynchronous save failed: {failure[0]}") from failure[0]
+        if failure is None or failure[1].failure_seen:
+            return None
+        failure[1].committed.seen = True
+        return failure[0]
+
+    def _raise_failure(self) -> None:
+        """Raise the failure of a save in the background, once, unless its handle already did."""
+        unseen = self._take_unseen()
+        if unseen is not None:
+            raise CheckpointError(f"a previous asynchronous save failed: {unseen}") from unseen
 
     def wait_staged(self) -> None:
         """Block until the save in flight (if any) has captured the state; raises its failure
