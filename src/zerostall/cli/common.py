@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -74,8 +75,19 @@ def console(*, stderr: bool = False) -> Console:
 
 
 def print_json(obj: Any) -> None:
-    """Print ``obj`` as one JSON document on stdout."""
-    click.echo(json.dumps(obj, indent=2))
+    """Print ``obj`` as one JSON document on stdout; JSON has no infinities or NaN, so those
+    numbers are the strings ``"inf"``, ``"-inf"`` and ``"nan"``."""
+    click.echo(json.dumps(_finite(obj), indent=2, allow_nan=False))
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else "inf" if obj > 0 else "-inf"
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 @contextmanager
