@@ -356,6 +356,43 @@ def test_sigterm_lets_the_save_in_flight_commit(tmp_path):
         assert ck.step == 3
 
 
+def test_a_child_forked_with_a_save_in_flight_exits_and_leaves_the_save_to_its_parent(tmp_path):
+    """The child inherited the parent's savers: its exit waited for a save only the parent's threads
+    could finish (it hung for good), and with writer="process" it stopped the parent's writer."""
+    script = textwrap.dedent(f"""
+        import os, sys, threading, torch
+        sys.path.insert(0, {TESTS!r})
+        import zerostall as zs
+        from faults import FaultyStorage
+        from zerostall.storage import LocalStorage
+
+        gate = threading.Event()
+        storage = FaultyStorage(LocalStorage({str(tmp_path / "ck")!r}))
+        storage.block("write", gate)
+        saver = zs.AsyncSaver()
+        handle = saver.save({{"w": torch.ones(1000)}}, storage, step=3)
+        writer = zs.AsyncSaver(writer="process")
+        writer.save({{"w": torch.ones(10)}}, {str(tmp_path / "a")!r}).result()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                saver.save({{"w": torch.ones(10)}}, {str(tmp_path / "child")!r})
+            except zs.CheckpointError as exc:
+                print("child:", exc, flush=True)
+            sys.exit(0)  # the save in flight is the parent's
+        _, status = os.waitpid(pid, 0)
+        print("child exited", os.waitstatus_to_exitcode(status), flush=True)
+        gate.set()
+        print("committed", handle.result().step, flush=True)
+        print("writer", writer.save({{"w": torch.ones(10)}}, {str(tmp_path / "b")!r}).result().step, flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert "child: this AsyncSaver belongs to process" in proc.stdout
+    assert "child exited 0\ncommitted 3\nwriter None" in proc.stdout, proc.stdout
+    assert "writer process died" not in proc.stderr
+
+
 PROCESS_WRITER = f"""
 import fcntl, os, signal, sys, torch
 sys.path.insert(0, {TESTS!r})

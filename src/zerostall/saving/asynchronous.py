@@ -80,6 +80,7 @@ class AsyncSaver:
         self._closed = False
         self._hooks: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
         self._previous_handlers = {sig: signal.signal(sig, self._drain_then_deliver) for sig in drain_on_signals}
+        self._pid = os.getpid()  # its threads and writer process are this process's: a forked child has none
         _open_savers.add(self)
 
     def _drain_then_deliver(self, signum: int, frame: Any) -> None:
@@ -105,6 +106,9 @@ class AsyncSaver:
         incremental save's chunks to refer to where unchanged (see :mod:`zerostall.saving.incremental`)."""
         if self._closed:
             raise CheckpointError("this AsyncSaver is closed")
+        if os.getpid() != self._pid:
+            raise CheckpointError(f"this AsyncSaver belongs to process {self._pid}, which this one was forked from "
+                                  "(its worker threads are not here): make a new AsyncSaver in this process")
         options = SaveOptions.of(options, overrides)
         if self._ranks_refuse_or_skip(process_group, path):
             log.info("skipping the save to %s: a save is still in flight", path)
@@ -287,8 +291,13 @@ class AsyncSaver:
             raise
 
     def close(self) -> None:
-        """Finish the save in flight, free the buffers, stop the worker; raises a pending failure."""
+        """Finish the save in flight, free the buffers, stop the worker; raises a pending failure.
+        In a process forked from its owner it only closes this process's copy (the owner's save
+        and writer process go on)."""
         if self._closed:
+            return
+        if os.getpid() != self._pid:
+            self._closed = True
             return
         try:
             self.wait()
@@ -316,6 +325,7 @@ class AsyncSaver:
 
 
 _open_savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
+os.register_at_fork(after_in_child=_open_savers.clear)  # a forked child exits without the parent's saves
 
 
 def close_at_exit() -> None:
