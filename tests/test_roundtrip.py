@@ -287,6 +287,25 @@ def test_a_load_bumps_the_version_of_what_it_fills_as_load_state_dict_does(tmp_p
     assert into._version > before and torch.equal(into, torch.full((1000,), 2.0))
 
 
+def test_an_optimizer_of_other_parameter_groups_is_refused_before_anything_is_loaded(tmp_path):
+    """Optimizer.load_state_dict refuses other groups, but only once every tensor was filled: the
+    model and the optimizer's state used to be overwritten, then a bare ValueError raised. A
+    refused load also leaves a fresh optimizer fresh (it was stepped to make its state)."""
+    model = torch.nn.Linear(4, 4)
+    optim = torch.optim.Adam([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.1}])
+    model(torch.ones(2, 4)).sum().backward()
+    optim.step()
+    zs.save({"model": model, "optim": optim}, tmp_path / "ck")
+    fresh = torch.nn.Linear(4, 4)
+    before = fresh.weight.detach().clone()
+    one_group = torch.optim.Adam(fresh.parameters())
+    with pytest.raises(zs.StateMismatchError, match=r"optim.param_groups \(the checkpoint's groups hold \[1, 1\]"):
+        zs.load({"model": fresh, "optim": one_group}, tmp_path / "ck")
+    assert torch.equal(fresh.weight, before) and not one_group.state
+    with pytest.raises(zs.StateMismatchError, match="optim: its load_state_dict refused"):  # loads what matches
+        zs.load({"model": fresh, "optim": one_group}, tmp_path / "ck", strict=False)
+
+
 def test_unsupported_tensors_are_refused_with_their_key(tmp_path):
     with pytest.raises(zs.UnsupportedValueError, match="weights.sparse"):
         zs.save({"weights": {"sparse": torch.eye(3).to_sparse()}}, tmp_path / "a")

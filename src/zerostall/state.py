@@ -14,7 +14,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from .errors import UnsupportedValueError
+from .errors import StateMismatchError, UnsupportedValueError
 from .format.codec import MAX_DEPTH, Ref  # MAX_DEPTH: containers nested in a state, as deep as a saved value may nest
 
 Path = tuple[Any, ...]
@@ -268,11 +268,15 @@ class _Rebuilder:
     def __init__(self, flat: Flat, replacements: dict[Path, Any], assign: bool) -> None:
         self.flat, self.replacements, self.assign = flat, replacements, assign
 
-    def hand_over(self, obj: Any, sd: Any) -> None:
-        if self.assign and isinstance(obj, torch.nn.Module):
-            obj.load_state_dict(sd, assign=True)
-        else:
-            obj.load_state_dict(sd)
+    def hand_over(self, obj: Any, sd: Any, path: Path) -> None:
+        try:
+            if self.assign and isinstance(obj, torch.nn.Module):
+                obj.load_state_dict(sd, assign=True)
+            else:
+                obj.load_state_dict(sd)
+        except (ValueError, KeyError, RuntimeError) as exc:  # its own checks: the tensors are filled by now
+            raise StateMismatchError(f"{fqn(path) or 'the state'}: its load_state_dict refused what was loaded "
+                                     f"({type(exc).__name__}: {exc}); the state may be partly loaded") from exc
 
     def visit(self, node: Any, path: Path) -> Any:
         if isinstance(node, RankLocal):
@@ -280,7 +284,7 @@ class _Rebuilder:
             return node
         if path in self.flat.statefuls:
             obj, sd = self.flat.statefuls[path]
-            self.hand_over(obj, self.visit_plain(sd, path))
+            self.hand_over(obj, self.visit_plain(sd, path), path)
             return obj
         return self.visit_plain(node, path)
 
@@ -305,7 +309,7 @@ class _Rebuilder:
         statefuls = self.flat.statefuls
         if path in statefuls and node is not statefuls[path][1]:
             obj, sd = statefuls[path]
-            self.hand_over(obj, self.merge(sd, path, new))
+            self.hand_over(obj, self.merge(sd, path, new), path)
             return obj
         if isinstance(node, dict) and isinstance(new, dict):
             merged = {k: self.merge(node.get(k), path + (k,), v) for k, v in new.items()}

@@ -26,7 +26,7 @@ from ..format.layout import INTERNAL_KEYS, Entry, Manifest
 from ..options import KeyFilter, LoadOptions
 from ..state import Flat, Path, flatten, fqn, init_optimizer_state
 from ..views import ViewIndex
-from .optimizers import key_by_name
+from .optimizers import groups_mismatch, key_by_name
 from .reader import resolve
 
 
@@ -127,6 +127,7 @@ class LoadPlan:
     hint: str | None = None  # what to say when nothing matched but every missing key lies under one prefix
     meta: list[str] = field(default_factory=list)
     mismatch: Mismatch = field(default_factory=Mismatch)
+    fresh: list[torch.optim.Optimizer] = field(default_factory=list)  # optimizers whose state planning made
 
     def describe(self) -> str:
         """What did not match, as errors and warnings say it."""
@@ -155,15 +156,21 @@ class LoadPlanner:
         under = {rel[:i] for rel in source for i in range(len(rel))}
         optimizers: list[Path] = []
 
+        plan = LoadPlan()
+
         def prepare(path: Path, obj: Any) -> None:
             if isinstance(obj, torch.optim.Optimizer) and _normalize(path + ("state",), strip) in under:
+                if not obj.state:  # made here: a refused load leaves it fresh again
+                    plan.fresh.append(obj)
                 init_optimizer_state(obj)
                 optimizers.append(path)
 
         flat = flatten(state, prepare=prepare)
         for path in optimizers:  # state saved by parameter name (DCP's get_state_dict) into an optimizer
             key_by_name(flat, path, source, lambda p: _normalize(p, strip), o.allow_pickle)
-        plan = LoadPlan()
+            wrong = groups_mismatch(flat, path, source, lambda p: _normalize(p, strip), o.allow_pickle)
+            if wrong:
+                plan.mismatch.mismatched.append(wrong)
         seen_targets = ViewIndex()
         world_changed = self.manifest.world_size != self.world
         for path, value in flat.leaves.items():
@@ -194,6 +201,9 @@ class LoadPlanner:
         if wanted is not None:
             plan.unused = [e for e in plan.unused if self._index[id(e)] not in wanted]
         plan.mismatch.unexpected = [fqn(relative(e.path, self.options.prefix) or e.path) for e in plan.unused]
+        if plan.meta or self.options.strict and plan.mismatch:
+            for optim in plan.fresh:
+                optim.state.clear()
         if plan.meta:
             raise StateMismatchError(
                 f"targets on the meta device have no memory to load into: {', '.join(plan.meta[:20])}; "

@@ -17,7 +17,7 @@ import torch
 
 from ..format import codec
 from ..format.layout import Entry
-from ..state import Flat, Path
+from ..state import Flat, Path, fqn
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ def key_by_name(flat: Flat, path: Path, source: dict[Path, Entry], rel: Callable
     optim, sd = flat.statefuls[path]
     if entry is None or entry.kind != "object" or not isinstance(optim, torch.optim.Optimizer):
         return
-    saved = codec.decode(entry.value, where=entry.fqn, allow_pickle=allow_pickle)
-    names = [p for g in saved if isinstance(g, dict) for p in g.get("params", ())] if isinstance(saved, list) else []
+    saved = _saved_groups(entry, allow_pickle)
+    names = [p for g in saved for p in g["params"]]
     ids = [p for g in sd["param_groups"] for p in g["params"]]
     if not names or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
         return
@@ -66,3 +66,26 @@ def key_by_name(flat: Flat, path: Path, source: dict[Path, Entry], rel: Callable
     flat.leaves = renamed
     sd = {**sd, "state": {name_of.get(k, k): v for k, v in sd["state"].items()}}
     flat.statefuls[path] = (_ByName(optim, {n: i for i, n in name_of.items()}), sd)
+
+
+def groups_mismatch(flat: Flat, path: Path, source: dict[Path, Entry], rel: Callable[[Path], Path],
+                    allow_pickle: bool) -> str | None:
+    """Why the checkpoint's ``param_groups`` cannot go into the optimizer flattened at ``path``
+    (another number of groups, or of parameters in a group: ``Optimizer.load_state_dict`` would
+    refuse them only once every tensor is filled); None when they can, or there are none."""
+    entry = source.get(rel(path + ("param_groups",)))
+    if entry is None or entry.kind != "object":
+        return None
+    saved = [len(g["params"]) for g in _saved_groups(entry, allow_pickle)]
+    have = [len(g["params"]) for g in flat.statefuls[path][1]["param_groups"]]
+    if not saved or saved == have:
+        return None
+    return (f"{fqn(path)}.param_groups (the checkpoint's groups hold {saved} parameters, the optimizer's {have}: "
+            "build the optimizer with the same parameter groups)")
+
+
+def _saved_groups(entry: Entry, allow_pickle: bool) -> list[dict[str, Any]]:
+    """The checkpoint's ``param_groups`` (``entry``) as dicts with a list of ``params``; [] when they are not."""
+    saved = codec.decode(entry.value, where=entry.fqn, allow_pickle=allow_pickle)
+    ok = isinstance(saved, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved)
+    return saved if ok else []
