@@ -492,6 +492,22 @@ def test_a_failure_seen_on_the_committed_future_is_not_raised_again(tmp_path):
     assert loaded(tmp_path / "ok")["step"] == 2
 
 
+def test_a_failure_a_done_callback_sees_is_not_raised_again_by_the_next_save(tmp_path):
+    """The next save used to wake before the callbacks ran, and raised the failure a second time."""
+    storage = FaultyStorage(LocalStorage(str(tmp_path / "ck")))
+    storage.fail("write", OSError(errno.ENOSPC, "No space left on device"))
+    seen: list[BaseException | None] = []
+
+    def on_done(fut: Future) -> None:
+        time.sleep(0.2)  # it reports something first
+        seen.append(fut.exception())
+
+    with zs.AsyncSaver() as saver:
+        saver.save(state_of(1.0), storage).committed.add_done_callback(on_done)
+        assert saver.save(state_of(2.0), tmp_path / "ok").result().step is None
+    assert isinstance(seen[0], zs.CheckpointError)
+
+
 def test_a_failure_raised_by_the_next_save_first_is_still_the_futures_outcome_and_raised_once(tmp_path):
     """The other order: the next save reports the failure nobody looked at; the handle's futures
     still tell it (a future's outcome does not change), and close does not raise it a third time."""

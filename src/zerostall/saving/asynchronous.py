@@ -257,6 +257,8 @@ class AsyncSaver:
         raised once)."""
         with self._lock:
             failure, self._failure = self._failure, None
+        if failure is not None:
+            failure[1].committed.settle()  # a done callback may see it first
         if failure is None or failure[1].failure_seen:
             return None
         failure[1].committed.seen = True

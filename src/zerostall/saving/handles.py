@@ -3,6 +3,7 @@ as seen once raised to someone, and a done-callback that lets go of what it call
 
 from __future__ import annotations
 
+import threading
 from concurrent import futures
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
@@ -20,6 +21,25 @@ class _Watched(Future):
     def __init__(self) -> None:
         super().__init__()
         self.seen = False
+        self._settled = threading.Event()  # done, and its done callbacks have run
+        self._settler: int | None = None  # the thread that runs them
+
+    def set_result(self, result: Any) -> None:
+        self._settler = threading.get_ident()
+        super().set_result(result)  # wakes the waiters, then runs the callbacks
+        self._settled.set()
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        self._settler = threading.get_ident()
+        super().set_exception(exception)
+        self._settled.set()
+
+    def settle(self) -> None:
+        """Wait until done and its done callbacks have run (one of them may see its failure);
+        at once in the thread that runs them."""
+        if self._settler != threading.get_ident():
+            futures.wait([self])
+            self._settled.wait()
 
     def result(self, timeout: float | None = None) -> Any:
         try:
@@ -40,7 +60,7 @@ class _Watched(Future):
 
     def unseen_result(self) -> Any:
         """Wait and return (or raise) the outcome without counting it as seen: the saver's own waits."""
-        futures.wait([self])
+        self.settle()
         return super().result()
 
     def unseen_exception(self) -> BaseException | None:
