@@ -12,6 +12,16 @@ def view_key(t: torch.Tensor) -> tuple[Any, ...]:
     return t.device, t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg()
 
 
+def storage_key(t: torch.Tensor) -> Any:
+    """Identity of a tensor without memory (on the meta device, where every data pointer is 0):
+    its storage, offset, shape, strides and dtype (a module's ``state_dict()`` detaches each tied
+    parameter anew, over one storage); for a tensor that exposes no storage, the object itself."""
+    try:
+        return t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+    except (RuntimeError, NotImplementedError, TypeError):
+        return id(t)
+
+
 class ViewIndex:
     """Tensor views seen so far, each with a value, found by :func:`view_key` identity. Views are
     filed by data pointer and compared by whole key only when pointers meet (tied weights), so

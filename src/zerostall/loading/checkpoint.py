@@ -26,6 +26,7 @@ from ..options import LoadOptions, default_threads
 from ..state import Path, rebuild
 from ..storage import Storage
 from ..storage.references import linked
+from ..views import storage_key
 from . import foreign as sources
 from . import trees
 from .broadcast import broadcast_fill
@@ -328,7 +329,7 @@ class Checkpoint:
         tensor of the target, so targets that were one tensor (tied weights) stay one."""
         made: dict[Any, Any] = {}
         for path, entry, like in plan.new_tensors:
-            same = None if like is None else _identity(like)
+            same = None if like is None else storage_key(like)
             if same in made:
                 plan.replacements[path] = made[same]
                 continue
@@ -364,15 +365,6 @@ class Checkpoint:
         """Check every file size and every block checksum; returns bytes checked (see
         :func:`zerostall.verify`). ``progress(nbytes)`` is called as blocks are checked."""
         return verify_all(self._fetcher, allow_pickle=self.options.allow_pickle, progress=progress)
-
-
-def _identity(like: torch.Tensor) -> Any:
-    """What makes two targets one tensor: the same storage (a module's state_dict() detaches each
-    tied parameter anew), offset, shape and dtype; for a tensor without a storage, itself."""
-    try:
-        return like.untyped_storage()._cdata, like.storage_offset(), tuple(like.shape), like.stride(), like.dtype
-    except (RuntimeError, NotImplementedError, TypeError):
-        return id(like)
 
 
 def _places(entries: list[Entry], into: Sequence[torch.Tensor | None]) -> dict[int, torch.Tensor]:

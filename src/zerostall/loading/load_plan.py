@@ -26,7 +26,7 @@ from ..format.layout import INTERNAL_KEYS, Entry, Manifest
 from ..options import KeyFilter, LoadOptions
 from ..state import Flat, Path, flatten, fqn, init_optimizer_state
 from ..views import ViewIndex
-from .optimizers import groups_mismatch, key_by_name
+from .optimizers import match_optimizer
 from .reader import resolve
 
 
@@ -167,8 +167,7 @@ class LoadPlanner:
 
         flat = flatten(state, prepare=prepare)
         for path in optimizers:  # state saved by parameter name (DCP's get_state_dict) into an optimizer
-            key_by_name(flat, path, source, lambda p: _normalize(p, strip), o.allow_pickle)
-            wrong = groups_mismatch(flat, path, source, lambda p: _normalize(p, strip), o.allow_pickle)
+            wrong = match_optimizer(flat, path, source, lambda p: _normalize(p, strip), o.allow_pickle)
             if wrong:
                 plan.mismatch.mismatched.append(wrong)
         seen_targets = ViewIndex()

@@ -5,12 +5,12 @@ given ``get_state_dict``'s dicts) saves it by parameter name, with the names lis
 ``param_groups``. When a load meets an optimizer object and the checkpoint's ``param_groups`` there
 name the same number of parameters, the target's state is keyed by those names, position for
 position (as ``Optimizer.load_state_dict`` itself maps saved to current parameters), and the
-loaded state is handed back to the optimizer keyed by index again.
+loaded state is handed back to the optimizer keyed by index again. Groups of other sizes are a
+mismatch found while planning, before any byte moves.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 import torch
@@ -18,8 +18,6 @@ import torch
 from ..format import codec
 from ..format.layout import Entry
 from ..state import Flat, Path, fqn
-
-log = logging.getLogger(__name__)
 
 
 class _ByName:
@@ -38,24 +36,32 @@ class _ByName:
                                     "param_groups": groups})
 
 
-def key_by_name(flat: Flat, path: Path, source: dict[Path, Entry], rel: Callable[[Path], Path],
-                allow_pickle: bool) -> None:
-    """Key the state of the optimizer flattened at ``path`` by the parameter names that the
-    checkpoint's ``param_groups`` there list (``source``: its entries by relative path, ``rel``
-    giving a target path's), if they name as many parameters as the optimizer has."""
+def match_optimizer(flat: Flat, path: Path, source: dict[Path, Entry], rel: Callable[[Path], Path],
+                    allow_pickle: bool) -> str | None:
+    """Match the optimizer flattened at ``path`` with the checkpoint's ``param_groups`` there
+    (``source``: its entries by relative path, ``rel`` giving a target path's). Returns why they
+    cannot go into it (another number of groups, or of parameters in a group:
+    ``Optimizer.load_state_dict`` would refuse them only once every tensor is filled), else None;
+    where they name the parameters, the optimizer's state is keyed by those names."""
     entry = source.get(rel(path + ("param_groups",)))
-    optim, sd = flat.statefuls[path]
-    if entry is None or entry.kind != "object" or not isinstance(optim, torch.optim.Optimizer):
-        return
+    if entry is None or entry.kind != "object":
+        return None
     saved = _saved_groups(entry, allow_pickle)
-    names = [p for g in saved for p in g["params"]]
-    ids = [p for g in sd["param_groups"] for p in g["params"]]
+    have = [len(g["params"]) for g in flat.statefuls[path][1]["param_groups"]]
+    if saved and [len(g["params"]) for g in saved] != have:
+        return (f"{fqn(path)}.param_groups (the checkpoint's groups hold {[len(g['params']) for g in saved]} "
+                f"parameters, the optimizer's {have}: build the optimizer with the same parameter groups)")
+    _key_by_name(flat, path, [p for g in saved for p in g["params"]])
+    return None
+
+
+def _key_by_name(flat: Flat, path: Path, names: list[Any]) -> None:
+    """Key the state of the optimizer flattened at ``path`` by ``names``, the parameters the
+    checkpoint's ``param_groups`` list in order (as many as it has), when they are names."""
+    optim, sd = flat.statefuls[path]
     if not names or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
         return
-    if len(names) != len(ids):
-        log.warning("%s: the checkpoint's param_groups name %d parameters, the optimizer has %d: its state is "
-                    "matched by index", entry.fqn, len(names), len(ids))
-        return
+    ids = [p for g in sd["param_groups"] for p in g["params"]]
     name_of = dict(zip(ids, names))
     at = len(path) + 1
     renamed = {}
@@ -66,22 +72,6 @@ def key_by_name(flat: Flat, path: Path, source: dict[Path, Entry], rel: Callable
     flat.leaves = renamed
     sd = {**sd, "state": {name_of.get(k, k): v for k, v in sd["state"].items()}}
     flat.statefuls[path] = (_ByName(optim, {n: i for i, n in name_of.items()}), sd)
-
-
-def groups_mismatch(flat: Flat, path: Path, source: dict[Path, Entry], rel: Callable[[Path], Path],
-                    allow_pickle: bool) -> str | None:
-    """Why the checkpoint's ``param_groups`` cannot go into the optimizer flattened at ``path``
-    (another number of groups, or of parameters in a group: ``Optimizer.load_state_dict`` would
-    refuse them only once every tensor is filled); None when they can, or there are none."""
-    entry = source.get(rel(path + ("param_groups",)))
-    if entry is None or entry.kind != "object":
-        return None
-    saved = [len(g["params"]) for g in _saved_groups(entry, allow_pickle)]
-    have = [len(g["params"]) for g in flat.statefuls[path][1]["param_groups"]]
-    if not saved or saved == have:
-        return None
-    return (f"{fqn(path)}.param_groups (the checkpoint's groups hold {saved} parameters, the optimizer's {have}: "
-            "build the optimizer with the same parameter groups)")
 
 
 def _saved_groups(entry: Entry, allow_pickle: bool) -> list[dict[str, Any]]:

@@ -173,7 +173,7 @@ class AsyncSaver:
         failed, busy_anywhere = group.all_reduce_ints([int(unseen is not None), int(busy)]) if group.size > 1 \
             else (0, busy)
         if unseen is not None:
-            raise CheckpointError(f"a previous asynchronous save failed: {unseen}") from unseen
+            raise _previous_failed(unseen)
         if failed:
             raise CheckpointError(f"a previous asynchronous save failed on {failed} other rank(s) (their errors say "
                                   f"why), so the save to {path} was not started on any rank")
@@ -268,7 +268,7 @@ class AsyncSaver:
         """Raise the failure of a save in the background, once, unless its handle already did."""
         unseen = self._take_unseen()
         if unseen is not None:
-            raise CheckpointError(f"a previous asynchronous save failed: {unseen}") from unseen
+            raise _previous_failed(unseen)
 
     def wait_staged(self) -> None:
         """Block until the save in flight (if any) has captured the state; raises its failure
@@ -324,6 +324,13 @@ class AsyncSaver:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _previous_failed(exc: BaseException) -> CheckpointError:
+    """The error a later call raises for an earlier save's failure that nobody has seen."""
+    error = CheckpointError(f"a previous asynchronous save failed: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 _open_savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
