@@ -9,11 +9,14 @@ and headers as sent, so signatures hold):
 - ``"reset"``: the connection reset (RST) once the request is read, not forwarded;
 - ``"cut"``: a GET forwarded, then its answer cut off half-way through the body and the connection
   reset (another request's fault is a ``"reset"`` instead: only reads are safe to repeat blindly).
+- ``"fin"``: a GET forwarded, then its answer cut off half-way through the body and the connection
+  closed cleanly (FIN), as a server that goes away mid-answer or an idle timeout on the way does.
 - ``"lost"``: forwarded (it takes effect), then the connection reset instead of the answer.
 - ``"whole"``: a ranged GET of a key in ``objects`` answered ``200`` with that object's whole
   bytes, as a server that ignores ``Range`` does (other requests pass).
 
 ``when(method, path, headers)``, if given, picks the requests the schedule counts; the others always pass.
+``script(method, path, headers)``, if given, replaces the schedule: it names each request's fault, or None.
 
 ``fired`` counts the faults of each kind that happened; the deterministic schedule makes every
 retry of a failed request pass (it is not the ``N``-th).
@@ -39,10 +42,11 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection"}
 class FaultProxy:
     """A fault-injecting proxy in front of ``upstream`` (``http://host:port``); a context manager."""
 
-    def __init__(self, upstream: str, every: int, kinds: tuple[str, ...] = ("slowdown", "error", "reset", "cut"),
-                 when: Callable[[str, str, Message], bool] | None = None) -> None:
+    def __init__(self, upstream: str, every: int = 0, kinds: tuple[str, ...] = ("slowdown", "error", "reset", "cut"),
+                 when: Callable[[str, str, Message], bool] | None = None,
+                 script: Callable[[str, str, Message], str | None] | None = None) -> None:
         self.upstream = urlsplit(upstream).netloc
-        self.every, self.kinds, self.when = every, kinds, when
+        self.every, self.kinds, self.when, self.script = every, kinds, when, script
         self.objects: dict[str, bytes] = {}  # request path -> the object's bytes, for "whole"
         self.fired: Counter[str] = Counter()
         self.requests = 0
@@ -75,6 +79,13 @@ class FaultProxy:
         self._thread.join(10)
 
     def _next_fault(self, method: str, path: str, headers: Message) -> str | None:
+        if self.script is not None:
+            kind = self.script(method, path, headers)
+            with self._lock:
+                self.requests += 1
+                if kind is not None:
+                    self.fired[kind] += 1
+            return kind
         if self.when is not None and not self.when(method, path, headers):
             return None
         with self._lock:
@@ -82,7 +93,7 @@ class FaultProxy:
             if self.requests % self.every:
                 return None
             kind = self.kinds[(self.requests // self.every - 1) % len(self.kinds)]
-            if kind == "cut" and method != "GET":
+            if kind in ("cut", "fin") and method != "GET":
                 kind = "reset"
             self.fired[kind] += 1
             return kind
@@ -116,9 +127,12 @@ class FaultProxy:
         if fault == "lost":
             _reset(h)
             return
-        if fault == "cut" and len(data) > 1:
+        if fault in ("cut", "fin") and len(data) > 1:
             _respond(h, answer.status, headers, data[:len(data) // 2])  # Content-Length says all of it
-            _reset(h)
+            if fault == "cut":
+                _reset(h)
+            else:
+                h.close_connection = True
             return
         _respond(h, answer.status, headers, data)
 

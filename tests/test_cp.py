@@ -208,6 +208,23 @@ def test_a_complete_looking_file_with_a_bad_block_at_the_destination_is_copied_a
 
 
 
+def test_a_read_error_at_the_destination_deletes_nothing_of_the_checkpoint_there(tmp_path: Path) -> None:
+    """Copied again over its own committed copy (``--overwrite``, the same generation): the files
+    there are that checkpoint's. A read that fails (not damage) was taken for an incomplete file,
+    which was deleted to be copied again; with the writes failing too, the committed copy was
+    left without it. Now the copy fails and the committed copy stays whole."""
+    expected = save(tmp_path / "a")
+    assert run("cp", tmp_path / "a", tmp_path / "b").exit_code == 0
+    dst = FaultyStorage(LocalStorage(str(tmp_path / "b")))
+    outage = OSError(errno.EIO, "Input/output error")
+    failed = dst.fail("read_into", outage, name="*.safetensors")
+    dst.fail("write", outage)
+    with pytest.raises(zs.CheckpointError, match="Input/output error"):
+        zs.copy(tmp_path / "a", dst, overwrite=True)
+    assert failed.count and dst.names("delete") == []
+    assert_loads(tmp_path / "b", expected)
+
+
 def test_a_copy_onto_itself_never_deletes_a_file_it_cannot_check(tmp_path: Path) -> None:
     """In place (how an incremental checkpoint is made self-contained where it lies), a data file
     that failed its re-check (a read error, a bad block) was deleted to be copied again: from

@@ -4,6 +4,7 @@ verification, resharding over gloo, asynchronous saves, the manager and the CLI 
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import subprocess
@@ -96,6 +97,27 @@ def test_an_s3_url_gets_an_s3_storage_that_pickles_as_its_url(s3_url):
         S3Storage("s3:///nobucket")
     with pytest.raises(ValueError, match="S3Options.part_size must be an int >= 5242880"):
         S3Options(part_size=MIB)
+    assert S3Storage("s3://b/run/1/").location == "s3://b/run/1"
+
+
+@pytest.mark.parametrize("url", ["s3://b/run//1", "s3://b/run/./1", "s3://b/run/../1", "s3://b/.."])
+def test_an_s3_url_with_an_empty_dot_or_dot_dot_part_is_refused(url):
+    """Such a key is stored as it is, but tools that resolve paths (a console, a sync) read it as
+    another place: a checkpoint saved there would be found elsewhere, or not at all."""
+    with pytest.raises(ValueError, match="no empty, '.' or '..' part"):
+        S3Storage(url)
+
+
+def test_connections_no_storage_holds_are_freed(s3_server):
+    """Each set of options gets a client and a pool of threads; a program that makes new options
+    again and again (fresh credentials) kept every one of them, and their threads, for good."""
+    seen = []
+    for n in range(10):
+        storage = S3Storage(f"s3://{s3_server.bucket}", explicit(s3_server, read_timeout=10.0 + n))
+        seen.append(storage._conn.pool.submit(threading.current_thread).result())
+        del storage
+    gc.collect()
+    wait_for(lambda: sum(t.is_alive() for t in seen) <= 4, "the threads of connections no storage holds to end")
 
 
 def test_files_round_trip_as_multipart_and_single_uploads(s3_server, small_parts):

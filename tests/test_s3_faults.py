@@ -5,7 +5,9 @@ manifest for itself, the previous checkpoint intact and, after the clean-up, no 
 
 from __future__ import annotations
 
+import itertools
 import tempfile
+import threading
 from typing import Any, Iterator
 
 import pytest
@@ -15,8 +17,8 @@ import zerostall as zs
 from faults import FaultyStorage
 from s3proxy import FaultProxy
 from s3server import SeaweedS3, weed_runs
-from test_s3 import explicit, same, state_of, uploads, zeros_like_state
-from zerostall.format.layout import MANIFEST_NAME
+from test_s3 import explicit, raw, same, state_of, uploads, zeros_like_state
+from zerostall.format.layout import MANIFEST_NAME, data_file_name
 from zerostall.storage import S3Storage
 
 MIB = 1 << 20
@@ -135,3 +137,89 @@ def test_a_server_that_ignores_byte_ranges_is_an_error_not_wrong_bytes(s3_server
         with pytest.raises(zs.CheckpointError, match=rf"{name}.*does not serve byte ranges"):
             zs.load({k: torch.zeros(4096) for k in state}, through, verify=verify)
     assert proxy.fired["whole"], proxy.fired
+
+
+def manifest_requests(method: str) -> Any:
+    """A ``when`` of the requests of ``method`` on a manifest."""
+    return lambda m, path, headers: m == method and path.partition("?")[0].endswith(f"/{MANIFEST_NAME}")
+
+
+def through(proxy: FaultProxy, s3_server: SeaweedS3, url: str, **fields: Any) -> S3Storage:
+    return S3Storage(url, zs.S3Options(**{**explicit(s3_server, **fields).__dict__, "endpoint_url": proxy.endpoint}))
+
+
+def test_a_commit_whose_outcome_cannot_be_learned_keeps_its_files(s3_server, s3_url):
+    """The manifest's PUT takes effect but its answer is lost, the retry finds the object there
+    (412), and the store then fails every read of the manifest. The save cannot know whether it
+    committed: it says so, and deletes nothing (the committed manifest would name deleted files)."""
+    lost, put = threading.Event(), manifest_requests("PUT")
+
+    def script(method: str, path: str, headers: Any) -> str | None:
+        if put(method, path, headers) and not lost.is_set():
+            lost.set()
+            return "lost"
+        return "error" if lost.is_set() and manifest_requests("GET")(method, path, headers) else None
+
+    state = state_of(1)
+    with FaultProxy(s3_server.endpoint, script=script) as proxy:
+        storage = through(proxy, s3_server, s3_url, max_attempts=2)
+        with pytest.raises(zs.CheckpointError, match="outcome is unknown"):
+            zs.save(state, storage, threads=1)
+    assert proxy.fired["lost"] == 1 and proxy.fired["error"] >= 2, proxy.fired
+    restored = zeros_like_state()
+    zs.load(restored, s3_url)  # committed after all, every data file there
+    assert same(restored, state)
+
+
+def test_a_body_closed_early_is_asked_again_not_taken_for_a_short_file(s3_server, s3_url):
+    """A ranged GET's answer stops half-way with a clean close (FIN, no reset): the rest is asked
+    for again. Before, the reader took the missing bytes for the end of the file: a load said the
+    checkpoint was corrupt and a restore fell back to an older one."""
+    state = {"w": torch.randn(1 << 18, generator=torch.Generator().manual_seed(3))}
+    zs.save(state, s3_url, threads=1)
+    gets = itertools.count()
+
+    def script(method: str, path: str, headers: Any) -> str | None:  # the first two GETs of data (one retried)
+        data = method == "GET" and "Range" in headers and path.partition("?")[0].endswith(".safetensors")
+        return "fin" if data and next(gets) < 2 else None
+
+    with FaultProxy(s3_server.endpoint, script=script) as proxy:
+        out = zs.load({"w": torch.zeros(1 << 18)}, through(proxy, s3_server, s3_url))
+    assert proxy.fired["fin"] == 2 and torch.equal(out["w"], state["w"]), proxy.fired
+
+
+def test_a_whole_object_for_a_range_from_byte_0_is_refused_unless_it_is_the_range(s3_server, s3_url):
+    """A server ignoring ``Range`` answers ``200`` with the whole object. From byte 0 that is the
+    right first bytes, but a read of a small head would take the whole object: refused, as from
+    any other byte; an object no longer than the range asked is what was asked."""
+    storage = S3Storage(s3_url, explicit(s3_server))
+    storage.write("big", [memoryview(b"x" * 5000)])
+    storage.write("small", [memoryview(b"y" * 10)])
+    with FaultProxy(s3_server.endpoint, every=1, kinds=("whole",)) as proxy:
+        for name in ("big", "small"):
+            proxy.objects[f"/{storage.bucket}/{storage.prefix}{name}"] = storage.read_bytes(name)
+        faulty = through(proxy, s3_server, s3_url)
+        with pytest.raises(zs.StorageError, match="does not serve byte ranges"):
+            faulty.read_head("big", 256)
+        assert faulty.read_head("small", 256) == b"y" * 10
+    assert proxy.fired["whole"] == 2, proxy.fired
+
+
+def test_a_request_is_tried_max_attempts_times_in_all(s3_server, s3_url):
+    with FaultProxy(s3_server.endpoint, every=1, kinds=("error",)) as proxy:
+        with pytest.raises(zs.StorageError):
+            through(proxy, s3_server, s3_url, max_attempts=3).read_bytes("anything")
+    assert proxy.requests == 3
+
+
+def test_a_managers_clean_up_leaves_other_programs_uploads_under_its_root(s3_server, s3_url):
+    """A root shared with other programs (the top of a bucket, say): the lease holder's clean-up
+    aborts the uploads its dead writers left, never another program's."""
+    root = S3Storage(s3_url, explicit(s3_server))
+    client, bucket = raw(s3_server), s3_server.bucket
+    theirs, ours = f"{root.prefix}other-app/big.bin", f"{root.prefix}step_000000007/{data_file_name('1-2', 0, 0)}"
+    for key in (theirs, ours):
+        client.create_multipart_upload(Bucket=bucket, Key=key)
+    zs.CheckpointManager(root).close()
+    assert uploads(s3_server, root) == [theirs]
+    root.abort_uploads()

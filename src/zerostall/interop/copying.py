@@ -243,8 +243,10 @@ class _Copy:
 
     def _complete(self, name: str, size: int, found: int | None, runs: list[_Run]) -> bool:
         """Whether data file ``name`` at the destination (``found`` bytes, if known) has its size
-        and passes every check. In place, the destination's file is the source's own: one that does
-        not is raised (damage or a read error), never copied again over itself."""
+        and passes every check; one that is gone or damaged is copied again. A read that fails
+        otherwise is raised: the file may be a committed checkpoint's (this one's, copied again),
+        and only damage may replace it. In place, the destination's file is the source's own: one
+        that does not pass is raised too, never copied again over itself."""
         try:
             if (actual := self.target.size(name) if found is None else found) != size:
                 raise CorruptCheckpointError(f"data file {name} of {self.target.location} has {actual} bytes, the "
@@ -254,9 +256,7 @@ class _Copy:
                     raise _Stopped("another copying thread failed")
                 _read_checked(self.dst_reader, name, run)
                 self.progress(run.length)
-        except _Stopped:
-            raise
-        except (CheckpointError, OSError) as exc:
+        except (CorruptCheckpointError, FileNotFoundError) as exc:
             if self.in_place:
                 raise
             log.info("%s at %s is not complete (%s): copied again", name, self.target.location, exc)

@@ -147,7 +147,11 @@ class ChunkReader:
         and a script that deletes corrupt checkpoints must not delete the new one."""
         of = f" (entry {entry.fqn})" if entry is not None else ""
         foreign = self.manifest.foreign is not None  # no manifest of ours in place to compare with
-        current = self.manifest.generation if foreign else manifest_generation(self.storage)
+        try:
+            current = self.manifest.generation if foreign else manifest_generation(self.storage)
+        except OSError as exc:
+            return CheckpointError(f"data file {name}{of} of {self.path} is gone, and its manifest cannot be read "
+                                   f"({exc}): the checkpoint may have changed, or the storage is failing; open it again")
         if current != self.manifest.generation:
             now = f"another save ({current}) replaced it" if current else "it was deleted: pruned by retention, or by hand"
             return CheckpointError(f"{self.path} changed while this read session was open ({now}): data file "

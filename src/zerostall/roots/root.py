@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -21,20 +20,19 @@ from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpoin
                       InvalidPathError)
 from ..format import codec
 from ..format.layout import MANIFEST_NAME, SUPERSEDED_NAME, ManifestHead, file_generation
-from ..format.retained import RETAINED_NAME
 from ..loading.opening import read_manifest_head
 from ..storage import SMALL_FILE_BYTES, Storage
 from ..storage.location import few
 from ..storage.references import read_retained
 from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
-from .sharing import collect_retained, delete_checkpoint, has_manifest, referenced, refs_set_aside, set_aside
+from .sharing import collect_retained, delete_checkpoint, referenced, refs_set_aside, set_aside
+from .stale import remove_attempts
 
 log = logging.getLogger(__name__)
 
 LATEST_NAME = "latest"
 _PLAIN_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")  # a tag as DeepSpeed writes ``latest``: the name alone
 LEASE_NAME = ".writer-lease"
-TRASH_PREFIX = ".deleting-"
 
 FRAMEWORK_FILES = frozenset({"zero_to_fp32.py"})
 """Files a training framework keeps beside its checkpoints in its save directory (DeepSpeed's
@@ -355,38 +353,13 @@ class CheckpointRoot:
         set_aside(self.storage, tags, step, target, {i.name: i.refs for i in self._all_read()})
 
     def clean_stale_attempts(self, temp_age: float) -> None:
-        """Remove ``step_*`` checkpoints that never committed and what an interrupted clean-up left;
-        and temp files of ``latest``/lease updates older than ``temp_age`` seconds (a younger one may
-        be another writer's, in flight). Only for the lease holder: the other writers are dead.
-
-        Each attempt is first moved aside (``.deleting-*``), so a writer that outlived its lease can
-        never commit a manifest into a checkpoint whose data files are being deleted: locally the
-        move is one rename, so its commit then fails, or came first and the attempt is put back.
-        Files a dead writer left half-written (an object store's unfinished uploads) are abandoned."""
-        if self.storage.abort_uploads():
-            log.info("aborted the unfinished uploads a dead writer left under %s", self.location)
-        for name in self.storage.children():
-            if name.startswith(TRASH_PREFIX):
-                self.storage.delete_tree(name)  # a clean-up that a crash interrupted
-            elif name.startswith("step_") and not has_manifest(self.storage.child(name)) \
-                    and RETAINED_NAME not in self.storage.child(name).list():
-                self._remove_attempt(name)
+        """Remove what dead writers left (see :func:`~zerostall.roots.stale.remove_attempts`), and
+        temp files of ``latest``/lease updates older than ``temp_age`` seconds (a younger one may be
+        another writer's, in flight). Only for the lease holder: the other writers are dead."""
+        remove_attempts(self.storage, self.where)
         for name in self.storage.list():
             if _update_temp(name):
                 self._remove_if_older(name, temp_age)  # a publish that a crash interrupted
-
-    def _remove_attempt(self, name: str) -> None:
-        trash = f"{TRASH_PREFIX}{name}.{secrets.token_hex(4)}"
-        try:
-            self.storage.move(name, trash)
-        except FileNotFoundError:
-            return
-        if has_manifest(self.storage.child(trash)):
-            log.warning("%s committed while it was being cleaned up: a writer outlived its lease", self.where(name))
-            self.storage.move(trash, name)
-            return
-        log.info("removing the uncommitted checkpoint %s left by a dead writer", self.where(name))
-        self.storage.delete_tree(trash)
 
     def _remove_if_older(self, name: str, seconds: float) -> None:
         try:

@@ -190,7 +190,7 @@ def await_commit(storage: Storage, generation: str, timeout: float, bell: Doorbe
             if verdict.startswith("abort:"):
                 raise CommitError(f"the save was aborted by the coordinator: {verdict.removeprefix('abort:')}")
             waiting.drop()
-        if manifest_generation(storage) == generation:
+        if _committed(storage, generation):
             return
         try:
             reason = storage.read_bytes(abort_name(generation)).decode(errors="replace")
@@ -289,6 +289,15 @@ def assemble(collected: Collected, plan: Plan, files: dict[str, int], headers: d
     return Manifest(generation=generation, entries=entries, files=files, tree=codec.encode(collected.skeleton),
                     world_size=world_size, block_size=block_size, step=step, metadata=metadata, headers=headers,
                     refs=refs)
+
+
+def _committed(storage: Storage, generation: str) -> bool:
+    """Whether the manifest in place is ``generation``'s; a read that fails is a no (the wait goes on)."""
+    try:
+        return manifest_generation(storage) == generation
+    except OSError as exc:
+        log.debug("could not read the manifest in %s while waiting for the commit: %s", storage.location, exc)
+        return False
 
 
 def delete_generation(storage: Storage, generation: str, rank: int) -> None:

@@ -10,6 +10,7 @@ leaves either the old or the new checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 import os
 import time
@@ -35,6 +36,8 @@ from .commit import (announce, assemble, await_commit, await_records, clean_up_a
 from .plan import Plan, SavePlanner
 from .recollect import CollectCache, Snapshot
 from .write import create, write_data
+
+log = logging.getLogger(__name__)
 
 _PLANNER = SavePlanner()
 
@@ -241,14 +244,33 @@ def abandon(prepared: Prepared | Deferred, exc: BaseException) -> None:
     p.storage.close()
 
 
+def _not_committed(storage: Storage, generation: str, group: Group, exc: BaseException, bell: Any) -> None:
+    """After the coordinator's commit failed: the other ranks are told, and this rank's files
+    removed, unless the manifest in place is this save's. When that manifest cannot be read (its
+    publication's outcome unknown) the files stay: a later save's clean-up removes them if unused."""
+    try:
+        if manifest_generation(storage) == generation:
+            return
+        known = True
+    except OSError as err:
+        known = False
+        log.warning("the save %s into %s failed and the manifest in place cannot be read (%s): its files are kept, "
+                    "in case its commit took effect", generation, storage.location, err)
+    if group.size > 1:
+        write_abort(storage, generation, f"{type(exc).__name__}: {exc}", bell)
+    if known:
+        delete_generation(storage, generation, group.rank)
+        storage.delete(manifest_tmp_name(generation))
+
+
 def persist(prepared: Prepared) -> SaveInfo:
     """Write this rank's items and take part in the commit (see :mod:`zerostall.saving.commit`)."""
     p, group, storage, generation = prepared, prepared.group, prepared.storage, prepared.generation
     threads = p.options.threads or default_threads()
     t0 = time.perf_counter()
-    previous = manifest_generation(storage) if group.is_coordinator else None  # see location.publish_manifest
     bell = open_doorbell(group, storage, generation)
     try:
+        previous = manifest_generation(storage) if group.is_coordinator else None  # see location.publish_manifest
         create(storage)
         written, same = (p.items, []) if p.reuse is None else split_unchanged(p.items, p.versions, p.reuse, threads,
                                                                               p.options.block_size)
@@ -281,11 +303,8 @@ def persist(prepared: Prepared) -> SaveInfo:
         else:
             await_commit(storage, generation, p.options.commit_timeout, bell)
     except BaseException as exc:
-        if group.is_coordinator and manifest_generation(storage) != generation:
-            if group.size > 1:
-                write_abort(storage, generation, f"{type(exc).__name__}: {exc}", bell)
-            delete_generation(storage, generation, group.rank)
-            storage.delete(manifest_tmp_name(generation))
+        if group.is_coordinator:
+            _not_committed(storage, generation, group, exc, bell)
         storage.close()
         raise
     if group.is_coordinator:

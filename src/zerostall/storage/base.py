@@ -173,8 +173,8 @@ class Storage(ABC):
     def abort_uploads(self, name: str = "", which: Callable[[str], bool] | None = None) -> int:
         """Abandon the files left half-written under sub-location ``name`` (the whole location by
         default) by writers that died: an object store's unfinished multipart uploads, which no
-        listing shows. With ``which``, only those of the location's own files whose names it
-        accepts. Returns how many. Only where no live writer writes (the lease holder's clean-up,
+        listing shows. With ``which``, only those whose paths under ``name`` (``a/b`` for a file
+        one level deeper) it accepts. Returns how many. Only where no live writer writes (the lease holder's clean-up,
         or the files of generations a commit made stale); a local directory has none (a
         half-written file is listed and deleted as any)."""
         return 0

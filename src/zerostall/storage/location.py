@@ -77,10 +77,12 @@ def publish_manifest(storage: Storage, generation: str, manifest: bytes, previou
 
 
 def manifest_generation(storage: Storage) -> str | None:
-    """The generation named by the manifest in place, read from its first bytes only."""
+    """The generation named by the manifest in place, read from its first bytes only; None when
+    there is none. A read that fails raises (an OSError): what is in place is then unknown, and a
+    caller that took it for "none" could delete a committed checkpoint's files."""
     try:
         head = storage.read_head(MANIFEST_NAME, 256)
-    except OSError:
+    except FileNotFoundError:
         return None
     match = _GENERATION_RE.search(head)
     return match.group(1).decode() if match else None
@@ -96,8 +98,8 @@ def remove_stale(storage: Storage, keep: str, stale: Callable[[str], bool]) -> N
         gen = file_generation(name)
         return gen is not None and (parse_record(name) is not None if gen == keep else stale(gen))
 
-    def unfinished(name: str) -> bool:
-        gen = file_generation(name)
+    def unfinished(name: str) -> bool:  # the location's own files, not those of a location inside it
+        gen = None if "/" in name else file_generation(name)
         return gen is not None and (gen == keep or stale(gen))
 
     try:

@@ -30,11 +30,18 @@ _DELETE_BATCH = 1000  # keys per DeleteObjects request
 _CONFLICT = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")  # a condition did not hold
 
 
-def _holds(landed: Callable[[], bool]) -> bool:
+def _holds(landed: Callable[[], bool], where: str, doing: str) -> bool:
+    """Whether an earlier attempt of a write took effect (``landed()``), an absent object being a
+    no; a look-up that fails leaves the outcome unknown: a :class:`StorageError` says so, since a
+    conflict reported then could make the caller delete what that attempt committed."""
     try:
         return landed()
-    except OSError:
+    except FileNotFoundError:
         return False
+    except OSError as exc:
+        raise StorageError(f"{doing} {where}: the outcome is unknown. An attempt may have taken effect (its answer "
+                           f"was lost), and looking that up failed ({exc}); read {where} again once the store "
+                           "answers") from exc
 
 
 class S3Storage(S3Reads, Storage):
@@ -44,13 +51,15 @@ class S3Storage(S3Reads, Storage):
     remote = True
 
     def __init__(self, url: str, options: S3Options | None = None) -> None:
-        if not url.startswith("s3://") or not url[5:].split("/", 1)[0]:
-            raise ValueError(f"an S3 location is s3://bucket[/prefix], not {url!r}")
+        bucket, _, prefix = url[5:].partition("/") if url.startswith("s3://") else ("", "", "")
+        prefix = prefix.strip("/")
+        if not bucket or prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
+            raise ValueError(f"an S3 location is s3://bucket[/prefix], a prefix of plain names (no empty, '.' or '..' "
+                             f"part, which other tools resolve differently), not {url!r}")
         self.options = options or S3Options()
         self.requests_in_flight = self.options.concurrency
         self.read_grid = self.options.part_size  # data files are uploaded in parts of this size
-        self.bucket, _, prefix = url[5:].partition("/")
-        prefix = prefix.strip("/")
+        self.bucket = bucket
         self.prefix = f"{prefix}/" if prefix else ""
         self.location = f"s3://{self.bucket}/{prefix}".rstrip("/")
         self._conn = Connection.get(self.options)
@@ -250,7 +259,7 @@ class S3Storage(S3Reads, Storage):
             return self._call(key, doing, fn, **kwargs)
         except StorageError as exc:
             lost = retried(exc.__cause__) and error_code(exc.__cause__) in (*_CONFLICT, "NoSuchUpload")
-            if lost and landed is not None and _holds(landed):
+            if lost and landed is not None and _holds(landed, f"s3://{self.bucket}/{key}", doing):
                 log.info("%s s3://%s/%s: an earlier attempt took effect, its answer was lost", doing, self.bucket, key)
                 return None
             if conditional and error_code(exc.__cause__) in _CONFLICT:
@@ -305,9 +314,9 @@ class S3Storage(S3Reads, Storage):
 
     def abort_uploads(self, name: str = "", which: Callable[[str], bool] | None = None) -> int:
         """Abort the unfinished multipart uploads under ``name/`` (all of the location's by default);
-        with ``which``, only those of the location's own files whose names it accepts."""
+        with ``which``, only those whose keys (relative to ``name/``, ``a/b`` for one deeper) it accepts."""
         prefix = self._prefix(name) if name else self.prefix
-        uploads = [(u["Key"], u["UploadId"]) for page in self._pages(prefix, "/" if which else "", "list_multipart_uploads")
+        uploads = [(u["Key"], u["UploadId"]) for page in self._pages(prefix, "", "list_multipart_uploads")
                    for u in page.get("Uploads", ()) if which is None or which(u["Key"][len(prefix):])]
         for key, upload in uploads:
             self._abort(key, upload)

@@ -117,10 +117,14 @@ def runs_of(outs: list[memoryview], offset: int, step: int) -> list[tuple[int, l
 
 class Connection:
     """A boto3 client and the thread pool of part uploads and ranged reads, shared by every
-    storage with the same options in this process."""
+    storage with the same options in this process. The cache holds the few options used last: a
+    storage keeps its own connection, and one no storage holds any more is freed (its client's
+    sockets closed, its threads ended) instead of piling up with each new set of options (fresh
+    credentials)."""
 
-    _cache: dict[tuple[S3Options, int], Connection] = {}
+    _cache: dict[tuple[S3Options, int], Connection] = {}  # in order of use, the last used last
     _lock = threading.Lock()
+    _KEEP = 4
 
     def __init__(self, options: S3Options) -> None:
         try:
@@ -135,7 +139,7 @@ class Connection:
         s3: dict[str, Any] = {"payload_signing_enabled": False}  # bodies are sent as they are, unhashed
         if options.addressing_style is not None:
             s3["addressing_style"] = options.addressing_style
-        config = Config(s3=s3, retries={"mode": "standard", "max_attempts": options.max_attempts},
+        config = Config(s3=s3, retries={"mode": "standard", "total_max_attempts": options.max_attempts},
                         connect_timeout=options.connect_timeout, read_timeout=options.read_timeout,
                         max_pool_connections=2 * options.concurrency + 8, parameter_validation=False,
                         request_checksum_calculation="when_required", response_checksum_validation="when_required")
@@ -146,9 +150,10 @@ class Connection:
     def get(cls, options: S3Options) -> Connection:
         key = (options, os.getpid())  # a forked child makes its own: clients do not survive a fork
         with cls._lock:
-            conn = cls._cache.get(key)
-            if conn is None:
-                conn = cls._cache[key] = cls(options)
+            conn = cls._cache.pop(key, None) or cls(options)
+            cls._cache[key] = conn
+            while len(cls._cache) > cls._KEEP:
+                del cls._cache[next(iter(cls._cache))]
             return conn
 
 

@@ -63,9 +63,9 @@ class S3Reads:
                 if not f.cancelled():
                     f.exception()  # no GET may write into ``outs`` after this returns
 
-    def _open(self, name: str, byte_range: str | None, limit: int | None = None) -> Any:
-        """The body of a GET of ``name`` (of ``byte_range``); EOFError if the range starts past its
-        end, ``FileTooLargeError`` (unread) if the object is larger than ``limit``."""
+    def _open(self, name: str, byte_range: str | None, limit: int | None = None) -> dict[str, Any]:
+        """The answer to a GET of ``name`` (of ``byte_range``), its body unread; EOFError if the
+        range starts past its end, ``FileTooLargeError`` (unread) if the object is larger than ``limit``."""
         extra = {"Range": byte_range} if byte_range else {}
         try:
             answer = self._call(self._key(name), "reading", self._client.get_object, Key=self._key(name), **extra)
@@ -83,7 +83,7 @@ class S3Reads:
             if size > limit:
                 answer["Body"].close()
                 raise FileTooLargeError(f"{self.location}/{name}", size, limit)
-        return answer["Body"]
+        return answer
 
     def _fetch(self, name: str, byte_range: str | None, limit: int | None = None) -> bytes:
         """A whole (small) body, asked again if the connection breaks in the middle."""
@@ -91,7 +91,7 @@ class S3Reads:
 
         attempt = 0
         while True:
-            body = self._open(name, byte_range, limit)
+            body = self._open(name, byte_range, limit)["Body"]
             try:
                 return body.read()
             except (BotoCoreError, ConnectionError, TimeoutError) as exc:
@@ -101,19 +101,23 @@ class S3Reads:
                 body.close()
 
     def _get_into(self, name: str, offset: int, outs: list[memoryview]) -> None:
-        """One ranged GET read into ``outs`` in order; a connection that breaks mid-body is asked
-        again for the rest."""
+        """One ranged GET read into ``outs`` in order; a connection that breaks mid-body (reset, or
+        closed before the bytes its answer promised) is asked again for the rest."""
         from botocore.exceptions import BotoCoreError
 
         total = sum(len(o) for o in outs)
         pending = [o for o in outs if len(o)]
         done = attempt = 0
         while pending:
-            body = self._open(name, f"bytes={offset + done}-{offset + total - 1}")
+            answer = self._open(name, f"bytes={offset + done}-{offset + total - 1}")
+            body, promised = answer["Body"], done + int(answer.get("ContentLength") or 0)
             readinto = socket_readinto(body)
             try:
                 while pending:
                     got = readinto(pending[0])
+                    if not got and done < promised:
+                        raise ConnectionError(f"the connection closed {promised - done} bytes before the end "
+                                              "of the answer")
                     if not got:
                         raise EOFError(f"{self.location}/{name} ends at byte {offset + done}, "
                                        f"expected {offset + total}")
@@ -129,11 +133,14 @@ class S3Reads:
 
 
 def _answers(byte_range: str, answer: dict[str, Any]) -> bool:
-    """Whether a GET's ``answer`` starts where ``byte_range`` (``bytes=a-b``) asked: its
-    Content-Range does, or it has none and was asked from byte 0 (a whole object is that)."""
-    start = byte_range.removeprefix("bytes=").partition("-")[0]
+    """Whether a GET's ``answer`` is what ``byte_range`` (``bytes=a-b``) asked: its Content-Range
+    starts at ``a``; or it has none (a whole object) and ``a`` is 0 and the object no longer than asked."""
+    start, _, end = byte_range.removeprefix("bytes=").partition("-")
     served = str(answer.get("ContentRange") or "")
-    return served.removeprefix("bytes ").partition("-")[0] == start if served else start == "0"
+    if served:
+        return served.removeprefix("bytes ").partition("-")[0] == start
+    length = answer.get("ContentLength")
+    return start == "0" and length is not None and int(length) <= int(end) + 1
 
 
 def socket_readinto(body: Any) -> Callable[[memoryview], int]:
