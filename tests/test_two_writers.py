@@ -3,6 +3,7 @@ there is whole (its data files were never deleted by the other writer)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 import zerostall as zs
-from faults import wait_for
+from faults import FaultyStorage, wait_for
+from zerostall.storage import LocalStorage
 
 WAIT = 120.0  # a condition that never comes fails the test instead of hanging it (not a timing bound)
 
@@ -82,3 +84,14 @@ def test_a_second_writer_cannot_commit_between_the_first_ones_check_and_switch(t
     zs.verify(path)
     got = zs.load({"w": torch.empty(1 << 16), "b": torch.empty(64)}, path)
     assert torch.equal(got["w"], torch.full((1 << 16,), 1.0)) and torch.equal(got["b"], torch.full((64,), 1.0))
+
+
+def test_a_manifest_in_place_that_cannot_be_read_stops_the_save_not_blaming_another_writer(tmp_path):
+    """Its first read failed (an I/O error) and was taken for "no checkpoint here": the commit's
+    check, reading the checkpoint in place, then refused the save as one racing another writer."""
+    zs.save({"w": torch.zeros(8)}, tmp_path, fsync=False)
+    storage = FaultyStorage(LocalStorage(str(tmp_path), fsync=False))
+    failed = storage.fail("read_head", OSError(errno.EIO, "Input/output error"), name="manifest.json", times=1)
+    with pytest.raises(zs.CheckpointError, match="cannot be read.*Input/output error.*untouched"):
+        zs.save({"w": torch.ones(8)}, storage, overwrite=True)
+    assert failed.count == 1 and torch.equal(zs.load({"w": torch.full((8,), 5.0)}, tmp_path)["w"], torch.zeros(8))

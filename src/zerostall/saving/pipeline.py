@@ -244,6 +244,17 @@ def abandon(prepared: Prepared | Deferred, exc: BaseException) -> None:
     p.storage.close()
 
 
+def _in_place(storage: Storage) -> str | None:
+    """The generation of the checkpoint in place, which the save replaces: the commit checks it is
+    still there (see :func:`~zerostall.storage.location.publish_manifest`). One that cannot be read
+    stops the save: taken for none, it would make that check fail, blaming another writer."""
+    try:
+        return manifest_generation(storage)
+    except OSError as exc:
+        raise CheckpointError(f"the manifest in place at {storage.location} cannot be read ({exc}): nothing was "
+                              "saved, and the checkpoint there is untouched; save again once it reads") from exc
+
+
 def _not_committed(storage: Storage, generation: str, group: Group, exc: BaseException, bell: Any) -> None:
     """After the coordinator's commit failed: the other ranks are told, and this rank's files
     removed, unless the manifest in place is this save's. When that manifest cannot be read (its
@@ -270,7 +281,7 @@ def persist(prepared: Prepared) -> SaveInfo:
     t0 = time.perf_counter()
     bell = open_doorbell(group, storage, generation)
     try:
-        previous = manifest_generation(storage) if group.is_coordinator else None  # see location.publish_manifest
+        previous = _in_place(storage) if group.is_coordinator else None
         create(storage)
         written, same = (p.items, []) if p.reuse is None else split_unchanged(p.items, p.versions, p.reuse, threads,
                                                                               p.options.block_size)
