@@ -365,6 +365,18 @@ def test_a_first_save_killed_half_way_leaves_nothing_lightning_would_resume_from
     assert torch.equal(io.load_checkpoint(tmp_path / "last.ckpt")["w"], torch.full((3,), 2.0))
     assert os.listdir(tmp_path) == ["last.ckpt"]
 
+def test_a_last_link_to_a_save_that_never_committed_names_the_checkpoint_to_resume_from(tmp_path: Path) -> None:
+    """``save_last="link"`` links last.ckpt to a top-k checkpoint as soon as its asynchronous save
+    returns; a run stopped before that save committed left a link to nothing, and resuming from
+    "last" failed without saying what could be resumed from."""
+    io = ZeroStallCheckpointIO()
+    io.save_checkpoint({"w": torch.ones(2), "global_step": 4}, tmp_path / "epoch=0-step=4.ckpt")
+    os.symlink("epoch=0-step=8.ckpt", tmp_path / "last.ckpt")
+    with pytest.raises(zs.CheckpointNotFoundError, match=r"epoch=0-step=8.ckpt, which holds no committed checkpoint"
+                       r".*resume from .*epoch=0-step=4.ckpt \(step 4\)"):
+        io.load_checkpoint(tmp_path / "last.ckpt")
+
+
 # -- paths Lightning hands over ---------------------------------------------------------------------
 def test_links_and_lightnings_own_files_are_removed_as_files_and_loaded_with_torch(tmp_path: Path) -> None:
     io = ZeroStallCheckpointIO()

@@ -48,16 +48,13 @@ class CheckpointManager:
     """Steps and tags under one root: ``save`` (create → save → commit), ``open``, ``restore``,
     ``latest``, retention. Collective when distributed: every rank makes the same calls.
 
-    ``root`` is a path or a :class:`Storage`. ``retention`` sets the retention rules;
-    ``save_options``/``load_options`` are the options of its saves and of ``open``/``restore``. As
-    shorthand, the fields of a :class:`RetentionPolicy` (``keep_last=3``; not together with
-    ``retention``) and of :class:`SaveOptions` (``fsync=False``) are keywords too; any other
-    keyword is a ``TypeError`` here, not at the first save. ``save_every`` and ``save_interval_s``
-    drive :meth:`should_save`; ``async_save`` makes ``save`` return a :class:`SaveHandle` at once.
-    ``rank_local_keys`` are top-level keys of the state saved per rank (data loaders); RNG states
-    (torch, CUDA, python, numpy) are saved and restored per rank. ``local`` adds the node-local
-    tier (see :class:`LocalTier`): frequent saves into a directory on each node, replicated to
-    other nodes, which ``restore`` uses first when they hold a step as new as the root's.
+    ``root``: a path or a :class:`Storage`. ``retention``: the retention rules; ``save_options``/
+    ``load_options``: the options of its saves and of ``open``/``restore``. The fields of a
+    :class:`RetentionPolicy` (``keep_last=3``; not with ``retention``) and of :class:`SaveOptions`
+    (``fsync=False``) are keywords too; any other keyword is a ``TypeError`` here. ``save_every`` and
+    ``save_interval_s`` drive :meth:`should_save`; ``async_save`` makes ``save`` return a
+    :class:`SaveHandle` at once. ``rank_local_keys``: top-level keys saved per rank (data loaders);
+    RNG states are saved and restored per rank. ``local``: the node-local tier (:class:`LocalTier`).
     """
 
     def __init__(self, root: str | os.PathLike[str] | Storage, *, retention: RetentionPolicy | None = None,
@@ -160,23 +157,25 @@ class CheckpointManager:
         self._before_saving(step, tag)
         metadata = {"metrics": metrics, "tag": tag}
         self.schedule.saved()
-        self._pinned.add(step)
-        reuse = self.increments.base(step, tag)
-        if self.saver is None:
-            try:
+        self._pinned.add(step)  # retention keeps it while its save is in flight
+        try:
+            reuse = self.increments.base(step, tag)
+            if self.saver is None:
                 with gc_paused():  # as zs.save: no cyclic collections over the per-leaf objects
                     prepared = prepare(wrapped, storage, self._save_options, process_group=self.process_group,
                                        step=step, metadata=metadata, reuse=reuse)
                     if shared is not None:
                         shared.lend(prepared.items, [None] * len(prepared.items))
                     info = persist(prepared)
-            finally:
                 self._pinned.discard(step)
-            self.increments.committed(info)
-            self._commit(tag, step)
-            return info
-        handle = self.saver.save(wrapped, storage, self._save_options, process_group=self.process_group, step=step,
-                                 metadata=metadata, share=shared, reuse=reuse)
+                self.increments.committed(info)
+                self._commit(tag, step)
+                return info
+            handle = self.saver.save(wrapped, storage, self._save_options, process_group=self.process_group,
+                                     step=step, metadata=metadata, share=shared, reuse=reuse)
+        except BaseException:
+            self._pinned.discard(step)  # a save refused (an earlier one's failure, say) pins nothing
+            raise
         assert handle is not None
         self._sharing = handle if shared is not None else None
         self._committing = committing = Future()

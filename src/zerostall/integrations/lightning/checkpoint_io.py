@@ -31,7 +31,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from ... import api
 from ...collectives import ALONE
-from ...errors import CheckpointError
+from ...errors import CheckpointError, CheckpointNotFoundError
 from ...format.layout import MANIFEST_NAME
 from ...loading.checkpoint import Checkpoint
 from ...options import LoadOptions, SaveOptions, _Options
@@ -134,6 +134,8 @@ class ZeroStallCheckpointIO(CheckpointIO):
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise TypeError(f"map_location must be None, a torch.device or a device name for a zerostall checkpoint "
                             f"(its tensors load on the CPU and are moved there), not {type(map_location).__name__}")
+        if not _is_url(target) and os.path.islink(target) and not os.path.isfile(os.path.join(target, MANIFEST_NAME)):
+            raise _dangling(target)
         options = self.options.load_options(weights_only)
         with Checkpoint(storage_for(target), options, process_group=ALONE) as ck:
             tree = ck.state()
@@ -204,6 +206,19 @@ def last_checkpoint(dirpath: Any, name: str = "last") -> str | None:
     pattern = re.compile(rf"{re.escape(name)}(-v\d+)?\.ckpt")  # ModelCheckpoint's versions: last-v1.ckpt
     found = [i for i in CheckpointRoot(storage_for(_plain(dirpath))).checkpoints() if pattern.fullmatch(i.name)]
     return max(found, key=lambda i: i.created or 0.0).location if found else None
+
+
+def _dangling(link: str) -> CheckpointNotFoundError:
+    """The error for a link (``ModelCheckpoint(save_last="link")``) to no committed checkpoint:
+    Lightning links right after an asynchronous save returns, and the run stopped before that
+    save committed. Names the newest committed checkpoint beside it, to resume from instead."""
+    found = [i for i in CheckpointRoot(storage_for(os.path.dirname(os.path.abspath(link)))).checkpoints()
+             if i.name.endswith(".ckpt")]
+    newest = max(found, key=lambda i: (i.step if i.step is not None else -1, i.created or 0.0), default=None)
+    return CheckpointNotFoundError(
+        f"{link} links to {os.readlink(link)}, which holds no committed checkpoint: its asynchronous save did not "
+        "commit before the run stopped; " + (f"resume from {newest.location} (step {newest.step}), the newest "
+                                             "committed checkpoint there" if newest else "none there has committed"))
 
 
 def _staging(path: str) -> str | None:
