@@ -24,7 +24,9 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig  # noqa: E402
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter  # noqa: E402
 from zerostall.integrations.torchtitan import ZeroStallCheckpointManager  # noqa: E402
+from zerostall.loading.opening import read_manifest  # noqa: E402
 from zerostall.roots.root import step_tag  # noqa: E402
+from zerostall.storage import storage_for  # noqa: E402
 
 
 class TrainState:
@@ -95,7 +97,8 @@ class Run:
 
     def steps(self, first: int, last: int, total: int) -> list[float]:
         losses = []
-        self.batches = self.batches or iter(self.loader)  # after load(): from the restored position
+        if self.batches is None:  # after load(): from the restored position
+            self.batches = iter(self.loader)
         for step in range(first, last + 1):
             x = next(self.batches) + torch.randn(4, 8)  # and the global RNG, restored with the checkpoint
             loss = self.model(x).square().mean()
@@ -331,6 +334,24 @@ def test_a_checkpoint_of_one_process_resumes_on_two_ranks_without_the_data_loade
     out = ranks(2).run(load_elsewhere, str(tmp_path), exclude_from_loading=["dataloader"], timeout=240)
     for loaded, model, step in out:
         assert loaded is True and same(model, run.snapshot()["model"]) and step == 2
+
+
+def test_a_damaged_newest_checkpoint_of_another_world_size_falls_back_to_the_previous(ranks, tmp_path):
+    """Loaded on another number of ranks, a checkpoint was read outside the manager's restore: a
+    damaged newest one failed the load instead of falling back to the one before it."""
+    run = Run("ckpt", str(tmp_path))
+    run.steps(1, 2, 10)
+    at_2 = run.snapshot()["model"]
+    run.steps(3, 4, 10)
+    run.ckpt.close()
+    newest = tmp_path / "ckpt" / step_tag(4)
+    chunk = next(e for e in read_manifest(storage_for(newest)).entries if e.fqn == "model.0.weight").chunks[0]
+    data = bytearray((newest / chunk.file).read_bytes())
+    data[chunk.offset + 5] ^= 0xFF
+    (newest / chunk.file).write_bytes(bytes(data))
+    for loaded, model, step in ranks(2).run(load_elsewhere, str(tmp_path), exclude_from_loading=["dataloader"],
+                                            timeout=240):
+        assert loaded is True and step == 2 and same(model, at_2)
 
 
 def test_exclude_from_loading_must_name_a_state_key(tmp_path):

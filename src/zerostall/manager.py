@@ -24,6 +24,7 @@ from .errors import CheckpointError, CheckpointNotFoundError, UnsupportedValueEr
 from .format.layout import RNG_KEY
 from .gcpause import gc_paused
 from .loading.checkpoint import Checkpoint
+from .loading.load_plan import key_filter
 from .options import LoadOptions, SaveOptions
 from .roots.increments import Increments
 from .roots.lease import DEFAULT_TTL, WriterLease
@@ -318,9 +319,9 @@ class CheckpointManager:
         with self._checkpoint(tag, options) as ck:
             wrapped = self._wrap(state)
             if ck.manifest.world_size != self.group.size:  # per-rank state cannot go to ranks one to one
-                per_rank = [k for k, v in wrapped.items() if isinstance(v, RankLocal)]
+                per_rank, asked = [k for k, v in wrapped.items() if isinstance(v, RankLocal)], key_filter(options.keys)
                 other_world(self.checkpoint_root.where(tag), ck.manifest.world_size, self.group, options.strict,
-                            [k for k in per_rank if k != RNG_KEY])
+                            [k for k in per_rank if asked is None or asked(k)])
                 for key in per_rank:  # each rank keeps its own
                     del wrapped[key]
             result = ck.load(wrapped, options)

@@ -151,7 +151,7 @@ class LoadPlanner:
         """Match every target leaf with its entry (what did not match is settled by :meth:`check`)."""
         o = self.options
         prefix, strip, strict_dtype, materialize = o.prefix, o.strip, o.strict_dtype, o.materialize
-        select = _key_filter(o.keys)
+        select = key_filter(o.keys)
         source = self._source_index(prefix, strip, select)
         under = {rel[:i] for rel in source for i in range(len(rel))}
         optimizers: list[Path] = []
@@ -360,7 +360,7 @@ def _collision_fix(prefix: Prefix, strip: Sequence[str]) -> str:
     return f"they differ only in the segments {list(strip)} that strip removes: strip fewer"
 
 
-def _key_filter(keys: KeyFilter) -> Callable[[str], bool] | None:
+def key_filter(keys: KeyFilter) -> Callable[[str], bool] | None:
     """A predicate on entry names, or None when every key is wanted (no name is then built)."""
     if keys is None:
         return None

@@ -15,6 +15,7 @@ from typing import Callable, TypeVar
 
 from ..collectives import Group
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
+from ..format.layout import RNG_KEY
 from .root import DAMAGE, CheckpointRoot, tag_step
 
 log = logging.getLogger(__name__)
@@ -180,11 +181,14 @@ def _refusal(error: Exception | None, root: CheckpointRoot, tag: str, reason: st
     return CorruptCheckpointError(f"checkpoint {root.where(tag)} is damaged ({reason}){hint}")
 
 
-def other_world(where: str, saved: int, group: Group, strict: bool, per_rank_keys: list[str]) -> None:
+def other_world(where: str, saved: int, group: Group, strict: bool, asked: list[str]) -> None:
     """Refuse a strict restore of checkpoint ``where``, saved by ``saved`` ranks, on another number
-    of ranks, naming the call that works; a non-strict one leaves every rank's RNG states and
-    per-rank keys as they are, and says so once."""
-    what = "the RNG states" + "".join(f", {k!r}" for k in per_rank_keys)
+    of ranks when it asks for per-rank state (``asked``: those keys, ``RNG_KEY`` among them),
+    naming the call that works; a non-strict one leaves every rank's per-rank state as it is, and
+    says so once. A restore that asks for none (``keys`` leave it out) has nothing to refuse."""
+    if not asked:
+        return
+    what = ", ".join("the RNG states" if k == RNG_KEY else repr(k) for k in sorted(asked, key=lambda k: k != RNG_KEY))
     if strict:
         raise StateMismatchError(f"{where} was saved by {saved} rank(s) and is restored on {group.size}: its per-rank "
                                  f"state ({what}) cannot be given to these ranks one to one; to resume on another "

@@ -148,22 +148,18 @@ class ZeroStallCheckpointManager(BaseCheckpointManager):
                                       "lists them), or train a new run from it with checkpoint.initial_load_path "
                                       "and initial_load_model_only")
             keep = [MODEL] if ck.step == 0 else [k for k in self.states if k not in self.config.exclude_from_loading]
-            if ck.step == 0 or ck.manifest.world_size != self.manager.group.size:
-                return self._load_resharded(ck, keep)
-        restored = self.manager.restore({k: self.states[k] for k in keep}, tag, keys=keep + [RNG_KEY])
-        log.info("restored step %s from %s", restored, self.folder)
-        return True
-
-    def _load_resharded(self, ck: Any, keep: list[str]) -> bool:
-        """Load ``keep`` of checkpoint ``ck`` without per-rank state: a seed checkpoint (saved by one
-        process), or one saved by another number of ranks, resharded as DCP does."""
-        if DATALOADER in keep:
-            raise CheckpointError(f"{ck.path} was saved by {ck.manifest.world_size} rank(s) and is loaded on "
-                                  f"{self.manager.group.size}: each rank's data-loader position cannot be given to "
-                                  "these ranks one to one; add 'dataloader' to checkpoint.exclude_from_loading to "
-                                  "resume the rest (each rank's data loader and RNG states then start as they are)")
-        ck.load({k: self.states[k] for k in keep}, keys=keep)
-        log.info("restored %s of step %s from %s", ", ".join(keep), ck.step, self.folder)
+            resharded = ck.step == 0 or ck.manifest.world_size != self.manager.group.size  # no per-rank state
+            if resharded and DATALOADER in keep:
+                raise CheckpointError(f"{ck.path} was saved by {ck.manifest.world_size} rank(s) and is loaded on "
+                                      f"{self.manager.group.size}: each rank's data-loader position cannot be given "
+                                      "to these ranks one to one; add 'dataloader' to checkpoint.exclude_from_loading "
+                                      "to resume the rest (each rank's data loader and RNG states then start as they "
+                                      "are)")
+        # through the manager's restore on any number of ranks: its fallback past a damaged checkpoint, and the
+        # restored step kept from retention
+        restored = self.manager.restore({k: self.states[k] for k in keep}, tag,
+                                        keys=keep if resharded else keep + [RNG_KEY])
+        log.info("restored %s of step %s from %s", ", ".join(keep), restored, self.folder)
         return True
 
     def _initial_load(self) -> bool:
