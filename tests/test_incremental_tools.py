@@ -142,6 +142,19 @@ def test_ls_shows_the_bytes_unique_to_each_step_those_it_shares_and_those_it_ref
     assert header.index("size") < header.index("unique") < header.index("shared") < header.index("refers to")
 
 
+def test_ls_shows_a_step_whose_referred_files_were_deleted_by_hand_as_corrupt(saved, tmp_path: Path) -> None:
+    """Its manifest reads, so it was listed as committed, while a load of it fails."""
+    root = tmp_path / "root"
+    shutil.rmtree(step_dir(root, 1))  # by hand, not through prune (which keeps what others refer to)
+    rows = {r["name"]: r for r in json.loads(run("ls", root, "--json").stdout)["checkpoints"]}
+    for step in STEPS[1:]:
+        row = rows[step_tag(step)]
+        assert row["status"] == "corrupt" and f"of {step_tag(1)}" in row["error"], row
+        with pytest.raises(zs.CorruptCheckpointError):
+            zs.load(blank(saved[step]), step_dir(root, step))
+    assert "refers to data files that are gone" in run("ls", root).stdout
+
+
 def test_ls_of_a_root_without_incremental_checkpoints_shows_the_columns_it_always_did(tmp_path: Path) -> None:
     with zs.CheckpointManager(tmp_path, fsync=False) as mgr:
         for step in (1, 2):

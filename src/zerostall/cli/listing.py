@@ -18,10 +18,11 @@ from rich.filesize import decimal as human_bytes
 from rich.table import Column, Table
 
 from ..roots.retention import RetentionPolicy, numeric_metrics
-from ..roots.root import (COMMITTED, RETAINED, SUPERSEDED_NAME, CheckpointInfo, CheckpointRoot, describe,
+from ..roots.root import (COMMITTED, CORRUPT, RETAINED, SUPERSEDED_NAME, CheckpointInfo, CheckpointRoot, describe,
                           looks_like_checkpoint, retained)
 from ..roots.sharing import referenced, refs_set_aside
 from ..storage import storage_for
+from ..storage.location import few
 from ..storage.local import LocalStorage
 from ..tiers.local import INCOMING, step_folders
 
@@ -130,6 +131,11 @@ def scan(root: CheckpointRoot, policy: RetentionPolicy, *, include_root: bool) -
     for r in rows:
         r.shared_bytes = still_used(r, users)
         r.unique_bytes = r.bytes - r.shared_bytes
+    files = {r.name: r.files for r in rows}
+    for r in rows:
+        gone = [f"{name} of {tag}" for name, tag in r.refs.items() if name not in files.get(tag, {})]
+        if r.status == COMMITTED and gone:  # deleted by hand: a load of it would fail
+            r.status, r.error = CORRUPT, f"refers to data files that are gone ({few(gone)})"
     return rows
 
 
