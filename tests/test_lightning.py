@@ -427,3 +427,7 @@ def test_saves_loads_and_removals_on_s3(s3_url: str, asynchronous: bool) -> None
     assert not storage_for(f"{s3_url}/epoch=0-step=1.ckpt").exists()  # no object left under it
     assert last_checkpoint(s3_url) == f"{s3_url}/last.ckpt"  # ckpt_path="last" does not look on s3://
     assert zs.verify(f"{s3_url}/last.ckpt") > 0
+    root = storage_for(s3_url)
+    root.put("epoch=0-step=0.ckpt", b"a file of Lightning's own TorchCheckpointIO, from before the plugin")
+    io.remove_checkpoint(f"{s3_url}/epoch=0-step=0.ckpt")  # top-k drops it: it was left in place
+    assert "epoch=0-step=0.ckpt" not in root.list()

@@ -290,12 +290,16 @@ def _remove_after(path: str, removal: Future, committed: Future) -> None:
 
 def _remove(path: str) -> None:
     """Delete checkpoint ``path``: a zerostall checkpoint, or a file (one of ``TorchCheckpointIO``,
-    a link of ``ModelCheckpoint(save_last="link")``). Already gone is not an error."""
+    locally or on ``s3://``; a link of ``ModelCheckpoint(save_last="link")``). Already gone is not an error."""
     if not _is_url(path) and (os.path.islink(path) or os.path.isfile(path)):
         os.remove(path)
         return
     parent, name = path.rstrip("/").rsplit("/", 1) if _is_url(path) else os.path.split(os.path.abspath(path))
-    if not CheckpointRoot(storage_for(parent)).delete(name):
+    root = CheckpointRoot(storage_for(parent))
+    if _is_url(path) and name in root.storage.list():  # an object: Lightning's own file, written through fsspec
+        root.storage.delete(name)
+        return
+    if not root.delete(name):
         raise CheckpointError(f"checkpoint {path} was not wholly deleted (its manifest is gone, so it no longer "
                               "loads): delete what is left there by hand")
     log.debug("removed checkpoint %s", path)
