@@ -82,7 +82,7 @@ def manifest_generation(storage: Storage) -> str | None:
     caller that took it for "none" could delete a committed checkpoint's files."""
     try:
         head = storage.read_head(MANIFEST_NAME, 256)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no manifest, or no directory to hold one
         return None
     match = _GENERATION_RE.search(head)
     return match.group(1).decode() if match else None
