@@ -67,7 +67,11 @@ def main() -> None:
             torch.nn.Linear(8, 8)
     torch.manual_seed(0)
     w = args.width
-    model = torch.nn.Sequential(torch.nn.Linear(w, 2 * w), torch.nn.Tanh(), torch.nn.Linear(2 * w, w))
+    # ZeRO-3 partitions built under zero.Init take their dtype from the config (float32): partitioned by
+    # deepspeed.initialize instead, DeepSpeed 0.19.8 makes them bfloat16 on a CPU without mkldnn fp16 (an operator
+    # precedence slip in Init._set_dtype), too small then to be swapped to NVMe (under its 1 MiB minimum)
+    with deepspeed.zero.Init(config_dict_or_path=config(args), enabled=args.stage == 3):
+        model = torch.nn.Sequential(torch.nn.Linear(w, 2 * w), torch.nn.Tanh(), torch.nn.Linear(2 * w, w))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(args))
     if args.engine == "zerostall":
         from zerostall.integrations.deepspeed import attach
