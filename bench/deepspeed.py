@@ -169,7 +169,9 @@ def fast_writer_on_cpu() -> None:
 def build(name: str, layers: int, rank: int) -> Any:
     """A contender's engine, trained one step: the same model, batch and state for every contender."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)))
+    with deepspeed.zero.Init(config_dict_or_path=config(name)):  # float32 partitions on any CPU (see
+        # tests/deepspeed_train.py: partitioned by initialize, DeepSpeed makes them bfloat16 on some)
+        model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)))
     # the fast engine pins its I/O buffer when built, which torch without an accelerator refuses:
     # DeepSpeed's own page-locked memory pins it instead
     with environ(name == "fast", DS_PIN_MEMORY_BACKEND="native"):
