@@ -521,6 +521,24 @@ def test_a_tensor_subclass_whose_inner_tensor_is_another_attributes_is_refused(t
         ck.entries  # the entries are checked when first used
 
 
+@pytest.mark.parametrize("box,fault", [
+    ({"sizes": [1 << 40, 3]}, "is not inside the tensor's shape"),  # allocated before anything was checked
+    ({"sizes": [-1, 3]}, "is not inside the tensor's shape"),  # a RuntimeError (negative dimension)
+    ({"offsets": [1, 0]}, "is not inside the tensor's shape"),
+    ({"offsets": [float("inf"), 0]}, "are not all integers"),  # an OverflowError
+    ({"sizes": [2.0, 3]}, "are not all integers")])
+def test_a_tensor_subclass_shard_outside_its_tensor_is_refused_when_opened_and_by_verify(tmp_path, box, fault):
+    """A subclass shard's box was never checked against the entry's shape: a load allocated the
+    forged box (or failed untyped), and verify said the checkpoint was sound."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    zs.save({"two": TwoTensor(torch.zeros(2, 3), torch.ones(2, 3))}, tmp_path / "ck")
+    rewrite(tmp_path / "ck", lambda body: entry(body, "two")["shards"][0].update(box))
+    with zs.open(tmp_path / "ck") as ck, pytest.raises(zs.CorruptCheckpointError, match=fault):
+        ck.entries
+    assert cli_outcome("verify", str(tmp_path / "ck"))[0] == 1
+
+
 def test_reading_a_directory_in_place_of_a_data_file_is_refused(ck):
     """``Checkpoint.read`` let IsADirectoryError through."""
     for name in data_files(ck):

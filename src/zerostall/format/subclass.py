@@ -178,11 +178,15 @@ def shards(entries: Sequence[Entry], index: int, where: str) -> list[Shard]:
     entry = entries[index]
     try:
         out = []
+        shape = tuple(entry.shape or ())
         for d in entry.shards or ():
-            offsets = tuple(int(o) for o in d["offsets"])
+            offsets = _ints(d["offsets"], "offsets")
             node = _node(entries, index, entry, d, entry.cls or "", entry.dtype or "", offsets)
-            if len(offsets) != len(entry.shape or ()) or len(node.sizes) != len(offsets):
-                raise ValueError(f"a box of {len(offsets)} dimensions in a tensor of {len(entry.shape or ())}")
+            if len(offsets) != len(shape) or len(node.sizes) != len(offsets):
+                raise ValueError(f"a box of {len(offsets)} dimensions in a tensor of {len(shape)}")
+            if any(o < 0 or n < 0 or o + n > dim for o, n, dim in zip(offsets, node.sizes, shape)):
+                raise ValueError(f"the box at {list(offsets)} of sizes {list(node.sizes)} is not inside the tensor's "
+                                 f"shape {list(shape)}")
             out.append(Shard(offsets, node))
         if not out:
             raise ValueError("no shards")
@@ -195,7 +199,7 @@ def _node(entries: Sequence[Entry], index: int, entry: Entry, d: dict[str, Any],
           offsets: tuple[int, ...], attrs: Attrs = ()) -> Node:
     context = d["context"]
     codec.decode(context, where=f"{entry.fqn} (flatten context)")  # no pickle: a $pickle tag raises
-    node = Node(str(cls), str(dtype), tuple(int(s) for s in d["sizes"]), tuple(int(s) for s in d["stride"]), context)
+    node = Node(str(cls), str(dtype), _ints(d["sizes"], "sizes"), _ints(d["stride"], "stride"), context)
     if not isinstance(d["inner"], dict):
         raise ValueError("inner is not an object")
     for attr, value in d["inner"].items():
@@ -215,6 +219,14 @@ def _node(entries: Sequence[Entry], index: int, entry: Entry, d: dict[str, Any],
             raise ValueError(f"inner tensor {attr!r} refers to entry {target.fqn}, stored for another attribute")
         node.inner[attr] = ref
     return node
+
+
+def _ints(values: Any, what: str) -> tuple[int, ...]:
+    """``values`` (a JSON list) as a tuple of ints; a list holding anything else is a ValueError."""
+    out = tuple(values)
+    if not all(type(v) is int for v in out):
+        raise ValueError(f"{what} {out!r} are not all integers")
+    return out
 
 
 def check(entries: Sequence[Entry], where: str) -> list[str]:
