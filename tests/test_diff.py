@@ -113,3 +113,14 @@ def test_a_manager_checkpoint_equals_itself_rng_states_included(tmp_path):
         mgr.save(5, {"w": torch.ones(3), "meta": {"arr": np.arange(4), "t": torch.zeros(2)}})
     result = run(tmp_path / "ckpt" / "5", tmp_path / "ckpt" / "step_000000005")
     assert result.exit_code == 0, result.output
+
+
+def test_entries_whose_dotted_names_coincide_are_each_compared(tmp_path):
+    """The key "a.b" and ``a`` → ``b`` share the dotted name a.b: one hid the other, and a difference
+    in the hidden one was reported as equal."""
+    zs.save({"a.b": torch.zeros(4), "a": {"b": torch.ones(4)}}, tmp_path / "A")
+    zs.save({"a.b": torch.full((4,), 7.0), "a": {"b": torch.ones(4)}}, tmp_path / "B")
+    result = run(tmp_path / "A", tmp_path / "B", "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert report["compared"] == 2 and [d["key"] for d in report["differences"]] == ["['a.b']"]

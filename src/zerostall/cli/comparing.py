@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,8 +59,15 @@ class Report:
 
 def keyed(manifest: Manifest) -> dict[str, Entry]:
     """The user's entries by name (a rank-local one as ``name@rankN``); inner tensors of tensor
-    subclasses are entries of their own, compared like any tensor."""
-    return {entry.fqn if entry.rank is None else f"{entry.fqn}@rank{entry.rank}": entry for entry in manifest.entries}
+    subclasses are entries of their own, compared like any tensor. Entries whose dotted names
+    coincide (the key ``"a.b"`` and ``a`` → ``b``) are named by their key paths instead, so that
+    none hides another."""
+    def name(entry: Entry, fqn: str) -> str:
+        return fqn if entry.rank is None else f"{fqn}@rank{entry.rank}"
+
+    names = Counter(name(entry, entry.fqn) for entry in manifest.entries)
+    return {name(e, e.fqn) if names[name(e, e.fqn)] == 1 else name(e, "".join(f"[{k!r}]" for k in e.path)): e
+            for e in manifest.entries}
 
 
 def _common(a: zs.Checkpoint, b: zs.Checkpoint) -> Iterator[tuple[str, Entry, Entry]]:
