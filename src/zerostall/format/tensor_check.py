@@ -9,6 +9,7 @@ No torch here: the command line checks manifests without it.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from operator import add, le
@@ -150,7 +151,7 @@ def check_tensor(d: dict[str, Any], e: dict[str, Any], numbers: list[Any], diges
         if elements:
             boxes.append((offsets, sizes))
             spans[file].append((offset, offset + nbytes))
-    if covered != numel or len(boxes) > 1 and not _disjoint(boxes):
+    if covered != numel or len(boxes) > 1 and not _disjoint(boxes, shape):
         raise FieldError("chunks", f"the chunks do not tile the shape {shape} exactly (each element in exactly "
                                    f"one chunk): they hold {covered} of its {numel} elements"
                                    + (" with overlaps" if covered == numel else ""))
@@ -202,11 +203,12 @@ def explain_chunk(j: int, c: Any, shape: list[int], dtype: str, itemsize: int, f
         raise FieldError(at, "malformed")
 
 
-def _disjoint(boxes: list[tuple[list[int], list[int]]]) -> bool:
-    """Whether no two of the (non-empty) boxes overlap. A sharded tensor's boxes split one
+def _disjoint(boxes: list[tuple[list[int], list[int]]], shape: list[int]) -> bool:
+    """Whether no two of the (non-empty) boxes overlap, given that each lies inside ``shape`` and
+    their elements add up to its (so disjoint boxes tile it). A sharded tensor's boxes split one
     dimension (checked by sorting) or form a grid (each dimension cut at the same places across
-    the others: checked in linear time); other layouts are checked by a sweep along the dimension
-    with the most distinct starts."""
+    the others: checked in linear time); any other layout is checked by its corners
+    (:func:`_tiles`), in time linear in the boxes too, so no layout makes a manifest slow to check."""
     first_offsets, first_sizes = boxes[0]
     split = [k for k in range(len(first_offsets))
              if any(o[k] != first_offsets[k] or s[k] != first_sizes[k] for o, s in boxes)]
@@ -223,15 +225,34 @@ def _disjoint(boxes: list[tuple[list[int], list[int]]]) -> bool:
         if len(cells) == len(boxes) and all(at[o[k] + s[k]] == at[o[k]] + 1
                                             for o, s in boxes for at, k in zip(index, split)):
             return True
-    axis = max(split, key=lambda k: len({o[k] for o, _ in boxes}))
-    active: list[tuple[list[int], list[int]]] = []
-    for o, s in sorted(boxes, key=lambda b: b[0][axis]):
-        active = [(ao, a_s) for ao, a_s in active if ao[axis] + a_s[axis] > o[axis]]
-        for ao, a_s in active:
-            if all(max(ao[k], o[k]) < min(ao[k] + a_s[k], o[k] + s[k]) for k in split):
-                return False
-        active.append((o, s))
-    return True
+    return _tiles(boxes, split, shape)
+
+
+_CORNER_DIMS = 12
+"""The most dimensions a tensor's chunks may split it along in a layout that is no grid (each box
+has 2**dims corners to count)."""
+
+
+def _tiles(boxes: list[tuple[list[int], list[int]]], split: list[int], shape: list[int]) -> bool:
+    """Whether the boxes tile ``shape`` exactly. Along the dimensions no box splits, every box must
+    span the whole tensor; along the others, the sum of the boxes' indicator functions is written
+    as a signed sum of orthants, one at each corner of each box (+ for an even number of upper
+    bounds, - for odd). That sum is unique, so the boxes tile the tensor exactly when the signs
+    cancel at every point but the tensor's own corners."""
+    if any(o[k] != 0 or s[k] != shape[k] for o, s in boxes[:1] for k in range(len(shape)) if k not in split):
+        return False
+    if len(split) > _CORNER_DIMS:
+        raise FieldError("chunks", f"the chunks split the tensor along {len(split)} dimensions in a layout that is no "
+                                   f"grid; more than {_CORNER_DIMS} cannot be checked")
+    signs: dict[tuple[int, ...], int] = {}
+    for o, s in boxes:
+        for upper in itertools.product((False, True), repeat=len(split)):
+            corner = tuple(o[k] + s[k] if up else o[k] for k, up in zip(split, upper))
+            signs[corner] = signs.get(corner, 0) + (-1) ** sum(upper)
+    for upper in itertools.product((False, True), repeat=len(split)):
+        corner = tuple(shape[k] if up else 0 for k, up in zip(split, upper))
+        signs[corner] = signs.get(corner, 0) - (-1) ** sum(upper)
+    return not any(signs.values())
 
 
 def check_packed(spans: dict[str, list[tuple[int, int]]], files: dict[str, int], loose: Any = ()) -> None:
