@@ -99,6 +99,14 @@ def broadcast_load_untied(path: str) -> list[bool]:
             torch.equal(target["c"], saved.to(torch.bfloat16))]
 
 
+def broadcast_load_in_each_ranks_dtype(path: str, budget: int) -> bool:
+    """Rank 0's target takes the stored float32 bytes as they are, rank 1's is float64 (staged)."""
+    dtype = torch.float32 if dist.get_rank() == 0 else torch.float64
+    target = {"w": torch.zeros(1024, dtype=dtype)}
+    zs.load(target, path, broadcast=True, max_staging_bytes=budget * (1 + dist.get_rank()))
+    return torch.equal(target["w"], torch.arange(1024, dtype=dtype))
+
+
 def broadcast_load_with_an_extra_key_on_rank_1(path: str) -> str:
     target = {k: torch.zeros_like(v) for k, v in replicated_state(0).items()}
     if dist.get_rank() == 1:
@@ -291,6 +299,15 @@ def test_replicated_state_is_written_once_and_balanced(ranks, tmp_path):
         assert all(r["ok"] for r in loads)
         ratio = sum(r["read"] for r in loads) / total
         assert (ratio < 1.2) if broadcast else (ratio > 3.5), ratio
+
+
+@pytest.mark.parametrize("budget", [64, 1 << 20])
+def test_ranks_whose_targets_differ_in_dtype_or_budget_run_the_same_broadcasts(ranks, tmp_path, budget):
+    """Whether a chunk went whole into a target, and how the others were sliced, was each rank's own
+    decision: ranks ran broadcasts of different sizes (a gloo abort, or a hang until the timeout)."""
+    path = str(tmp_path / "ck")
+    zs.save({"w": torch.arange(1024.0)}, path, block_size=16)
+    assert ranks(2).run(broadcast_load_in_each_ranks_dtype, path, budget, timeout=120) == [True, True]
 
 
 def test_tied_weights_broadcast_into_separate_tensors_fill_each_of_them(ranks, tmp_path):

@@ -44,17 +44,20 @@ def broadcast_fill(fetcher: Fetcher, group: Group, targets: list[Target], verify
         for n, chunk in enumerate(entry.chunks):
             if intersect(box, (chunk.offsets, chunk.sizes)) == (chunk.offsets, chunk.sizes) and chunk.nbytes:
                 wanted.setdefault((index[id(entry)], n), []).append((target, box, entry, chunk))
-    everyone = group.all_gather_object(sorted(wanted))
-    common = sorted(set.intersection(*(set(map(tuple, keys)) for keys in everyone)))
+    for key in wanted:  # a target that can take the bytes as they are receives them first
+        wanted[key].sort(key=lambda whole: not direct_read(*whole))
+    mine = [key for key in wanted if direct_read(*wanted[key][0])]
+    unit = math.lcm(fetcher.manifest.block_size, MAX_ITEMSIZE)  # whole blocks and whole elements
+    # every rank must run the same broadcasts of the same sizes: which chunks travel whole into a
+    # target, and the slices of the others, are agreed (each rank's targets and budget may differ)
+    everyone = group.all_gather_object((sorted(wanted), mine, max(unit, staging // unit * unit)))
+    common = sorted(set.intersection(*(set(map(tuple, keys)) for keys, _, _ in everyone)))
+    direct = set(common).intersection(*(set(map(tuple, keys)) for _, keys, _ in everyone))
+    step = min(size for _, _, size in everyone)
     nbytes = {key: wanted[key][0][3].nbytes for key in common}
     order = sorted(range(len(common)), key=lambda i: (-nbytes[common[i]], common[i]))
     where, _ = balance([nbytes[key] for key in common], group.size, order=order)
     readers = dict(zip(common, where))
-    for key in common:  # a target that can take the bytes as they are receives them first
-        wanted[key].sort(key=lambda whole: not direct_read(*whole))
-    direct = {key for key in common if direct_read(*wanted[key][0])}
-    unit = math.lcm(fetcher.manifest.block_size, MAX_ITEMSIZE)  # whole blocks and whole elements
-    step = max(unit, staging // unit * unit)
     slices = [(key, lo, min(lo + step, nbytes[key])) for key in common
               for lo in (range(0, nbytes[key], step) if key not in direct else (0,))]
     failure: BaseException | None = None
