@@ -415,6 +415,8 @@ F32 = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
     ({"a": {**F32, "shape": [5]}}, None, ["'a'", "needs 20 bytes"]),
     ({"a": {**F32, "dtype": "Q7"}}, None, ["'a'", "unknown dtype 'Q7'"]),
     ({"a": {**F32, "shape": [-4]}}, None, ["'a'", "shape"]),
+    ({"a": {**F32, "shape": [1 << 63, 0], "data_offsets": [0, 0]}}, None, ["'a'", "shape"]),  # no elements:
+    ({"a": {**F32, "shape": [1] * 65, "data_offsets": [0, 4]}}, None, ["'a'", "shape"]),  # it was a TypeError
     ({"a": F32}, 1 << 62, ["header claims"]),
     (b'{"a": 1, "a": 2}', None, ["'a'", "twice"]),
     (b"[1, 2]", None, ["not a JSON object"]),

@@ -17,7 +17,7 @@ from typing import Any
 
 from ...errors import CorruptCheckpointError, UnsupportedValueError
 from ...format.layout import SAFETENSORS_DTYPES, Chunk, Entry, file_generation
-from ...format.tensor_check import ITEMSIZES
+from ...format.tensor_check import ITEMSIZES, MAX_INT, MAX_NDIM
 from ...storage import Storage, check_name
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -100,6 +100,7 @@ def read_header(storage: Storage, name: str, size: int) -> list[tuple[str, str, 
         shape = info.get("shape")
         offsets = info.get("data_offsets")
         if (not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape)
+                or len(shape) > MAX_NDIM or math.prod(n or 1 for n in shape) * itemsize > MAX_INT  # (of 0 elements)
                 or not isinstance(offsets, list) or len(offsets) != 2
                 or not all(type(n) is int for n in offsets)):
             raise CorruptCheckpointError(f"{where}: tensor {key!r} has no valid shape and data_offsets")
