@@ -80,6 +80,17 @@ def main() -> None:
     report["readable_again"] = {"holds": loads_as(ckpt)}
 
     report["manager_on_read_only_dir"] = outcome(lambda: zs.CheckpointManager(os.path.join(locked, "run")))
+
+    run = os.path.join(root, "incremental")  # step 2 refers to step 1's data files
+    with zs.CheckpointManager(run, incremental=True) as mgr:
+        mgr.save(1, {"frozen": torch.arange(float(N)), "w": torch.zeros(10)})
+        mgr.save(2, {"frozen": torch.arange(float(N)), "w": torch.ones(10)})
+    referred = os.path.join(run, "step_000000001", "manifest.json")
+    os.chmod(referred, 0)
+    report["open_referring_to_unreadable"] = outcome(lambda: zs.open(os.path.join(run, "step_000000002")).close())
+    report["cli_verify_referring_to_unreadable"] = {
+        "exit_code": CliRunner().invoke(cli, ["verify", os.path.join(run, "step_000000002")]).exit_code}
+    os.chmod(referred, 0o644)
     print(json.dumps(report))
 
 

@@ -73,3 +73,9 @@ def test_an_unreadable_manifest_is_named(report):
 
 def test_a_manager_on_a_read_only_directory_raises_a_typed_error(report):
     _refused(report["manager_on_read_only_dir"], "locked/run")
+
+
+def test_an_unreadable_manifest_of_a_checkpoint_referred_to_is_named(report):
+    """A bare PermissionError, and verify called the incremental step damaged (exit 1)."""
+    _refused(report["open_referring_to_unreadable"], "step_000000001/manifest.json")
+    assert report["cli_verify_referring_to_unreadable"]["exit_code"] == 3

@@ -124,6 +124,10 @@ def read_retained(checkpoint: Storage) -> tuple[dict[str, int], dict[str, str]] 
         raw = checkpoint.read_bytes(RETAINED_NAME, max_manifest_bytes())
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except CheckpointError:  # a storage's error (StorageError) or a refused file: typed already
+        raise
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {checkpoint.location}/{RETAINED_NAME}: {exc}") from exc
     return parse_retained(raw, f"{checkpoint.location}/{RETAINED_NAME}")
 
 
@@ -135,6 +139,10 @@ def owned_files(holder: Storage) -> dict[str, tuple[int, str | None]] | None:
         head = parse_head(holder.read_bytes(MANIFEST_NAME, max_manifest_bytes()), f"{holder.location}/{MANIFEST_NAME}")
     except (FileNotFoundError, NotADirectoryError):
         pass
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {holder.location}/{MANIFEST_NAME}: {exc}") from exc
     else:
         return {n: (size, head.headers.get(n)) for n, size in head.files.items() if n not in head.refs}
     kept = read_retained(holder)
