@@ -23,6 +23,7 @@ import xxhash
 import zerostall as zs
 from hostile import (MANIFEST, body_bytes, cli_outcome, compact, data_files, entry, opened, parse_body, read_body,
                      under, within, write_body)
+from zerostall.format.layout import dump_json
 from zerostall.roots.root import CORRUPT, CheckpointRoot
 from zerostall.storage import LocalStorage
 
@@ -669,3 +670,23 @@ def test_the_chunk_overlap_check_is_exact_and_linear_on_any_layout():
     n = 20_000  # rows, and one row cut into strips: every row stays in view of the old sweep (hours of it)
     bricks = [([r, 0], [1, n]) for r in range(n)] + [([n, i], [1, 1]) for i in range(n)]
     assert _disjoint(bricks, [n + 1, n]) and not _disjoint([*bricks[:-1], ([n, 0], [1, 1])], [n + 1, n])
+
+
+def test_a_manifest_member_given_twice_is_refused(tmp_path):
+    """The head of a manifest kept a member's first value, the checked whole parse its last: with
+    ``files`` and ``headers`` given twice, ``zs.verify`` checked other data files than the entries used."""
+    zs.save({"a": torch.arange(1000.0), "b": torch.arange(1000.0) * 2}, tmp_path / "ck", threads=2)
+    body = compact(read_body(tmp_path / "ck"))
+    kept = list(body["files"])[:1]
+    first = {**body, "files": {n: body["files"][n] for n in kept}, "headers": {n: body["headers"][n] for n in kept}}
+    again = b"".join(b',"%s":%s' % (k.encode(), dump_json(body[k])) for k in ("files", "headers"))
+    write_body(tmp_path / "ck", dump_json(first)[:-1] + again + b"}")  # the first one data file, then both
+    with pytest.raises(zs.CorruptCheckpointError, match="gives files, headers twice"):
+        with zs.open(tmp_path / "ck") as ck:
+            ck.verify()
+    with pytest.raises(zs.CorruptCheckpointError, match="twice"):
+        zs.verify(tmp_path / "ck")
+    text = dump_json(body)
+    write_body(tmp_path / "ck", b'{"format":"zerostall",' + text[1:])  # twice among the leading members
+    with pytest.raises(zs.CorruptCheckpointError, match="'format' appears twice"):
+        zs.open(tmp_path / "ck").close()

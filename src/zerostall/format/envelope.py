@@ -82,6 +82,8 @@ def _leading_members(text: str, wanted: set[str]) -> dict[str, Any]:
         at = _SPACE.match(text, at).end()
         if not isinstance(key, str) or text[at:at + 1] != ":":
             raise ValueError(f"expected a member name and ':' at character {at}")
+        if key in found:
+            raise ValueError(f"the member {key!r} appears twice")
         found[key], at = decode(text, _SPACE.match(text, at + 1).end())
         at = _SPACE.match(text, at).end()
         if text[at:at + 1] == ",":

@@ -287,6 +287,11 @@ class Manifest:
         with state["_lock"]:
             if name not in state:
                 whole = state["_body"].whole()
+                twice = [k for k in ("generation", "files", "headers", "refs", "block_size", "world_size")
+                         if getattr(whole, k) != state[k]]
+                if twice:  # a member given twice: the head took the first, the whole parse the last
+                    raise CorruptCheckpointError(f"manifest {state['_body'].where} gives {', '.join(twice)} twice, "
+                                                 "differently: it is damaged or forged")
                 state.update(entries=whole.entries, tree=whole.tree, _body=None)
         return state[name]
 
