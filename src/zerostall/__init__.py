@@ -36,7 +36,7 @@ _EXPORTS = {
     "AsyncSaver": "saving.asynchronous", "SaveHandle": "saving.handles", "SaveInfo": "saving.pipeline",
     "Checkpoint": "loading.checkpoint", "Mismatch": "loading.load_plan", "CheckpointManager": "manager",
     "RetentionPolicy": "roots.retention", "RestoreInfo": "roots.restore", "LocalTier": "tiers.local",
-    "rank_local": "state", "RankLocal": "state", "Stateful": "state", "FlattenedTensor": "format.subclass",
+    "rank_local": "state", "RankLocal": "state", "Stateful": "state", "FlattenedTensor": "format.flattened",
     "FORMAT_VERSION": "format.layout", "S3Storage": "storage.s3", "S3Options": "storage.s3client",
     "CheckpointError": "errors", "CheckpointExistsError": "errors", "CheckpointNotFoundError": "errors",
     "CommitError": "errors", "InvalidPathError": "errors",
@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # what type checkers and editors see
                          InsufficientSpaceError, InvalidPathError, SharedMemoryError, StateChangedError,
                          StateMismatchError, StorageError, UnsafeFileError, UnsupportedValueError)
     from .format.layout import FORMAT_VERSION
-    from .format.subclass import FlattenedTensor
+    from .format.flattened import FlattenedTensor
     from .interop.copying import CopyInfo, copy
     from .interop.exporting import ExportInfo, ExportOptions
     from .loading.checkpoint import Checkpoint

@@ -17,7 +17,7 @@ import torch
 
 from ..collectives import Group
 from ..errors import CheckpointError, CorruptCheckpointError, StateMismatchError
-from ..format import codec, subclass
+from ..format import codec, flattened, subclass
 from ..format.boxes import Box, intersect, region, whole
 from ..format.layout import Entry, Manifest
 from ..gcpause import gc_paused
@@ -228,8 +228,8 @@ class Checkpoint:
         as stored: a FlattenedTensor, or a list of them (one per saved box)."""
         entries = self.manifest.entries
         saved = subclass.shards(entries, self._index[id(entry)], self.path)
-        flat = subclass.flattened(saved, entry, entries, lambda e, box: self._tensor(e, verify, box))
-        if isinstance(flat, subclass.FlattenedTensor) and flat.cls in map(subclass.class_name, trusted):
+        flat = flattened.flattened(saved, entry, entries, lambda e, box: self._tensor(e, verify, box))
+        if isinstance(flat, flattened.FlattenedTensor) and flat.cls in map(subclass.class_name, trusted):
             return flat.unflatten(*trusted)
         return flat
 
