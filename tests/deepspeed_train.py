@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import sys
+from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
@@ -36,6 +37,15 @@ def config(args: argparse.Namespace) -> dict:
     return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
             "steps_per_print": 10**9, "wall_clock_breakdown": False}
+
+
+def _optimizer_swap_files(engine: Any) -> dict[str, bytes]:
+    """The bytes of each file in the optimizer's NVMe swap folder (none without one)."""
+    swapper = getattr(engine.optimizer, "optimizer_swapper", None)
+    if swapper is None:
+        return {}
+    folder = swapper.swap_folder
+    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
 
 
 def main() -> None:
@@ -85,7 +95,15 @@ def main() -> None:
         live, returned = _watch_loads(engine)
         head = engine.module[2].weight.detach().clone()
         extra = dict(load_module_only=True, custom_load_fn=_first_layer_only) if args.first_layer_only else {}
-        path, client = engine.load_checkpoint(args.dir, args.tag, load_optimizer_states=not args.weights_only, **extra)
+        swapped = _optimizer_swap_files(engine)
+        try:
+            path, client = engine.load_checkpoint(args.dir, args.tag, load_optimizer_states=not args.weights_only,
+                                                  **extra)
+        except Exception as exc:  # what was refused, and whether the optimizer's swap files stayed as they were
+            result = {"refused": f"{type(exc).__name__}: {exc}", "swap_kept": _optimizer_swap_files(engine) == swapped}
+            with open(f"{args.losses}.rank{rank}", "w") as f:
+                json.dump(result, f)
+            return
         losses["head_kept"] = torch.equal(engine.module[2].weight.detach(), head)
         assert path is not None, f"nothing to resume in {args.dir}"
         start = client["step"]

@@ -525,3 +525,16 @@ def test_a_lock_left_by_a_killed_op_build_is_removed_and_a_fresh_one_kept(tmp_pa
     os.utime(stale, (now - STALE_LOCK_S - 60,) * 2)
     assert remove_stale_locks(now) == [str(stale)]
     assert not stale.exists() and fresh.exists()
+
+
+@NVME
+def test_a_load_of_weights_alone_leaves_the_optimizers_swap_files_as_they_were(tmp_path: Path) -> None:
+    """The optimizer's swap files were restored before DeepSpeed's load, which then failed (ZeRO-3
+    rebuilds weights alone from the optimizer's fp32 partitions, which lie in those files): the
+    engine was left with the checkpoint's Adam moments, and a bare ValueError."""
+    common = ["--stage", "3", "--offload", "none/nvme", "--nvme", str(tmp_path / "nvme"), "--dir", str(tmp_path / "ck")]
+    job(tmp_path, "first", *common, "--steps", "4")
+    resumed = job(tmp_path, "resumed", *common, "--resume", "--weights-only")
+    for r in (0, 1):
+        assert "CheckpointError" in resumed[r]["refused"] and "weights alone" in resumed[r]["refused"], resumed[r]
+        assert resumed[r]["swap_kept"]

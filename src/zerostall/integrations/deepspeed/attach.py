@@ -93,11 +93,21 @@ def _load_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any
         folders = SwapFolders.of(engine)
         if ours.options.in_place:
             session.into.update(_live_files(engine, session.view, opened, kwargs))
+        optimizer = kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False)
         if folders or any(e.path[:1] == (swap.KEY,) for e in session.checkpoint.manifest.entries):
-            written = folders.restore(session.checkpoint, ours.group.rank)
+            written = folders.restore(session.checkpoint, ours.group.rank, optimizer)
             log.info("restored %d bytes of offloaded state into %s", written, ", ".join(folders.folders.values()))
         with reading_through(ours):  # under ZeRO-3, a load of weights alone consolidates them with zero_to_fp32
-            path, client_state = original(session.view, opened, **kwargs)
+            try:
+                path, client_state = original(session.view, opened, **kwargs)
+            except ValueError as exc:
+                if optimizer or not engine.zero_nvme_offload_optimizer():
+                    raise
+                raise CheckpointError(
+                    f"checkpoint {opened} in {load_dir}: DeepSpeed cannot load the weights alone of a ZeRO-3 "
+                    "checkpoint whose optimizer state was offloaded to NVMe (it rebuilds them from the optimizer's "
+                    "fp32 partitions, which lie in the swap files): load it whole (load_optimizer_states=True); "
+                    f"the optimizer's swap files were left as they were ({exc})") from exc
         if path is not None and engine.zero_nvme_offload_optimizer() and kwargs.get("load_optimizer_states", True):
             _restore_optimizer_state(engine, ours.load(engine._get_zero_ckpt_name(session.view, opened)))
         if path is not None:

@@ -111,10 +111,10 @@ class SwapFolders:
             raise CheckpointError(f"{where}: the checkpoint's offloaded {kind} state {stable!r} names parameters this "
                                   "model does not have: load it into the model it was saved from") from None
 
-    def restore(self, ck: Checkpoint, rank: int) -> int:
+    def restore(self, ck: Checkpoint, rank: int, optimizer: bool = True) -> int:
         """Write this rank's saved swap files into place (each into a new file, then renamed over
         the old one), every block verified; returns the bytes written. The space they need is
-        checked first."""
+        checked first. Without ``optimizer`` (a load of weights alone) the optimizer's files stay as they are."""
         where = f"checkpoint {ck.path}"
         saved = [e for e in ck.manifest.entries if e.rank == rank and len(e.path) == 3 and e.path[0] == KEY]
         kinds = {e.path[1] for e in saved}
@@ -123,7 +123,7 @@ class SwapFolders:
                                   f"this engine offloads {sorted(self.folders) or 'nothing'} to NVMe: load it with the "
                                   "offload settings it was saved with")
         targets = [(e, os.path.join(self.folders[e.path[1]], self.filename(e.path[1], e.path[2], where)))
-                   for e in saved]
+                   for e in saved if optimizer or e.path[1] != OPTIMIZER]
         _check_space(targets)
         block = ck.manifest.block_size
         piece = max(block, _PIECE // block * block)  # whole blocks: each is read and checked once
