@@ -534,6 +534,8 @@ def test_a_load_of_weights_alone_leaves_the_optimizers_swap_files_as_they_were(t
     engine was left with the checkpoint's Adam moments, and a bare ValueError."""
     common = ["--stage", "3", "--offload", "none/nvme", "--nvme", str(tmp_path / "nvme"), "--dir", str(tmp_path / "ck")]
     job(tmp_path, "first", *common, "--steps", "4")
+    with pytest.raises(zs.CheckpointError, match="offloaded to NVMe"):  # was a bare ValueError too
+        fp32_state_dict(str(tmp_path / "ck"))
     resumed = job(tmp_path, "resumed", *common, "--resume", "--weights-only")
     for r in (0, 1):
         assert "CheckpointError" in resumed[r]["refused"] and "weights alone" in resumed[r]["refused"], resumed[r]

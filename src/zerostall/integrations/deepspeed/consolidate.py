@@ -13,7 +13,8 @@ from typing import Any, Iterator
 
 import torch
 
-from ...errors import CheckpointNotFoundError
+from ...errors import CheckpointError, CheckpointNotFoundError
+from . import swap
 from .engine import ZeroStallCheckpointEngine
 
 _ROUTES: dict[int, list[ZeroStallCheckpointEngine]] = {}  # by thread: the engines it reads through, innermost last
@@ -35,6 +36,10 @@ def fp32_state_dict(checkpoint_dir: str, tag: str | None = None, *,
     try:
         session = ours.session
         assert session is not None
+        if any(e.path[:2] == (swap.KEY, swap.OPTIMIZER) for e in session.checkpoint.manifest.entries):
+            raise CheckpointError(f"checkpoint {opened} in {checkpoint_dir} holds optimizer state offloaded to NVMe: "
+                                  "its fp32 partitions lie in the optimizer's swap files, which DeepSpeed's "
+                                  "consolidation does not read; load the checkpoint into an engine instead")
         with reading_through(ours):
             return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
                 session.view, tag=opened, exclude_frozen_parameters=exclude_frozen_parameters)
