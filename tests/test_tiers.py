@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import zerostall as zs
 from distributed import RankError
+from zerostall.roots.root import step_tag
 from zerostall.storage.s3 import S3Storage
 from zerostall.storage.s3client import S3Options
 from zerostall.tiers.local import LocalTier, NodeDirectory, check_space
@@ -681,3 +682,65 @@ def test_a_rollback_leaves_no_newer_local_step_for_a_later_restore(tmp_path):
                 mgr.save(step, single_state(2000.0 + step))
     with manager() as mgr:
         assert mgr.restore(state) == 30 and state["step"] == 2030 and mgr.last_restore.source == "local"
+
+
+FAILS_AT = {0: 30, 1: 20}  # the step whose local save fails on each rank
+
+
+def saves_failing_on_other_steps(root: str, base: str) -> tuple:
+    """Steps 10, 20, 30 with keep=1: rank 0's save of 30 fails, rank 1's of 20; only 10 is whole."""
+    from zerostall.saving import pipeline
+
+    rank = dist.get_rank()
+    os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
+    publish = pipeline.publish_manifest
+
+    def full_disk(storage: Any, *args: Any, **kwargs: Any) -> Any:
+        if step_tag(FAILS_AT[rank]) in storage.location:
+            raise OSError(28, "No space left on device")
+        return publish(storage, *args, **kwargs)
+
+    tier = zs.LocalTier(node_dir(base, "ab"[rank]), every=10, keep=1, replicas=2, timeout_s=20)
+    pipeline.publish_manifest = full_disk
+    try:
+        with zs.CheckpointManager(root, save_every=1000, local=tier, fsync=False) as mgr:
+            for step in (10, 20, 30):
+                assert mgr.should_save(step)
+                mgr.save(step, single_state(float(step)))
+                mgr.wait()
+            held = sorted(mgr.tier.directory.holdings())
+    finally:
+        pipeline.publish_manifest = publish
+    target = single_state(0.0)
+    with zs.CheckpointManager(root, save_every=1000, local=tier, fsync=False) as mgr:
+        return held, mgr.restore(target), target["step"]
+
+
+def test_retention_keeps_the_newest_step_every_rank_saved_not_the_newest_of_each(ranks, tmp_path):
+    """The ranks agreed on the minimum of each rank's newest saved step (20 here), which no rank
+    had whole: step 10, the only whole one, was deleted, and the restore started from scratch."""
+    out = ranks(2).run(saves_failing_on_other_steps, str(tmp_path / "root"), str(tmp_path / "nodes"), timeout=240)
+    assert out == [([10], 10, 10)] * 2  # the steps missing a rank's copy are gone; 10 restores
+
+
+def runs_on_one_root(root: str, base: str, run: int, last: int, restore: bool) -> tuple:
+    """Run ``run``: restore (or not), then save steps 10 to ``last``, each of value 1000 * run + step."""
+    os.environ["ZEROSTALL_NODE_ID"] = "ab"[dist.get_rank()]
+    tier = zs.LocalTier(node_dir(base, "ab"[dist.get_rank()]), every=10, keep=1, replicas=2, timeout_s=20)
+    target = single_state(-1.0)
+    with zs.CheckpointManager(root, save_every=20, local=tier, fsync=False) as mgr:
+        restored = mgr.restore(target) if restore else None
+        for step in range(10, last + 1, 10):
+            assert mgr.should_save(step)
+            mgr.save(step, single_state(float(1000 * run + step)))
+        mgr.wait()
+    return restored, target["step"]
+
+
+def test_a_run_that_starts_anew_drops_the_local_steps_of_the_run_before(ranks, tmp_path):
+    """A run that restored nothing and saved up to step 20 left the earlier run's local step 40 on
+    the nodes (the root set its own step 40 aside): the next restore loaded that abandoned step."""
+    root, base = str(tmp_path / "root"), str(tmp_path / "nodes")
+    ranks(2).run(runs_on_one_root, root, base, 1, 40, False, timeout=240)
+    ranks(2).run(runs_on_one_root, root, base, 2, 20, False, timeout=240)  # starts anew: no restore
+    assert ranks(2).run(runs_on_one_root, root, base, 3, 0, True, timeout=240) == [(20, 2020)] * 2

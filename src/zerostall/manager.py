@@ -140,8 +140,8 @@ class CheckpointManager:
             raise UnsupportedValueError("CheckpointManager.save needs the training step (a non-negative int)")
         metrics = checked_metrics(metrics)
         persistent, local = self._tiers_due(step) if tag is None else (True, False)
-        if persistent and self.tier is not None:  # a collective point: a failed tier group is made anew
-            self.tier.mend()
+        if self.tier is not None:  # a collective point: a new timeline, or a failed tier group made anew
+            self.tier.before_save(persistent)
         tag = tag or step_tag(step)
         storage = self.checkpoint_root.child(validate_tag(tag)) if persistent else None
         self.loaders.before_save(state, sys._getframe(1))

@@ -9,11 +9,13 @@ save failed (it then sends word that it has nothing), so the pairs always match.
 is published only once every block checked. A failure is logged and counted, never raised into
 training: the step is then restored from other copies, or the root.
 
-Then, in one small all-reduce on the same group, the ranks agree on the newest step every rank
-has saved, and the newest every rank has saved and replicated (the all-reduce itself waits for
-every rank's exchange of that step); each node's first rank deletes the saved steps older than
-the ``keep`` newest of them, but never the newest replicated one (while replication fails, it is
-the step a lost node restores from) nor a newer step (its save may still be writing).
+Then, in one small all-reduce on the same group, the ranks agree whether every rank saved this
+step, and whether every rank saved and replicated it (the all-reduce itself waits for every rank's
+exchange of that step); so the ranks know the newest step every rank saved, and the newest every
+rank saved and replicated. Each node's first rank deletes the saved steps older than the ``keep``
+newest of them, but never the newest replicated one (while replication fails, it is the step a
+lost node restores from) nor a newer step (its save may still be writing); and it deletes the
+steps some rank failed to save, which no restore can use (nor may they take a place in ``keep``).
 
 A peer that dies or a transfer that times out breaks the group (gloo closes the pair). Each rank
 then says so once, at error level, and goes on without it: no more replication, and the ranks
@@ -78,6 +80,7 @@ class Replicator:
         self._done = -1  # the newest step this rank saved and replicated
         self._agreed = (-1, -1)  # the newest steps every rank saved, and saved and replicated, last agreed
         self._kept: list[int] = []  # the newest steps this rank saved (posted to the store once broken)
+        self._partial: set[int] = set()  # steps agreed to be missing some rank's copy, until removed
         self.broken: str | None = None
         """Why the tier's group failed on this rank (None while it works): replication has stopped."""
         self._thread = threading.Thread(target=self._run, name="zerostall-replication", daemon=True)
@@ -101,7 +104,7 @@ class Replicator:
                     self._kept = [*self._kept[1 - _POSTED:], step]
                     if replicated:
                         self._done = step
-                self._retire(step)
+                self._retire(step, saved, saved and replicated)
             except Exception as exc:  # a file system error: the next step retires again
                 log.warning("local tier: retiring old steps after step %d failed: %s: %s", step,
                             type(exc).__name__, exc)
@@ -132,22 +135,31 @@ class Replicator:
         self.replicated.append((step, time.perf_counter() - start))
         return True
 
-    def _retire(self, step: int) -> None:
+    def _retire(self, step: int, saved_here: bool, replicated_here: bool) -> None:
         """Delete the steps every rank saved beyond the ``keep`` newest, but never the newest
-        replicated one (agreed on the group, or through its store once the group is broken)."""
+        replicated one (agreed on the group, or through its store once the group is broken), and
+        the steps agreed to be missing some rank's copy (they can never be restored)."""
         saved: int | None = None
         replicated = self._agreed[1]
         if self.broken is None:
-            try:
-                self._agreed = saved, replicated = tuple(self.group.all_reduce_min([self._saved, self._done]))
+            try:  # whether every rank saved this very step, and replicated it: not the newest each saved
+                whole, spread = self.group.all_reduce_min([int(saved_here), int(replicated_here)])
+                self._agreed = saved, replicated = (step if whole else self._agreed[0],
+                                                    step if spread else self._agreed[1])
+                if not whole:
+                    self._partial.add(step)
             except RuntimeError as exc:  # what torch.distributed raises for a dead peer or a timeout
                 self._break(exc)
         if self.broken is not None:
             saved = self._saved_everywhere(step)
         if not self.leader or saved is None:
+            if not self.leader:
+                self._partial.clear()  # a node's first rank deletes them
             return
-        done = [s for s in self.directory.steps() if s <= saved]
-        self.directory.remove_steps([s for s in done[:-self.keep] if s != replicated])
+        done = [s for s in self.directory.steps() if s <= saved and s not in self._partial]
+        self.directory.remove_steps([s for s in done[:-self.keep] if s != replicated]
+                                    + sorted(self._partial & set(self.directory.steps())))
+        self._partial.clear()
 
     def _saved_everywhere(self, step: int) -> int | None:
         """With the group broken, after ``step``: post the steps this rank saved to the group's
@@ -179,6 +191,7 @@ class Replicator:
             return s if step is not None and s <= step else -1
 
         self._kept = [s for s in self._kept if kept(s) >= 0]
+        self._partial = {s for s in self._partial if kept(s) >= 0}
         self._saved, self._done = kept(self._saved), kept(self._done)
         self._agreed = (kept(self._agreed[0]), kept(self._agreed[1]))
         if self.broken is not None:

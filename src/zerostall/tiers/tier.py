@@ -77,6 +77,7 @@ class NodeTier:
                                      token, options.timeout_s)
         self.saver = AsyncSaver()
         self._space_checked = False
+        self._timeline = False  # whether this run's timeline is set: a restore took a step, or a save began anew
 
     @property
     def failures(self) -> int:
@@ -87,6 +88,16 @@ class NodeTier:
         """The tier's own gloo group over the training group's ranks (collective, on every rank of the job)."""
         return dist.new_group(dist.get_process_group_ranks(self.group.pg), backend="gloo",
                               timeout=timedelta(seconds=self.options.timeout_s))
+
+    def before_save(self, persistent: bool) -> None:
+        """A save's collective point, on every rank before anything is written. The first save of a
+        run that restored nothing starts a new timeline: the local steps found at start (an earlier
+        run's, which the root may have set aside) are removed, so no later restore takes them. A
+        persistent save mends a broken group (see :meth:`mend`)."""
+        if not self._timeline:
+            self.forget_after(None)
+        elif persistent:
+            self.mend()
 
     def mend(self, *, if_any: bool = False) -> bool:
         """At a collective point of the training thread (a persistent save; a restore, ``if_any``):
@@ -226,6 +237,7 @@ class NodeTier:
             if self.leader:
                 self.directory.remove_steps([s for s in self.directory.steps() if step is None or s > step])
             self.replicator.forget_after(step)
+        self._timeline = True
 
     def wait_staged(self) -> None:
         self.saver.wait_staged()
