@@ -744,3 +744,11 @@ def test_a_run_that_starts_anew_drops_the_local_steps_of_the_run_before(ranks, t
     ranks(2).run(runs_on_one_root, root, base, 1, 40, False, timeout=240)
     ranks(2).run(runs_on_one_root, root, base, 2, 20, False, timeout=240)  # starts anew: no restore
     assert ranks(2).run(runs_on_one_root, root, base, 3, 0, True, timeout=240) == [(20, 2020)] * 2
+
+
+def test_a_tier_directory_that_cannot_be_made_is_a_typed_error(tmp_path):
+    """A bare NotADirectoryError came out of the manager (the root's own start-up wraps its errors)."""
+    (tmp_path / "a-file").write_text("")
+    tier = zs.LocalTier(str(tmp_path / "a-file" / "zs"), every=1)
+    with pytest.raises(zs.CheckpointError, match="cannot prepare the local tier in .*a-file"):
+        zs.CheckpointManager(str(tmp_path / "root"), local=tier)

@@ -60,8 +60,14 @@ class NodeTier:
             with group.failing_together(f"the local tier in {options.directory} could not be prepared on {{failed}} "
                                         "other rank(s) (their errors say why)"):
                 if self.leader:
-                    self.directory.claim()
-                    self.directory.clean_at_start()
+                    try:
+                        self.directory.claim()
+                        self.directory.clean_at_start()
+                    except OSError as exc:
+                        if isinstance(exc, CheckpointError):
+                            raise
+                        raise CheckpointError(f"cannot prepare the local tier in {options.directory}: {exc}; nothing "
+                                              "was saved: give LocalTier a directory this process can write") from exc
             self._check_one_directory_per_node()
         except BaseException:
             self.directory.release()
