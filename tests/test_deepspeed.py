@@ -540,3 +540,34 @@ def test_a_load_of_weights_alone_leaves_the_optimizers_swap_files_as_they_were(t
     for r in (0, 1):
         assert "CheckpointError" in resumed[r]["refused"] and "weights alone" in resumed[r]["refused"], resumed[r]
         assert resumed[r]["swap_kept"]
+
+
+def test_a_load_that_fails_on_one_rank_fails_on_every_rank(tmp_path: Path) -> None:
+    """A damaged block in rank 1's own optimizer file: rank 1 raised alone while rank 0 loaded
+    and trained on, so the ranks went on from different checkpoints, or hung in the next collective."""
+    common = ["--stage", "1", "--width", "64", "--dir", str(tmp_path / "ck")]
+    job(tmp_path, "first", *common, "--steps", "3")
+    with zs.open(str(tmp_path / "ck" / "step3")) as ck:
+        entry = next(e for e in ck.manifest.entries if e.kind == "tensor" and "exp_avg" in e.fqn
+                     and str(e.path[0]).startswith("zero_pp_rank_1"))
+        chunk = entry.chunks[0]
+    with open(tmp_path / "ck" / "step3" / chunk.file, "r+b") as f:
+        f.seek(chunk.offset)
+        byte = f.read(1)
+        f.seek(chunk.offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    resumed = job(tmp_path, "resumed", *common, "--resume")
+    assert resumed[1]["refused"].startswith("CorruptCheckpointError"), resumed[1]
+    assert "failed on 1 other rank" in resumed[0].get("refused", ""), resumed[0]
+
+
+@NVME
+def test_nvme_offload_with_nothing_large_enough_to_swap_resumes(tmp_path: Path) -> None:
+    """Optimizer partitions under DeepSpeed's 1 MiB swap minimum leave the swap folder empty: the
+    checkpoint held no offloaded state, and every load was refused as saved with other offload settings."""
+    common = ["--stage", "3", "--width", "64", "--offload", "none/nvme", "--nvme", str(tmp_path / "nvme"),
+              "--dir", str(tmp_path / "ck")]
+    job(tmp_path, "first", *common, "--kill-at", "6", expect_kill=True)
+    resumed = job(tmp_path, "resumed", *common, "--resume")
+    # resumed, not bit-exactly: DeepSpeed's own engine does not resume this setting exactly either
+    assert all("refused" not in resumed[r] and resumed[r]["resumed_from"] == 3 for r in (0, 1)), resumed

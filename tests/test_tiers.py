@@ -752,3 +752,77 @@ def test_a_tier_directory_that_cannot_be_made_is_a_typed_error(tmp_path):
     tier = zs.LocalTier(str(tmp_path / "a-file" / "zs"), every=1)
     with pytest.raises(zs.CheckpointError, match="cannot prepare the local tier in .*a-file"):
         zs.CheckpointManager(str(tmp_path / "root"), local=tier)
+
+
+def restore_with_a_peer_copy_missing_a_file(root: str, base: str) -> tuple:
+    """Steps 10 and 20 on nodes a and b; then node b is lost, and node a's replica of rank 1 at
+    step 20 lost a data file: rank 1's only copy of step 20 is incomplete."""
+    rank = dist.get_rank()
+    os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
+    tier = zs.LocalTier(node_dir(base, "ab"[rank]), every=10, keep=2, replicas=2, timeout_s=30)
+    with zs.CheckpointManager(root, fsync=False, local=tier) as mgr:
+        for step in (10, 20):
+            assert mgr.should_save(step)
+            mgr.save(step, single_state(float(100 * rank + step)))
+        mgr.wait()
+        directory = mgr.tier.directory
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(node_dir(base, "b"))
+    else:
+        copy = directory.copy_path(20, 1)
+        os.unlink(copy / next(n for n in sorted(os.listdir(copy)) if n.endswith(".safetensors")))
+    dist.barrier()
+    target = single_state(-1.0)
+    with zs.CheckpointManager(root, fsync=False, local=tier) as mgr:
+        step = mgr.restore(target)
+        return step, mgr.last_restore.sources, target["step"], [why for why, _ in mgr.last_restore.fallbacks]
+
+
+def test_a_peer_copy_missing_a_file_falls_back_like_a_damaged_one(ranks, tmp_path):
+    """The sender's failure to open the copy reached the receiver as a plain error: the restore
+    raised on every rank, where a damaged copy makes them fall back together (here to step 10)."""
+    out = ranks(2).run(restore_with_a_peer_copy_missing_a_file, str(tmp_path / "root"), str(tmp_path / "nodes"),
+                       timeout=240)
+    for rank, (step, sources, value, fallbacks) in enumerate(out):
+        assert (step, sources, value) == (10, ("local", "peer"), 100 * rank + 10)
+        assert fallbacks == ["step 20, rank 1's copy on node a (peer)"]
+
+
+def restart_then_a_replication_fails(root: str, base: str) -> dict:
+    """keep=1: steps 10, 20 saved and replicated; a restart restores 20; step 30's replication fails."""
+    from zerostall.tiers import replication
+
+    rank = dist.get_rank()
+    os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
+    tier = zs.LocalTier(node_dir(base, "ab"[rank]), every=10, keep=1, replicas=2, timeout_s=30)
+    with zs.CheckpointManager(root, save_every=1000, fsync=False, local=tier) as mgr:
+        for step in (10, 20):
+            assert mgr.should_save(step)
+            mgr.save(step, single_state(float(step)))
+        mgr.wait()
+    exchange = replication.exchange
+
+    def fails_at_30(pg: Any, sends: Any, receives: Any, *, step: int, **kwargs: Any) -> Any:
+        if step == 30:
+            raise OSError(28, "No space left on device")  # a node's RAM disk full: the replica does not fit
+        return exchange(pg, sends, receives, step=step, **kwargs)
+
+    target = single_state(-1.0)
+    replication.exchange = fails_at_30
+    try:
+        with zs.CheckpointManager(root, save_every=1000, fsync=False, local=tier) as mgr:
+            assert mgr.restore(target) == 20
+            assert mgr.should_save(30)
+            mgr.save(30, single_state(30.0))
+            mgr.wait()
+            return mgr.tier.directory.holdings()
+    finally:
+        replication.exchange = exchange
+
+
+def test_after_a_restart_the_restored_step_is_kept_until_a_newer_one_is_replicated(ranks, tmp_path):
+    """A restarted process knew no step as replicated: the first failed replication deleted the
+    restored step, the only one with copies on two nodes (a node lost then restored nothing)."""
+    out = ranks(2).run(restart_then_a_replication_fails, str(tmp_path / "root"), str(tmp_path / "nodes"), timeout=240)
+    assert all(20 in held and 30 in held for held in out), out

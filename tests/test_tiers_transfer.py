@@ -233,7 +233,8 @@ def test_exchange_sends_every_copy_to_its_holders_bit_exact(ranks, tmp_path: Pat
 
 def test_nothing_to_send_and_a_copy_that_cannot_be_sent(ranks, tmp_path: Path) -> None:
     """None: the receiver learns there is nothing (None, nothing published); a copy without a
-    manifest (never committed): the sender raises, and so does the receiver, naming that rank."""
+    manifest (never committed): the receiver raises it as damage, naming the sender, which goes on
+    (a restore falls back to another copy, as from a damaged one of its own)."""
     own = _copies(tmp_path, 1)[0]
     uncommitted = tmp_path / "uncommitted"
     zs.save(_state(3), str(uncommitted))
@@ -246,8 +247,8 @@ def test_nothing_to_send_and_a_copy_that_cannot_be_sent(ranks, tmp_path: Path) -
     assert results[1] == [None] and not (dest / "rank_00000").exists()
     assert results[2] == [str(dest / "copy_of_0")]
     kind, message = results[0]
-    assert kind == "CheckpointError" and "rank 3 could not send its copy" in message and "no manifest" in message
-    assert results[3][0] == "CheckpointError" and str(uncommitted) in results[3][1]
+    assert kind == "CorruptCheckpointError" and "rank 3 could not send its copy" in message and "no manifest" in message
+    assert results[3] == []
     assert sorted(os.listdir(dest)) == ["copy_of_0"]
 
 

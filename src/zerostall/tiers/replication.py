@@ -194,6 +194,8 @@ class Replicator:
         self._partial = {s for s in self._partial if kept(s) >= 0}
         self._saved, self._done = kept(self._saved), kept(self._done)
         self._agreed = (kept(self._agreed[0]), kept(self._agreed[1]))
+        if step is not None:  # the step restored: kept as the newest replicated until a newer one is (a
+            self._agreed = (max(self._agreed[0], step), max(self._agreed[1], step))  # restarted process knew none)
         if self.broken is not None:
             self._in_store(self._repost)
 

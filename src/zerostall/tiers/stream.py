@@ -102,8 +102,9 @@ def receive_header(pg: Any, src: int, final: Path, step: int | None) -> Plan | N
     if header.get("step") != step:
         raise LinkError(f"rank {src} sent a copy of step {header.get('step')!r:.20} for {final}, of step {step}: the "
                         "two ranks are out of step, so the tier's group is not used again")
-    if "error" in header:
-        raise CheckpointError(f"rank {src} could not send its copy for {final}: {header['error']}")
+    if "error" in header:  # a copy found damaged or incomplete where it lies is damage, as one found here
+        kind = CorruptCheckpointError if header.get("damaged") is True else CheckpointError
+        raise kind(f"rank {src} could not send its copy for {final}: {header['error']}")
     files, chunk, wave, cuts = header.get("files", ()), header.get("chunk"), header.get("wave"), header.get("cuts")
     if files is None:
         return None

@@ -22,6 +22,7 @@ there, and the folder, which lacks the placed bytes, is never published.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import secrets
@@ -35,7 +36,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ..format.checksums import CACHE_PIECE
 from ..format.envelope import manifest_body
 from ..format.layout import MANIFEST_NAME, Manifest, chunk_items, file_names
@@ -49,6 +50,8 @@ from ..storage.local import LocalStorage, open_regular
 from .local import INCOMING
 from .placing import PLACEABLE, Placer, Spans, direct
 from .stream import CHUNK_LIMIT, IN_FLIGHT, LinkError, Plan, Wire, plan_header, receive_header, send_header
+
+log = logging.getLogger(__name__)
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 _WRITERS = 4  # files of one copy that travel, and are written, at once
@@ -109,8 +112,13 @@ def _send(pg: Any, dst: int, copy: Path | None, step: int | None, chunk_bytes: i
     try:
         try:
             files, data, cuts = ([], [], []) if copy is None else _open_copy(copy, cut)
-        except (CheckpointError, OSError) as exc:  # the receiver learns why, then this rank raises it
-            send_header(pg, dst, {"step": step, "error": f"{type(exc).__name__}: {exc}"})
+        except (CheckpointError, OSError) as exc:  # the receiver learns why
+            damaged = (isinstance(exc, (CorruptCheckpointError, IncompleteCheckpointError, FileNotFoundError))
+                       and not isinstance(exc, CheckpointNotFoundError))  # a file of it gone, not the whole copy
+            send_header(pg, dst, {"step": step, "error": f"{type(exc).__name__}: {exc}", "damaged": damaged})
+            if damaged:  # the copy's, not this rank's: the receiver reports it, and falls back to another copy
+                log.warning("the copy %s for rank %d is damaged or incomplete (%s): not sent", copy, dst, exc)
+                return
             raise CheckpointError(f"cannot send the copy {copy} to rank {dst}: {exc}") from exc
         if copy is None:
             send_header(pg, dst, {"step": step, "files": None})

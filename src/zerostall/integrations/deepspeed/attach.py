@@ -90,31 +90,41 @@ def _load_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any
     try:
         session = ours.session
         assert session is not None
-        folders = SwapFolders.of(engine)
-        if ours.options.in_place:
-            session.into.update(_live_files(engine, session.view, opened, kwargs))
-        optimizer = kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False)
-        if folders or any(e.path[:1] == (swap.KEY,) for e in session.checkpoint.manifest.entries):
-            written = folders.restore(session.checkpoint, ours.group.rank, optimizer)
-            log.info("restored %d bytes of offloaded state into %s", written, ", ".join(folders.folders.values()))
-        with reading_through(ours):  # under ZeRO-3, a load of weights alone consolidates them with zero_to_fp32
-            try:
-                path, client_state = original(session.view, opened, **kwargs)
-            except ValueError as exc:
-                if optimizer or not engine.zero_nvme_offload_optimizer():
-                    raise
-                raise CheckpointError(
-                    f"checkpoint {opened} in {load_dir}: DeepSpeed cannot load the weights alone of a ZeRO-3 "
-                    "checkpoint whose optimizer state was offloaded to NVMe (it rebuilds them from the optimizer's "
-                    "fp32 partitions, which lie in the swap files): load it whole (load_optimizer_states=True); "
-                    f"the optimizer's swap files were left as they were ({exc})") from exc
-        if path is not None and engine.zero_nvme_offload_optimizer() and kwargs.get("load_optimizer_states", True):
-            _restore_optimizer_state(engine, ours.load(engine._get_zero_ckpt_name(session.view, opened)))
+        # a load that fails on some ranks fails on all: no rank trains on from a checkpoint the others refused
+        with ours.group.failing_together(f"loading checkpoint {opened} from {load_dir} failed on {{failed}} other "
+                                         "rank(s) (their errors name the file)"):
+            path, client_state = _load_opened(engine, ours, original, load_dir, opened, session, kwargs)
         if path is not None:
             path = os.path.join(load_dir, opened, os.path.relpath(path, session.directory))
         return path, client_state
     finally:
         ours.close()
+
+
+def _load_opened(engine: Any, ours: ZeroStallCheckpointEngine, original: Any, load_dir: str, opened: str,
+                 session: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """The swap files restored in place, then DeepSpeed's load of tag ``opened`` through ``session``."""
+    folders = SwapFolders.of(engine)
+    if ours.options.in_place:
+        session.into.update(_live_files(engine, session.view, opened, kwargs))
+    optimizer = kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False)
+    if folders or any(e.path[:1] == (swap.KEY,) for e in session.checkpoint.manifest.entries):
+        written = folders.restore(session.checkpoint, ours.group.rank, optimizer)
+        log.info("restored %d bytes of offloaded state into %s", written, ", ".join(folders.folders.values()))
+    with reading_through(ours):  # under ZeRO-3, a load of weights alone consolidates them with zero_to_fp32
+        try:
+            path, client_state = original(session.view, opened, **kwargs)
+        except ValueError as exc:
+            if optimizer or not engine.zero_nvme_offload_optimizer():
+                raise
+            raise CheckpointError(
+                f"checkpoint {opened} in {load_dir}: DeepSpeed cannot load the weights alone of a ZeRO-3 "
+                "checkpoint whose optimizer state was offloaded to NVMe (it rebuilds them from the optimizer's "
+                "fp32 partitions, which lie in the swap files): load it whole (load_optimizer_states=True); "
+                f"the optimizer's swap files were left as they were ({exc})") from exc
+    if path is not None and engine.zero_nvme_offload_optimizer() and kwargs.get("load_optimizer_states", True):
+        _restore_optimizer_state(engine, ours.load(engine._get_zero_ckpt_name(session.view, opened)))
+    return path, client_state
 
 
 def _load_deepspeeds_own(engine: Any, ours: ZeroStallCheckpointEngine, original: Any, load_dir: str, tag: str,

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ...collectives import ALONE, Group
 from ...errors import CheckpointError, CheckpointNotFoundError
 from . import swap
 from .engine import ZeroStallCheckpointEngine
@@ -30,6 +31,7 @@ def fp32_state_dict(checkpoint_dir: str, tag: str | None = None, *,
     from deepspeed.utils import zero_to_fp32
 
     ours = ZeroStallCheckpointEngine()
+    ours.group = Group(ALONE)  # this process alone, also inside a job (rank 0 consolidating, say)
     opened = ours.open(os.fspath(checkpoint_dir), tag)
     if opened is None:
         raise CheckpointNotFoundError(f"no DeepSpeed checkpoint saved by zerostall in {checkpoint_dir}")

@@ -22,6 +22,7 @@ from typing import Any, Iterable
 import torch
 
 from ...errors import CheckpointError, InsufficientSpaceError
+from ...format import codec
 from ...loading.checkpoint import Checkpoint
 from ...storage.base import free_bytes
 
@@ -116,8 +117,12 @@ class SwapFolders:
         the old one), every block verified; returns the bytes written. The space they need is
         checked first. Without ``optimizer`` (a load of weights alone) the optimizer's files stay as they are."""
         where = f"checkpoint {ck.path}"
-        saved = [e for e in ck.manifest.entries if e.rank == rank and len(e.path) == 3 and e.path[0] == KEY]
-        kinds = {e.path[1] for e in saved}
+        ours = [e for e in ck.manifest.entries if e.rank == rank and e.path[:1] == (KEY,)]
+        saved = [e for e in ours if len(e.path) == 3]
+        kinds = {e.path[1] for e in ours if len(e.path) > 1}
+        for e in ours:  # a kind whose folder held no file is an empty value (all of them empty: one value)
+            value = codec.decode(e.value, where=where) if e.kind == "object" and len(e.path) == 1 else None
+            kinds.update(value if isinstance(value, dict) else ())
         if kinds != set(self.folders):
             raise CheckpointError(f"{where} holds offloaded state for {sorted(kinds) or 'nothing'} on rank {rank}, but "
                                   f"this engine offloads {sorted(self.folders) or 'nothing'} to NVMe: load it with the "
