@@ -25,7 +25,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from ... import api
-from ...collectives import Group
+from ...collectives import ALONE, Group
 from ...errors import CheckpointError, CheckpointNotFoundError, InsufficientSpaceError
 from ...format.layout import MANIFEST_NAME
 from ...loading.checkpoint import Checkpoint
@@ -240,7 +240,7 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
             log.warning("no checkpoint to load in %s", load_dir)
             return None
         checkpoint = Checkpoint(CheckpointRoot(storage_for(load_dir)).child(agreed), self.options.load_options,
-                                process_group=None)
+                                process_group=ALONE if self.group.pg is None else self.group.pg)
         view = tempfile.mkdtemp(prefix="zerostall-deepspeed-")
         try:
             _show(view, agreed, checkpoint, self.group.rank)
