@@ -164,7 +164,7 @@ def _committed(name: str, storage: Storage, head: ManifestHead) -> CheckpointInf
                           referenced_bytes=sum(head.files[n] for n in head.refs))
 
 
-def _typed(exc: OSError, what: str) -> CheckpointError:
+def typed_error(exc: OSError, what: str) -> CheckpointError:
     """``exc`` where it is a zerostall error already (a storage's, a refused file), else a
     :class:`CheckpointError` saying ``what`` could not be done, caused by it."""
     if isinstance(exc, CheckpointError):
@@ -207,7 +207,7 @@ class CheckpointRoot:
         try:
             names = self.storage.children()
         except OSError as exc:
-            raise _typed(exc, f"cannot list the checkpoints under {self.location}")
+            raise typed_error(exc, f"cannot list the checkpoints under {self.location}")
         for name in names:
             if name.startswith("."):
                 continue
@@ -218,7 +218,7 @@ class CheckpointRoot:
                 bare.add(name)
                 continue
             except OSError as exc:  # as a failed read of it is (a symbolic link in its place: damage)
-                unreadable[name] = _typed(exc, f"cannot read the manifest of {storage.location}")
+                unreadable[name] = typed_error(exc, f"cannot read the manifest of {storage.location}")
                 continue
             cached = self._seen.get(name)
             if cached is not None and cached[0] == version:

@@ -156,9 +156,10 @@ class Replicator:
             if not self.leader:
                 self._partial.clear()  # a node's first rank deletes them
             return
-        done = [s for s in self.directory.steps() if s <= saved and s not in self._partial]
+        steps = self.directory.steps()
+        done = [s for s in steps if s <= saved and s not in self._partial]
         self.directory.remove_steps([s for s in done[:-self.keep] if s != replicated]
-                                    + sorted(self._partial & set(self.directory.steps())))
+                                    + [s for s in steps if s in self._partial])
         self._partial.clear()
 
     def _saved_everywhere(self, step: int) -> int | None:

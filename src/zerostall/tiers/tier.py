@@ -25,7 +25,7 @@ from ..errors import CheckpointError
 from ..gcpause import gc_paused
 from ..options import LoadOptions, SaveOptions
 from ..roots.restore import Candidate, PassedOver, RestoreInfo
-from ..roots.root import step_tag
+from ..roots.root import step_tag, typed_error
 from ..saving.asynchronous import AsyncSaver
 from ..saving.handles import SaveHandle
 from .copies import LAYOUT_KEY, View, load_copy, placeable, placements, view
@@ -64,10 +64,7 @@ class NodeTier:
                         self.directory.claim()
                         self.directory.clean_at_start()
                     except OSError as exc:
-                        if isinstance(exc, CheckpointError):
-                            raise
-                        raise CheckpointError(f"cannot prepare the local tier in {options.directory}: {exc}; nothing "
-                                              "was saved: give LocalTier a directory this process can write") from exc
+                        raise typed_error(exc, f"cannot prepare the local tier in {options.directory}") from exc
             self._check_one_directory_per_node()
         except BaseException:
             self.directory.release()

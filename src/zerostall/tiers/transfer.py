@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.checksums import CACHE_PIECE
 from ..format.envelope import manifest_body
 from ..format.layout import MANIFEST_NAME, Manifest, chunk_items, file_names
@@ -45,6 +45,7 @@ from ..gcpause import gc_paused
 from ..loading.opening import read_manifest, read_manifest_bytes
 from ..loading.reader import ChunkReader
 from ..loading.verification import ArrivingFile, arriving_files, verify_all
+from ..roots.root import DAMAGE
 from ..storage.base import check_name
 from ..storage.local import LocalStorage, open_regular
 from .local import INCOMING
@@ -113,7 +114,7 @@ def _send(pg: Any, dst: int, copy: Path | None, step: int | None, chunk_bytes: i
         try:
             files, data, cuts = ([], [], []) if copy is None else _open_copy(copy, cut)
         except (CheckpointError, OSError) as exc:  # the receiver learns why
-            damaged = (isinstance(exc, (CorruptCheckpointError, IncompleteCheckpointError, FileNotFoundError))
+            damaged = (isinstance(exc, (*DAMAGE, FileNotFoundError))
                        and not isinstance(exc, CheckpointNotFoundError))  # a file of it gone, not the whole copy
             send_header(pg, dst, {"step": step, "error": f"{type(exc).__name__}: {exc}", "damaged": damaged})
             if damaged:  # the copy's, not this rank's: the receiver reports it, and falls back to another copy
