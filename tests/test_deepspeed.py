@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,8 @@ deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed 
 import zerostall as zs  # noqa: E402
 from zerostall.integrations.deepspeed import (DeepSpeedOptions, ZeroStallCheckpointEngine,  # noqa: E402
                                               fp32_state_dict)
-from zerostall.integrations.deepspeed import values  # noqa: E402
+from zerostall.integrations.deepspeed import space, values  # noqa: E402
+from zerostall.options import SaveOptions  # noqa: E402
 from zerostall.integrations.deepspeed.swap import SwapFolders  # noqa: E402
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # noqa: E402
@@ -338,6 +340,49 @@ def test_saving_a_tag_again_replaces_it_and_latest_follows_the_commit(tmp_path: 
     ours.close()
 
 
+def save_with_latest_blocked(directory: str, asynchronous: bool) -> list[str]:
+    """On each of two ranks: save t1, make ``latest`` impossible to replace (on rank 0, the one that
+    writes it), then save t2 and t3; what each save said."""
+    import torch.distributed as dist
+
+    d = Path(directory)
+    ours = ZeroStallCheckpointEngine(asynchronous=asynchronous)
+    save_tag(ours, d, "t1", {"f.pt": {"x": torch.zeros(3)}})
+    ours.wait()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (d / "latest").unlink()
+        (d / "latest" / "in the way").mkdir(parents=True)  # as a full or read-only disk would fail it
+    dist.barrier()
+    said = []
+    for tag in ("t2", "t3"):
+        try:
+            save_tag(ours, d, tag, {"f.pt": {"x": torch.ones(3)}})
+            if ours.saver is not None:
+                ours.saver.wait()  # committed: latest is updated right after, in the background
+            said.append("saved")
+        except zs.CheckpointError as exc:
+            said.append(str(exc))
+    ours.cleanup()
+    return said
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_failed_update_of_latest_fails_the_save_on_every_rank(ranks, tmp_path: Path, asynchronous: bool) -> None:
+    """Rank 0 alone writes ``latest``: its failure was raised on rank 0 alone (a bare OSError), and
+    rank 1 went on into the next collective and waited for good; asynchronously, rank 0 raised it
+    at the next save alone. Now every rank raises: at that save (synchronous), or at the next."""
+    said = ranks(2).run(save_with_latest_blocked, str(tmp_path / "ck"), asynchronous, timeout=120)
+    refused = said[0][1:] if asynchronous else said[0]
+    for message in refused:
+        assert "committed, but" in message and "could not be made to name it" in message and "its tag" in message
+    assert said[0][0] == "saved" if asynchronous else True
+    assert said[1] == (["saved", "rank 0 could not point latest at the checkpoint saved before (its error says why), "
+                                 "so this save was not started on any rank"] if asynchronous else
+                       [f"checkpoint {tmp_path}/ck/{t} committed, but rank 0 could not point {tmp_path}/ck/latest at "
+                        "it (its error says why)" for t in ("t2", "t3")])
+
+
 FULL_DISK = """
 import os, sys, torch
 sys.path[:0] = [sys.argv[2], sys.argv[3]]
@@ -347,29 +392,54 @@ from pathlib import Path
 d = Path(sys.argv[1])
 ours = ZeroStallCheckpointEngine()
 save_tag(ours, d, "t1", {"f.pt": {"x": torch.zeros(1000)}})
+big = {"f.pt": {"x": torch.zeros(2**20)}}
+many = {"f.pt": {f"layers.{i}.bias": torch.zeros(1) for i in range(8000)}}  # 32 KB of tensors
 try:
-    save_tag(ours, d, "t2", {"f.pt": {"x": torch.zeros(2**20)}})
+    save_tag(ours, d, "t2", big if sys.argv[4] == "big" else many)
 except zs.InsufficientSpaceError as exc:
     print("REFUSED", exc)
 print("LEFT", sorted(os.listdir(d)), (d / "latest").read_text(), read_tag(ours, d, None, "f.pt")["x"].shape)
 """
 
 
-def test_a_save_the_target_cannot_hold_fails_before_any_write_with_the_sizes(tmp_path: Path) -> None:
-    """On a real 2 MiB file system: the save of 4 MiB is refused with the numbers, nothing of it
-    written, ``latest`` and the previous checkpoint as they were."""
+@pytest.mark.parametrize("files", ["big", "many"])
+def test_a_save_the_target_cannot_hold_fails_before_any_write_with_the_sizes(tmp_path: Path, files: str) -> None:
+    """On a real 2 MiB file system: the save of one 4 MiB tensor, or of 8000 tensors of 4 bytes
+    (which with what describes them write more than 2 MiB), is refused with the numbers, nothing
+    of it written, ``latest`` and the previous checkpoint as they were. The many small tensors were
+    counted by their bytes alone, and the save failed part way with ENOSPC."""
     directory = str(tmp_path / "small")
     os.makedirs(directory)
     why = unavailable(directory)
     if why:
         pytest.skip(why)
     done = subprocess.run(in_small_tmpfs(directory, "2m", sys.executable, "-c", FULL_DISK, directory,
-                                         str(HERE.parent / "src"), str(HERE)),
+                                         str(HERE.parent / "src"), str(HERE), files),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert f"REFUSED checkpoint {directory}/t2 needs 4194304 bytes" in done.stdout
+    needed = re.search(rf"REFUSED checkpoint {re.escape(directory)}/t2 needs (\d+) bytes", done.stdout)
+    assert needed is not None, done.stdout + done.stderr
+    assert int(needed[1]) > (4 << 20 if files == "big" else 2 << 20)
     assert "bytes free: free space there or save elsewhere; nothing was written" in done.stdout
     assert "LEFT ['latest', 't1'] t1 torch.Size([1000])" in done.stdout
+
+
+def test_the_bytes_counted_before_a_save_are_at_least_those_it_writes(tmp_path: Path) -> None:
+    """The free-space check's count against what the save then wrote: many small tensors, long key
+    paths, large python values, a tensor of many blocks, DeepSpeed's own files."""
+    cases = {
+        "small": {"f.pt": {f"l{i}": torch.zeros(1) for i in range(3000)}},
+        "long names": {"optim.pt": {"state": {i: {"exp_avg_" + "x" * 200: torch.zeros(3, 2, 1)} for i in range(500)}}},
+        "values": {"f.pt": {"config": {f"k{i}": list(range(20)) for i in range(2000)}, "t": torch.zeros(2)}},
+        "blocks": {"f.pt": {"w": torch.zeros(9 << 20, dtype=torch.uint8)}},
+        "deepspeed": deepspeed_like(),
+    }
+    for name, files in cases.items():
+        state = {file: values.split(sd) for file, sd in files.items()}
+        counted = space.needed_bytes(state, {}, SaveOptions().block_size, False, 1)
+        save_tag(ZeroStallCheckpointEngine(), tmp_path, name, files)
+        written = sum(max(p.stat().st_size, p.stat().st_blocks * 512) for p in (tmp_path / name).iterdir())
+        assert counted >= written, (name, counted, written)
 
 
 def test_a_damaged_checkpoint_is_named_on_load_and_reads_need_an_open_session(tmp_path: Path) -> None:

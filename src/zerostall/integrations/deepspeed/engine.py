@@ -26,7 +26,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from ... import api
 from ...collectives import ALONE, Group
-from ...errors import CheckpointError, CheckpointNotFoundError, InsufficientSpaceError
+from ...errors import CheckpointError, CheckpointNotFoundError
 from ...format.layout import MANIFEST_NAME
 from ...loading.checkpoint import Checkpoint
 from ...options import LoadOptions, SaveOptions, _Options
@@ -35,8 +35,7 @@ from ...saving.asynchronous import AsyncSaver
 from ...saving.handles import OneShot
 from ...state import rank_local
 from ...storage import storage_for
-from ...storage.base import free_bytes
-from . import swap, values
+from . import space, swap, values
 from .swap import SwapFolders
 
 log = logging.getLogger(__name__)
@@ -159,64 +158,72 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
             return True
         state: dict[str, Any] = {name: values.split(sd) for name, sd in current.files.items()}
         offloaded = current.swap.tensors() if current.swap else {}
-        tensors = [t for split in state.values() for t in split[values.TENSORS].values()]
-        tensors += [t for files in offloaded.values() for t in files.values()]
+        save_options = self.options.save_options
+        needed = space.needed_bytes(state, offloaded, save_options.block_size, save_options.allow_pickle,
+                                    self.group.size)
         if offloaded:
             state[swap.KEY] = rank_local(offloaded)
-        self._check_space(current, sum(t.nbytes for t in tensors))
+        self._raise_latest_failure()
+        space.check_space(self.group, current.directory, current.save_dir, needed)
         storage = CheckpointRoot(storage_for(current.save_dir)).child(current.tag)
         metadata = {"deepspeed": {"tag": current.tag}}
         if self.saver is None:
-            api.save(state, storage, self.options.save_options, step=current.step, metadata=metadata)
-            self._point_latest(current)
+            api.save(state, storage, save_options, step=current.step, metadata=metadata)
+            with self.group.failing_together(f"checkpoint {current.directory} committed, but rank 0 could not point "
+                                             f"{current.save_dir}/latest at it (its error says why)"):
+                self._point_latest(current)
             return True
-        self._raise_latest_failure()
-        handle = self.saver.save(state, storage, self.options.save_options, step=current.step, metadata=metadata)
+        handle = self.saver.save(state, storage, save_options, step=current.step, metadata=metadata)
         assert handle is not None
         self._latest = latest = Future()
         handle.committed.add_done_callback(OneShot(functools.partial(self._committed, current, latest)))
         return True
 
-    def _check_space(self, current: _Save, mine: int) -> None:
-        """Refuse, on every rank and before anything is written, a save that the file system of
-        ``save_dir`` cannot hold: all ranks' bytes (``mine`` here) against the free space each
-        rank sees there."""
-        total = self.group.all_reduce_ints([mine])[0]
-        os.makedirs(current.save_dir, exist_ok=True)
-        free = free_bytes(current.save_dir)
-        short = int(total > free)
-        if self.group.all_reduce_ints([short])[0]:
-            raise InsufficientSpaceError(
-                f"checkpoint {current.directory} needs {total} bytes (every rank's tensors and swap files), but "
-                f"{'its file system has ' + str(free) + ' bytes free' if short else 'another rank sees less free space'}"
-                ": free space there or save elsewhere; nothing was written")
-
     def _point_latest(self, current: _Save) -> None:
         """Rank 0 rewrites ``latest`` (DeepSpeed's plain-text tag, replaced atomically) once the
         checkpoint committed."""
-        if current.save_latest and self.group.is_coordinator:
+        if not (current.save_latest and self.group.is_coordinator):
+            return
+        try:
             storage_for(current.save_dir).put(LATEST_NAME, current.tag.encode())
+        except OSError as exc:
+            raise CheckpointError(
+                f"checkpoint {current.directory} committed, but {current.save_dir}/{LATEST_NAME} could not be made "
+                f"to name it ({type(exc).__name__}: {exc}), which still names the checkpoint before: load this one by "
+                f"its tag, {current.tag!r}; the next save updates {LATEST_NAME} again") from exc
 
     def _committed(self, current: _Save, latest: Future, fut: Future) -> None:
         try:
             if fut.unseen_exception() is None:  # a failed save is the saver's to raise
                 self._point_latest(current)
         except BaseException as exc:
+            log.error("%s", exc)  # said now too: at the end of the process no save is left to raise it
             latest.set_exception(exc)
         else:
             latest.set_result(None)
 
-    def _raise_latest_failure(self) -> None:
+    def _latest_failure(self) -> BaseException | None:
+        """Rank 0's failure to point ``latest`` at the asynchronous save before (waited for), once."""
         latest, self._latest = self._latest, None
-        if latest is not None:
-            latest.result()
+        return latest.exception() if latest is not None else None
+
+    def _raise_latest_failure(self) -> None:
+        """Raise :meth:`_latest_failure` on every rank: a rank raising alone would leave the others
+        waiting in this save's collectives."""
+        failure = self._latest_failure()
+        with self.group.failing_together("rank 0 could not point latest at the checkpoint saved before (its error "
+                                         "says why), so this save was not started on any rank"):
+            if failure is not None:
+                raise failure
 
     def wait(self) -> None:
         """Wait for the asynchronous save in flight to commit and ``latest`` to name it; raises
         what went wrong."""
         if self.saver is not None:
             self.saver.wait()
-        self._raise_latest_failure()
+        failure = self._latest_failure()
+        if failure is not None:
+            raise failure
 
     def cleanup(self) -> None:
         """Finish the save in flight and free the saver's buffers."""
