@@ -5,7 +5,8 @@ It trains a two-layer model with ZeRO ``--stage`` (and ``--offload PARAM/OPTIMIZ
 ``cpu`` or ``nvme``), saves with zerostall (``attach``) or DeepSpeed's own engine after
 each step of ``--save-at``, writes each step's loss to ``--losses``, and, with ``--kill-at N``, SIGKILLs
 itself after step N. With ``--resume`` it first loads the checkpoint that ``--tag`` names (default:
-latest) and goes on from its step. The batch of a step is drawn from a seed of that step, so a
+latest) and goes on from its step; with ``--rollback``, it loads that checkpoint again after its last step,
+in the same process, and trains the steps after it again. The batch of a step is drawn from a seed of that step, so a
 resumed run sees the data an uninterrupted one saw.
 """
 
@@ -69,6 +70,8 @@ def main() -> None:
     p.add_argument("--losses", required=True)
     p.add_argument("--check-open", default="", help="first open() latest, a tag, this empty directory, a missing tag")
     p.add_argument("--bump-ids", action="store_true", help="build another ZeRO-3 model first: later ds_ids move")
+    p.add_argument("--rollback", action="store_true",
+                   help="after the last step, load --tag in this process and train its later steps again")
     args = p.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
@@ -110,12 +113,7 @@ def main() -> None:
         losses["resumed_from"] = start
         losses["read_in_place"] = len(live & returned), len(live)
     for step in range(start + 1, args.steps + 1):
-        gen = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(4, w, generator=gen)
-        loss = (engine(x) - x.flip(-1)).pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        losses[step] = loss.item()
+        losses[step] = _step(engine, step, rank, w)
         if step in args.save_at:
             engine.save_checkpoint(args.dir, f"step{step}", client_state={"step": step})
         if step == args.kill_at:
@@ -126,10 +124,23 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
     if args.engine == "zerostall":
         engine.checkpoint_engine.wait()
+    if args.rollback:
+        _, client = engine.load_checkpoint(args.dir, args.tag)
+        for step in range(client["step"] + 1, args.steps + 1):
+            losses[f"again{step}"] = _step(engine, step, rank, w)
     _write(args.losses, rank, losses)
     torch.distributed.barrier()  # no rank tears down while another still talks to it
     engine.destroy()
     torch.distributed.destroy_process_group()
+
+
+def _step(engine: Any, step: int, rank: int, width: int) -> float:
+    """One training step on the batch of ``step``; its loss."""
+    x = torch.randn(4, width, generator=torch.Generator().manual_seed(1000 * step + rank))
+    loss = (engine(x) - x.flip(-1)).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
 
 
 def check_open(ours, directory: str, empty: str) -> dict:

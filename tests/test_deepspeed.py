@@ -643,6 +643,17 @@ def test_nvme_offload_with_nothing_large_enough_to_swap_resumes(tmp_path: Path) 
     assert all("refused" not in resumed[r] and resumed[r]["resumed_from"] == 3 for r in (0, 1)), resumed
 
 
+@NVME
+def test_a_rollback_in_the_same_process_with_the_optimizer_on_nvme_trains_on_exactly(tmp_path: Path) -> None:
+    """A load of an earlier checkpoint into an engine that had trained on: the optimizer's state
+    was given new tensors its NVMe swapper did not know, and the next step failed on a size
+    mismatch. Now the steps after the checkpoint are trained again with the losses they had."""
+    run = job(tmp_path, "run", "--stage", "3", "--width", "512", "--offload", "none/nvme",
+              "--nvme", str(tmp_path / "nvme"), "--dir", str(tmp_path / "ck"), "--tag", "step3", "--rollback")
+    for r in (0, 1):
+        assert [run[r][f"again{s}"] for s in (4, 5, 6)] == [run[r][str(s)] for s in (4, 5, 6)], run[r]
+
+
 def consolidate_on_rank_0(directory: str) -> int:
     import torch.distributed as dist
 

@@ -170,7 +170,8 @@ def _restore_optimizer_state(engine: Any, saved: Any) -> None:
     of the rank's optimizer file, so its optimizer starts again from empty state (Adam's moments
     zeroed, its ``step`` reset) and a resumed run drifts from an uninterrupted one. Give the
     optimizer its saved state: the values too small to swap as saved, and the swapped ones as
-    tensors registered with the swapper, which reads them from the restored files at the next step."""
+    tensors registered with the swapper (kept where it has them already: a rollback in the same
+    process), which reads them from the restored files at the next step."""
     zero = engine.optimizer
     base, swapper = zero.optimizer, zero.optimizer_swapper
     zero._set_fp32_optimizer_param_groups()  # the base optimizer holds its parameters only around a step
@@ -180,9 +181,12 @@ def _restore_optimizer_state(engine: Any, saved: Any) -> None:
             param = params[index]
             info = swapper.swap_params_info.get(param.ds_id)
             live = base.state[param]
+            known = {id(t) for t in info.get_compute_tensors()} if info is not None else set()
             swapped = []
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.numel() == 0 and info is not None:
+                    if id(live.get(key)) in known:
+                        continue  # the swapper's already (a load in the same process): it reads the restored file
                     tensor = torch.empty(0, dtype=param.dtype)  # its data comes from its swap file
                     tensor.ds_id = f"{key}-{param.ds_id}"
                     live[key] = tensor
