@@ -469,6 +469,16 @@ def test_values_nested_too_deeply_are_refused_with_a_typed_error(tmp_path, where
     assert torch.equal(zs.load({"t": torch.zeros(2)}, tmp_path / "ck")["t"], torch.ones(2))
 
 
+def test_an_object_pickle_cannot_store_is_refused_naming_its_key(tmp_path):
+    """With allow_pickle, a lock or a lambda made pickle raise its own error (PicklingError,
+    TypeError), naming neither the key nor zerostall; the checkpoint in place stays."""
+    zs.save({"w": torch.ones(3)}, tmp_path / "ck")
+    for bad in (threading.Lock(), lambda: 1):
+        with pytest.raises(zs.UnsupportedValueError, match=r"at opts\.bad: pickle cannot store it"):
+            zs.save({"w": torch.zeros(3), "opts": {"bad": bad}}, tmp_path / "ck", allow_pickle=True, overwrite=True)
+    assert torch.equal(zs.load({"w": torch.zeros(3)}, tmp_path / "ck")["w"], torch.ones(3))
+
+
 def test_pickle_opt_in_on_save_and_on_load(tmp_path):
     path = tmp_path / "ckpt"
     state = {"w": torch.ones(3), "opts": {"thing": Thing(5)}}

@@ -211,8 +211,10 @@ def read_tag(ours: ZeroStallCheckpointEngine, save_dir: Path, tag: str | None, n
 
 def deepspeed_like() -> dict:
     shared = torch.arange(6.0)
+    module = collections.OrderedDict([("w", torch.randn(3, 4)), ("b", torch.zeros(4))])
+    module._metadata = collections.OrderedDict([("", {"version": 1}), ("0", {"version": 2})])  # as state_dict() gives
     return {
-        "module": collections.OrderedDict([("w", torch.randn(3, 4)), ("b", torch.zeros(4))]),
+        "module": module,
         "optimizer_state_dict": {
             "loss_scaler": LossScaler(128.0),
             "dynamic": DynamicLossScaler(init_scale=2.0**16, scale_window=7, min_scale=1, delayed_shift=2, consecutive_hysteresis=False),
@@ -223,15 +225,20 @@ def deepspeed_like() -> dict:
             "same": shared,
         },
         "global_steps": 7, "ds_version": deepspeed.__version__, "shape": torch.Size([3, 4]), "nothing": None,
+        "client": {"counts": collections.Counter(a=2, b=1), "groups": collections.defaultdict(list, {"x": [1]}),
+                   "none": collections.defaultdict(None, {1: 2}), "frozen": torch.nn.Parameter(torch.ones(2), False),
+                   "trained": torch.nn.Parameter(torch.ones(3))},
     }
 
 
 def assert_same(a: object, b: object, where: str = "") -> None:
-    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), where
+    assert type(a) is type(b), (where, type(a), type(b))
     if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
+        assert torch.equal(a, b) and a.requires_grad == b.requires_grad, where
     elif isinstance(a, dict):
         assert list(a) == list(b), where
+        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), where
+        assert getattr(a, "default_factory", None) is getattr(b, "default_factory", None), where
         for k in a:
             assert_same(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
@@ -258,16 +265,26 @@ def test_deepspeeds_files_round_trip_with_its_own_objects_and_no_pickle(tmp_path
         assert torch.equal(ck.read("mp_rank_00_model_states.pt.tensors.module.w"), sd["module"]["w"])
 
 
+def _no_items() -> list:
+    return []
+
+
 def test_an_object_our_encoding_cannot_hold_is_named_or_pickled_on_request(tmp_path: Path) -> None:
     class Custom:
         pass
 
     with pytest.raises(zs.UnsupportedValueError, match=r"client\.obj.*allow_pickle"):
         save_tag(ZeroStallCheckpointEngine(), tmp_path, "t1", {"f.pt": {"client": {"obj": Custom()}}})
+    with pytest.raises(zs.UnsupportedValueError, match=r"f\.pt\.client\.d\.default_factory.*allow_pickle"):
+        save_tag(ZeroStallCheckpointEngine(), tmp_path, "t1",
+                 {"f.pt": {"client": {"d": collections.defaultdict(_no_items)}}})
     assert not (tmp_path / "t1").exists() and not (tmp_path / "latest").exists()
     ours = ZeroStallCheckpointEngine(allow_pickle=True)
-    save_tag(ours, tmp_path, "t1", {"f.pt": {"client": {"n": 3}}})
-    assert read_tag(ours, tmp_path, "t1", "f.pt") == {"client": {"n": 3}}
+    save_tag(ours, tmp_path, "t1", {"f.pt": {"client": {"n": 3, "d": collections.defaultdict(_no_items, a=[1])}}})
+    back = read_tag(ours, tmp_path, "t1", "f.pt")
+    assert back["client"]["d"].default_factory is _no_items and back == {"client": {"n": 3, "d": {"a": [1]}}}
+    with pytest.raises(zs.CheckpointError, match="allow_pickle"):  # the pickled factory is refused without it
+        read_tag(ZeroStallCheckpointEngine(), tmp_path, "t1", "f.pt")
 
 
 def test_deepspeeds_own_checkpoint_is_found_through_its_latest_and_a_bad_latest_is_none(tmp_path: Path) -> None:

@@ -57,7 +57,7 @@ def encode(value: Any, *, where: str = "", allow_pickle: bool = False, hint: str
     try:
         return _encode(value, allow_pickle, 0)
     except _Refused as exc:
-        at = where + "".join(reversed(exc.location))
+        at = (where + "".join(reversed(exc.location))).removeprefix("" if where else ".")
         if exc.value is _TOO_DEEP:
             raise UnsupportedValueError(f"cannot save the value at {at or '<root>'}: it nests more than {MAX_DEPTH} "
                                         "containers deep (the most a checkpoint may hold)") from None
@@ -66,16 +66,17 @@ def encode(value: Any, *, where: str = "", allow_pickle: bool = False, hint: str
                                         "bits, more digits than JSON readers accept (sys.get_int_max_str_digits); "
                                         "store it as bytes (n.to_bytes) or a string") from None
         raise UnsupportedValueError(
-            f"cannot save {type(exc.value).__module__}.{type(exc.value).__qualname__} at {at or '<root>'}: {hint}"
-        ) from None
+            f"cannot save {type(exc.value).__module__}.{type(exc.value).__qualname__} at {at or '<root>'}: "
+            f"{exc.why or hint}") from None
 
 
 class _Refused(Exception):
     """A value the codec cannot encode; containers add their key to ``location`` as it unwinds, so
     the success path builds no location strings."""
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: Any, why: str | None = None) -> None:
         self.value = value
+        self.why = why  # said instead of the hint (what to do), when there is nothing left to do
         self.location: list[str] = []
 
 
@@ -139,7 +140,10 @@ def _encode(value: Any, allow_pickle: bool, depth: int) -> Any:
     if np is not None and isinstance(value, np.generic) and value.dtype.kind in "biufc":
         return {"$npscalar": [value.dtype.str, _b64(value.tobytes())]}
     if allow_pickle:
-        return {"$pickle": _b64(pickle.dumps(value))}
+        try:
+            return {"$pickle": _b64(pickle.dumps(value))}
+        except Exception as exc:  # pickle raises PicklingError, TypeError, AttributeError...
+            raise _Refused(value, f"pickle cannot store it ({type(exc).__name__}: {exc})") from None
     raise _Refused(value)
 
 

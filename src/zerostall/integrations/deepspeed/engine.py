@@ -156,7 +156,9 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
         current, self._save = self._save, None
         if current is None:
             return True
-        state: dict[str, Any] = {name: values.split(sd) for name, sd in current.files.items()}
+        allow_pickle = self.options.allow_pickle
+        state: dict[str, Any] = {name: values.split(sd, allow_pickle=allow_pickle, where=name)
+                                 for name, sd in current.files.items()}
         offloaded = current.swap.tensors() if current.swap else {}
         save_options = self.options.save_options
         needed = space.needed_bytes(state, offloaded, save_options.block_size, save_options.allow_pickle,
@@ -290,14 +292,14 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
         value = _file_value(ck, name)
         device = map_location if isinstance(map_location, (str, torch.device)) else None
         live = session.into.get(name) if device is None or torch.device(device).type == "cpu" else None
-        into = values.split(live())[values.TENSORS] if live is not None else {}
+        into = values.tensors_of(live()) if live is not None else {}
 
         def tensors(names: list[str]) -> list[torch.Tensor]:
             keys = [(name, values.TENSORS, t) for t in names]
             return [_to(t, device) for t in ck.read_many(keys, into=[into.get(t) for t in names])]
 
         try:
-            return values.join(value, tensors, where)
+            return values.join(value, tensors, where, allow_pickle=self.options.allow_pickle)
         except CheckpointError as exc:
             if not into:
                 raise

@@ -5,12 +5,17 @@ DeepSpeed's own objects goes back.
 DeepSpeed puts a few objects of its own in its files (the loss scaler, ``ZeroStageEnum``, fragment
 addresses). They are stored as their class name and their attributes, plain values only, and
 rebuilt on load without running any code of theirs (no ``__init__``, no unpickling, no import):
-only classes of ``deepspeed`` modules already imported are rebuilt. Other objects our encoding cannot hold are pickled when
-``allow_pickle`` is given, else refused with the key that holds them (by the save's encoder).
+only classes of ``deepspeed`` modules already imported are rebuilt. The dicts of ``collections``
+come back as what they were: an ``OrderedDict`` with its ``_metadata`` (a module's state dict and
+the versions its load reads), a ``Counter``, a ``defaultdict`` whose factory is a builtin type;
+so does an ``nn.Parameter``, with its ``requires_grad``. Other objects our encoding cannot hold
+(a ``defaultdict``'s own factory function too) are pickled when ``allow_pickle`` is given, else
+refused with the key that holds them (by the save's encoder).
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import sys
 from typing import Any, Callable
@@ -18,29 +23,43 @@ from typing import Any, Callable
 import torch
 
 from ...errors import CorruptCheckpointError
+from ...format import codec
 
 TENSORS = "tensors"  # a file's tensors, by dotted key path
 VALUE = "value"  # the rest of the file, with the places of its tensors and objects
 
 _OURS = "deepspeed"  # the package whose plain-data objects are stored by class and attributes
+_FACTORIES = {t.__name__: t for t in (list, dict, set, int, float, str, bytes, tuple)}  # a defaultdict's, by name
 
 
-def split(state_dict: Any) -> dict[str, Any]:
-    """``state_dict`` (what DeepSpeed passes to ``CheckpointEngine.save``) as ``{"tensors": {name:
-    tensor}, "value": {...}}``. A tensor met twice is stored once, and comes back shared."""
-    splitter = _Splitter()
+def split(state_dict: Any, *, allow_pickle: bool = False, where: str = "") -> dict[str, Any]:
+    """``state_dict`` (what DeepSpeed passes to ``CheckpointEngine.save``; ``where``: its file) as
+    ``{"tensors": {name: tensor}, "value": {...}}``. A tensor met twice is stored once, and comes
+    back shared."""
+    splitter = _Splitter(allow_pickle, where)
     tree = splitter.walk(state_dict, ())
     return {TENSORS: splitter.tensors,
-            VALUE: {"tree": tree, "tensors": splitter.slots, "objects": splitter.objects}}
+            VALUE: {"tree": tree, "tensors": splitter.slots, "objects": splitter.objects, "dicts": splitter.dicts,
+                    "parameters": splitter.parameters}}
+
+
+def tensors_of(state_dict: Any) -> dict[str, torch.Tensor]:
+    """The tensors of ``state_dict`` by the names :func:`split` gives them (the rest not described)."""
+    splitter = _Splitter(False, "", describe=False)
+    splitter.walk(state_dict, ())
+    return splitter.tensors
 
 
 class _Splitter:
-    __slots__ = ("tensors", "slots", "objects", "names")
+    __slots__ = ("tensors", "slots", "objects", "dicts", "parameters", "names", "allow_pickle", "where", "describe")
 
-    def __init__(self) -> None:
+    def __init__(self, allow_pickle: bool, where: str, describe: bool = True) -> None:
+        self.allow_pickle, self.where, self.describe = allow_pickle, where, describe
         self.tensors: dict[str, torch.Tensor] = {}
         self.slots: list[list[Any]] = []  # [key path, tensor name]
         self.objects: list[list[Any]] = []  # [key path, module, class name, attributes or enum value]
+        self.dicts: list[list[Any]] = []  # [key path, class name, its _metadata or defaultdict factory]
+        self.parameters: dict[str, bool] = {}  # tensor name -> requires_grad, of the nn.Parameters
         self.names: dict[int, str] = {}  # id(tensor) -> its name: a tensor met again is the same entry
 
     def walk(self, node: Any, path: tuple[Any, ...]) -> Any:
@@ -52,9 +71,13 @@ class _Splitter:
                     name = f"{base}#{len(self.tensors)}"
                 self.tensors[name] = node
                 self.names[id(node)] = name
+                if isinstance(node, torch.nn.Parameter):
+                    self.parameters[name] = node.requires_grad
             self.slots.append([list(path), name])
             return None
         if isinstance(node, dict) and type(node).__module__ in ("builtins", "collections"):
+            if type(node) is not dict and self.describe:
+                self.dicts.append([list(path), type(node).__qualname__, self.dict_data(node, path)])
             return {k: self.walk(v, path + (k,)) for k, v in node.items()}
         if type(node) in (list, tuple):
             items = [self.walk(v, path + (i,)) for i, v in enumerate(node)]
@@ -69,15 +92,31 @@ class _Splitter:
                 return None
         return node  # a plain value, or one the encoder pickles (allow_pickle) or refuses, naming its key
 
+    def dict_data(self, node: dict, path: tuple[Any, ...]) -> Any:
+        """What a dict of ``collections`` needs besides its items: an ``OrderedDict``'s ``_metadata``,
+        a ``defaultdict``'s factory (a builtin type by name, another through the encoder)."""
+        at = ".".join(map(str, (self.where, *path) if self.where else path))
+        if isinstance(node, collections.defaultdict):
+            factory = node.default_factory
+            if factory is None or _FACTORIES.get(getattr(factory, "__name__", "")) is factory:
+                return getattr(factory, "__name__", None)
+            return {"encoded": codec.encode(factory, where=f"{at}.default_factory", allow_pickle=self.allow_pickle)}
+        return codec.encode(getattr(node, "_metadata", None), where=f"{at}._metadata", allow_pickle=self.allow_pickle)
 
-def join(value: Any, tensors: Callable[[list[str]], list[torch.Tensor]], where: str) -> Any:
+
+def join(value: Any, tensors: Callable[[list[str]], list[torch.Tensor]], where: str, *,
+         allow_pickle: bool = False) -> Any:
     """The state dict that :func:`split` took apart, ``tensors(names)`` reading the stored tensors."""
     try:
         tree, slots, objects = value["tree"], value["tensors"], value["objects"]
+        for path, qualname, data in sorted(value.get("dicts", []), key=lambda d: -len(d[0])):  # inner first
+            tree = _place(tree, tuple(path), _rebuilt_dict(_at(tree, path), qualname, data, where, allow_pickle))
         for path, module, qualname, data in objects:
             tree = _place(tree, tuple(path), _rebuild(module, qualname, data, where))
         names = list(dict.fromkeys(name for _, name in slots))
-        read = dict(zip(names, tensors(names)))
+        parameters = value.get("parameters", {})
+        read = {name: torch.nn.Parameter(t, requires_grad=bool(parameters[name])) if name in parameters else t
+                for name, t in zip(names, tensors(names))}
         for path, name in slots:
             tree = _place(tree, tuple(path), read[name])
         return tree
@@ -101,6 +140,33 @@ def _place(node: Any, path: tuple[Any, ...], value: Any) -> Any:
         node[key] = items[key]
         return node
     return tuple(items)
+
+
+def _at(tree: Any, path: list[Any]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _rebuilt_dict(node: Any, qualname: Any, data: Any, where: str, allow_pickle: bool) -> dict:
+    """The dict of ``collections`` that :meth:`_Splitter.dict_data` described, holding ``node``'s items."""
+    if type(node) is not dict:
+        raise TypeError(f"a stored {qualname} is not a dict")
+    if qualname == "OrderedDict":
+        rebuilt: Any = collections.OrderedDict(node)
+        metadata = codec.decode(data, where=f"{where}: _metadata")
+        if metadata is not None:
+            rebuilt._metadata = metadata
+        return rebuilt
+    if qualname == "Counter":
+        return collections.Counter(node)
+    if qualname == "defaultdict":
+        if isinstance(data, dict):
+            factory = codec.decode(data["encoded"], where=f"{where}: a defaultdict's factory", allow_pickle=allow_pickle)
+        else:
+            factory = None if data is None else _FACTORIES[data]
+        return collections.defaultdict(factory, node)
+    raise ValueError(f"unknown kind of stored dict {qualname!r}")
 
 
 def _rebuild(module: str, qualname: str, data: Any, where: str) -> Any:
