@@ -377,6 +377,39 @@ def test_a_last_link_to_a_save_that_never_committed_names_the_checkpoint_to_resu
         io.load_checkpoint(tmp_path / "last.ckpt")
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_save_to_a_link_replaces_the_link_not_the_checkpoint_it_names(tmp_path: Path, asynchronous: bool) -> None:
+    """``save_last="link"``, resumed: Lightning's first save of last.ckpt went through the link into
+    the best checkpoint it named, which then silently held the newest state."""
+    io = ZeroStallCheckpointIO(asynchronous=asynchronous)
+    io.save_checkpoint({"w": torch.ones(2), "global_step": 8}, tmp_path / "epoch=1-step=8.ckpt")
+    io.wait()
+    os.symlink("epoch=1-step=8.ckpt", tmp_path / "last.ckpt")
+    io.save_checkpoint({"w": torch.zeros(2), "global_step": 12}, tmp_path / "last.ckpt")
+    io.teardown()
+    assert io.load_checkpoint(tmp_path / "epoch=1-step=8.ckpt")["global_step"] == 8
+    assert not os.path.islink(tmp_path / "last.ckpt") and io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 12
+    assert sorted(os.listdir(tmp_path)) == ["epoch=1-step=8.ckpt", "last.ckpt"]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_save_over_a_folder_that_is_not_a_checkpoint_is_refused_and_deletes_nothing(
+        tmp_path: Path, asynchronous: bool) -> None:
+    """``trainer.save_checkpoint(callback.dirpath)``: the folder, taken for a save that never
+    committed, was deleted with the checkpoints and files in it to make room."""
+    io = ZeroStallCheckpointIO(asynchronous=asynchronous)
+    folder = tmp_path / "checkpoints"
+    io.save_checkpoint({"w": torch.ones(2)}, folder / "epoch=0-step=4.ckpt")
+    io.wait()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(zs.CheckpointError, match=r"checkpoints is a folder that is not a zerostall checkpoint.*"
+                                                 r"notes\.txt.*save under another name"):
+        io.save_checkpoint({"w": torch.zeros(2)}, folder)
+    io.teardown()
+    assert sorted(os.listdir(folder)) == ["epoch=0-step=4.ckpt", "notes.txt"]
+    assert torch.equal(io.load_checkpoint(folder / "epoch=0-step=4.ckpt")["w"], torch.ones(2))
+
+
 # -- paths Lightning hands over ---------------------------------------------------------------------
 def test_links_and_lightnings_own_files_are_removed_as_files_and_loaded_with_torch(tmp_path: Path) -> None:
     io = ZeroStallCheckpointIO()

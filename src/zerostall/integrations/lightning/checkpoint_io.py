@@ -40,6 +40,7 @@ from ...saving.asynchronous import AsyncSaver
 from ...saving.handles import OneShot, SaveHandle
 from ...storage import storage_for
 from ...storage.local import fsync_dir
+from ...storage.location import check_location
 from . import values
 
 log = logging.getLogger(__name__)
@@ -224,9 +225,15 @@ def _dangling(link: str) -> CheckpointNotFoundError:
 def _staging(path: str) -> str | None:
     """Where a save of ``path`` is written before it is moved there: a hidden folder beside it
     (a name Lightning's lookups of ``last`` and ``hpc_ckpt_`` never match) while no committed
-    checkpoint is at ``path``; None (written in place, swapped atomically at its commit) otherwise."""
-    if _is_url(path) or os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+    checkpoint is at ``path``, or a link is (``save_last="link"``: the link is replaced, never written
+    through into the checkpoint it names); None (written in place, swapped atomically at its
+    commit) otherwise. A folder at ``path`` holding other files than a save's is refused."""
+    if _is_url(path):
         return None
+    if not os.path.islink(path):
+        if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+            return None
+        _not_foreign(path)
     parent, name = os.path.split(os.path.abspath(path))
     return os.path.join(parent, f".zerostall-staging-{hashlib.sha256(name.encode()).hexdigest()[:16]}")
 
@@ -243,10 +250,25 @@ def _place(staged: str, path: str, fsync: bool) -> None:
             os.rename(staged, path)
     else:
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+            _not_foreign(path, staged)
             shutil.rmtree(path)  # a save that never committed (killed half-way)
         os.rename(staged, path)
     if fsync:
         fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _not_foreign(path: str, staged: str | None = None) -> None:
+    """Refuse a folder at ``path`` that holds anything but the files of a save that never committed
+    (the user's own folder, Lightning's sharded checkpoint): it would be deleted to make room.
+    ``staged``: where this save's committed checkpoint waits meanwhile."""
+    if not os.path.isdir(path):
+        return
+    try:
+        check_location(storage_for(path), True, what="save")
+    except CheckpointError as exc:
+        kept = f"; this save's checkpoint is kept in {staged}" if staged else ""
+        raise CheckpointError(f"{path} is a folder that is not a zerostall checkpoint, which a save there would "
+                              f"delete ({exc}){kept}: save under another name") from None
 
 
 def _exchange(a: str, b: str) -> bool:
