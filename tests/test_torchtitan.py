@@ -252,6 +252,67 @@ def test_the_last_step_exports_hf_safetensors_through_the_sd_adapter(ranks, tmp_
     assert ranks(world).run(hf_export, str(tmp_path), timeout=240) == [True] * world
 
 
+def hf_export_fails_then_succeeds(base: str) -> list[str]:
+    """Rank 0's export fails (a file where it goes, as a full disk would fail it), then a rerun
+    exports; what each rank's last save said each time."""
+    said = []
+    for attempt in range(2):
+        if dist.get_rank() == 0:
+            blocker = Path(base) / "hf" / "step-3"
+            if attempt == 0:
+                blocker.parent.mkdir(parents=True, exist_ok=True)
+                blocker.write_text("in the way")
+            else:
+                blocker.unlink()
+        dist.barrier()
+        run = Run(f"ckpt{attempt}", base, sd_adapter=Adapter(), async_mode="disabled", last_save_model_only=True,
+                  last_save_in_hf=True)
+        try:
+            run.steps(1, 3, 3)
+            said.append("exported")
+        except zs.CheckpointError as exc:
+            said.append(f"{type(exc).__name__}: {exc}")
+        run.ckpt.close()
+    return said
+
+
+def test_a_failed_hf_export_is_raised_on_every_rank_and_a_rerun_exports(ranks, tmp_path):
+    """Rank 0 exports alone: its failure left the other rank in a barrier until the process group's
+    timeout; and the staging checkpoint it left behind refused every later export of that step."""
+    said = ranks(2).run(hf_export_fails_then_succeeds, str(tmp_path), timeout=240)
+    for rank in said:
+        assert rank[0].startswith("ExportError: ") and "step-3 is a file" in rank[0], rank
+        assert rank[1] == "exported", rank
+    assert sorted(os.listdir(tmp_path / "hf")) == ["step-3"]
+
+
+class Unencodable(TrainState):
+    """A train state holding a value zerostall's encoding does not hold."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "out_dir": Path("/data/run1")}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.out_dir = state_dict["out_dir"]
+
+
+def test_allow_pickle_reaches_the_managers_saves_and_loads(tmp_path):
+    """It reached ``initial_load_path`` only: the saves refused the value, saying to pass allow_pickle=True."""
+    cfg = ZeroStallCheckpointManager.Config(folder="ck", enable=True, interval=1, async_mode="disabled",
+                                            allow_pickle=True)
+    model = nn.Linear(2, 2)
+    mgr = cfg.build(dataloader=None, model_parts=[model], optimizers=None, lr_schedulers=None,
+                    states={"train_state": Unencodable()}, sd_adapter=None, base_folder=str(tmp_path))
+    mgr.save(1)
+    mgr.close()
+    state = Unencodable()
+    again = cfg.build(dataloader=None, model_parts=[model], optimizers=None, lr_schedulers=None,
+                      states={"train_state": state}, sd_adapter=None, base_folder=str(tmp_path))
+    assert again.load() is True and state.out_dir == Path("/data/run1")
+    again.close()
+
+
 def test_saves_and_loads_on_s3(s3_url):
     run = Run(s3_url, async_mode="async", interval=2, keep_latest_k=2, last_save_model_only=False)
     run.steps(1, 6, 10)

@@ -19,20 +19,27 @@ def export_hf(model_state: dict[str, Any], sd_adapter: Any, out: str, group: Gro
     """Write ``sd_adapter.to_hf(model_state)`` to the local directory ``out`` as safetensors
     (sharded with an index past 5GB). Collective: every rank saves its shards into a staging
     checkpoint beside ``out`` (DTensors stay sharded), rank 0 exports it through ``zs.export``
-    (checksums verified as read) and deletes it; done on every rank when one returns. Returns the
-    export's info on rank 0."""
+    (checksums verified as read) and deletes it; done on every rank when one returns, and a failure
+    raised on every rank. Returns the export's info on rank 0."""
     hf_state = sd_adapter.to_hf(model_state)
     staging = out.rstrip("/") + ".zerostall-staging"
-    api.save(hf_state, staging, process_group=group.pg)
-    info = None
-    with api.open(staging, process_group=group.pg) as ck:
+    api.save(hf_state, staging, process_group=group.pg, overwrite=True)  # over one a stopped export left
+    info: ExportInfo | None = None
+
+    def export() -> bytes:
+        nonlocal info
+        info = api.export(ck, out, format="hf", overwrite=True)
+        log.info("exported the model's Hugging Face weights to %s", out)
+        return b""
+
+    try:
+        with api.open(staging, process_group=group.pg) as ck:
+            group.agree(export)  # rank 0's failure is raised on every rank
+    finally:
+        if group.pg is not None:
+            torch.distributed.barrier(group.pg)  # every rank has closed the staging checkpoint
         if group.is_coordinator:
-            info = api.export(ck, out, format="hf", overwrite=True)
-            log.info("exported the model's Hugging Face weights to %s", out)
-    if group.pg is not None:
-        torch.distributed.barrier(group.pg)  # every rank has closed the staging checkpoint
-    if group.is_coordinator:
-        shutil.rmtree(staging)
+            shutil.rmtree(staging, ignore_errors=True)
     if group.pg is not None:
         torch.distributed.barrier(group.pg)  # the export is whole when any rank returns
     return info

@@ -17,6 +17,7 @@ from ... import api
 from ...errors import CheckpointError, CheckpointNotFoundError, UnsupportedValueError
 from ...format.layout import RNG_KEY
 from ...manager import CheckpointManager
+from ...options import LoadOptions
 from ...roots.root import step_tag
 from .hf import export_hf, load_hf
 
@@ -80,6 +81,8 @@ class ZeroStallCheckpointManager(BaseCheckpointManager):
         self.states = {k: v for k, v in self.states.items() if v is not None}
         self.manager = CheckpointManager(self.folder, keep_last=config.keep_latest_k or None,
                                          async_save=config.async_mode == "async", fsync=config.fsync,
+                                         allow_pickle=config.allow_pickle,
+                                         load_options=LoadOptions(allow_pickle=config.allow_pickle),
                                          rank_local_keys=(DATALOADER,))
         log.info("checkpoints are saved to and loaded from %s (zerostall)", self.folder)
 
