@@ -47,14 +47,15 @@ STEPS_PER_EPOCH = {1: 8, 2: 4}  # 64 samples in batches of 8, split over the ran
 
 # -- training jobs ----------------------------------------------------------------------------------
 def job(tmp: Path, name: str, io: str, devices: int, strategy: str, *args: str, expect_kill: bool = False,
-        timeout: float = 240) -> dict[str, Any]:
-    """Run tests/lightning_train.py (Lightning starts the other ranks); each rank's losses and
-    what rank 0 wrote of its state."""
+        timeout: float = 240, folder: str = "") -> dict[str, Any]:
+    """Run tests/lightning_train.py (Lightning starts the other ranks), checkpointing into ``folder``
+    (default: the io's own); each rank's losses and what rank 0 wrote of its state."""
+    folder = folder or f"{io}-ck"
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]), OMP_NUM_THREADS="1",
                PYTHONPATH=str(HERE.parent / "src"), PYTHONFAULTHANDLER="1", PYTHONWARNINGS="ignore")
     out = tmp / f"{io}-{name}"
     proc = subprocess.Popen([sys.executable, str(TRAIN), "--io", io, "--devices", str(devices), "--strategy", strategy,
-                             "--dir", str(tmp / f"{io}-ck"), "--out", str(out), "--epochs", "5", *args],
+                             "--dir", str(tmp / folder), "--out", str(out), "--epochs", "5", *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # the ranks Lightning starts are killed with it on a time-out
     try:
@@ -68,7 +69,7 @@ def job(tmp: Path, name: str, io: str, devices: int, strategy: str, *args: str, 
     for what in ("restored", "final"):
         if Path(f"{out}.{what}").exists():
             run[what] = torch.load(f"{out}.{what}", weights_only=False)
-    run["kept"] = sorted(os.listdir(tmp / f"{io}-ck"))
+    run["kept"] = sorted(os.listdir(tmp / folder))
     return run
 
 
@@ -145,6 +146,31 @@ def test_a_run_killed_with_saves_in_flight_resumes_from_a_committed_last(tmp_pat
     # last.ckpt was being replaced: it holds the old epoch's state or the new one's, never a torn one
     assert resumed["restored"]["global_step"] in (2 * STEPS_PER_EPOCH[1], 3 * STEPS_PER_EPOCH[1])
     assert resumed["final"]["global_step"] == 5 * STEPS_PER_EPOCH[1]
+
+
+def test_a_model_parallel_run_switched_to_zerostall_resumes_and_replaces_lightnings_checkpoints(
+        tmp_path: Path) -> None:
+    """A ``ModelParallelStrategy`` run (Lightning's DCP folders) resumed under
+    ``ZeroStallModelParallelStrategy``: its first save of last.ckpt, over Lightning's folder, was
+    refused and training died. Now it replaces it, as Lightning would."""
+    kill_at = str(3 * STEPS_PER_EPOCH[1] + STEPS_PER_EPOCH[1] // 2)
+    job(tmp_path, "first", "torch", 1, "model-parallel", "--kill-at", kill_at, expect_kill=True, folder="ck")
+    resumed = job(tmp_path, "resumed", "zerostall", 1, "model-parallel", "--resume", folder="ck")
+    assert resumed["restored"]["global_step"] == 3 * STEPS_PER_EPOCH[1]
+    assert resumed["final"]["global_step"] == 5 * STEPS_PER_EPOCH[1] and len(resumed["kept"]) == 3
+    for name in resumed["kept"]:  # last.ckpt and the new top-k, each a committed zerostall checkpoint now
+        assert name.startswith(("last", "epoch=3", "epoch=4")) and zs.verify(str(tmp_path / "ck" / name)) > 0
+
+
+def test_a_model_parallel_save_that_never_committed_is_not_taken_for_lightnings_checkpoint(tmp_path: Path) -> None:
+    """A folder of data files and no manifest (a first save killed half-way, from before such saves
+    were staged) went to ``ModelParallelStrategy``'s own load, which failed saying nothing of it."""
+    ZeroStallCheckpointIO().save_checkpoint({"w": torch.ones(2), "global_step": 4}, tmp_path / "epoch=0-step=4.ckpt")
+    (tmp_path / "last.ckpt").mkdir()
+    (tmp_path / "last.ckpt" / "18ec66c29e286132-61646dbf-r00000-000.safetensors").write_bytes(b"\0" * 64)
+    with pytest.raises(zs.CheckpointNotFoundError, match=r"last\.ckpt holds no committed checkpoint.*resume from "
+                                                         r".*epoch=0-step=4\.ckpt \(step 4\)"):
+        ZeroStallModelParallelStrategy().load_checkpoint(tmp_path / "last.ckpt")
 
 
 # -- the checkpoint dict ----------------------------------------------------------------------------

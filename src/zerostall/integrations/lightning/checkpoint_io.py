@@ -105,11 +105,11 @@ class ZeroStallCheckpointIO(CheckpointIO):
         self._settle_removals()  # a removal into this path must not run after this save began
         self._settle_placing()  # the last save's move out of the staging folder this one may use
         target = _plain(path)
-        staged = _staging(target)
+        staged = staging_path(target)
         if not self.options.asynchronous:
             api.save(tree, staged or target, options, **kwargs)
             if staged is not None:
-                _place(staged, target, options.fsync)
+                place(staged, target, options.fsync)
             return
         if self._saver is None:
             self._saver = AsyncSaver()
@@ -213,35 +213,42 @@ def _dangling(link: str) -> CheckpointNotFoundError:
     """The error for a link (``ModelCheckpoint(save_last="link")``) to no committed checkpoint:
     Lightning links right after an asynchronous save returns, and the run stopped before that
     save committed. Names the newest committed checkpoint beside it, to resume from instead."""
-    found = [i for i in CheckpointRoot(storage_for(os.path.dirname(os.path.abspath(link)))).checkpoints()
-             if i.name.endswith(".ckpt")]
-    newest = max(found, key=lambda i: (i.step if i.step is not None else -1, i.created or 0.0), default=None)
     return CheckpointNotFoundError(
         f"{link} links to {os.readlink(link)}, which holds no committed checkpoint: its asynchronous save did not "
-        "commit before the run stopped; " + (f"resume from {newest.location} (step {newest.step}), the newest "
-                                             "committed checkpoint there" if newest else "none there has committed"))
+        f"commit before the run stopped; {resume_instead(link)}")
 
 
-def _staging(path: str) -> str | None:
+def resume_instead(path: str) -> str:
+    """What to resume from instead of ``path``: the newest committed checkpoint beside it."""
+    found = [i for i in CheckpointRoot(storage_for(os.path.dirname(os.path.abspath(path)))).checkpoints()
+             if i.name.endswith(".ckpt")]
+    newest = max(found, key=lambda i: (i.step if i.step is not None else -1, i.created or 0.0), default=None)
+    return (f"resume from {newest.location} (step {newest.step}), the newest committed checkpoint there" if newest
+            else "none there has committed")
+
+
+def staging_path(path: str, lightnings_dcp: bool = False) -> str | None:
     """Where a save of ``path`` is written before it is moved there: a hidden folder beside it
     (a name Lightning's lookups of ``last`` and ``hpc_ckpt_`` never match) while no committed
     checkpoint is at ``path``, or a link is (``save_last="link"``: the link is replaced, never written
     through into the checkpoint it names); None (written in place, swapped atomically at its
-    commit) otherwise. A folder at ``path`` holding other files than a save's is refused."""
+    commit) otherwise. A folder at ``path`` holding other files than a save's is refused (unless
+    ``lightnings_dcp`` and it is the sharded checkpoint of Lightning's ``ModelParallelStrategy``)."""
     if _is_url(path):
         return None
     if not os.path.islink(path):
         if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
             return None
-        _not_foreign(path)
+        _not_foreign(path, lightnings_dcp=lightnings_dcp)
     parent, name = os.path.split(os.path.abspath(path))
     return os.path.join(parent, f".zerostall-staging-{hashlib.sha256(name.encode()).hexdigest()[:16]}")
 
 
-def _place(staged: str, path: str, fsync: bool) -> None:
+def place(staged: str, path: str, fsync: bool, lightnings_dcp: bool = False) -> None:
     """Move the committed checkpoint ``staged`` to ``path``: over Lightning's own file or link
     there in one atomic exchange where the file system can (else removed first), over a folder
-    whose save never committed, or into the free name."""
+    whose save never committed (or, ``lightnings_dcp``, Lightning's sharded checkpoint), or into
+    the free name."""
     if os.path.islink(path) or os.path.isfile(path):
         if _exchange(staged, path):
             os.remove(staged)  # what was at path
@@ -250,18 +257,18 @@ def _place(staged: str, path: str, fsync: bool) -> None:
             os.rename(staged, path)
     else:
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
-            _not_foreign(path, staged)
-            shutil.rmtree(path)  # a save that never committed (killed half-way)
+            _not_foreign(path, staged, lightnings_dcp)
+            shutil.rmtree(path)  # a save that never committed (killed half-way), or Lightning's DCP folder
         os.rename(staged, path)
     if fsync:
         fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def _not_foreign(path: str, staged: str | None = None) -> None:
+def _not_foreign(path: str, staged: str | None = None, lightnings_dcp: bool = False) -> None:
     """Refuse a folder at ``path`` that holds anything but the files of a save that never committed
-    (the user's own folder, Lightning's sharded checkpoint): it would be deleted to make room.
-    ``staged``: where this save's committed checkpoint waits meanwhile."""
-    if not os.path.isdir(path):
+    (the user's own folder; Lightning's sharded checkpoint, unless ``lightnings_dcp``): it would be
+    deleted to make room. ``staged``: where this save's committed checkpoint waits meanwhile."""
+    if not os.path.isdir(path) or (lightnings_dcp and _is_lightnings_dcp(path)):
         return
     try:
         check_location(storage_for(path), True, what="save")
@@ -269,6 +276,13 @@ def _not_foreign(path: str, staged: str | None = None) -> None:
         kept = f"; this save's checkpoint is kept in {staged}" if staged else ""
         raise CheckpointError(f"{path} is a folder that is not a zerostall checkpoint, which a save there would "
                               f"delete ({exc}){kept}: save under another name") from None
+
+
+def _is_lightnings_dcp(path: str) -> bool:
+    """Whether folder ``path`` is a sharded checkpoint of Lightning's ``ModelParallelStrategy``
+    (DCP's ``.metadata`` and ``*.distcp`` shards, Lightning's ``meta.pt``), and nothing else."""
+    names = os.listdir(path)
+    return ".metadata" in names and all(n in (".metadata", "meta.pt") or n.endswith(".distcp") for n in names)
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -290,7 +304,7 @@ def _place_after(staged: str, path: str, fsync: bool, placing: Future, committed
     """A done-callback of a staged save: move it into place once committed (a failed save is its own to raise)."""
     try:
         if committed.unseen_exception() is None:  # type: ignore[attr-defined]
-            _place(staged, path, fsync)
+            place(staged, path, fsync)
     except BaseException as exc:
         placing.set_exception(exc)
     else:

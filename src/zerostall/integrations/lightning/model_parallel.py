@@ -19,12 +19,13 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ... import api
-from ...errors import CheckpointError
+from ...collectives import Group
+from ...errors import CheckpointError, CheckpointNotFoundError
 from ...format.layout import MANIFEST_NAME
 from ...loading.checkpoint import Checkpoint
 from ...storage import storage_for
 from . import values
-from .checkpoint_io import LightningOptions, ZeroStallCheckpointIO
+from .checkpoint_io import LightningOptions, ZeroStallCheckpointIO, place, resume_instead, staging_path
 
 
 class ZeroStallModelParallelStrategy(ModelParallelStrategy):
@@ -48,7 +49,9 @@ class ZeroStallModelParallelStrategy(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Save ``checkpoint`` (every rank calls this) as the zerostall checkpoint ``filepath``,
-        replacing one there once this one commits."""
+        replacing one there once this one commits. Where none is there yet (a first save, or
+        Lightning's own checkpoint of a run that switched strategies), it is saved beside it first
+        and moved into place once committed: a save killed half-way leaves nothing at ``filepath``."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options: pass "
                             "options=LightningOptions(save=SaveOptions(...)) to the strategy")
@@ -61,8 +64,13 @@ class ZeroStallModelParallelStrategy(ModelParallelStrategy):
         # rank 0's rest on every rank (Lightning keeps rank 0's): replicated, written once
         state[values.REST], objects, state[values.REST_TENSORS] = self.broadcast((tree, objects, apart))
         step = rest.get("global_step")
-        api.save(state, path, self.options.save_options(), step=step if type(step) is int else None,
+        options = self.options.save_options()
+        group = Group(None)
+        staged = group.agree(lambda: (staging_path(path, lightnings_dcp=True) or "").encode()).decode() or None
+        api.save(state, staged or path, options, step=step if type(step) is int else None,
                  metadata={values.METADATA_KEY: {"objects": objects, "layout": values.SHARDED}})
+        if staged is not None:  # into place once committed, as ZeroStallCheckpointIO does; failing on every rank
+            group.agree(lambda: place(staged, path, options.fsync, lightnings_dcp=True) or b"")
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the weights (and, when fitting, the optimizer states) of the checkpoint at
@@ -70,6 +78,9 @@ class ZeroStallModelParallelStrategy(ModelParallelStrategy):
         A checkpoint of Lightning's own (DCP or a file) is loaded by ``ModelParallelStrategy``."""
         path = self.broadcast(os.fspath(checkpoint_path))
         if "://" not in path and not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+            if os.path.isdir(path) and not os.path.isfile(os.path.join(path, ".metadata")):
+                raise CheckpointNotFoundError(f"{path} holds no committed checkpoint (a save there did not commit, "
+                                              f"or it is no checkpoint at all): {resume_instead(path)}")
             return super().load_checkpoint(checkpoint_path, weights_only)
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict, set_model_state_dict,
