@@ -15,7 +15,7 @@ ORDER = [
     # shared basics that import nothing above them
     "errors", "memory", "devices", "gcpause", "balance",
     # format/: the on-disk contract, no I/O
-    "format.codec", "format.checksums", "format.boxes", "format.layout", "format.envelope", "format.safetensors_file", "format.subclass", "format.flattened",
+    "format.codec", "format.dicts", "format.checksums", "format.boxes", "format.layout", "format.envelope", "format.safetensors_file", "format.subclass", "format.flattened",
     "format.tensor_check", "format.value_check", "format.head_check", "format.manifest_check", "format.retained", "format",
     # storage/: one backend a module; a checkpoint's location (what may be written, the commit step)
     "storage.base", "storage.local", "storage.s3client", "storage.s3reads", "storage.s3", "storage", "storage.location",

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -250,6 +250,34 @@ def test_an_object_our_encoding_cannot_hold_is_named_or_pickled_on_request(tmp_p
         io.load_checkpoint(tmp_path / "pickled.ckpt", weights_only=True)
     with pytest.raises(UnsupportedValueError, match="pickle"):
         ZeroStallCheckpointIO().load_checkpoint(tmp_path / "pickled.ckpt")
+
+
+def _no_items() -> list:
+    return []
+
+
+def test_collections_dicts_and_parameters_come_back_as_they_were(tmp_path: Path) -> None:
+    """A callback's ``defaultdict`` and ``Counter`` came back plain dicts (its next ``d[k] += 1``
+    raised KeyError), with or without allow_pickle; an ``nn.Parameter`` a plain tensor."""
+    state = {"seen": defaultdict(int, a=1), "hist": Counter(x=2), "groups": defaultdict(list),
+             "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False),
+             "trained": torch.nn.Parameter(torch.zeros(3))}
+    io = ZeroStallCheckpointIO()
+    io.save_checkpoint({"callbacks": {"Counting": state}}, tmp_path / "c.ckpt")
+    back = io.load_checkpoint(tmp_path / "c.ckpt")["callbacks"]["Counting"]
+    for key, value in state.items():
+        assert type(back[key]) is type(value), key
+        assert getattr(back[key], "default_factory", None) is getattr(value, "default_factory", None), key
+    back["seen"]["b"] += 1
+    assert back["seen"] == {"a": 1, "b": 1} and back["hist"] == Counter(x=2)
+    assert not back["frozen"].requires_grad and back["trained"].requires_grad
+    assert torch.equal(back["trained"], state["trained"])
+    own = {"d": defaultdict(_no_items)}  # a factory of its own: pickled on request, else refused by its key
+    with pytest.raises(UnsupportedValueError, match=r"callbacks\.d\.default_factory.*allow_pickle"):
+        io.save_checkpoint({"callbacks": own}, tmp_path / "own.ckpt")
+    pickling = ZeroStallCheckpointIO(allow_pickle=True)
+    pickling.save_checkpoint({"callbacks": own}, tmp_path / "own.ckpt")
+    assert pickling.load_checkpoint(tmp_path / "own.ckpt")["callbacks"]["d"].default_factory is _no_items
 
 
 def test_stored_classes_are_rebuilt_only_from_modules_already_imported(tmp_path: Path) -> None:

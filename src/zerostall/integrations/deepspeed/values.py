@@ -15,7 +15,6 @@ refused with the key that holds them (by the save's encoder).
 
 from __future__ import annotations
 
-import collections
 import enum
 import sys
 from typing import Any, Callable
@@ -23,13 +22,12 @@ from typing import Any, Callable
 import torch
 
 from ...errors import CorruptCheckpointError
-from ...format import codec
+from ...format import dicts
 
 TENSORS = "tensors"  # a file's tensors, by dotted key path
 VALUE = "value"  # the rest of the file, with the places of its tensors and objects
 
 _OURS = "deepspeed"  # the package whose plain-data objects are stored by class and attributes
-_FACTORIES = {t.__name__: t for t in (list, dict, set, int, float, str, bytes, tuple)}  # a defaultdict's, by name
 
 
 def split(state_dict: Any, *, allow_pickle: bool = False, where: str = "") -> dict[str, Any]:
@@ -77,7 +75,8 @@ class _Splitter:
             return None
         if isinstance(node, dict) and type(node).__module__ in ("builtins", "collections"):
             if type(node) is not dict and self.describe:
-                self.dicts.append([list(path), type(node).__qualname__, self.dict_data(node, path)])
+                at = ".".join(map(str, (self.where, *path) if self.where else path))
+                self.dicts.append([list(path), type(node).__qualname__, dicts.describe(node, at, self.allow_pickle)])
             return {k: self.walk(v, path + (k,)) for k, v in node.items()}
         if type(node) in (list, tuple):
             items = [self.walk(v, path + (i,)) for i, v in enumerate(node)]
@@ -92,17 +91,6 @@ class _Splitter:
                 return None
         return node  # a plain value, or one the encoder pickles (allow_pickle) or refuses, naming its key
 
-    def dict_data(self, node: dict, path: tuple[Any, ...]) -> Any:
-        """What a dict of ``collections`` needs besides its items: an ``OrderedDict``'s ``_metadata``,
-        a ``defaultdict``'s factory (a builtin type by name, another through the encoder)."""
-        at = ".".join(map(str, (self.where, *path) if self.where else path))
-        if isinstance(node, collections.defaultdict):
-            factory = node.default_factory
-            if factory is None or _FACTORIES.get(getattr(factory, "__name__", "")) is factory:
-                return getattr(factory, "__name__", None)
-            return {"encoded": codec.encode(factory, where=f"{at}.default_factory", allow_pickle=self.allow_pickle)}
-        return codec.encode(getattr(node, "_metadata", None), where=f"{at}._metadata", allow_pickle=self.allow_pickle)
-
 
 def join(value: Any, tensors: Callable[[list[str]], list[torch.Tensor]], where: str, *,
          allow_pickle: bool = False) -> Any:
@@ -110,7 +98,8 @@ def join(value: Any, tensors: Callable[[list[str]], list[torch.Tensor]], where: 
     try:
         tree, slots, objects = value["tree"], value["tensors"], value["objects"]
         for path, qualname, data in sorted(value.get("dicts", []), key=lambda d: -len(d[0])):  # inner first
-            tree = _place(tree, tuple(path), _rebuilt_dict(_at(tree, path), qualname, data, where, allow_pickle))
+            at = f"{where}, key {'.'.join(map(str, path))}"
+            tree = _place(tree, tuple(path), dicts.rebuild(qualname, _at(tree, path), data, at, allow_pickle))
         for path, module, qualname, data in objects:
             tree = _place(tree, tuple(path), _rebuild(module, qualname, data, where))
         names = list(dict.fromkeys(name for _, name in slots))
@@ -146,27 +135,6 @@ def _at(tree: Any, path: list[Any]) -> Any:
     for key in path:
         tree = tree[key]
     return tree
-
-
-def _rebuilt_dict(node: Any, qualname: Any, data: Any, where: str, allow_pickle: bool) -> dict:
-    """The dict of ``collections`` that :meth:`_Splitter.dict_data` described, holding ``node``'s items."""
-    if type(node) is not dict:
-        raise TypeError(f"a stored {qualname} is not a dict")
-    if qualname == "OrderedDict":
-        rebuilt: Any = collections.OrderedDict(node)
-        metadata = codec.decode(data, where=f"{where}: _metadata")
-        if metadata is not None:
-            rebuilt._metadata = metadata
-        return rebuilt
-    if qualname == "Counter":
-        return collections.Counter(node)
-    if qualname == "defaultdict":
-        if isinstance(data, dict):
-            factory = codec.decode(data["encoded"], where=f"{where}: a defaultdict's factory", allow_pickle=allow_pickle)
-        else:
-            factory = None if data is None else _FACTORIES[data]
-        return collections.defaultdict(factory, node)
-    raise ValueError(f"unknown kind of stored dict {qualname!r}")
 
 
 def _rebuild(module: str, qualname: str, data: Any, where: str) -> Any:

@@ -5,8 +5,11 @@ values our encoding holds. Lightning's own python objects are stored by an expli
 plain data plus a record of what to rebuild (the ``objects`` table, kept in the manifest's
 metadata), without running any of their code on load:
 
-- ``OrderedDict`` (a module's ``state_dict``, with its ``_metadata`` of module versions) and
-  Lightning's ``AttributeDict`` (``hparams``): their items, rebuilt as that class;
+- the dicts of ``collections`` (``OrderedDict``: a module's ``state_dict``, with its ``_metadata``
+  of module versions; ``Counter``; ``defaultdict``, its factory a builtin type or pickled) as
+  :mod:`zerostall.format.dicts` stores them, and Lightning's ``AttributeDict`` (``hparams``):
+  their items, rebuilt as that class;
+- ``nn.Parameter``: its tensor, rebuilt as a parameter with its ``requires_grad``;
 - ``argparse.Namespace``: its attributes, rebuilt as a Namespace;
 - OmegaConf ``DictConfig``/``ListConfig`` (hyper-parameters): their container, interpolations
   unresolved, rebuilt with ``OmegaConf.create``;
@@ -20,14 +23,13 @@ metadata), without running any of their code on load:
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 from typing import Any, Callable, Mapping
 
 import torch
 
 from ...errors import CheckpointError, CorruptCheckpointError
-from ...format import codec
+from ...format import codec, dicts
 from ...state import is_stateful
 
 METADATA_KEY = "lightning"  # the manifest metadata key holding the objects table (and the layout)
@@ -55,6 +57,9 @@ def split(checkpoint: dict[str, Any], *, allow_pickle: bool,
             apart[name] = node
             objects.append([path, "tensor", name])
             return None
+        if isinstance(node, torch.nn.Parameter):
+            objects.append([path, "parameter", node.requires_grad])
+            return node
         if cls in _SCALARS or isinstance(node, torch.Tensor):
             return node
         if cls is dict:
@@ -62,7 +67,11 @@ def split(checkpoint: dict[str, Any], *, allow_pickle: bool,
         if cls is list or cls is tuple:
             items = [walk(v, path + (i,)) for i, v in enumerate(node)]
             return items if cls is list else tuple(items)
-        if cls is collections.OrderedDict or (isinstance(node, dict) and cls.__module__.split(".")[0] in _PACKAGES):
+        if dicts.KINDS.get(cls.__qualname__) is cls:
+            objects.append([path, "dict", [cls.__module__, cls.__qualname__,
+                                           dicts.describe(node, _dotted(path), allow_pickle)]])
+            return {k: walk(v, path + (k,)) for k, v in node.items()}
+        if isinstance(node, dict) and cls.__module__.split(".")[0] in _PACKAGES:
             versions = getattr(node, "_metadata", None)
             objects.append([path, "dict", [cls.__module__, cls.__qualname__, _encoded(versions, path, False)]])
             return {k: walk(v, path + (k,)) for k, v in node.items()}
@@ -131,17 +140,20 @@ def _kept_apart(apart: Mapping[str, torch.Tensor] | None, name: Any, path: tuple
 def _rebuild(kind: Any, data: Any, node: Any, path: tuple[Any, ...], allow_pickle: bool, where: str) -> Any:
     at = f"{where}, key {_dotted(path)}"
     try:
+        if kind == "parameter":
+            if not isinstance(node, torch.Tensor) or type(data) is not bool:
+                raise CorruptCheckpointError(f"{at}: a stored parameter is not a tensor")
+            return torch.nn.Parameter(node, requires_grad=data)
         if kind == "dict":
             module, qualname, versions = data
+            if module == "collections":
+                return dicts.rebuild(qualname, node, versions, at, allow_pickle)
             cls = _lookup(module, qualname, at)
-            if not (cls is collections.OrderedDict or (issubclass(cls, dict) and module.split(".")[0] in _PACKAGES)):
-                raise CorruptCheckpointError(f"{at}: refusing to rebuild {module}.{qualname}: not an OrderedDict or "
-                                             "a dict class of Lightning's")
-            if cls is collections.OrderedDict:
-                rebuilt = collections.OrderedDict(node)
-            else:
-                rebuilt = dict.__new__(cls)  # no code of Lightning's class runs
-                dict.update(rebuilt, node)
+            if not (issubclass(cls, dict) and module.split(".")[0] in _PACKAGES):
+                raise CorruptCheckpointError(f"{at}: refusing to rebuild {module}.{qualname}: not a dict of "
+                                             "collections or a dict class of Lightning's")
+            rebuilt = dict.__new__(cls)  # no code of Lightning's class runs
+            dict.update(rebuilt, node)
             versions = codec.decode(versions, where=at)
             if versions is not None:
                 rebuilt._metadata = versions
