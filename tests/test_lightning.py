@@ -12,6 +12,7 @@ pickle, asynchronous saves and removals, links, S3) are tested in this process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -278,6 +279,36 @@ def test_collections_dicts_and_parameters_come_back_as_they_were(tmp_path: Path)
     pickling = ZeroStallCheckpointIO(allow_pickle=True)
     pickling.save_checkpoint({"callbacks": own}, tmp_path / "own.ckpt")
     assert pickling.load_checkpoint(tmp_path / "own.ckpt")["callbacks"]["d"].default_factory is _no_items
+
+
+@dataclasses.dataclass
+class StructuredConfig:
+    lr: float = 0.1
+    layers: int = 2
+
+
+def test_omegaconf_configs_keep_their_flags_and_structured_class(tmp_path: Path) -> None:
+    """Hydra's struct mode, a read-only config and a structured (typed) one came back as plain
+    configs: a misspelt key was then accepted, a wrong type too."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigAttributeError, ReadonlyConfigError, ValidationError
+
+    struct, readonly = OmegaConf.create({"a": 1, "b": {"c": "${a}"}}), OmegaConf.create({"a": 1})
+    OmegaConf.set_struct(struct, True)
+    OmegaConf.set_readonly(readonly, True)
+    io = ZeroStallCheckpointIO()
+    io.save_checkpoint({"hyper_parameters": {"struct": struct, "readonly": readonly,
+                                             "typed": OmegaConf.structured(StructuredConfig(lr=0.5))}},
+                       tmp_path / "h.ckpt")
+    back = io.load_checkpoint(tmp_path / "h.ckpt")["hyper_parameters"]
+    assert back["struct"].b.c == 1 and OmegaConf.is_struct(back["struct"])
+    with pytest.raises(ConfigAttributeError):
+        back["struct"].misspelt = 2
+    with pytest.raises(ReadonlyConfigError):
+        back["readonly"].a = 2
+    assert OmegaConf.get_type(back["typed"]) is StructuredConfig and back["typed"].lr == 0.5
+    with pytest.raises(ValidationError):
+        back["typed"].layers = "many"
 
 
 def test_stored_classes_are_rebuilt_only_from_modules_already_imported(tmp_path: Path) -> None:

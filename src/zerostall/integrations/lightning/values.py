@@ -12,7 +12,8 @@ metadata), without running any of their code on load:
 - ``nn.Parameter``: its tensor, rebuilt as a parameter with its ``requires_grad``;
 - ``argparse.Namespace``: its attributes, rebuilt as a Namespace;
 - OmegaConf ``DictConfig``/``ListConfig`` (hyper-parameters): their container, interpolations
-  unresolved, rebuilt with ``OmegaConf.create``;
+  unresolved, and their struct and read-only flags and structured class, rebuilt with
+  ``OmegaConf.create`` (``OmegaConf.structured`` for a class found among the modules imported);
 - a class (``hparams_type``) that its module names: its module and name, looked up on load among
   the modules already imported (nothing is imported);
 - anything else our encoding cannot hold: pickled with ``allow_pickle=True``, else refused with an
@@ -81,7 +82,7 @@ def split(checkpoint: dict[str, Any], *, allow_pickle: bool,
         if _is_omegaconf(node):
             from omegaconf import OmegaConf
 
-            objects.append([path, "omegaconf", None])
+            objects.append([path, "omegaconf", _omegaconf_kind(node)])
             return walk(OmegaConf.to_container(node, resolve=False), path)
         if isinstance(node, type) and _named(node):
             objects.append([path, "type", [node.__module__, node.__qualname__]])
@@ -165,7 +166,7 @@ def _rebuild(kind: Any, data: Any, node: Any, path: tuple[Any, ...], allow_pickl
                 from omegaconf import OmegaConf
             except ImportError:
                 raise CheckpointError(f"{at} holds an OmegaConf container: pip install omegaconf to load it") from None
-            return OmegaConf.create(node)
+            return _omegaconf(OmegaConf, node, data, at)
         if kind == "type":
             module, qualname = data
             return _lookup(module, qualname, at)
@@ -176,6 +177,31 @@ def _rebuild(kind: Any, data: Any, node: Any, path: tuple[Any, ...], allow_pickl
     except (TypeError, ValueError, AttributeError) as exc:
         raise CorruptCheckpointError(f"{at}: the stored Lightning object is malformed: {exc!r}") from None
     raise CorruptCheckpointError(f"{at}: unknown kind of stored Lightning object {kind!r}")
+
+
+def _omegaconf_kind(node: Any) -> dict[str, Any]:
+    """What an OmegaConf container is besides its content: its struct and read-only flags, and the
+    class of a structured config (when found again by module and name)."""
+    from omegaconf import OmegaConf
+
+    cls = OmegaConf.get_type(node)
+    typed = isinstance(cls, type) and cls not in (dict, list) and _named(cls)
+    return {"struct": OmegaConf.is_struct(node), "readonly": OmegaConf.is_readonly(node),
+            "type": [cls.__module__, cls.__qualname__] if typed else None}
+
+
+def _omegaconf(omegaconf: Any, node: Any, kind: Any, at: str) -> Any:
+    """The OmegaConf container of content ``node`` as :func:`_omegaconf_kind` described it
+    (``kind`` None: stored before the flags were)."""
+    kind = kind if isinstance(kind, dict) else {}
+    typed = kind.get("type")
+    if typed:
+        config = omegaconf.merge(omegaconf.structured(_lookup(*typed, at)), node)
+    else:
+        config = omegaconf.create(node)
+    omegaconf.set_struct(config, bool(kind.get("struct")) or None)
+    omegaconf.set_readonly(config, bool(kind.get("readonly")) or None)
+    return config
 
 
 def _lookup(module: Any, qualname: Any, at: str) -> type:
