@@ -180,6 +180,24 @@ def test_retention_keeps_referred_data_and_frees_it_after_a_full_save(tmp_path):
         assert same(load(tmp_path, step, state), snaps[step])
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_tagged_save_of_a_later_step_leaves_the_base_of_the_next_save(tmp_path, async_save):
+    """keep_last=1: ``best`` at step 2 ranked above step 1, and retention deleted step 1, the base
+    the save of step 3 referred to: that save failed (CorruptCheckpointError) and was lost."""
+    state = make_state()
+    snaps = {}
+    with manager(tmp_path, keep_last=1, async_save=async_save) as mgr:
+        for step, tag in ((1, None), (2, "best"), (3, None)):
+            result = mgr.save(step, state, tag=tag)
+            if async_save:
+                result.result()
+            mgr.wait()
+            snaps[step] = snapshot(state)
+            state["model"]["lora"].add_(1)
+    assert chunk_owner(tmp_path, 3, "model.base") == step_tag(1)
+    assert same(load(tmp_path, 3, state), snaps[3])
+
+
 def test_asynchronous_incremental_saves(tmp_path):
     state = make_state()
     snaps = {}

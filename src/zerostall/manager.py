@@ -344,9 +344,9 @@ class CheckpointManager:
     def _apply_retention(self, earlier: Future[None] | None) -> None:
         """One round; an ``earlier`` round's failure (it is done: one thread runs them) is raised after it."""
         self._still_the_writer()
-        for tag, rules in retained(self.checkpoint_root.checkpoints(), self.policy, self._pinned).items():
-            if not rules:
-                self.checkpoint_root.delete(tag)
+        kept = retained(self.checkpoint_root.checkpoints(), self.policy, self.increments.pinned(self._pinned))
+        for tag in [tag for tag, rules in kept.items() if not rules]:
+            self.checkpoint_root.delete(tag)
         self.checkpoint_root.collect_retained()
         if earlier is not None and (failed := earlier.exception()) is not None:
             raise failed

@@ -44,3 +44,9 @@ class Increments:
         """The save just committed: the next one may refer to its chunks (not a named one's)."""
         if info.reuse is None or info.reuse.step is None or info.reuse.tag == step_tag(info.reuse.step):
             self._last = info.reuse
+
+    def pinned(self, steps: set[int]) -> set[int]:
+        """``steps`` and the step of the checkpoint the next save may refer to, which retention
+        must keep too (a tagged save of a later step may rank above it)."""
+        last = self._last
+        return steps | {last.step} if last is not None and last.step is not None else set(steps)
