@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -374,6 +375,24 @@ def test_wait_staged_returns_once_the_state_is_captured(tmp_path, async_save):
         state["w"].fill_(99.0)  # after staging: the checkpoint keeps what was captured
         mgr.wait()
     assert torch.equal(saved_w(tmp_path / step_tag(1)), part(1)["w"])
+
+
+def test_restore_waits_for_the_asynchronous_save_in_flight(tmp_path):
+    """It restored the step before (the one in flight not committed yet) into the state that save
+    was still capturing: the state went back a step while ``latest`` named the newer one, or the
+    save failed on the changed state."""
+    gate = threading.Event()
+    with zs.CheckpointManager(tmp_path, async_save=True, before_commit=gate.wait) as mgr:
+        state = {"w": torch.zeros(1000)}
+        gate.set()
+        mgr.save(1, state).result()
+        gate.clear()
+        state["w"].fill_(2.0)
+        handle = mgr.save(2, state)
+        threading.Timer(0.5, gate.set).start()  # the commit of step 2 lands after restore is called
+        assert mgr.restore(state) == 2 and torch.equal(state["w"], torch.full((1000,), 2.0))
+        handle.result()
+        assert mgr.latest() == step_tag(2)
 
 
 def test_a_root_given_as_a_storage_is_used_for_every_checkpoint(tmp_path):

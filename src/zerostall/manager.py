@@ -104,8 +104,7 @@ class CheckpointManager:
             self.checkpoint_root.storage.create()
             self.checkpoint_root.check_only_ours()
             self.lease = WriterLease(self.checkpoint_root.storage, lease_ttl)
-            self.lease.acquire()
-            # every commit first checks that the lease is still this manager's
+            self.lease.acquire()  # every commit first checks that the lease is still this manager's
             self._save_options = dataclasses.replace(self.save_options,
                                                      before_commit=self.lease.fence(self.save_options.before_commit))
             self.checkpoint_root.clean_stale_attempts(temp_age=lease_ttl)
@@ -279,6 +278,7 @@ class CheckpointManager:
         (default: the ``load_options``' own) resumes on another world size, leaving each rank's RNG
         and per-rank state as they are. Other keywords override fields of the manager's ``load_options``."""
         self.last_restore = NOTHING  # until this restore says otherwise, even if it raises
+        futures.wait([self._committing] if self._committing else [])  # the save in flight first (its failure stays)
         options = LoadOptions.of(self.load_options, {**overrides, **({} if strict is None else {"strict": strict})})
         named = tag not in (None, "latest")
         tiers, unreachable = self.tier is not None and not named, None
