@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import zerostall as zs
 from faults import GATE_TIMEOUT, FaultyStorage
+from zerostall.saving import asynchronous
 from zerostall.saving.pipeline import prepare
 from zerostall.storage import LocalStorage
 
@@ -121,6 +122,33 @@ def test_sync_save_waits_for_the_async_one_in_flight(tmp_path):
     assert handle.result().step is None
     assert a.names("write")
     assert loaded(tmp_path / "a")["step"] == 1 and loaded(tmp_path / "b")["step"] == 2
+
+
+def test_a_load_waits_for_the_save_in_flight_to_the_same_checkpoint(tmp_path):
+    """It waited for the capture only, and read the checkpoint the save in flight was replacing."""
+    zs.save(state_of(1.0), tmp_path / "a")
+    gate = threading.Event()
+    handle = zs.async_save(state_of(2.0), gated(tmp_path / "a", gate), overwrite=True)
+    handle.wait_staged()
+    with released_by_a_wait(handle, gate):
+        assert zs.load(state_of(0.0), tmp_path / "a")["step"] == 2
+    handle.result()
+
+
+def test_a_load_leaves_an_earlier_asynchronous_failure_to_the_saver(tmp_path, monkeypatch):
+    """A load of another, good checkpoint raised the failure of an earlier ``async_save``'s capture
+    and loaded nothing; that failure is the saver's to raise (its next save, wait or close)."""
+    zs.save(state_of(1.0), tmp_path / "good")
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("the copy failed")
+
+    monkeypatch.setattr(asynchronous, "capture", failing)
+    zs.async_save({"only_here": torch.ones(5)}, tmp_path / "failed")  # nobody looks at its handle
+    assert zs.load(state_of(0.0), tmp_path / "good")["step"] == 1
+    monkeypatch.undo()
+    with pytest.raises(zs.CheckpointError, match="previous asynchronous save failed: the copy failed"):
+        zs.save(state_of(3.0), tmp_path / "next")
 
 
 def test_one_save_in_flight_wait_or_skip(tmp_path):

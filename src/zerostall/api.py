@@ -73,10 +73,11 @@ def load(state: Any, path: str | os.PathLike[str] | Storage, options: LoadOption
          process_group: Any = None, **overrides: Any) -> Any:
     """Load the checkpoint ``path`` names (a checkpoint, a root, ``ROOT/latest``, ``ROOT/<step>``:
     see :func:`open`) into ``state`` in place and return it (see :meth:`Checkpoint.load`). A save
-    of the process-wide saver still capturing its state is waited for first."""
+    of the process-wide saver still in flight is waited for first, so the load neither changes the
+    state it captures nor misses the checkpoint it commits; its failure is left for that saver."""
     options = LoadOptions.of(options, overrides)
     if _default is not None and not _default._closed:
-        _default.wait_staged()
+        _default.await_done()
     with open(path, options, process_group=process_group) as ck:
         return ck.load(state)
 

@@ -280,6 +280,12 @@ class AsyncSaver:
         already did."""
         return self._settle(lambda current: current.committed.unseen_result())
 
+    def await_done(self) -> None:
+        """Block until the save in flight (if any) is done, committed or failed, without raising:
+        its failure stays for its handle, the next save, :meth:`wait` or :meth:`close`."""
+        if self._current is not None:
+            futures.wait([self._current.committed])
+
     def _settle(self, wait: Any) -> Any:
         current = self._current
         if current is None:
