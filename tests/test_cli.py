@@ -146,6 +146,15 @@ def test_inspect_errors(root: Path) -> None:
         assert "Traceback" not in result.output and result.stdout == ""
 
 
+def test_an_s3_path_without_the_s3_extra_is_one_line_not_a_traceback(monkeypatch, tmp_path: Path) -> None:
+    for name in ("boto3", "botocore"):  # as after pip install zerostall, without [s3]
+        monkeypatch.setitem(sys.modules, name, None)
+    for args in (("inspect", "s3://bucket/ck"), ("cp", "s3://bucket/ck", tmp_path / "copy")):
+        result = run(*args)
+        assert result.exit_code == 2 and "need boto3: pip install 'zerostall[s3]'" in result.stderr, result.output
+        assert "Traceback" not in result.output
+
+
 def test_verify_good_then_flipped_byte(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     zs.save(small_state(1), path, step=1)

@@ -83,6 +83,14 @@ def test_tolerances_decide_what_is_equal(tmp_path):
     assert run(tmp_path / "a", tmp_path / "b", "--atol", "-1").exit_code == 2
 
 
+def test_integers_that_differ_past_2_to_the_53_differ(tmp_path):
+    """They were compared as float64, where 2**53 and 2**53 + 1 are one number: "equal", exit 0."""
+    zs.save({"ids": torch.tensor([2**53, 7], dtype=torch.int64)}, tmp_path / "a")
+    zs.save({"ids": torch.tensor([2**53 + 1, 7], dtype=torch.int64)}, tmp_path / "b")
+    result = run(tmp_path / "a", tmp_path / "b")
+    assert result.exit_code == 1 and "ids" in result.output
+
+
 def test_nan_on_one_side_only_differs(tmp_path):
     zs.save({"x": torch.tensor([math.nan, 1.0])}, tmp_path / "a")
     zs.save({"x": torch.tensor([0.0, 1.0])}, tmp_path / "b")

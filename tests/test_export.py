@@ -397,6 +397,18 @@ def test_a_non_empty_out_is_refused_unless_overwrite_which_replaces_the_model_fi
         zs.export(path, out, format="torch", overwrite=True)
 
 
+def test_a_read_error_is_reported_as_the_sources_not_the_destinations(tmp_path):
+    """An OSError from reading (a refused data file) was given the temporary model file's name:
+    "[Errno None] None: '<out>/.model.safetensors….tmp'"."""
+    path, _ = saved(tmp_path)
+    data = next(path.glob("*.safetensors"))
+    data.rename(tmp_path / "moved")
+    data.symlink_to(tmp_path / "moved")
+    with pytest.raises(zs.CheckpointError) as exc:
+        zs.export(path, tmp_path / "hf")
+    assert str(data) in str(exc.value) and ".tmp" not in str(exc.value)
+
+
 def test_a_corrupt_block_fails_the_export_and_leaves_no_model_files(tmp_path):
     path, _ = saved(tmp_path)
     data = next(path.glob("*.safetensors"))
@@ -445,6 +457,7 @@ def test_safetensors_cannot_hold_complex_but_torch_can(tmp_path):
 
 
 @pytest.mark.parametrize("field, value", [("format", "gguf"), ("dtype", "int8"), ("dtype", torch.int32),
+                                          ("dtype", "bfloat"),  # a name torch does not know was taken for None
                                           ("max_shard_size", 0), ("rename", ["no-equals-sign"]),
                                           ("overwrite", "yes"), ("threads", 0), ("prefix", 3),
                                           ("allow_pickle", 1), ("tied_weights_keys", "lm_head"),
@@ -457,6 +470,13 @@ def test_bad_options_fail_when_built_naming_the_field(field, value):
 def test_a_rule_or_tied_key_that_is_no_regular_expression_is_named():
     with pytest.raises(ValueError, match=r"ExportOptions\.tied_weights_keys: '\(' is not a regular expression"):
         zs.ExportOptions(tied_weights_keys=("(",))
+    with pytest.raises(ValueError, match=r"ExportOptions\.rename: the replacement 'blocks\.\\\\2' .* not valid"):
+        zs.ExportOptions(rename=[r"^layers\.(\d+)=blocks.\2"])  # failed in the export, with a traceback
+
+
+def test_dtypes_are_named_as_torch_or_as_commonly_abbreviated():
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("torch.float32", torch.float32)):
+        assert zs.ExportOptions(dtype=name).dtype == dtype
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process

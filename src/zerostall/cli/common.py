@@ -62,7 +62,7 @@ def reported_errors() -> Iterator[None]:
         raise Failure(str(exc), USAGE) from exc
     except (zs.CheckpointError, OSError) as exc:
         raise Failure(str(exc) or type(exc).__name__) from exc
-    except ValueError as exc:
+    except (ValueError, ImportError) as exc:  # ImportError: an s3:// path without the s3 extra
         raise Failure(str(exc), USAGE) from exc
 
 

@@ -154,7 +154,9 @@ def _slab_difference(torch: Any, u: Any, v: Any, atol: float, rtol: float) -> tu
     if u.dtype == v.dtype and not (u.dtype.is_floating_point or u.dtype.is_complex):
         if torch.equal(u, v):
             return True, 0.0, 0.0
-        wide = u.to(torch.float64), v.to(torch.float64)
+        p, q = u.to(torch.float64), v.to(torch.float64)  # for the numbers shown: ints past 2**53 may round alike
+        diff = (p - q).abs()
+        return False, float(diff.max()), float(torch.where(q != 0, diff / q.abs(), diff).max())
     else:
         wide = (u.to(torch.complex128), v.to(torch.complex128)) if u.dtype.is_complex or v.dtype.is_complex \
             else (u.to(torch.float64), v.to(torch.float64))

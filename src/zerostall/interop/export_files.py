@@ -72,15 +72,19 @@ def shard(items: list[Item], max_bytes: int) -> list[list[Item]]:
 def _write_file(path: str, parts: Iterable[memoryview]) -> None:
     """Create ``path`` (it must not exist) holding ``parts``, durably; nothing is left if that fails."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    writing = False  # else reading the source, whose errors name their own file
     try:
         for part in parts:
+            writing = True
             while len(part):
                 part = part[os.write(fd, part):]
+            writing = False
+        writing = True
         os.fsync(fd)
     except BaseException as exc:
         os.close(fd)
         os.unlink(path)
-        if isinstance(exc, OSError) and exc.filename is None:
+        if writing and isinstance(exc, OSError) and exc.filename is None:
             exc.filename = path  # os.write does not say which file filled the disk
         raise
     os.close(fd)

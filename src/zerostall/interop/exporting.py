@@ -40,6 +40,7 @@ from .export_files import Item, write_hf, write_torch
 
 log = logging.getLogger(__name__)
 
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64"}
 SLAB_BYTES = 16 << 20  # of a tensor read (and cast) at a time, into one of two reused buffers
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -77,8 +78,8 @@ class ExportOptions(_Options):
     are an error naming both."""
 
     dtype: Any = None
-    """Cast floating tensors to this floating dtype (``torch.bfloat16`` or ``"bfloat16"``); other
-    tensors keep theirs. None: every tensor as saved."""
+    """Cast floating tensors to this floating dtype (``torch.bfloat16``, ``"bfloat16"`` or ``"bf16"``);
+    other tensors keep theirs. None: every tensor as saved."""
 
     max_shard_size: int | str = "5GB"
     """The most bytes of one ``hf`` file, as ``save_pretrained`` takes it (an int, ``"5GB"`` = 5 *
@@ -118,11 +119,17 @@ class ExportOptions(_Options):
             self._check("rename", isinstance(rule, tuple) and len(rule) == 2 and all(isinstance(r, str) for r in rule),
                         'rules "REGEX=REPLACEMENT" or (regex, replacement) pairs')
             self._compiles("rename", rule[0])
+            try:
+                re.compile(rule[0]).sub(rule[1], "")
+            except re.error as exc:
+                raise ValueError(f"ExportOptions.rename: the replacement {rule[1]!r} of {rule[0]!r} is not valid: "
+                                 f"{exc}") from None
             rules.append(rule)
         object.__setattr__(self, "rename", tuple(rules))
-        dtype = codec.torch_dtype(self.dtype) if isinstance(self.dtype, str) else self.dtype
-        self._check("dtype", dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point,
-                    "None or a floating dtype (bfloat16, float16, float32...)")
+        dtype = codec.torch_dtype(_DTYPE_ALIASES.get(self.dtype, self.dtype).removeprefix("torch.")) \
+            if isinstance(self.dtype, str) else self.dtype
+        self._check("dtype", self.dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point,
+                    "None or a floating dtype (bfloat16, float16, float32...; bf16, fp16, fp32)")
         object.__setattr__(self, "dtype", dtype)
         try:
             object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size))
