@@ -145,6 +145,39 @@ def test_optimizer_state_saved_by_name_loads_into_an_optimizer_object(tmp_path):
     assert fresh_optim.param_groups[0]["lr"] == 1e-2 and fresh_optim.param_groups[0]["params"][0] is fresh[0].weight
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process
+def test_a_plain_optimizer_and_scheduler_saved_by_dcp_load_as_dcp_loads_them(tmp_path):
+    """DCP stores dict keys as strings: an optimizer's state by "0", "1"... never matched the
+    optimizer's int keys (strict: "missing optim.state.0.step, unexpected optim.state.0.step";
+    strict=False: no optimizer state loaded, also after ``zerostall import``); a scheduler's int
+    milestones came back as strings (its learning rate never decayed again); a state without
+    tensors did not load at all."""
+    import torch.distributed.checkpoint as dcp
+
+    model = mlp(0)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.MultiStepLR(optim, milestones=[2, 4], gamma=0.1)
+    model(torch.randn(4, 16)).sum().backward()
+    optim.step()
+    sched.step()
+    dcp.save({"model": model.state_dict(), "optim": optim.state_dict(), "sched": sched.state_dict()},
+             checkpoint_id=str(tmp_path / "dcp"))
+    dcp.save({"sched": sched.state_dict()}, checkpoint_id=str(tmp_path / "no-tensors"))
+    assert CliRunner().invoke(cli, ["import", str(tmp_path / "dcp"), str(tmp_path / "imported"),
+                                    "--allow-pickle"]).exit_code == 0
+    for source, options in (("dcp", {"allow_pickle": True}), ("imported", {})):
+        fresh = mlp(1)
+        fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+        fresh_sched = torch.optim.lr_scheduler.MultiStepLR(fresh_optim, milestones=[9])
+        zs.load({"model": fresh, "optim": fresh_optim, "sched": fresh_sched}, tmp_path / source, **options)
+        for key, value in optim.state_dict()["state"][0].items():
+            assert torch.equal(fresh_optim.state_dict()["state"][0][key], value), (source, key)
+        assert fresh_sched.milestones == sched.milestones and type(fresh_sched.milestones) is type(sched.milestones)
+    alone = torch.optim.lr_scheduler.MultiStepLR(torch.optim.SGD(mlp(1).parameters(), lr=1.0), milestones=[9])
+    zs.load({"sched": alone}, tmp_path / "no-tensors", allow_pickle=True)
+    assert alone.last_epoch == 1 and alone.milestones == sched.milestones
+
+
 def test_dcp_needs_allow_pickle(dcp_fsdp):
     path, _ = dcp_fsdp
     for call in (lambda: zs.open(path), lambda: zs.load({"model": mlp(1)}, path)):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import collections
 import functools
 import heapq
 from dataclasses import dataclass, field
@@ -174,6 +175,8 @@ class LoadPlanner:
         world_changed = self.manifest.world_size != self.world
         for path, value in flat.leaves.items():
             rel = _normalize(path, strip)
+            if rel not in source:
+                rel = _dcp_spelling(rel, source)
             if select is not None and not select(fqn(rel)):
                 continue
             if world_changed and path in flat.rank_local and rel not in source:
@@ -274,8 +277,8 @@ class LoadPlanner:
             if entry.kind in ("tensor", "subclass"):
                 plan.new_tensors.append((path, entry, None))
             else:
-                plan.replacements[path] = codec.decode(entry.value, where=entry.fqn,
-                                                      allow_pickle=self.options.allow_pickle)
+                decoded = codec.decode(entry.value, where=entry.fqn, allow_pickle=self.options.allow_pickle)
+                plan.replacements[path] = _keys_as_in(value, decoded)
             return
         if entry.kind not in ("tensor", "subclass"):
             plan.mismatch.mismatched.append(f"{fqn(path)} (the checkpoint holds a python value, the target a tensor)")
@@ -334,6 +337,27 @@ class LoadPlanner:
                 consumed.add(rel)
                 found.append((rel[len(root):], entry))
         return found
+
+
+def _dcp_spelling(rel: Path, source: dict[Path, Entry]) -> Path:
+    """``rel`` as DCP spells it, when the checkpoint holds that (a DCP checkpoint, or one imported
+    from DCP): DCP stores every dict key as a string (an optimizer's ``state`` by ``str(index)``)."""
+    spelt = tuple(str(k) if type(k) is int else k for k in rel)
+    return spelt if spelt in source else rel
+
+
+def _keys_as_in(target: Any, value: Any) -> Any:
+    """A loaded python value with the dict classes of ``target``, the value it replaces, and its
+    keys where DCP spelt them as strings: the target's own, or ints where all the target's are ints
+    (a scheduler's milestones, a ``Counter``)."""
+    if not (isinstance(target, dict) and isinstance(value, dict)):
+        return value
+    spelt = {str(k): k for k in target if type(k) is not str and k not in value}
+    if target and all(type(k) is int for k in target) and all(type(k) is str and k.isdecimal() for k in value):
+        spelt = {k: int(k) for k in value}  # keys of other values than the target's (milestones moved)
+    items = {(spelt.get(k, k) if type(k) is str else k): v for k, v in value.items()}
+    rekeyed = {k: _keys_as_in(target.get(k), v) for k, v in items.items()}
+    return type(target)(rekeyed) if type(target) in (dict, collections.Counter, collections.OrderedDict) else rekeyed
 
 
 def _normalize(path: Path, strip: Sequence[str]) -> Path:

@@ -180,7 +180,7 @@ def _values(tensors: list[Entry], values: list[tuple[Path, Any]]) -> list[Entry]
     holding = {e.path[:i] for e in tensors for i in range(len(e.path) + 1)}
     groups: dict[Path, list[tuple[Path, Any]]] = {}
     for path, value in values:
-        cut = next((i for i in range(1, len(path) + 1) if path[:i] not in holding), len(path))
+        cut = next((i for i in range(len(path) + 1) if path[:i] not in holding), len(path))
         groups.setdefault(path[:cut], []).append((path[cut:], value))
     return [Entry(fqn(path), path, "object", value=codec.encode(_assemble(parts), where=fqn(path), allow_pickle=True))
             for path, parts in groups.items()]
