@@ -235,6 +235,10 @@ def test_dcp_items_zerostall_cannot_locate_are_named_and_left_out(tmp_path, capl
             zs.open(tmp_path / "ck", allow_pickle=True) as ck:
         zs.export(ck, tmp_path / "hf")  # an export never drops a tensor either
     assert not (tmp_path / "hf").exists()
+    dcp.save({"t": torch.zeros(2, 3).t(), "u": torch.ones(3)}, checkpoint_id=str(tmp_path / "other"))
+    compared = CliRunner().invoke(cli, ["diff", str(tmp_path / "ck"), str(tmp_path / "other"), "--allow-pickle"])
+    assert compared.exit_code == 2 and "(t; " in compared.output and "cannot be compared" in compared.output  # not
+    # "equal", as when the tensor left out was skipped
     writer = FileSystemWriter(str(tmp_path / "st"), serialization_format=SerializationFormat.SAFETENSORS)
     dcp.save({"t": torch.arange(6.0)}, storage_writer=writer)
     caplog.clear()

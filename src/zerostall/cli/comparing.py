@@ -21,6 +21,7 @@ import zerostall as zs
 from ..format import codec
 from ..format.layout import Entry, Manifest
 from ..loading.reader import resolve
+from ..storage.location import few
 
 from .common import (EXIT_STATUSES, Failure, USAGE, cli, clip, console, open_session, print_json, progress_bar,
                      reported_errors)
@@ -196,6 +197,11 @@ def diff(a: str, b: str, atol: float, rtol: float, allow_pickle: bool, as_json: 
         with reported_errors():
             with open_session(a, allow_pickle) as ck_a, open_session(b, allow_pickle) as ck_b, \
                     progress_bar(tensor_bytes(ck_a, ck_b), "comparing", quiet=as_json) as advance:
+                for ck in (ck_a, ck_b):
+                    if ck.manifest.left_out:  # a tensor not read would be compared as equal
+                        raise zs.CheckpointError(f"{ck.path} has tensor item(s) zerostall cannot read in place "
+                                                 f"({few(ck.manifest.left_out)}; the warnings above say why): "
+                                                 "they cannot be compared")
                 report = compare(ck_a, ck_b, atol, rtol, advance)
     except Failure as exc:
         exc.exit_code = USAGE  # trouble, as for diff(1): never mistaken for "different"

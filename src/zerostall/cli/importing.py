@@ -12,6 +12,7 @@ from rich.filesize import decimal as human_bytes
 import zerostall as zs
 from ..format import codec
 from ..storage import storage_for
+from ..storage.location import few
 
 from .common import (FAILED, USAGE, Failure, cli, console, open_session, print_json, progress_bar, refuse_live_writer,
                      reported_errors)
@@ -72,9 +73,9 @@ def convert(src: str, out: str, *, allow_pickle: bool, overwrite: bool, quiet: b
     with open_session(src, allow_pickle) as source:
         kind = source.manifest.foreign or "zerostall"
         if source.manifest.left_out:  # an import holds the whole source, or nothing
-            names = ", ".join(source.manifest.left_out[:10]) + (", …" if len(source.manifest.left_out) > 10 else "")
             raise zs.CheckpointError(f"{src} has {len(source.manifest.left_out)} tensor item(s) zerostall cannot read "
-                                     f"in place ({names}; the warnings above say why); nothing was written")
+                                     f"in place ({few(source.manifest.left_out)}; the warnings above say why); nothing "
+                                     "was written")
         state = source.state()
         info = zs.save(state, out, allow_pickle=allow_pickle, overwrite=overwrite)
         saved = flatten(state).leaves  # what was saved by key path, each value as read once
