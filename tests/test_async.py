@@ -350,6 +350,26 @@ def test_a_failure_one_rank_has_not_seen_refuses_the_next_save_on_every_rank(ran
     assert not (tmp_path / "b" / "manifest.json").exists()
 
 
+def failure_arriving_while_the_next_save_waits(path: str) -> str:
+    """Rank 0's commit takes longer than the commit timeout: rank 1 gives up on that save (its
+    failure arrives while its next save waits for it); rank 0 commits it. What the next save says."""
+    with zs.AsyncSaver() as saver:
+        saver.save({"w": torch.ones(4)}, f"{path}/a", commit_timeout=0.5, before_commit=lambda: time.sleep(2))
+        try:
+            saver.save({"w": torch.ones(4)}, f"{path}/b").result()
+        except zs.CheckpointError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "saved"
+
+
+def test_a_failure_arriving_while_the_next_save_waits_refuses_it_on_every_rank(ranks, tmp_path):
+    """The next save checked the ranks' failures before waiting for the save in flight: rank 1's,
+    arriving in that wait, was raised by rank 1 alone, and rank 0 went on into the save's collectives."""
+    rank0, rank1 = ranks(2).run(failure_arriving_while_the_next_save_waits, str(tmp_path), timeout=60)
+    assert rank1.startswith("CheckpointError: a previous asynchronous save failed:"), rank1
+    assert rank0.startswith("CheckpointError: a previous asynchronous save failed on 1 other rank(s)"), rank0
+
+
 def test_sigterm_lets_the_save_in_flight_commit(tmp_path):
     """SIGTERM arrives while the save's write is held; the signal opens the hold, then the saver's
     handler drains the save and lets the signal end the process."""

@@ -110,6 +110,8 @@ class AsyncSaver:
             raise CheckpointError(f"this AsyncSaver belongs to process {self._pid}, which this one was forked from "
                                   "(its worker threads are not here): make a new AsyncSaver in this process")
         options = SaveOptions.of(options, overrides)
+        if self.if_busy == "wait" and self._current is not None:  # done on every rank before the check of
+            futures.wait([self._current.committed])  # failures: one arriving later would be raised by one rank
         if self._ranks_refuse_or_skip(process_group, path):
             log.info("skipping the save to %s: a save is still in flight", path)
             return None
