@@ -50,6 +50,17 @@ def test_the_script_exits_with_its_own_status_once_the_save_in_the_writer_commit
     assert zs.verify(tmp_path / "ck") > 0
 
 
+def test_options_that_cannot_reach_the_writer_and_errors_that_cannot_come_back_are_typed(tmp_path):
+    """A lambda as before_commit raised pickle's own PicklingError; an error that pickles but cannot
+    be unpickled came back as an unrelated TypeError from the pipe, the real error lost."""
+    code, lines, err = run(sys.executable, SCRIPT, "errors", str(tmp_path))
+    assert code == 0, err[-3000:]
+    said = {k: v for line in lines for k, v in line.items()}
+    assert said["lambda"].startswith("CheckpointError: this save cannot be handed to a writer process: "), said
+    assert said["lambda"].endswith("use writer='thread'")
+    assert said["unpicklable"] == "CheckpointError: TwoArguments: 1-2" and said["none"] == "saved", said
+
+
 @pytest.mark.parametrize("then", ["save", "close"])
 def test_a_writer_killed_mid_save_fails_the_next_save_or_close_with_a_typed_error(tmp_path, then):
     code, lines, err = run(sys.executable, SCRIPT, f"killed-writer-{then}", str(tmp_path))

@@ -108,9 +108,35 @@ def small_shm(path: str) -> None:
     saver.save(state(32), f"{path}/big")
 
 
+class TwoArguments(Exception):
+    """An exception that pickles, and cannot be unpickled (its ``__init__`` takes two arguments)."""
+
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__(f"{a}-{b}")
+
+
+def failing_hook() -> None:
+    raise TwoArguments(1, 2)
+
+
+def errors(path: str) -> None:
+    """What a save says when its options cannot be pickled for the writer, or its error cannot come
+    back from it; then a save that works."""
+    saver = zs.AsyncSaver(writer="process")
+    for name, hook in (("lambda", lambda: None), ("unpicklable", failing_hook), ("none", None)):
+        try:
+            saver.save(state(1), os.path.join(path, name), before_commit=hook).result()
+            report(**{name: "saved"})
+        except zs.CheckpointError as exc:
+            report(**{name: f"{type(exc).__name__}: {exc}"})
+    saver.close()
+
+
 if __name__ == "__main__":
     scenario, path = sys.argv[1], sys.argv[2]
-    if scenario.startswith("killed-writer-"):
+    if scenario == "errors":
+        errors(path)
+    elif scenario.startswith("killed-writer-"):
         killed_writer(path, scenario.removeprefix("killed-writer-"))
     elif scenario == "small-shm":
         small_shm(path)

@@ -43,6 +43,9 @@ class WriterProcess:
             self._conn.send(job)
         except OSError:
             raise self._died() from None
+        except Exception as exc:  # pickling it: a before_commit of a lambda or a closure, say
+            raise CheckpointError(f"this save cannot be handed to a writer process: {type(exc).__name__}: {exc} "
+                                  "(its options, such as before_commit, must pickle): use writer='thread'") from None
         self._expect_ack()
 
     def _died(self) -> CheckpointError:
@@ -120,10 +123,12 @@ def _bare(exc: BaseException) -> BaseException:
 
 
 def _picklable(exc: BaseException) -> bool:
+    """Whether ``exc`` survives the pipe: pickled, and unpickled again (an exception whose
+    ``__init__`` takes other arguments than its ``args`` pickles, then fails to be rebuilt)."""
     import pickle
 
     try:
-        pickle.dumps(exc)
+        pickle.loads(pickle.dumps(exc))
     except Exception:
         return False
     return True
