@@ -448,12 +448,25 @@ def test_an_export_killed_midway_leaves_no_model_file_and_a_rerun_completes(tmp_
     assert_same(read_hf(tmp_path / "hf"), state)
 
 
-def test_safetensors_cannot_hold_complex_but_torch_can(tmp_path):
-    zs.save({"z": torch.randn(3, dtype=torch.complex64)}, tmp_path / "ck")
-    with pytest.raises(zs.ExportError, match=r"safetensors cannot hold the dtype of z \(torch.complex64\)"):
+def test_safetensors_cannot_hold_complex128_but_torch_can(tmp_path):
+    zs.save({"z": torch.randn(3, dtype=torch.complex128)}, tmp_path / "ck")
+    with pytest.raises(zs.ExportError, match=r"safetensors cannot hold the dtype of z \(torch.complex128\)"):
         zs.export(tmp_path / "ck", tmp_path / "hf")
     zs.export(tmp_path / "ck", tmp_path / "z.pt", format="torch")
-    assert torch.load(tmp_path / "z.pt", weights_only=True)["z"].dtype == torch.complex64
+    assert torch.load(tmp_path / "z.pt", weights_only=True)["z"].dtype == torch.complex128
+
+
+def test_every_dtype_safetensors_names_exports_to_it(tmp_path):
+    """Those a zerostall data file does not name (e8m0 scales, the fnuz float8s, complex64) were
+    refused: "safetensors cannot hold the dtype"."""
+    state = {name: torch.randn(4).to(getattr(torch, name)) for name in
+             ("float8_e8m0fnu", "float8_e4m3fnuz", "float8_e5m2fnuz", "complex64", "bfloat16")}
+    zs.save(state, tmp_path / "ck")
+    zs.export(tmp_path / "ck", tmp_path / "hf")
+    back = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert set(back) == set(state)
+    for name, value in state.items():
+        assert back[name].dtype == value.dtype and torch.equal(back[name].view(torch.uint8), value.view(torch.uint8))
 
 
 @pytest.mark.parametrize("field, value", [("format", "gguf"), ("dtype", "int8"), ("dtype", torch.int32),

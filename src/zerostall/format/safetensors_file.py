@@ -17,6 +17,7 @@ DATA_ALIGNMENT = 4096
 # those a data file's header names (fixed by the format); every other dtype is stored as U8
 _WRITTEN = {SAFETENSORS_DTYPES[d]: d
             for d in "F64 F32 F16 BF16 I64 I32 I16 I8 U64 U32 U16 U8 BOOL F8_E4M3 F8_E5M2".split()}
+_EVERY = {name: st for st, name in SAFETENSORS_DTYPES.items()}  # every one safetensors names (an export's)
 
 
 @dataclass(slots=True)
@@ -30,21 +31,22 @@ class FileItem:
     nbytes: int
 
 
-def safetensors_dtype(dtype: torch.dtype | str) -> str | None:
-    """The safetensors name of ``dtype`` or of the dtype a manifest names (``BF16``); None for a
-    dtype safetensors lacks."""
-    return _WRITTEN.get(dtype_name(dtype))
+def safetensors_dtype(dtype: torch.dtype | str, every: bool = False) -> str | None:
+    """The safetensors name of ``dtype`` or of the dtype a manifest names (``BF16``) as a data file
+    names it (``every``: as safetensors itself does, for an export); None for one it does not."""
+    return (_EVERY if every else _WRITTEN).get(dtype_name(dtype))
 
 
-def safetensors_header(items: Iterable[FileItem], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
+def safetensors_header(items: Iterable[FileItem], metadata: dict[str, str],
+                       every: bool = False) -> tuple[bytes, list[int]]:
     """A safetensors header holding ``metadata``, padded with spaces so that the data section starts
     4 KiB-aligned (length prefix included), and each item's absolute byte offset in the file. Items
     come ordered by descending itemsize, so packing with no gaps keeps each at its natural alignment;
-    a dtype safetensors lacks is stored as U8 bytes."""
+    a dtype safetensors lacks (or a data file does not name, unless ``every``) is stored as U8 bytes."""
     header: dict[str, Any] = {"__metadata__": metadata}
     relative, pos = [], 0
     for item in items:
-        st_dtype = safetensors_dtype(item.dtype)
+        st_dtype = safetensors_dtype(item.dtype, every)
         shape = list(item.shape) if st_dtype else [item.nbytes]
         header[item.name] = {"dtype": st_dtype or "U8", "shape": shape, "data_offsets": [pos, pos + item.nbytes]}
         relative.append(pos)

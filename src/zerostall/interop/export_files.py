@@ -93,7 +93,8 @@ def _write_file(path: str, parts: Iterable[memoryview]) -> None:
 def _file_parts(stream: TensorStream, items: list[Item], progress: Callable[[int], None]) -> Iterator[memoryview]:
     """A safetensors file of ``items``: its header, then every tensor's bytes as they are read."""
     items = sorted(items, key=lambda i: -i.dtype.itemsize)  # stable: save order within an itemsize
-    header, _ = safetensors_header((FileItem(i.key, i.dtype, i.shape, i.nbytes) for i in items), {"format": "pt"})
+    header, _ = safetensors_header((FileItem(i.key, i.dtype, i.shape, i.nbytes) for i in items), {"format": "pt"},
+                                   every=True)
     yield memoryview(header)
     for part in stream.parts((i.entry, i.dtype) for i in items):
         yield part

@@ -228,7 +228,7 @@ def select(manifest: Manifest, where: str, options: ExportOptions) -> Selection:
         raise ExportError(f"{where} holds no tensors to export under prefix {options.prefix!r} (skipped as not "
                           f"model weights: {', '.join(skipped[:10])})")
     if options.format == "hf":
-        bad = [f"{i.source} ({i.dtype})" for i in items if safetensors_dtype(i.dtype) is None]
+        bad = [f"{i.source} ({i.dtype})" for i in items if safetensors_dtype(i.dtype, every=True) is None]
         if bad:
             raise ExportError(f"safetensors cannot hold the dtype of {', '.join(bad[:10])} in {where}: export with "
                               "format torch, or cast floating tensors with dtype")
