@@ -370,6 +370,14 @@ def test_a_prefix_that_selects_nothing_names_the_top_level_keys(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_key_that_is_not_utf8_is_refused_naming_the_entry(tmp_path):
+    """A lone surrogate was written into the header, which safetensors then refused to open."""
+    zs.save({"model": {"tok\udcff": torch.ones(2)}}, tmp_path / "ck")
+    with pytest.raises(zs.ExportError, match=r"entry model.tok.* a name no file may hold"):
+        zs.export(tmp_path / "ck", tmp_path / "hf", prefix="model.")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_two_keys_renamed_onto_one_name_are_named(tmp_path):
     path, _ = saved(tmp_path)
     with pytest.raises(zs.ExportError, match=r"model\.layers\.0\.w and model\.layers\.1\.w .* both exported as "

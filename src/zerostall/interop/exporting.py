@@ -210,7 +210,7 @@ def select(manifest: Manifest, where: str, options: ExportOptions) -> Selection:
         key = fqn(rel)
         for pattern, replacement in options.rename:
             key = re.sub(pattern, replacement, key)
-        if not key or key == "__metadata__":
+        if not key or key == "__metadata__" or not _utf8(key):
             raise ExportError(f"entry {name} of {where} would be exported as {key!r}, a name no file may hold: "
                               "change the prefix or the rename rules")
         if key in names:
@@ -234,6 +234,15 @@ def select(manifest: Manifest, where: str, options: ExportOptions) -> Selection:
                               "format torch, or cast floating tensors with dtype")
     tied = _tied(items, options)
     return Selection([i for i in items if i.key not in tied] if options.format == "hf" else items, skipped, tied)
+
+
+def _utf8(key: str) -> bool:
+    """Whether ``key`` is valid UTF-8 text (a lone surrogate is not: safetensors refuses its header)."""
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _tied(items: list[Item], options: ExportOptions) -> dict[str, str]:
