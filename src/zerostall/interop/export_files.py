@@ -27,7 +27,7 @@ from .torch_file import write_torch_file
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 _HF_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
-_TEMP = re.compile(r"^\.model.*\.[0-9a-f]{8}\.tmp$")  # what an interrupted export left
+LEFT_BY_AN_EXPORT = re.compile(r"^\.model.*\.[0-9a-f]{8}\.tmp$")  # the temporary files an interrupted export left
 
 
 @dataclass
@@ -119,8 +119,8 @@ def write_hf(stream: TensorStream, items: list[Item], path: str, max_shard_size:
     try:
         for temp, files in zip(temps, shards):
             _write_file(os.path.join(path, temp), _file_parts(stream, files, progress))
-        stale = [n for n in os.listdir(path) if (_HF_FILE.match(n) and n not in names) or (_TEMP.match(n) and
-                                                                                          n not in temps)]
+        stale = [n for n in os.listdir(path) if (_HF_FILE.match(n) and n not in names)
+                 or (LEFT_BY_AN_EXPORT.match(n) and n not in temps)]
         for name in sorted(stale, key=lambda n: n != HF_INDEX):  # the old index first: never one naming new files
             os.unlink(os.path.join(path, name))
         for temp, name in zip(temps, names):

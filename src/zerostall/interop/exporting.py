@@ -36,7 +36,7 @@ from ..state import fqn
 from ..storage import Storage
 from ..storage.local import check_path
 from ..storage.location import within
-from .export_files import Item, write_hf, write_torch
+from .export_files import LEFT_BY_AN_EXPORT, Item, write_hf, write_torch
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +325,7 @@ def check_target(out: str | os.PathLike[str], options: ExportOptions) -> str:
     if options.format == "hf":
         if os.path.lexists(path) and not os.path.isdir(path):
             raise ExportError(f"{path} is a file: a hf export writes a directory")
-        held = sorted(os.listdir(path)) if os.path.isdir(path) else []
+        held = sorted(n for n in os.listdir(path) if not LEFT_BY_AN_EXPORT.match(n)) if os.path.isdir(path) else []
         if held and not options.overwrite:
             raise CheckpointExistsError(f"{path} is not empty ({len(held)} entries: {', '.join(held[:5])}): pass "
                                         "overwrite=True (--overwrite) to replace its model files")
