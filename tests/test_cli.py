@@ -142,7 +142,9 @@ def test_inspect_errors(root: Path) -> None:
     assert incomplete.exit_code == 1 and "never committed" in incomplete.stderr
     corrupt = run("inspect", root / "ckpt-30")
     assert corrupt.exit_code == 1 and "checksum" in corrupt.stderr
-    for result in (missing, incomplete, corrupt):
+    no_file = run("inspect", root / "nope.safetensors")  # was: "a Hugging Face checkpoint with a file missing"
+    assert no_file.exit_code == 2 and "no such file" in no_file.stderr
+    for result in (missing, incomplete, corrupt, no_file):
         assert "Traceback" not in result.output and result.stdout == ""
 
 

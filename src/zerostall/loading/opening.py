@@ -107,6 +107,10 @@ def source(storage: Storage, *, allow_pickle: bool = False, file: str | None = N
                 raise
     else:
         kind = foreign.SAFETENSORS
+        try:
+            storage.size(file)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"no checkpoint at {storage.location}/{file}: no such file") from None
     try:
         return foreign.foreign_manifest(storage, kind, allow_pickle=allow_pickle, file=file)
     except FileNotFoundError as exc:  # one its index names
