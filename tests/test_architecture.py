@@ -24,7 +24,7 @@ ORDER = [
     "doorbell", "collectives", "views", "state", "options",
     # saving/: collect → plan → write → commit, run in order by pipeline; the asynchronous saver over it
     "saving.collect", "saving.plan", "saving.recollect", "saving.write", "saving.incremental", "saving.commit",
-    "saving.pipeline",
+    "saving.pipeline", "saving.estimate",
     "saving.capture", "saving.handles", "saving.writer_process", "saving.asynchronous", "saving",
     # loading/: open (ours or foreign) → reader (bytes, checked) → load plan → fetch (and broadcast) →
     # verification, behind the Checkpoint front; tensor streams for exporters

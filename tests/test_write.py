@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import zerostall as zs
 from zerostall.format.checksums import block_checksums, pieces
 from zerostall import memory
 from zerostall.memory import host_empty, owned_bytes, tensor_bytes
@@ -110,3 +111,22 @@ def test_memory_offered_huge_pages_is_a_mapping_of_its_own_gone_with_the_tensor(
         del view
         gc.collect()
         assert _mapping_of(ptr) is None
+
+
+def test_the_bytes_counted_before_a_save_are_at_least_those_it_writes(tmp_path):
+    """What the free-space checks (the local tier's, DeepSpeed's) count: many small tensors, long
+    key paths, large python values, a tensor of many blocks; each against the bytes written."""
+    from zerostall.saving.estimate import bytes_needed
+    from zerostall.state import flatten
+
+    cases = {
+        "small": {f"l{i}": torch.zeros(1) for i in range(3000)},
+        "long names": {"state": {i: {"exp_avg_" + "x" * 200: torch.zeros(3, 2, 1)} for i in range(500)}},
+        "values": {"config": {f"k{i}": list(range(20)) for i in range(2000)}, "t": torch.zeros(2)},
+        "blocks": {"w": torch.zeros(9 << 20, dtype=torch.uint8)},
+    }
+    for name, state in cases.items():
+        counted = bytes_needed(flatten(state).leaves, zs.SaveOptions().block_size, False, 1)
+        zs.save(state, tmp_path / name)
+        written = sum(max(p.stat().st_size, p.stat().st_blocks * 512) for p in (tmp_path / name).iterdir())
+        assert counted >= written, (name, counted, written)

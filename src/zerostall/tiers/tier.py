@@ -27,6 +27,7 @@ from ..options import LoadOptions, SaveOptions
 from ..roots.restore import Candidate, PassedOver, RestoreInfo
 from ..roots.root import step_tag, typed_error
 from ..saving.asynchronous import AsyncSaver
+from ..saving.estimate import bytes_needed
 from ..saving.handles import SaveHandle
 from .copies import LAYOUT_KEY, View, load_copy, placeable, placements, view
 from .local import LocalTier, NodeDirectory, check_space, run_id_for
@@ -153,7 +154,7 @@ class NodeTier:
         check); replication and retention follow its commit in the background."""
         tree, flat, digest = view(state)
         if not self._space_checked:
-            self._check_space(sum(t.nbytes for t in flat.leaves.values() if isinstance(t, torch.Tensor)))
+            self._check_space(bytes_needed(flat.leaves, options.block_size, options.allow_pickle, 1))  # saved alone
             self._space_checked = True
         metadata = {"tier": "local", "rank": self.group.rank, "world_size": self.group.size,
                     "node": self.nodes.ids[self.group.rank], LAYOUT_KEY: digest}

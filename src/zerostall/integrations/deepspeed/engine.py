@@ -32,8 +32,9 @@ from ...loading.checkpoint import Checkpoint
 from ...options import LoadOptions, SaveOptions, _Options
 from ...roots.root import LATEST_NAME, CheckpointRoot, validate_tag
 from ...saving.asynchronous import AsyncSaver
+from ...saving.estimate import bytes_needed
 from ...saving.handles import OneShot
-from ...state import rank_local
+from ...state import flatten, rank_local
 from ...storage import storage_for
 from . import space, swap, values
 from .swap import SwapFolders
@@ -161,10 +162,9 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
                                  for name, sd in current.files.items()}
         offloaded = current.swap.tensors() if current.swap else {}
         save_options = self.options.save_options
-        needed = space.needed_bytes(state, offloaded, save_options.block_size, save_options.allow_pickle,
-                                    self.group.size)
         if offloaded:
             state[swap.KEY] = rank_local(offloaded)
+        needed = bytes_needed(flatten(state).leaves, save_options.block_size, allow_pickle, self.group.size)
         self._raise_latest_failure()
         space.check_space(self.group, current.directory, current.save_dir, needed)
         storage = CheckpointRoot(storage_for(current.save_dir)).child(current.tag)
