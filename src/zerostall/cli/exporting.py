@@ -23,7 +23,8 @@ from .common import (Failure, USAGE, cli, console, pickle_refusal_as_usage, prin
                                              "(model. exports the state_dict keys of a module saved as 'model').")
 @click.option("--rename", multiple=True, metavar="REGEX=REPLACEMENT",
               help="Rename keys by re.sub, after the prefix; repeatable, applied in order (split at the last '=').")
-@click.option("--dtype", default=None, help="Cast floating tensors to this dtype (bfloat16, float16, float32; bf16, fp16, fp32).")
+@click.option("--dtype", default=None,
+              help="Cast floating tensors to this dtype (bfloat16, float16, float32; bf16, fp16, fp32).")
 @click.option("--max-shard-size", default="5GB", show_default=True,
               help="The most bytes of one hf file (5GB = 5*10^9, 256MiB = 256*2^20); a larger tensor gets its own.")
 @click.option("--tied-weights-key", multiple=True, metavar="REGEX",

@@ -199,9 +199,9 @@ def await_commit(storage: Storage, generation: str, timeout: float, bell: Doorbe
         if reason is not None:
             raise CommitError(f"the save was aborted by the coordinator: {reason}")
         if waiting.expired():
-            raise CommitError(f"no commit of generation {generation} within {timeout:.0f} s (coordinator dead or stuck): "
-                              "this rank gave up, but a coordinator that is only slow may still commit it (this "
-                              "rank's files are kept): raise commit_timeout for slow storage")
+            raise CommitError(f"no commit of generation {generation} within {timeout:.0f} s (coordinator dead or "
+                              "stuck): this rank gave up, but a coordinator that is only slow may still commit it "
+                              "(this rank's files are kept): raise commit_timeout for slow storage")
         waiting.pause()
 
 

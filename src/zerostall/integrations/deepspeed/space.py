@@ -19,7 +19,7 @@ def check_space(group: Group, directory: str, save_dir: str, needed: int) -> Non
     free = free_bytes(save_dir)
     short = int(total > free)
     if group.all_reduce_ints([short])[0]:
+        seen = f"its file system has {free} bytes free" if short else "another rank sees less free space"
         raise InsufficientSpaceError(
             f"checkpoint {directory} needs {total} bytes (every rank's tensors, swap files and what describes "
-            f"them), but {'its file system has ' + str(free) + ' bytes free' if short else 'another rank sees less free space'}"
-            ": free space there or save elsewhere; nothing was written")
+            f"them), but {seen}: free space there or save elsewhere; nothing was written")
