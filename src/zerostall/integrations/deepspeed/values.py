@@ -132,6 +132,7 @@ def _place(node: Any, path: tuple[Any, ...], value: Any) -> Any:
 
 
 def _at(tree: Any, path: list[Any]) -> Any:
+    """The node of ``tree`` at ``path``."""
     for key in path:
         tree = tree[key]
     return tree
