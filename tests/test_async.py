@@ -324,6 +324,15 @@ def test_ranks_skip_together_while_a_save_is_in_flight_on_any_of_them(ranks, tmp
         assert ck.step == 3 and ck.read("w")[0].item() == 3.0
 
 
+def next_save(saver: zs.AsyncSaver, path: str) -> str:
+    """What the saver's next save says: "saved", or the error it raised."""
+    try:
+        saver.save({"w": torch.ones(4)}, path).result()
+    except zs.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
 def failure_seen_on_rank_0_only(path: str) -> str:
     """Every rank's first save fails (the coordinator's before_commit raises); rank 0's caller looks
     at its handle, rank 1's does not, so rank 1's next save raises the failure."""
@@ -336,39 +345,26 @@ def failure_seen_on_rank_0_only(path: str) -> str:
         if dist.get_rank() == 0:
             with pytest.raises(RuntimeError, match="refused"):
                 first.result()
-        try:
-            saver.save({"w": torch.ones(4)}, f"{path}/b").result()
-        except zs.CheckpointError as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return "saved"
-
-
-def test_a_failure_one_rank_has_not_seen_refuses_the_next_save_on_every_rank(ranks, tmp_path):
-    """Rank 1 used to raise alone, and rank 0 waited in the save's collectives for good."""
-    rank0, rank1 = ranks(2).run(failure_seen_on_rank_0_only, str(tmp_path), timeout=60)
-    assert rank1.startswith("CheckpointError: a previous asynchronous save failed:"), rank1
-    assert rank0.startswith("CheckpointError: a previous asynchronous save failed on 1 other rank(s)"), rank0
-    assert not (tmp_path / "b" / "manifest.json").exists()
+        return next_save(saver, f"{path}/b")
 
 
 def failure_arriving_while_the_next_save_waits(path: str) -> str:
     """Rank 0's commit takes longer than the commit timeout: rank 1 gives up on that save (its
-    failure arrives while its next save waits for it); rank 0 commits it. What the next save says."""
+    failure arrives while its next save waits for it); rank 0 commits it."""
     with zs.AsyncSaver() as saver:
         saver.save({"w": torch.ones(4)}, f"{path}/a", commit_timeout=0.5, before_commit=lambda: time.sleep(2))
-        try:
-            saver.save({"w": torch.ones(4)}, f"{path}/b").result()
-        except zs.CheckpointError as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return "saved"
+        return next_save(saver, f"{path}/b")
 
 
-def test_a_failure_arriving_while_the_next_save_waits_refuses_it_on_every_rank(ranks, tmp_path):
-    """The next save checked the ranks' failures before waiting for the save in flight: rank 1's,
-    arriving in that wait, was raised by rank 1 alone, and rank 0 went on into the save's collectives."""
-    rank0, rank1 = ranks(2).run(failure_arriving_while_the_next_save_waits, str(tmp_path), timeout=60)
+@pytest.mark.parametrize("scenario", [failure_seen_on_rank_0_only, failure_arriving_while_the_next_save_waits])
+def test_a_failure_one_rank_has_not_seen_refuses_the_next_save_on_every_rank(ranks, tmp_path, scenario):
+    """Rank 1 used to raise alone, and rank 0 waited in the save's collectives for good: a failure
+    seen on rank 0 only, or one arriving while the next save waits for the save in flight (the
+    failures were checked before that wait)."""
+    rank0, rank1 = ranks(2).run(scenario, str(tmp_path), timeout=60)
     assert rank1.startswith("CheckpointError: a previous asynchronous save failed:"), rank1
     assert rank0.startswith("CheckpointError: a previous asynchronous save failed on 1 other rank(s)"), rank0
+    assert not (tmp_path / "b" / "manifest.json").exists()
 
 
 def test_sigterm_lets_the_save_in_flight_commit(tmp_path):
