@@ -360,7 +360,7 @@ def test_retention_is_one_policy_given_whole_or_by_keywords(tmp_path):
         assert mgr.policy == zs.RetentionPolicy(keep_best=2, metric="loss", mode="max")
     with pytest.raises(ValueError, match="retention=.*keep_last=.*mode="):
         zs.CheckpointManager(tmp_path, retention=zs.RetentionPolicy(keep_last=1), keep_last=2, mode="min")
-    with pytest.raises(ValueError, match="keep_last must be >= 1"):
+    with pytest.raises(ValueError, match="keep_last must be an int >= 1"):
         zs.CheckpointManager(tmp_path, keep_last=0)
     zs.CheckpointManager(tmp_path, fsync=False).close()  # the refused ones took no lease
 

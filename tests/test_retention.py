@@ -517,3 +517,19 @@ def test_time_interval_zero_or_negative_is_refused_or_keeps_everything(interval)
         return
     records = [record(s, float(s)) for s in (1, 2, 3, 4)]
     assert set(kept(records, policy)) == {1, 2, 3, 4}
+
+
+def test_two_checkpoints_of_one_step_count_once():
+    """A tag saved beside its step's checkpoint (``save(200, tag="final")``) made step 200 count
+    twice: keep_last=2 kept one step, keep_best=2 one besides it."""
+    records = [record(100, 1.0, 0.3), record(200, 2.0, 0.1), record(200, 3.0, 0.1), record(300, 4.0, 0.5),
+               record(400, 5.0, 0.6)]
+    assert set(kept(records[:3], RetentionPolicy(keep_last=2))) == {100, 200}
+    assert set(kept(records, RetentionPolicy(keep_best=2, metric="loss"))) == {100, 200, 400}
+
+
+@pytest.mark.parametrize("value", [2.5, True, "2"])
+def test_counts_must_be_ints(value):
+    """keep_last=2.5 was accepted; every retention round then failed in the background."""
+    with pytest.raises(ValueError, match="keep_last must be an int >= 1"):
+        RetentionPolicy(keep_last=value)

@@ -80,8 +80,8 @@ class RetentionPolicy:
             raise ValueError(f"mode must be 'min' or 'max', not {self.mode!r}")
         for name in ("keep_last", "keep_every", "keep_best"):
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1")
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be an int >= 1, not {value!r}")
         interval = self.keep_time_interval
         if interval is not None and not interval > 0:
             raise ValueError("keep_time_interval must be a positive number of seconds")
@@ -98,7 +98,7 @@ def kept(records: Sequence[CheckpointRecord], policy: RetentionPolicy,
     The newest step is always kept ("newest"), and so is every step in ``pinned`` ("pinned": the
     checkpoint being resumed from, or one still being written). Steps not in the result may go.
     """
-    steps = sorted(r.step for r in records)
+    steps = sorted({r.step for r in records})  # a tag saved beside its step's checkpoint is one step, not two
     reasons: dict[int, list[str]] = {}
 
     def keep(step: int, why: str) -> None:
@@ -122,10 +122,13 @@ def kept(records: Sequence[CheckpointRecord], policy: RetentionPolicy,
             if step % policy.keep_every == 0:
                 keep(step, "every")
     if policy.keep_best:
-        scored = [(r.metrics.get(policy.metric or ""), r.step) for r in records]
-        finite = [(v, s) for v, s in scored if _number(v) and not math.isnan(v)]
         sign = 1 if policy.mode == "min" else -1
-        for _, step in sorted(finite, key=lambda vs: (sign * vs[0], -vs[1]))[:policy.keep_best]:
+        best: dict[int, float] = {}  # each step's best score, of the checkpoints it has
+        for r in records:
+            v = r.metrics.get(policy.metric or "")
+            if _number(v) and not math.isnan(v) and (r.step not in best or sign * v < sign * best[r.step]):
+                best[r.step] = v
+        for step, _ in sorted(best.items(), key=lambda sv: (sign * sv[1], -sv[0]))[:policy.keep_best]:
             keep(step, "best")
     if policy.keep_time_interval:
         last = None
