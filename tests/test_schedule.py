@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch.distributed as dist
 
 import zerostall as zs
@@ -39,6 +40,30 @@ def test_one_rank_saves_every_n_steps_and_at_the_first_step_past_the_interval():
     clock = Clock()
     assert run(SaveSchedule(Group(), 5, 10.0, clock), clock, [3.0] * 12) == [4, 5, 9, 10]
     assert run(SaveSchedule(Group(), None, None), Clock(), [1.0] * 5) == []
+
+
+def test_asking_twice_about_one_step_gives_one_answer():
+    """With save_interval_s, the second question about a due step (an eval's, then the save's)
+    said no, and a loop that saved on the second answer never saved."""
+    clock = Clock()
+    schedule = SaveSchedule(Group(), None, 10.0, clock)
+    saved = []
+    for step in range(1, 13):
+        clock.now += 3.0
+        first = schedule.due(step)
+        if schedule.due(step):
+            assert first
+            schedule.saved()
+            saved.append(step)
+    assert saved == [4, 8, 12]
+
+
+@pytest.mark.parametrize("every, interval", [(0, None), (-10, None), (2.5, None), (True, None), (None, 0.0),
+                                             (None, -1.0), (None, float("nan")), (None, float("inf"))])
+def test_a_bad_cadence_is_refused_when_built(every, interval):
+    """save_every=0 raised ZeroDivisionError at the first should_save; a NaN interval never saved."""
+    with pytest.raises(ValueError, match="save_every|save_interval_s"):
+        SaveSchedule(Group(), every, interval)
 
 
 class JitteryClock(Clock):

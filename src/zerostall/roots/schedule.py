@@ -27,6 +27,10 @@ class SaveSchedule:
 
     def __init__(self, group: Group, every: int | None, interval_s: float | None,
                  clock: Callable[[], float] | None = None) -> None:
+        if every is not None and (type(every) is not int or every < 1):
+            raise ValueError(f"save_every must be None or an int >= 1 (steps), not {every!r}")
+        if interval_s is not None and (type(interval_s) not in (int, float) or not 0 < interval_s < math.inf):
+            raise ValueError(f"save_interval_s must be None or a number of seconds > 0, not {interval_s!r}")
         self.group = group
         self.every = every
         self.interval_s = interval_s
@@ -34,16 +38,25 @@ class SaveSchedule:
         self._last_save = self.clock()
         self._check_at: int | None = None
         self._mark = (0, 0.0)  # the step and (coordinator's) time of the last check
+        self._answer: tuple[int, bool] | None = None  # the last step asked about, and the answer given
 
     def saved(self) -> None:
         """A save started now: the interval counts from here."""
         self._last_save = self.clock()
 
     def due(self, step: int) -> bool:
-        """Whether ``step`` is due (a collective at announced steps when ``interval_s`` is set)."""
+        """Whether ``step`` is due (a collective at announced steps when ``interval_s`` is set);
+        asked again for the same step, the same answer (without a collective)."""
         by_step = self.every is not None and step % self.every == 0
         if self.interval_s is None:
             return by_step
+        if self._answer is not None and self._answer[0] == step:
+            return self._answer[1]
+        answer = self._due_in_time(step, by_step)
+        self._answer = (step, answer)
+        return answer
+
+    def _due_in_time(self, step: int, by_step: bool) -> bool:
         if self._check_at is None or step < self._mark[0]:  # the first call, or steps went back (a restore)
             self._check_at = step if self.group.size == 1 else step + PROBE_STEPS
             self._mark = (step, self.clock())
