@@ -395,6 +395,23 @@ def test_restore_waits_for_the_asynchronous_save_in_flight(tmp_path):
         assert mgr.latest() == step_tag(2)
 
 
+def test_a_step_names_its_checkpoint_and_a_path_is_no_tag(tmp_path):
+    """restore(state, 100) and open(100) (Orbax passes steps) raised TypeError from os.path.join;
+    restore(state, "../other/step_…") loaded a checkpoint outside the root."""
+    zs.save({"w": torch.ones(2)}, tmp_path / "other" / step_tag(7), step=7)
+    with zs.CheckpointManager(tmp_path / "ck", fsync=False) as mgr:
+        mgr.save(100, {"w": torch.full((2,), 3.0)})
+        state = {"w": torch.zeros(2)}
+        assert mgr.restore(state, 100) == 100 and torch.equal(state["w"], torch.full((2,), 3.0))
+        with mgr.open(100) as ck:
+            assert ck.step == 100
+        for bad in (f"../other/{step_tag(7)}", -1):
+            with pytest.raises(zs.InvalidPathError, match="invalid checkpoint tag"):
+                mgr.restore(state, bad)
+            with pytest.raises(zs.InvalidPathError, match="invalid checkpoint tag"):
+                mgr.open(bad)
+
+
 def test_a_root_given_as_a_storage_is_used_for_every_checkpoint(tmp_path):
     """A wrapper around the root (to inject faults, say) sees each checkpoint through child(tag)."""
     children = []

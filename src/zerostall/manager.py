@@ -31,7 +31,7 @@ from .roots.lease import DEFAULT_TTL, WriterLease
 from .roots.loaders import LoaderGuard
 from .roots.restore import NOTHING, RestoreInfo, newest_first, other_world, restore_first_whole
 from .roots.retention import CheckpointRecord, RetentionPolicy, checked_metrics, policy_of, split_shorthand
-from .roots.root import LATEST_NAME, CheckpointRoot, retained, step_tag, tag_step, validate_tag
+from .roots.root import LATEST_NAME, CheckpointRoot, checkpoint_name, retained, step_tag, tag_step, validate_tag
 from .roots.schedule import SaveSchedule
 from .saving.asynchronous import AsyncSaver
 from .saving.handles import OneShot, SaveHandle
@@ -246,13 +246,13 @@ class CheckpointManager:
         read is raised, a damaged one passed over with a warning (see :meth:`CheckpointRoot.newest`)."""
         return self.checkpoint_root.latest()
 
-    def open(self, tag: str | None = None, **overrides: Any) -> Checkpoint | None:
-        """Open ``tag`` (``None``/``"latest"``: the newest committed) on every rank: rank 0 resolves,
+    def open(self, tag: str | int | None = None, **overrides: Any) -> Checkpoint | None:
+        """Open ``tag`` (``None``/``"latest"``: the newest committed; a step: its) on every rank: rank 0 resolves,
         everyone opens the same one. ``None`` when nothing was committed yet; a named tag that
         does not exist raises :class:`CheckpointNotFoundError`. Close it (or use ``with``).
         Keywords override fields of the manager's ``load_options``."""
-        resolved = json.loads(self.group.agree(lambda: json.dumps(self.latest() if tag in (None, "latest") else tag)
-                                               .encode()))
+        resolved = json.loads(self.group.agree(lambda: json.dumps(self.latest() if tag in (None, "latest")
+                                                                  else checkpoint_name(tag)).encode()))
         if resolved is None:
             return None
         return self._checkpoint(resolved, LoadOptions.of(self.load_options, overrides))
@@ -266,7 +266,7 @@ class CheckpointManager:
         ck.tag = tag
         return ck
 
-    def restore(self, state: Any, tag: str | None = None, *, fallback: bool = True, strict: bool | None = None,
+    def restore(self, state: Any, tag: str | int | None = None, *, fallback: bool = True, strict: bool | None = None,
                 **overrides: Any) -> int | None:
         """Load the newest committed checkpoint (or ``tag``) into ``state`` in place (its python
         values and tuples replaced in the dict), RNG states included; returns its step, or ``None``
@@ -277,7 +277,7 @@ class CheckpointManager:
         ``tag`` asked for, nor over an I/O error. ``fallback=False`` raises instead. ``strict=False``
         (default: the ``load_options``' own) resumes on another world size, leaving each rank's RNG
         and per-rank state as they are. Other keywords override fields of the manager's ``load_options``."""
-        self.last_restore = NOTHING  # until this restore says otherwise, even if it raises
+        self.last_restore, tag = NOTHING, checkpoint_name(tag)  # until this restore says otherwise, even if it raises
         futures.wait([self._committing] if self._committing else [])  # the save in flight first (its failure stays)
         options = LoadOptions.of(self.load_options, {**overrides, **({} if strict is None else {"strict": strict})})
         named = tag not in (None, "latest")

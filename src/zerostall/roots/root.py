@@ -66,6 +66,16 @@ def validate_tag(tag: str) -> str:
     return tag
 
 
+def checkpoint_name(tag: str | int | None) -> str | None:
+    """The name of the checkpoint ``tag`` asks for: None and ``"latest"`` as they are, a step (an
+    int, as Orbax takes it) its checkpoint's, a tag checked (see :func:`validate_tag`)."""
+    if tag is None or tag == LATEST_NAME:
+        return tag
+    if type(tag) is int and tag >= 0:
+        return step_tag(tag)
+    return validate_tag(tag)
+
+
 @dataclass
 class CheckpointInfo:
     """One checkpoint as a listing shows it. ``status``: committed (its manifest reads and checks),
