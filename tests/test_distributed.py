@@ -577,3 +577,79 @@ def test_a_save_over_a_checkpoint_without_overwrite_is_refused_on_every_rank(ran
     assert "already holds a committed checkpoint" in rank0 and "overwrite=True" in rank0
     assert "1 other rank(s) could not prepare this save" in rank1
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+
+
+def mismatch_on_one_rank(path: str) -> str:
+    zs.save({"w": torch.ones(4)}, path)
+    target = {"w": torch.zeros(4)}
+    if dist.get_rank() == 1:
+        target["extra"] = torch.zeros(2)  # only this rank's state does not match
+    try:
+        zs.load(target, path)
+    except zs.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def test_a_strict_mismatch_on_one_rank_fails_the_load_on_every_rank(ranks, tmp_path):
+    """Without broadcast, the rank whose state did not match raised alone, and the others waited
+    in the load's next collective until the process group's timeout."""
+    rank0, rank1 = ranks(2).run(mismatch_on_one_rank, str(tmp_path / "ck"), timeout=60)
+    assert rank1.startswith("StateMismatchError") and "missing from the checkpoint: extra" in rank1, rank1
+    assert "1 other rank(s) could not match their state with it" in rank0 and "nothing was loaded" in rank0, rank0
+
+
+def boxes_read_one_after_another(path: str) -> list[str]:
+    """Entries of three chunks each, read by box one after another from fresh sessions."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    full = {"a": torch.arange(9.0).reshape(3, 3), "b": torch.arange(6.0) * 10, "c": torch.arange(12.0).reshape(3, 4)}
+    zs.save({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}, path)
+    said = []
+    if dist.get_rank() == 0:
+        for order in (("a", "b", "c"), ("c", "a", "b"), ("b", "c", "a")):
+            with zs.open(path, process_group=dist.new_group([0])) as ck:
+                for k in order:
+                    last = ((full[k].shape[0] - 1,) + (0,) * (full[k].dim() - 1), (1,) + tuple(full[k].shape[1:]))
+                    said.append(torch.equal(ck.read(k, box=last), full[k][-1:]))
+    else:
+        dist.new_group([0])  # every rank makes each group
+        dist.new_group([0])
+        dist.new_group([0])
+    return said
+
+
+def test_reads_by_box_of_entries_read_one_after_another_use_their_own_chunks(ranks, tmp_path):
+    """A session reading entries one at a time builds each entry anew; the index of an entry's
+    chunks was cached by id(), which the next entry could get: "its chunks do not cover the tensor"
+    on a good checkpoint."""
+    said = ranks(3).run(boxes_read_one_after_another, str(tmp_path / "ck"), timeout=60)
+    assert said[0] == [True] * 9
+
+
+def strided_and_part_of_the_ranks(path: str) -> list[str]:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    said = []
+    whole = init_device_mesh("cpu", (dist.get_world_size(),))
+    strided = distribute_tensor(torch.arange(24.0).reshape(12, 2), whole, [_StridedShard(0, split_factor=2)])
+    try:
+        zs.save({"w": strided}, f"{path}/strided")
+        said.append("saved")
+    except zs.UnsupportedValueError as exc:
+        said.append(str(exc))
+    part = dist.device_mesh.DeviceMesh("cpu", [0, 1])  # ranks 0 and 1 of the three
+    w = torch.arange(16.0).reshape(4, 4)
+    zs.save({"w": distribute_tensor(w, part, [Shard(0)])}, f"{path}/part")
+    target = {"w": distribute_tensor(torch.zeros(4, 4), part, [Shard(1)])}
+    zs.load(target, f"{path}/part")
+    said.append(dist.get_rank() == 2 or torch.equal(target["w"].full_tensor(), w))
+    return said
+
+
+def test_a_strided_shard_that_is_no_box_is_refused_and_a_dtensor_of_part_of_the_ranks_round_trips(ranks, tmp_path):
+    """A strided shard whose rows are not one block was saved as if they were (a checkpoint that
+    did not open); a DTensor on ranks 0 and 1 of three was saved into a malformed manifest (rank 2
+    got a box of no dimension), and loaded into with an untyped error."""
+    said = ranks(3).run(strided_and_part_of_the_ranks, str(tmp_path), timeout=120)
+    for rank in said:
+        assert "not one block of the tensor" in rank[0] and rank[1] is True, rank

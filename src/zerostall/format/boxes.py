@@ -23,18 +23,28 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 Grid = tuple[int, int, int, int, int]  # a layout's id, copies of a box, this rank's position among them, mesh ranks, box
 
 
-def local_box(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
-    """This rank's piece of a tensor and its box (offsets, sizes) in the global tensor.
+def local_box(value: torch.Tensor, name: str = "") -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """This rank's piece of a tensor and its box (offsets, sizes) in the global tensor (``name``:
+    its key, for errors).
 
     For a DTensor the box comes from DTensor itself, which also handles the strided shards that
-    FSDP2 + TP produce; a plain tensor is its own whole box.
+    FSDP2 + TP produce; a rank outside its mesh holds an empty box; a plain tensor is its own whole box.
     """
     if type(value) is not torch.Tensor and isinstance(value, DTensor):
         if any(p.is_partial() for p in value.placements):
-            raise UnsupportedValueError("DTensors with Partial placements must be reduced before saving")
+            raise UnsupportedValueError(f"{name or 'a DTensor'}: DTensors with Partial placements must be reduced "
+                                        "before saving")
+        if not _one_box(value.device_mesh, tuple(value.placements)):
+            raise UnsupportedValueError(
+                f"{name or 'a DTensor'}: its placements {list(value.placements)} give this rank rows that are not "
+                "one block of the tensor (a strided shard with no shard of the same dimension to split it): "
+                "redistribute it to Shard or Replicate placements first")
         offsets, sizes = _dtensor_box(value.shape, value.device_mesh, value.placements)
         with torch.no_grad():  # the local tensor itself, not an autograd view of it (which costs a graph node)
-            return value.to_local(), offsets, sizes
+            piece = value.to_local()
+        if piece.dim() != len(sizes):  # a rank outside the mesh: torch's piece has one dimension
+            piece = piece.new_empty(sizes)
+        return piece, offsets, sizes
     return value, (0,) * value.dim(), tuple(value.shape)
 
 
@@ -42,8 +52,28 @@ def local_box(value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple
 def _dtensor_box(shape: torch.Size, mesh: Any, placements: tuple[Any, ...]) -> Box:
     """This rank's box of a DTensor layout, cached: a sharded model and its optimizer state hold
     thousands of DTensors with a few distinct layouts."""
+    if mesh.get_coordinate() is None:  # a rank outside the mesh: nothing (torch gives a box of no dimension), at
+        return tuple(shape), (0,) * len(shape)  # the end, as torch places an empty shard: a box of its own
     sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
     return tuple(offsets), tuple(sizes)
+
+
+@functools.lru_cache(maxsize=1 << 10)
+def _one_box(mesh: Any, placements: tuple[Any, ...]) -> bool:
+    """Whether each rank's piece of this layout is one box: every strided shard of a dimension
+    (FSDP2's, under tensor parallelism) is split by the shards of that dimension on the mesh
+    dimensions after it, into exactly its ``split_factor`` parts."""
+    for i, placement in enumerate(placements):
+        factor = getattr(placement, "split_factor", None)  # a _StridedShard (no Shard in torch's eyes)
+        if factor is None:
+            continue
+        after = 1
+        for j in range(i + 1, len(placements)):
+            if placements[j].is_shard(placement.dim) or getattr(placements[j], "dim", None) == placement.dim:
+                after *= mesh.size(j)
+        if after != factor:
+            return False
+    return True
 
 
 def grid_of(value: torch.Tensor) -> Grid | None:

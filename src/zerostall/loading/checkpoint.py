@@ -287,16 +287,16 @@ class Checkpoint:
         :class:`LoadOptions` fields: prefix, keys, strip, strict_dtype, materialize, verify, broadcast...
 
         Collective when distributed: each rank reads only the bytes its targets need (DTensor
-        shards reshard from any saved layout); with ``broadcast``, if one rank's state does not
-        match, every rank raises before anything is read.
+        shards reshard from any saved layout); if one rank's state does not match, every rank
+        raises before anything is read.
         """
         o = LoadOptions.of(options or self.options, overrides)
         planner = LoadPlanner(self.manifest, self.path, self.group.rank, self.group.size, o)
         flat, plan = planner.plan(state) if self.group.size == 1 else self._plan_together(planner, state)
         together = o.broadcast and self.group.size > 1  # then every rank takes part in every broadcast
-        with (self.group.failing_together(f"broadcast load from {self.path} refused: {{failed}} other rank(s) could "
-                                          "not match their state with it (their errors name the keys); nothing was "
-                                          "loaded") if together else contextlib.nullcontext()):
+        with (self.group.failing_together(f"load from {self.path} refused: {{failed}} other rank(s) could not match "
+                                          "their state with it (their errors name the keys); nothing was loaded")
+              if self.group.size > 1 else contextlib.nullcontext()):  # a rank raising alone: the others would wait
             planner.check(plan, plan.wanted)
         received = broadcast_fill(self._fetcher, self.group, plan.tensors, o.verify, o.max_staging_bytes) \
             if together else set()

@@ -47,7 +47,8 @@ class Fetcher(ChunkReader):
         super().__init__(storage, manifest, threads)
         block = manifest.block_size
         self._piece_step = max(block, _PIECE_BYTES // block * block)
-        self._indexes: dict[int, BoxIndex] = {}  # id of an entry of many chunks -> where its chunks lie
+        self._indexes: dict[int, tuple[Entry, BoxIndex]] = {}  # id of an entry of many chunks -> it (kept alive,
+        # so that its id names no other: a deferred manifest builds an entry per read) and where its chunks lie
 
     def fill(self, targets: list[Target], verify: bool, staging: int,
              skip: set[tuple[int, int]] = frozenset()) -> None:
@@ -112,10 +113,10 @@ class Fetcher(ChunkReader):
         """The chunks of ``entry`` that may overlap ``box`` (every one that does), in their order."""
         if len(entry.chunks) <= 2:
             return entry.chunks
-        index = self._indexes.get(id(entry))
-        if index is None:
-            index = self._indexes[id(entry)] = BoxIndex([(c.offsets, c.sizes) for c in entry.chunks])
-        return [entry.chunks[i] for i in index.overlapping(box)]
+        found = self._indexes.get(id(entry))
+        if found is None:
+            found = self._indexes[id(entry)] = (entry, BoxIndex([(c.offsets, c.sizes) for c in entry.chunks]))
+        return [entry.chunks[i] for i in found[1].overlapping(box)]
 
     def read_bytes(self, entry: Entry, chunk: Chunk, lo: int, out: memoryview, verify: bool) -> None:
         """Read bytes ``[lo, lo+len(out))`` of ``chunk`` into ``out`` (``lo`` at a block)."""

@@ -297,7 +297,7 @@ class LoadPlanner:
             else:
                 plan.meta.append(fqn(path))
         else:
-            piece, offsets, sizes = local_box(value)
+            piece, offsets, sizes = local_box(value, fqn(path))
             if entry.kind == "subclass" or subclass.is_wrapper(piece):
                 self._match_subclass(plan, path, entry, piece, (offsets, sizes), strict_dtype, seen)
             elif seen.first(piece, True) is None:

@@ -254,7 +254,7 @@ def collect(state: Any, rank: int, *, allow_pickle: bool, flat: Flat | None = No
                 out.objects[key] = stored
             continue
         check_shaped(value, name)
-        piece, offsets, sizes = local_box(value)
+        piece, offsets, sizes = local_box(value, name)
         if subclass.is_wrapper(piece):
             first = None if local else seen_subclasses.setdefault(id(value), key)
             if first is not None and first != key:
