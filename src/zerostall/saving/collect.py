@@ -239,7 +239,8 @@ def collect(state: Any, rank: int, *, allow_pickle: bool, flat: Flat | None = No
         flat = flatten(state, skeleton=True)
     out = Collected(skeleton=flat.skeleton, refs=flat.refs, optimizers=optimizers_in(flat.statefuls.values()))
     seen = ViewIndex()  # view -> the key of the leaf that first held it
-    seen_subclasses: dict[int, str] = {}  # id of a subclass leaf -> its key (their views have no data pointer)
+    seen_objects: dict[int, str] = {}  # id of a subclass or DTensor leaf -> its key (a subclass's views have no
+    # data pointer; a DTensor's piece may be empty on some rank, where no pointer tells it is met again)
     names = {"__metadata__"}  # reserved in a safetensors header
     for path, value in flat.leaves.items():
         check_keys(path)
@@ -256,14 +257,16 @@ def collect(state: Any, rank: int, *, allow_pickle: bool, flat: Flat | None = No
         check_shaped(value, name)
         piece, offsets, sizes = local_box(value, name)
         if subclass.is_wrapper(piece):
-            first = None if local else seen_subclasses.setdefault(id(value), key)
+            first = None if local else seen_objects.setdefault(id(value), key)
             if first is not None and first != key:
                 out.rows.append(Row(key, "alias", alias_of=first))
             else:
                 _collect_subclass(out, names, path, key, value, piece, offsets, sizes, rank if local else None)
             continue
         check_tensor(piece, name)
-        first = None if local or not piece.numel() else seen.first(piece, key)  # empty ones share pointer 0
+        first = None if local or piece is value else seen_objects.setdefault(id(value), key)  # a DTensor met again
+        if first == key or first is None:
+            first = None if local or not piece.numel() else seen.first(piece, key)  # empty ones share pointer 0
         if first is not None:
             out.rows.append(Row(key, "alias", alias_of=first))
             continue
