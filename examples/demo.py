@@ -110,7 +110,7 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     trainer = Trainer()
     state = {"trainer": trainer, "dataloader": DataPosition(trainer)}
-    mgr = zs.CheckpointManager(args.dir, keep_last=2, save_every=args.every, async_save=True, fsync=False)
+    mgr = zs.CheckpointManager(args.dir, keep_last=2, save_every=args.every or None, async_save=True, fsync=False)
     start, restore_s = 0, 0.0
     if args.resume:
         t0 = time.perf_counter()
