@@ -17,8 +17,9 @@ _FACTORIES = {t.__name__: t for t in (list, dict, set, frozenset, int, float, co
 
 
 def describe(node: dict, where: str, allow_pickle: bool) -> Any:
-    """What ``node`` (of a class in :data:`KINDS`) needs besides its items, as JSON-ready data;
-    ``where`` names its key in an error."""
+    """What ``node`` (a dict of a class in :data:`KINDS`, or another dict subclass an integration
+    rebuilds) needs besides its items, as JSON-ready data: a ``defaultdict``'s factory, else its
+    ``_metadata``; ``where`` names its key in an error."""
     if isinstance(node, collections.defaultdict):
         factory = node.default_factory
         if factory is None or _FACTORIES.get(getattr(factory, "__name__", "")) is factory:

@@ -115,9 +115,7 @@ class AsyncSaver:
         if self._ranks_refuse_or_skip(process_group, path):
             log.info("skipping the save to %s: a save is still in flight", path)
             return None
-        if self._current is not None:
-            if not self._current.done():
-                self.wait()
+        if self._current is not None:  # done: waited for above, or done on every rank (else skipped)
             self._current.captured = None  # its buffers are this save's now (or freed, for another structure)
         asked, buffers, ready, recorded = self._ask(state, path, options, process_group, step, metadata, reuse)
         handle = SaveHandle(asked.storage.location, asked.step)

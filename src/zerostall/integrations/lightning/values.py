@@ -68,13 +68,10 @@ def split(checkpoint: dict[str, Any], *, allow_pickle: bool,
         if cls is list or cls is tuple:
             items = [walk(v, path + (i,)) for i, v in enumerate(node)]
             return items if cls is list else tuple(items)
-        if dicts.KINDS.get(cls.__qualname__) is cls:
+        if dicts.KINDS.get(cls.__qualname__) is cls or (isinstance(node, dict)
+                                                         and cls.__module__.split(".")[0] in _PACKAGES):
             objects.append([path, "dict", [cls.__module__, cls.__qualname__,
                                            dicts.describe(node, _dotted(path), allow_pickle)]])
-            return {k: walk(v, path + (k,)) for k, v in node.items()}
-        if isinstance(node, dict) and cls.__module__.split(".")[0] in _PACKAGES:
-            versions = getattr(node, "_metadata", None)
-            objects.append([path, "dict", [cls.__module__, cls.__qualname__, _encoded(versions, path, False)]])
             return {k: walk(v, path + (k,)) for k, v in node.items()}
         if cls is argparse.Namespace:
             objects.append([path, "namespace", None])
