@@ -106,6 +106,7 @@ def main() -> None:
             result = {"refused": f"{type(exc).__name__}: {exc}", "swap_kept": _optimizer_swap_files(engine) == swapped}
             with open(f"{args.losses}.rank{rank}", "w") as f:
                 json.dump(result, f)
+            _tear_down(engine)
             return
         losses["head_kept"] = torch.equal(engine.module[2].weight.detach(), head)
         assert path is not None, f"nothing to resume in {args.dir}"
@@ -129,6 +130,12 @@ def main() -> None:
         for step in range(client["step"] + 1, args.steps + 1):
             losses[f"again{step}"] = _step(engine, step, rank, w)
     _write(args.losses, rank, losses)
+    _tear_down(engine)
+
+
+def _tear_down(engine: Any) -> None:
+    """Close the engine and the process group on every rank together: a rank that exits with its
+    group still up can abort in gloo's threads at interpreter exit."""
     torch.distributed.barrier()  # no rank tears down while another still talks to it
     engine.destroy()
     torch.distributed.destroy_process_group()
