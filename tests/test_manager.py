@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import textwrap
@@ -19,7 +20,8 @@ import torch.distributed as dist
 
 import zerostall as zs
 from faults import FaultyStorage, wait_for
-from zerostall.format.layout import MANIFEST_NAME
+from zerostall.format.layout import MANIFEST_NAME, SUPERSEDED_NAME
+from zerostall.roots.resaving import RESAVING_NAME
 from zerostall.roots.root import LEASE_NAME, step_tag
 from zerostall.storage import LocalStorage
 
@@ -562,3 +564,45 @@ def test_a_manager_save_runs_no_collective_beyond_its_saves_own(ranks, tmp_path)
     inside the save's own first collective: a manager save costs what a plain save does."""
     for in_manager, in_plain in ranks(2).run(collectives_of_a_save, str(tmp_path / "root"), str(tmp_path / "plain")):
         assert in_manager == in_plain, (in_manager, in_plain)
+
+
+RESAVE = textwrap.dedent("""
+    import functools, os, signal, sys, torch, zerostall as zs
+    root, value, call = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+    kill = functools.partial(os.kill, os.getpid(), signal.SIGKILL)
+    mgr = zs.CheckpointManager(root, fsync=False, before_commit=kill if value < 0 else None)
+    step, _, tag = call.partition(":")
+    mgr.save(int(step), {"w": torch.full((4,), value)}, tag=tag or None)
+    mgr.close()
+""")
+
+
+@pytest.mark.parametrize("call, restores, then", [
+    ("200", 2.0, {"root": [100, 200, "best"], "aside": []}),  # saved over: the old one is back
+    ("200:best", 2.0, {"root": [100, 200, "best"], "aside": []}),
+    ("300:first", None, {"root": [100, 200, "best"], "aside": []}),  # a new tag's attempt is removed
+    ("150", None, {"root": [100], "aside": [200, "best"]}),  # a rollback: the run forked, later ones stay aside
+])
+def test_a_save_killed_before_it_commits_leaves_the_root_as_it_was(tmp_path, call, restores, then):
+    """A save SIGKILLed just before its commit, over a committed checkpoint or under a tag: the next
+    manager puts back what the save set aside and removes its attempt, so restore finds the same
+    checkpoint as before the save (a rollback's later steps stay set aside)."""
+    def run(value: float, what: str) -> int:
+        return subprocess.run([sys.executable, "-c", RESAVE, str(tmp_path), str(value), what], timeout=120).returncode
+
+    assert [run(v, w) for v, w in [(1.0, "100"), (2.0, "200"), (2.0, "200:best")]] == [0, 0, 0]
+    assert run(-1.0, call) == -signal.SIGKILL
+    target = {"w": torch.zeros(4)}
+    with zs.CheckpointManager(tmp_path) as mgr:
+        tag = call.partition(":")[2] or step_tag(int(call))
+        if restores is None:
+            with pytest.raises(zs.CheckpointNotFoundError):
+                mgr.restore(target, tag)
+        else:
+            assert mgr.restore(target, tag) in (100, 200) and torch.equal(target["w"], torch.full((4,), restores))
+        assert mgr.restore(target) == max(s for s in then["root"] if isinstance(s, int))
+        names = sorted(n for n in os.listdir(tmp_path) if not n.startswith(".") and n != "latest")
+        assert names == sorted(step_tag(s) if isinstance(s, int) else s for s in then["root"])
+        aside = sorted(os.listdir(tmp_path / SUPERSEDED_NAME)) if (tmp_path / SUPERSEDED_NAME).exists() else []
+        assert aside == sorted(step_tag(s) if isinstance(s, int) else s for s in then["aside"])
+        assert not (tmp_path / RESAVING_NAME).exists()

@@ -199,7 +199,7 @@ class CheckpointManager:
             later = [name for name, record in self.checkpoints() if record.step > step or name == tag]
             later += [name for name in self.checkpoint_root.unreadable  # a damaged manifest's step is its tag's
                       if name == tag or (tag_step(name) is not None and tag_step(name) > step)]
-            if later or tag in self.checkpoint_root.bare:  # retained data goes too; not while retention deletes
+            if later or tag in self.checkpoint_root.bare or tag_step(tag) is None:  # not while retention deletes
                 self._still_the_writer()
                 try:
                     self._deleter.submit(self.checkpoint_root.set_aside, later, step, tag).result()
@@ -229,7 +229,7 @@ class CheckpointManager:
             return
         self._still_the_writer()
         try:
-            self.checkpoint_root.write_latest(tag, step)
+            self.checkpoint_root.committed(tag, step)
         except OSError as exc:  # `latest` still names the previous checkpoint, which must stay
             raise CheckpointError(f"{tag} is committed, but {self.checkpoint_root.where(LATEST_NAME)} could not be "
                                   f"pointed at it: {exc}") from exc

@@ -3,7 +3,8 @@
 Layout: one sub-location per checkpoint (``step_000000100``, or any tag); ``latest``, JSON naming
 the newest committed tag (replaced atomically, written only after a commit); the writer lease
 ``.writer-lease`` (see :mod:`zerostall.roots.lease`); ``.superseded/``, checkpoints that a rollback set
-aside; and, briefly, ``.deleting-*``, uncommitted attempts being removed. A checkpoint is committed
+aside; ``.resaving``, the saves to undo should they never commit (see :mod:`zerostall.roots.resaving`);
+and, briefly, ``.deleting-*``, uncommitted attempts being removed. A checkpoint is committed
 once its manifest exists, and is deleted manifest first, so a half-deleted one never looks valid.
 """
 
@@ -26,6 +27,7 @@ from ..storage.location import few
 from ..storage.references import read_retained
 from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
 from .sharing import collect_retained, delete_checkpoint, referenced, refs_set_aside, set_aside
+from . import resaving
 from .stale import remove_attempts
 
 log = logging.getLogger(__name__)
@@ -124,8 +126,10 @@ def looks_like_checkpoint(storage: Storage) -> bool:
 
 
 def _update_temp(name: str) -> bool:
-    """Whether ``name`` is a temp file of an update of ``latest`` or of the lease (see :meth:`Storage.put`)."""
-    return name.startswith((f"{LATEST_NAME}.", f"{LEASE_NAME}.")) and name.endswith(".tmp")
+    """Whether ``name`` is a temp file of an update of ``latest``, the lease or the re-save journal (see
+    :meth:`Storage.put`)."""
+    return name.startswith(tuple(f"{n}." for n in (LATEST_NAME, LEASE_NAME, resaving.RESAVING_NAME))) \
+        and name.endswith(".tmp")
 
 
 def _holds_nothing_foreign(storage: Storage) -> bool:
@@ -326,9 +330,11 @@ class CheckpointRoot:
         tag = pointer.get("tag") if isinstance(pointer, dict) else None
         return tag if isinstance(tag, str) else None
 
-    def write_latest(self, tag: str, step: int | None) -> None:
-        """Point ``latest`` at ``tag`` (atomically, once it committed); OSError if it cannot be written."""
+    def committed(self, tag: str, step: int | None) -> None:
+        """After ``tag`` committed: point ``latest`` at it (atomically) and drop its re-save journal
+        entry (see :mod:`zerostall.roots.resaving`); OSError if either cannot be written."""
         self.storage.put(LATEST_NAME, json.dumps({"tag": tag, "step": step}).encode())
+        resaving.committed(self.storage, tag)
 
     # -- removing ------------------------------------------------------------------------------
     def references(self, but: str | None = None) -> dict[str, set[str]]:
@@ -359,14 +365,22 @@ class CheckpointRoot:
 
     def set_aside(self, tags: list[str], step: int, target: str) -> None:
         """Move ``tags`` into ``.superseded/`` (see :func:`zerostall.roots.sharing.set_aside`):
-        saving ``step`` as ``target`` below them forks the run (see :meth:`CheckpointManager.save`)."""
-        set_aside(self.storage, tags, step, target, {i.name: i.refs for i in self._all_read()})
+        saving ``step`` as ``target`` below them forks the run (see :meth:`CheckpointManager.save`).
+        A save of a tag, or over ``target`` alone, is noted first for a takeover to undo should it
+        never commit (see :mod:`zerostall.roots.resaving`)."""
+        def note(going: dict[str, str]) -> None:
+            alone = list(going) == [target]
+            if alone or tag_step(target) is None:
+                resaving.record(self.storage, target, f"{SUPERSEDED_NAME}/{going[target]}" if alone else None)
+
+        set_aside(self.storage, tags, step, target, {i.name: i.refs for i in self._all_read()}, note)
 
     def clean_stale_attempts(self, temp_age: float) -> None:
         """Remove what dead writers left (see :func:`~zerostall.roots.stale.remove_attempts`), and
         temp files of ``latest``/lease updates older than ``temp_age`` seconds (a younger one may be
         another writer's, in flight). Only for the lease holder: the other writers are dead."""
         remove_attempts(self.storage, self.where)
+        resaving.undo(self.storage, self.where)
         for name in self.storage.list():
             if _update_temp(name):
                 self._remove_if_older(name, temp_age)  # a publish that a crash interrupted

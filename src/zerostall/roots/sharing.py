@@ -121,15 +121,15 @@ def _delete_tree(root: Storage, tag: str) -> bool:
     return not root.child(tag).exists()
 
 
-def set_aside(root: Storage, tags: list[str], step: int, target: str, refs: dict[str, dict[str, str]]) -> None:
+def set_aside(root: Storage, tags: list[str], step: int, target: str, refs: dict[str, dict[str, str]],
+              before: Callable[[dict[str, str]], None]) -> None:
     """Move checkpoints ``tags`` of ``root`` into ``.superseded/``, never over one set aside
     before, to save ``step`` as ``target``; nothing is lost (each may be moved back). Retained data
     under ``target`` goes with them (only they may refer to it). If a committed checkpoint that
-    stays (``refs``: each one's references) refers to any of them, nothing is moved: it would stop loading."""
+    stays (``refs``: each one's references) refers to any of them, nothing is moved: it would stop loading.
+    ``before`` is given where each will go (tag: its name in ``.superseded/``) before anything moves."""
     if target not in tags and RETAINED_NAME in root.child(target).list():
         tags = [*tags, target]
-    if not tags:
-        return
     broken = sorted({(name, tag) for name, of in refs.items() if name not in tags
                      for tag in of.values() if tag in tags})
     if broken:
@@ -139,14 +139,20 @@ def set_aside(root: Storage, tags: list[str], step: int, target: str, refs: dict
             "aside (the referring checkpoint would stop loading). Delete or move the referring checkpoint first, or "
             "save under another tag; nothing was moved")
     aside = root.child(SUPERSEDED_NAME)
-    aside.create()
+    if tags:
+        aside.create()
+    going: dict[str, str] = {}
     for tag in tags:
         name = tag
         while aside.child(name).exists():
             name = f"{tag}.{secrets.token_hex(4)}"
+        going[tag] = name
+    before(going)
+    for tag, name in going.items():
         try:
             root.move(tag, f"{SUPERSEDED_NAME}/{name}")
         except FileNotFoundError:
             continue
-        log.warning("step %d is being saved under %s, which holds later steps: %s moved to %s (move it back, with "
-                    "what it refers to, to resume from it)", step, root.location, tag, aside.child(name).location)
+        log.warning("step %d is being saved under %s, which holds later steps or the same tag: %s moved to %s (move "
+                    "it back, with what it refers to, to resume from it)", step, root.location, tag,
+                    aside.child(name).location)

@@ -32,7 +32,7 @@ def remove_attempts(storage: Storage, where: Callable[[str], str]) -> None:
             storage.delete_tree(name)  # a removal that a crash interrupted
         elif name.startswith("step_") and not has_manifest(storage.child(name)) \
                 and RETAINED_NAME not in storage.child(name).list():
-            _remove_attempt(storage, name, where)
+            remove_attempt(storage, name, where)
 
 
 def _owned(path: str) -> bool:
@@ -42,15 +42,17 @@ def _owned(path: str) -> bool:
     return bool(folder) and (file_generation(name) is not None or folder.startswith((TRASH_PREFIX, SUPERSEDED_NAME)))
 
 
-def _remove_attempt(storage: Storage, name: str, where: Callable[[str], str]) -> None:
+def remove_attempt(storage: Storage, name: str, where: Callable[[str], str]) -> bool:
+    """Remove the uncommitted checkpoint ``name`` (see :func:`remove_attempts`); False if it committed meanwhile."""
     trash = f"{TRASH_PREFIX}{name}.{secrets.token_hex(4)}"
     try:
         storage.move(name, trash)
     except FileNotFoundError:
-        return
+        return True
     if has_manifest(storage.child(trash)):
         log.warning("%s committed while it was being cleaned up: a writer outlived its lease", where(name))
         storage.move(trash, name)
-        return
+        return False
     log.info("removing the uncommitted checkpoint %s left by a dead writer", where(name))
     storage.delete_tree(trash)
+    return True
