@@ -18,7 +18,7 @@ ORDER = [
     "format.codec", "format.dicts", "format.checksums", "format.boxes", "format.layout", "format.envelope", "format.safetensors_file", "format.subclass", "format.flattened",
     "format.tensor_check", "format.value_check", "format.head_check", "format.manifest_check", "format.retained", "format",
     # storage/: one backend a module; a checkpoint's location (what may be written, the commit step)
-    "storage.base", "storage.local", "storage.s3client", "storage.s3reads", "storage.s3", "storage", "storage.location",
+    "storage.base", "storage.vectored", "storage.local", "storage.s3client", "storage.s3reads", "storage.s3", "storage", "storage.location",
     "storage.references",
     # shared basics over storage: the process group, the state tree, the options
     "doorbell", "collectives", "views", "state", "options",

@@ -130,3 +130,24 @@ def test_the_bytes_counted_before_a_save_are_at_least_those_it_writes(tmp_path):
         zs.save(state, tmp_path / name)
         written = sum(max(p.stat().st_size, p.stat().st_blocks * 512) for p in (tmp_path / name).iterdir())
         assert counted >= written, (name, counted, written)
+
+
+@pytest.mark.parametrize("fsync, answer", [(True, 0), (True, -1), (False, 0)])
+def test_a_file_to_be_fsynced_has_its_write_back_started_as_it_is_written(tmp_path, monkeypatch, fsync, answer):
+    """Every WRITEBACK_BYTES written, a file that will be fsynced asks the kernel to start writing
+    those bytes out, range after range; a refusal turns the requests off for that file and the save
+    goes on; without fsync none is made."""
+    from zerostall.storage import vectored
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(vectored, "_SYNC_FILE_RANGE",
+                        lambda fd, offset, n, flags: calls.append((offset, n)) or answer)
+    state = {"w": torch.arange(9 << 20, dtype=torch.int32)}  # 36 MiB: one file, four full ranges
+    zs.save(state, tmp_path / "ck", fsync=fsync, threads=1)
+    assert torch.equal(zs.load({"w": torch.zeros_like(state["w"])}, tmp_path / "ck")["w"], state["w"])
+    if not fsync:
+        assert calls == []
+    elif answer != 0:
+        assert len(calls) == 1
+    else:
+        assert [offset for offset, _ in calls] == [sum(n for _, n in calls[:i]) for i in range(len(calls))]
+        assert len(calls) == 4 and all(n >= vectored.WRITEBACK_BYTES for _, n in calls)

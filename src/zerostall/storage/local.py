@@ -17,11 +17,11 @@ from typing import Callable, Iterable, Iterator
 
 from ..errors import InvalidPathError, UnsafeFileError
 from .base import FileStat, FileTooLargeError, Storage, check_name
+from .vectored import IOV_PARTS, WriteBack, move_all, writev_all
 
 log = logging.getLogger(__name__)
 
 _WRITEV_BYTES = 1 << 20  # small, so bytes hashed just before are still in cache when written
-_IOV_PARTS = 512  # buffers per writev/preadv call (the kernel takes at most 1024)
 # never through a symbolic link, never blocking on a FIFO with no writer, never taking a terminal
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -190,16 +190,19 @@ class LocalStorage(Storage):
             written = 0
             batch: list[memoryview] = []
             batch_bytes = 0
+            behind = WriteBack(fd) if self.fsync else None  # the fsync below then waits for little
             for part in parts:
                 if not len(part):
                     continue
                 batch.append(part)
                 batch_bytes += len(part)
-                if batch_bytes >= _WRITEV_BYTES or len(batch) >= _IOV_PARTS:
-                    written += _writev_all(fd, batch)
+                if batch_bytes >= _WRITEV_BYTES or len(batch) >= IOV_PARTS:
+                    written += writev_all(fd, batch)
                     batch, batch_bytes = [], 0
+                    if behind is not None:
+                        behind.wrote(written)
             if batch:
-                written += _writev_all(fd, batch)
+                written += writev_all(fd, batch)
             if self.fsync:
                 os.fsync(fd)
         except BaseException as exc:
@@ -236,7 +239,7 @@ class LocalStorage(Storage):
     def read_into_many(self, name: str, offset: int, outs: list[memoryview]) -> None:
         fd = self._fd(name)
         total = sum(len(out) for out in outs)
-        done = _move_all(outs, lambda bufs, done: os.preadv(fd, bufs, offset + done))
+        done = move_all(outs, lambda bufs, done: os.preadv(fd, bufs, offset + done))
         if done < total:
             raise EOFError(f"{self._path(name)} ends at byte {offset + done}, expected {offset + total}")
 
@@ -303,7 +306,7 @@ class LocalStorage(Storage):
         fd = os.open(path, _WRITE_FLAGS | flags, 0o644)
         try:
             try:
-                _writev_all(fd, [memoryview(data)])
+                writev_all(fd, [memoryview(data)])
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -369,32 +372,3 @@ def _remove(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
-
-
-def _writev_all(fd: int, parts: list[memoryview]) -> int:
-    """``writev`` until every byte of ``parts`` is written; returns the bytes written. A write that
-    makes no progress raises, so no caller can mistake a short file for a whole one."""
-    total = sum(len(p) for p in parts)
-    done = _move_all(parts, lambda bufs, done: os.writev(fd, bufs))
-    if done < total:
-        raise OSError(errno.EIO, f"write stalled after {done} of {total} bytes")
-    return done
-
-
-def _move_all(parts: list[memoryview], move: Callable[[list[memoryview], int], int]) -> int:
-    """Call ``move(buffers, done)`` (a ``writev`` or ``preadv`` of the buffers still pending, ``done``
-    bytes moved so far) until every byte of ``parts`` has moved or a call moves none (end of file);
-    calls may stop short, and do. Returns the bytes moved."""
-    pending = list(parts)
-    first = done = 0
-    while first < len(pending):
-        n = move(pending[first:first + _IOV_PARTS], done)
-        if n == 0:
-            break
-        done += n
-        while first < len(pending) and n >= len(pending[first]):
-            n -= len(pending[first])
-            first += 1
-        if n:
-            pending[first] = pending[first][n:]
-    return done
