@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import threading
 
 import pytest
@@ -242,3 +243,41 @@ def test_a_step_whose_data_was_retained_is_saved_again_with_no_later_step_left(t
             mgr.save(step, state)
     assert same(load(tmp_path, 20, state), state)
     assert sorted(os.listdir(tmp_path / ".superseded")) == [step_tag(20), step_tag(30)]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_checkpoint_saved_again_is_replaced_once_the_new_one_commits(tmp_path, async_save):
+    """A tag saved again at every improvement, and the step a run resumed from saved again, each
+    set the old one aside for good: ``.superseded/`` grew by a whole checkpoint each time."""
+    state = make_state()
+    with manager(tmp_path, async_save=async_save) as mgr:
+        for step in (10, 20, 30):
+            mgr.wait_staged()
+            state["model"]["lora"].add_(1)
+            mgr.save(step, state)
+            mgr.save(step, state, tag="best")
+        mgr.save(30, state)
+    assert sorted(os.listdir(tmp_path / ".superseded")) == []
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == ["best", "latest", *map(
+        step_tag, (10, 20, 30))]
+    assert same(load(tmp_path, 30, state), state) and same(zs.load(make_state(), tmp_path / "best"), state)
+
+
+def test_a_replaced_checkpoint_that_one_set_aside_refers_to_stays(tmp_path):
+    """Steps 2 and 3, set aside by a rollback, refer to step 1's files: step 1 saved again keeps the
+    old one set aside, so all three can be moved back and load."""
+    state = make_state()
+    with manager(tmp_path) as mgr:
+        for step in (1, 2, 3):
+            state["model"]["lora"].add_(1)
+            mgr.save(step, state)
+        step_3 = snapshot(state)
+        mgr.save(2, state)  # a rollback: steps 2 and 3 set aside, both referring to step 1
+        shutil.rmtree(tmp_path / step_tag(2))
+        state["model"]["frozen"].add_(1)
+        mgr.save(1, state)  # saved again alone: the old step 1 goes aside, and stays there
+    assert sorted(os.listdir(tmp_path / ".superseded")) == [step_tag(1), step_tag(2), step_tag(3)]
+    os.rename(tmp_path / step_tag(1), tmp_path / "new")
+    for step in (1, 3):
+        os.rename(tmp_path / ".superseded" / step_tag(step), tmp_path / step_tag(step))
+    assert same(load(tmp_path, 3, state), step_3)

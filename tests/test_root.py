@@ -109,7 +109,7 @@ def test_each_manifest_is_parsed_once_until_it_is_replaced(tmp_path):
 
 def test_latest_pointer_round_trip(ckroot, tmp_path):
     assert ckroot.read_latest() is None
-    ckroot.committed("step_000000010", 10)
+    ckroot.write_latest("step_000000010", 10)
     assert json.loads((tmp_path / LATEST_NAME).read_text()) == {"tag": "step_000000010", "step": 10}
     assert ckroot.read_latest() == "step_000000010"
     assert [n for n in os.listdir(tmp_path) if n.endswith(".tmp")] == []

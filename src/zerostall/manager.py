@@ -229,7 +229,7 @@ class CheckpointManager:
             return
         self._still_the_writer()
         try:
-            self.checkpoint_root.committed(tag, step)
+            self.checkpoint_root.write_latest(tag, step)
         except OSError as exc:  # `latest` still names the previous checkpoint, which must stay
             raise CheckpointError(f"{tag} is committed, but {self.checkpoint_root.where(LATEST_NAME)} could not be "
                                   f"pointed at it: {exc}") from exc

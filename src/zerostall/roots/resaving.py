@@ -1,13 +1,13 @@
-"""The re-save journal: a save that never commits leaves no attempt behind and loses no checkpoint it
-was to replace.
+"""The re-save journal: a save over a checkpoint replaces it once committed, and a save that never
+commits leaves no attempt behind and loses no checkpoint it was to replace.
 
 Before a save of a tag that is not a step's, or of a committed checkpoint that it alone sets aside
 (saved over), the coordinator records ``{tag: where the old one was set aside, or None}`` in
-``.resaving`` at the root; once the save commits, the entry goes. A writer that takes over a root
-(the one before it died) finds what is left: each tag that did not commit has its attempt removed
-and the checkpoint set aside for it moved back, so a crash while saving over a checkpoint does not
-send the next restore back to an earlier step. Step checkpoints set aside by a rollback (later
-steps went with them) are not moved back: the run had forked.
+``.resaving`` at the root. After the save commits, the checkpoint it replaced is deleted and the
+entry goes. A writer that takes over a root (the one before it died) finds what is left: each tag
+that did not commit has its attempt removed and the checkpoint set aside for it moved back, so a
+crash while saving over a checkpoint does not send the next restore back to an earlier step.
+Checkpoints set aside by a rollback (later steps went with them) stay set aside: the run had forked.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Callable
 
 from ..format.layout import SUPERSEDED_NAME
 from ..storage import SMALL_FILE_BYTES, Storage
-from .sharing import has_manifest
+from .sharing import delete_checkpoint, has_manifest, refs_set_aside
 from .stale import remove_attempt
 
 log = logging.getLogger(__name__)
@@ -57,28 +57,40 @@ def record(root: Storage, tag: str, aside: str | None) -> None:
     root.put(RESAVING_NAME, json.dumps(entries).encode())
 
 
-def committed(root: Storage, tag: str) -> None:
-    """``tag`` committed: nothing of its entry is to be undone."""
-    entries = _read(root) or {}
-    if entries.pop(tag, False) is False:
+def settle(root: Storage, where: Callable[[str], str], *, takeover: bool) -> None:
+    """Each noted save that committed: the checkpoint it replaced is deleted (kept, as any set aside,
+    where another set aside refers to its files: both may be moved back), and the note goes. With
+    ``takeover`` (a writer taking the root over: the one before is dead), each that did not commit
+    has its attempt removed and what it set aside moved back; otherwise it is in flight, and stays."""
+    entries = _read(root)
+    if entries is None:
         return
-    if entries:
-        root.put(RESAVING_NAME, json.dumps(entries).encode())
+    left = {}
+    for tag, aside in entries.items():
+        if has_manifest(root.child(tag)):
+            if aside is not None:
+                _drop_replaced(root, tag, aside.partition("/")[2], where)
+        elif not takeover:
+            left[tag] = aside
+        elif remove_attempt(root, tag, where) and aside is not None and root.child(aside).exists():
+            root.move(aside, tag)
+            log.warning("the save over %s never committed: the checkpoint it was to replace is back in place",
+                        where(tag))
+    if left == entries:
+        return
+    if left:
+        root.put(RESAVING_NAME, json.dumps(left).encode())
     else:
         root.delete(RESAVING_NAME)
 
 
-def undo(root: Storage, where: Callable[[str], str]) -> None:
-    """For a writer taking the root over: remove the attempt of each tag noted that did not commit,
-    and move back what was set aside for it."""
-    entries = _read(root)
-    if entries is None:
+def _drop_replaced(root: Storage, tag: str, name: str, where: Callable[[str], str]) -> None:
+    """Delete ``.superseded/name``, which the committed ``tag`` replaced, unless a checkpoint set
+    aside refers to the files of ``tag`` (the replaced one's)."""
+    aside = root.child(SUPERSEDED_NAME)
+    if not aside.child(name).exists():
         return
-    for tag, aside in entries.items():
-        if has_manifest(root.child(tag)) or not remove_attempt(root, tag, where):
-            continue  # it committed: the one set aside stays superseded
-        if aside is not None and root.child(aside).exists():
-            root.move(aside, tag)
-            log.warning("the save over %s never committed: the checkpoint it was to replace is back in place",
-                        where(tag))
-    root.delete(RESAVING_NAME)  # a damaged journal too
+    if any(tag in refs.values() for refs in refs_set_aside(aside, but=name)):
+        log.info("%s/%s stays: checkpoints set aside refer to its files", where(SUPERSEDED_NAME), name)
+        return
+    delete_checkpoint(aside, name, set())

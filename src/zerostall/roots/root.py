@@ -330,11 +330,9 @@ class CheckpointRoot:
         tag = pointer.get("tag") if isinstance(pointer, dict) else None
         return tag if isinstance(tag, str) else None
 
-    def committed(self, tag: str, step: int | None) -> None:
-        """After ``tag`` committed: point ``latest`` at it (atomically) and drop its re-save journal
-        entry (see :mod:`zerostall.roots.resaving`); OSError if either cannot be written."""
+    def write_latest(self, tag: str, step: int | None) -> None:
+        """Point ``latest`` at ``tag`` (atomically, once it committed); OSError if it cannot be written."""
         self.storage.put(LATEST_NAME, json.dumps({"tag": tag, "step": step}).encode())
-        resaving.committed(self.storage, tag)
 
     # -- removing ------------------------------------------------------------------------------
     def references(self, but: str | None = None) -> dict[str, set[str]]:
@@ -360,8 +358,10 @@ class CheckpointRoot:
         return delete_checkpoint(self.storage, tag, self.references(but=tag).get(tag, set()))
 
     def collect_retained(self) -> None:
-        """Remove retained data that no checkpoint refers to any more (see :mod:`zerostall.roots.sharing`)."""
+        """Remove retained data that no checkpoint refers to any more (see :mod:`zerostall.roots.sharing`),
+        and the checkpoints that committed re-saves replaced (see :mod:`zerostall.roots.resaving`)."""
         collect_retained(self.storage, self.references)
+        resaving.settle(self.storage, self.where, takeover=False)
 
     def set_aside(self, tags: list[str], step: int, target: str) -> None:
         """Move ``tags`` into ``.superseded/`` (see :func:`zerostall.roots.sharing.set_aside`):
@@ -380,7 +380,7 @@ class CheckpointRoot:
         temp files of ``latest``/lease updates older than ``temp_age`` seconds (a younger one may be
         another writer's, in flight). Only for the lease holder: the other writers are dead."""
         remove_attempts(self.storage, self.where)
-        resaving.undo(self.storage, self.where)
+        resaving.settle(self.storage, self.where, takeover=True)
         for name in self.storage.list():
             if _update_temp(name):
                 self._remove_if_older(name, temp_age)  # a publish that a crash interrupted

@@ -76,12 +76,14 @@ def has_manifest(storage: Storage) -> bool:
     return True
 
 
-def refs_set_aside(aside: Storage) -> list[dict[str, str]]:
-    """The references of the checkpoints set aside under ``aside`` (``.superseded/``): those with
-    no manifest (retained data, an empty folder) or a damaged one refer to nothing; one that cannot
-    be read now raises, for what it refers to is unknown."""
+def refs_set_aside(aside: Storage, but: str | None = None) -> list[dict[str, str]]:
+    """The references of the checkpoints set aside under ``aside`` (``.superseded/``) other than
+    ``but``: those with no manifest (retained data, an empty folder) or a damaged one refer to
+    nothing; one that cannot be read now raises, for what it refers to is unknown."""
     refs = []
     for name in aside.children():
+        if name == but:
+            continue
         try:
             refs.append(read_manifest_head(aside.child(name)).refs)
         except (CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError):
@@ -153,6 +155,9 @@ def set_aside(root: Storage, tags: list[str], step: int, target: str, refs: dict
             root.move(tag, f"{SUPERSEDED_NAME}/{name}")
         except FileNotFoundError:
             continue
-        log.warning("step %d is being saved under %s, which holds later steps or the same tag: %s moved to %s (move "
-                    "it back, with what it refers to, to resume from it)", step, root.location, tag,
-                    aside.child(name).location)
+        if tag == target:  # replaced once the save commits (see roots.resaving) unless others went too
+            log.info("%s is being saved again: the one before moved to %s", tag, aside.child(name).location)
+        else:
+            log.warning("step %d is being saved under %s, which holds later steps: %s moved to %s (move it back, "
+                        "with what it refers to, to resume from it)", step, root.location, tag,
+                        aside.child(name).location)
