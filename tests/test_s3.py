@@ -452,7 +452,16 @@ def test_the_manager_keeps_retains_restores_and_cleans_up_on_s3(s3_server, s3_ur
         mgr.wait()
         assert [tag for tag, _ in mgr.checkpoints()] == ["step_000000003"]
         assert sorted(storage.child(".superseded").children()) == ["step_000000003", "step_000000004"]
-    assert ".writer-lease" not in storage.list()
+        mgr.save(3, state_of(31))  # saved again, and a tag twice: each replaces the one before once committed
+        mgr.save(3, state_of(31), tag="best")
+        mgr.save(3, state_of(32), tag="best")
+    aside = storage.child(".superseded")  # a server may list a prefix emptied as a folder still
+    assert [name for name in sorted(aside.children()) if aside.child(name).exists()] == ["step_000000003",
+                                                                                       "step_000000004"]
+    assert ".writer-lease" not in storage.list() and ".resaving" not in storage.list()
+    with zs.CheckpointManager(s3_url) as mgr:
+        restored = zeros_like_state()
+        assert mgr.restore(restored, "best") == 3 and same(restored, state_of(32))
 
 
 def test_every_command_works_on_s3(s3_url):
