@@ -269,11 +269,22 @@ def test_a_peer_that_dies_in_the_middle_of_a_restore_fails_every_rank_and_the_ne
     check_resumed(after, whole, 20, ("local", "local", "peer", "peer"))
 
 
-def test_fallback_false_refuses_a_damaged_copy(run):
-    pool, root, base, _ = run
+def test_fallback_false_refuses_a_damaged_copy_and_a_damaged_manifest_is_a_damaged_copy(run):
+    """A copy whose manifest is damaged was left out without a trace: a restore with
+    ``fallback=False`` went to the replica all the same, and none recorded it. Damage under
+    ``fallback=False`` was a plain CheckpointError, with nothing in ``last_restore``."""
+    pool, root, base, whole = run
     flip_a_byte(copy_files(base, "a", 20, 0)[0])
-    after = pool.run(train, root, base, END, fallback=False)
-    assert all(r["error"][0] == "CheckpointError" and "fallback=True" in r["error"][1] for r in after)
+    manifest = os.path.join(os.path.dirname(copy_files(base, "a", 20, 1)[0]), "manifest.json")
+    flip_a_byte(manifest)
+    for got in pool.run(train, root, base, END, fallback=False):
+        assert got["error"][0] == "CorruptCheckpointError" and "fallback=True" in got["error"][1], got
+        assert [what for what, _ in got["info"].fallbacks] == ["step 20, rank 0's copy on node a (local)",
+                                                               "step 20, rank 1's copy on node a (local)"]
+    after = pool.run(train, root, base, END)
+    check_resumed(after, whole, 20, ("peer", "peer", "local", "local"))
+    assert "manifest.json fails its checksum" in dict(after[1]["info"].fallbacks)["step 20, rank 1's copy on node a "
+                                                                                    "(local)"]
 
 
 # -- pieces ----------------------------------------------------------------------------------------
@@ -485,6 +496,24 @@ def restore_elsewhere(root: Any, base: str) -> tuple:
         return step, mgr.last_restore.sources, seen
     finally:
         logging.getLogger("zerostall").removeHandler(handler)
+
+
+def test_another_world_size_with_an_empty_root_is_refused_and_deletes_nothing(ranks, tmp_path):
+    """The root held no checkpoint yet: the restore on 2 ranks returned None (a fresh start), and the
+    manager then deleted every step of the local tier, the run's only checkpoints."""
+    root, base = str(tmp_path / "root"), str(tmp_path / "nodes")
+    ranks(4).run(train, root, base, 10)  # local steps 5 and 10; the root saves at 12: none
+    held = sorted(p for p, _, files in os.walk(base) if "manifest.json" in files)
+    for got in ranks(2).run(refused_elsewhere, root, base):
+        assert got[0] == "StateMismatchError" and "holds steps [10, 5]" in got[1] and "nothing deleted" in got[1], got
+    assert sorted(p for p, _, files in os.walk(base) if "manifest.json" in files) == held and len(held) == 16
+
+
+def refused_elsewhere(root: Any, base: str) -> tuple[str, str]:
+    try:
+        return ("returned", repr(restore_elsewhere(root, base)))
+    except zs.CheckpointError as exc:
+        return (type(exc).__name__, str(exc))
 
 
 def test_another_world_size_restores_from_the_root_and_says_why(run, ranks):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..collectives import Group
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
 from ..loading.opening import read_manifest_head
 from ..roots.restore import DAMAGED, FAILED, OK, kind_of
 from ..storage import storage_for
@@ -51,10 +51,15 @@ class Choice:
     kinds: list[str] = field(default_factory=list)
 
 
+UNREADABLE = "?"
+"""The digest reported for a copy whose manifest is damaged: taken for any layout's, so that a
+restore tries it, finds it damaged (recorded, refused under ``fallback=False``) and goes on."""
+
+
 def report(directory: NodeDirectory, world: int, leader: bool) -> dict[int, dict[int, str]]:
     """This node's copies: {step: {rank: layout digest}}, the digest empty for copies a restore on
-    ``world`` ranks cannot use (only the node's first rank lists them, once for the node). A copy
-    whose manifest is damaged is left out; another error reading it (an I/O error) is raised."""
+    ``world`` ranks cannot use (only the node's first rank lists them, once for the node), and
+    :data:`UNREADABLE` for one whose manifest is damaged; another error reading it (an I/O error) is raised."""
     held: dict[int, dict[int, str]] = {}
     if not leader:
         return held
@@ -65,7 +70,7 @@ def report(directory: NodeDirectory, world: int, leader: bool) -> dict[int, dict
             except (CheckpointError, OSError) as exc:
                 if kind_of(exc) != DAMAGED:
                     raise  # an I/O error is not damage: the copy may be the newest whole one
-                log.warning("local-tier copy of rank %d at step %d is damaged, not used: %s", rank, step, exc)
+                held.setdefault(step, {})[rank] = UNREADABLE
                 continue
             meta = head.metadata if isinstance(head.metadata, dict) else {}
             usable = head.world_size == 1 and meta.get("world_size") == world and isinstance(meta.get(LAYOUT_KEY), str)
@@ -82,7 +87,7 @@ def choose(nodes: Nodes, digests: list[str], held: list[dict[int, dict[int, str]
     for node, copies in enumerate(held):
         for step, ranks in copies.items():
             for rank, digest in ranks.items():
-                if rank < world and digest == digests[rank] and (node, step, rank) not in bad:
+                if rank < world and digest in (digests[rank], UNREADABLE) and (node, step, rank) not in bad:
                     holders.setdefault((step, rank), []).append(node)
     for step in sorted({s for s, _ in holders}, reverse=True):
         if newer_than is not None and step <= newer_than:
@@ -163,8 +168,9 @@ def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirec
                               f"({chosen.kinds[r]})", message))
         reason = "; ".join(f"rank {r}: {m}" for r, m in damaged)
         if not fallback:
-            raise CheckpointError(f"a local-tier copy of step {chosen.step} is damaged ({reason}); restore(..., "
-                                  "fallback=True) restores from the next good copy instead")
+            raise CorruptCheckpointError(f"a local-tier copy of step {chosen.step} is damaged ({reason}); "
+                                         "restore(..., fallback=True) restores from the next good copy instead") \
+                from error
         log.log(logging.WARNING if group.is_coordinator else logging.DEBUG,
                 "local-tier copy of step %d is damaged (%s): trying the next copy", chosen.step, reason)
 
@@ -211,10 +217,23 @@ def _as_json(choice: Choice | None) -> Any:
     return None if choice is None else {"step": choice.step, "sources": choice.sources, "kinds": choice.kinds}
 
 
-def say_why_not(group: Group, seen: Survey) -> None:
-    """Log, once, that the tiers hold steps but none that a restore can use (it goes on from the root)."""
+def say_why_not(group: Group, seen: Survey, directory: NodeDirectory, fresh: bool) -> None:
+    """The tiers hold steps, but none that a restore can use: log it, once, where the root has
+    checkpoints to go on from; raise where it has none (``fresh``), for a fresh start would delete those
+    steps (another world size or mesh: :class:`StateMismatchError`; copies lost: :class:`IncompleteCheckpointError`)."""
     steps = sorted({s for copies in seen.held for s in copies}, reverse=True)
-    if steps and group.is_coordinator:
-        log.warning("the local tier holds steps %s, but no step left holds a good copy of every rank's state saved "
-                    "from the layout the ranks have now (another world size or mesh, copies lost or damaged): "
-                    "restoring from the persistent tier", steps[:5])
+    if not steps:
+        return
+    why = "another world size or mesh, copies lost or damaged"
+    if not fresh:
+        if group.is_coordinator:
+            log.warning("the local tier holds steps %s, but no step left holds a good copy of every rank's state saved "
+                        "from the layout the ranks have now (%s): restoring from the persistent tier", steps[:5], why)
+        return
+    other = any(d not in (seen.digests[r] if r < len(seen.digests) else None, UNREADABLE)
+                for copies in seen.held for ranks in copies.values() for r, d in ranks.items())
+    error = StateMismatchError if other else IncompleteCheckpointError
+    raise error(f"the local tier ({directory.run}) holds steps {steps[:5]}, but none with a copy of every rank's "
+                f"state saved from the layout the ranks have now ({why}), and the persistent tier holds no "
+                "checkpoint: nothing was restored, and nothing deleted. Restart with the ranks and nodes that saved "
+                f"them, or delete {directory.run} on every node to start from scratch")

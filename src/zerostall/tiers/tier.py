@@ -214,14 +214,15 @@ class NodeTier:
                                             fallbacks=fallbacks, bad=bad)
             except CheckpointError as exc:
                 self.replicator.lost_link(exc)
+                root([], until=0, earlier=tuple(fallbacks))  # records what was passed over: nothing restored
                 raise
             if chosen is not None:
                 break
             i = cut
         else:
-            say_why_not(self.group, seen)
             if unreachable is not None:
                 raise unreachable
+            say_why_not(self.group, seen, self.directory, fresh=not candidates[i:] and not fallbacks)
             return None, root(candidates[i:], earlier=tuple(fallbacks))
         choice, loaded = chosen
         if unreachable is not None and self.group.is_coordinator:
