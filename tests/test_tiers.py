@@ -752,10 +752,11 @@ def test_retention_keeps_the_newest_step_every_rank_saved_not_the_newest_of_each
     assert out == [([10], 10, 10)] * 2  # the steps missing a rank's copy are gone; 10 restores
 
 
-def runs_on_one_root(root: str, base: str, run: int, last: int, restore: bool) -> tuple:
-    """Run ``run``: restore (or not), then save steps 10 to ``last``, each of value 1000 * run + step."""
-    os.environ["ZEROSTALL_NODE_ID"] = "ab"[dist.get_rank()]
-    tier = zs.LocalTier(node_dir(base, "ab"[dist.get_rank()]), every=10, keep=1, replicas=2, timeout_s=20)
+def runs_on_one_root(root: str, base: str, run: int, last: int, restore: bool, nodes: str = "ab") -> tuple:
+    """Run ``run`` on ``nodes`` (one a rank): restore (or not), then save steps 10 to ``last``, each
+    of value 1000 * run + step."""
+    node = os.environ["ZEROSTALL_NODE_ID"] = nodes[dist.get_rank()]
+    tier = zs.LocalTier(node_dir(base, node), every=10, keep=1, replicas=2, timeout_s=20)
     target = single_state(-1.0)
     with zs.CheckpointManager(root, save_every=20, local=tier, fsync=False) as mgr:
         restored = mgr.restore(target) if restore else None
@@ -773,6 +774,16 @@ def test_a_run_that_starts_anew_drops_the_local_steps_of_the_run_before(ranks, t
     ranks(2).run(runs_on_one_root, root, base, 1, 40, False, timeout=240)
     ranks(2).run(runs_on_one_root, root, base, 2, 20, False, timeout=240)  # starts anew: no restore
     assert ranks(2).run(runs_on_one_root, root, base, 3, 0, True, timeout=240) == [(20, 2020)] * 2
+
+
+def test_a_node_that_missed_a_job_brings_back_none_of_its_abandoned_steps(ranks, tmp_path):
+    """Run 1 on nodes a, b saved step 10; run 2 on a, c started anew and saved its own step 10;
+    run 3 on a, b took rank 1's step 10 from b, run 1's (1010), beside rank 0's from run 2 (2010)."""
+    root, base = str(tmp_path / "root"), str(tmp_path / "nodes")
+    ranks(2).run(runs_on_one_root, root, base, 1, 10, False, "ab", timeout=240)
+    ranks(2).run(runs_on_one_root, root, base, 2, 10, False, "ac", timeout=240)  # starts anew, without b
+    assert ranks(2).run(runs_on_one_root, root, base, 3, 0, True, "ab", timeout=240) == [(10, 2010)] * 2
+    assert NodeDirectory(node_dir(base, "b"), os.listdir(node_dir(base, "b"))[0]).steps() == []  # deleted by run 3
 
 
 def test_a_tier_directory_that_cannot_be_made_is_a_typed_error(tmp_path):

@@ -7,7 +7,8 @@ per rank whose state the node keeps (its own ranks', and the replicas it receive
 
 A copy exists once its manifest does (the save's atomic commit). A run's folder holds a marker
 file, ``.zerostall-run``, which the node's first rank keeps locked (``flock``) while the run
-lives. At start-up, what a crashed trainer or a finished run left is removed: other runs' folders
+lives, and ``.zerostall-timeline``, the timeline its copies belong to (a node that missed a job
+holds an abandoned one). At start-up, what a crashed trainer or a finished run left is removed: other runs' folders
 (those with a marker no live process holds; nothing else in the directory is touched), copies
 whose save never committed, replicas still arriving.
 """
@@ -16,9 +17,11 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import re
+import secrets
 import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -37,6 +40,10 @@ _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 MARKER = ".zerostall-run"
 """The file that makes a folder of the node directory a run's (see the module's docstring)."""
+TIMELINE = ".zerostall-timeline"
+"""The timeline the node's copies belong to (see :meth:`NodeDirectory.timeline`)."""
+
+Timeline = list  # [sequence number, start time, id]: ordered as lists are, the newest last
 
 INCOMING = ".incoming-"
 """The prefix of a copy's folder while it arrives from another node, beside the folder it is
@@ -132,6 +139,27 @@ class NodeDirectory:
         if fd is not None:
             os.close(fd)
 
+    def timeline(self) -> Timeline | None:
+        """The timeline this node's copies belong to, as the last job to take a step (or start anew)
+        here wrote it; None where none did, or the file is damaged. A node that missed a job holds
+        an older one than the nodes that took part: its copies belong to an abandoned timeline."""
+        try:
+            found = json.loads((self.run / TIMELINE).read_bytes())
+        except FileNotFoundError:
+            return None
+        except (ValueError, RecursionError):
+            log.warning("local tier %s: %s is damaged: its copies are taken for another timeline's", self.run, TIMELINE)
+            return None
+        ok = isinstance(found, list) and len(found) == 3 and type(found[0]) is int and isinstance(found[1], float) \
+            and isinstance(found[2], str)
+        return found if ok else None
+
+    def set_timeline(self, timeline: Timeline) -> None:
+        """Record that this node's copies belong to ``timeline`` (replaced atomically)."""
+        temp = self.run / f"{TIMELINE}.{secrets.token_hex(4)}.tmp"
+        temp.write_text(json.dumps(timeline))
+        os.replace(temp, self.run / TIMELINE)
+
     def step_path(self, step: int) -> Path:
         return self.run / f"step_{step:09d}"
 
@@ -163,7 +191,7 @@ class NodeDirectory:
         others = [p for p in _entries(self.top) if p != self.run and _remove_abandoned(p)]
         leftovers = [p for _, folder in self._steps() for p in _entries(folder)
                      if not (_COPY_RE.match(p.name) and (p / MANIFEST_NAME).is_file())]
-        leftovers += [p for p in _entries(self.run) if not _STEP_RE.match(p.name) and p.name != MARKER]
+        leftovers += [p for p in _entries(self.run) if not _STEP_RE.match(p.name) and p.name not in (MARKER, TIMELINE)]
         for p in leftovers:
             _remove(p)
         for _, folder in self._steps():

@@ -18,7 +18,7 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from ..collectives import Group
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
@@ -26,7 +26,7 @@ from ..loading.opening import read_manifest_head
 from ..roots.restore import DAMAGED, FAILED, OK, kind_of
 from ..storage import storage_for
 from .copies import LAYOUT_KEY
-from .local import NodeDirectory
+from .local import NodeDirectory, Timeline
 from .nodes import Nodes
 from .placing import Placer
 from .stream import LinkError
@@ -106,7 +106,8 @@ def choose(nodes: Nodes, digests: list[str], held: list[dict[int, dict[int, str]
 @dataclass(frozen=True)
 class Survey:
     """What every node holds, as every rank learned it: each rank's layout digest, and by node
-    the copies it holds ({step: {rank: digest}}, as :func:`report` gives)."""
+    the copies it holds ({step: {rank: digest}}, as :func:`report` gives), none for a node whose
+    copies belong to an older timeline than another node's (it missed a job: they were abandoned)."""
 
     digests: list[str]
     held: list[dict[int, dict[int, str]]]
@@ -121,15 +122,25 @@ class Survey:
 def survey(group: Group, nodes: Nodes, directory: NodeDirectory, digest: str) -> Survey:
     """Every node's copies and every rank's layout ``digest`` (collective: each node's first rank
     lists its directory, then one all-gather)."""
+    leader = nodes.leads(group.rank)
     with group.failing_together("the local tier could not be listed on {failed} other rank(s) (their errors say "
                                 "why)"):
-        mine = report(directory, group.size, nodes.leads(group.rank))
+        mine = report(directory, group.size, leader), directory.timeline() if leader else None
     reports = group.all_gather_object((digest, mine))
+    newest = max_timeline(timeline for r, (_, (_, timeline)) in enumerate(reports) if nodes.leads(r))
     held: list[dict[int, dict[int, str]]] = [{} for _ in range(nodes.count)]
-    for r, (_, copies) in enumerate(reports):
-        if copies:
+    for r, (_, (copies, timeline)) in enumerate(reports):
+        if copies and timeline == newest:
             held[nodes.index(r)] = copies
+        elif copies and group.is_coordinator:
+            log.warning("the local tier on node %s holds copies of an abandoned timeline (it missed a job), not "
+                        "used: steps %s", nodes.ids[r], sorted(copies)[-5:])
     return Survey([d for d, _ in reports], held)
+
+
+def max_timeline(timelines: Iterable[Timeline | None]) -> Timeline | None:
+    """The newest of ``timelines`` (None: older than any)."""
+    return max((t for t in timelines if t is not None), default=None)
 
 
 def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, seen: Survey,

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import secrets
+import time
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -33,7 +35,7 @@ from .copies import LAYOUT_KEY, View, load_copy, placeable, placements, view
 from .local import LocalTier, NodeDirectory, check_space, run_id_for
 from .nodes import NODE_ENV, Nodes, gather_nodes
 from .replication import Replicator
-from .sources import restore_from_tiers, say_why_not, survey
+from .sources import max_timeline, restore_from_tiers, say_why_not, survey
 from .transfer import Landed
 
 log = logging.getLogger(__name__)
@@ -234,13 +236,24 @@ class NodeTier:
     def forget_after(self, step: int | None) -> None:
         """Delete this node's local steps newer than ``step`` (None: every one), once a restore took
         ``step``: they belong to a timeline that does not go on (a rollback, saves made after the
-        step a crash fell back to), so no later restore takes them or mixes them with this run's."""
+        step a crash fell back to), so no later restore takes them or mixes them with this run's. A
+        new timeline is recorded on every node of the job; a node that missed the job before
+        (its timeline older than another node's) keeps none of its steps."""
         self.wait()
         self.mend(if_any=True)  # a broken group's store holds what the ranks posted about the abandoned timeline
+        with self.group.failing_together("the local tier's timeline could not be read on {failed} other rank(s) "
+                                         "(their errors say why)"):
+            mine = self.directory.timeline() if self.leader else None
+        found = [t for r, t in enumerate(self.group.all_gather_object(mine)) if self.nodes.leads(r)]
+        newest = max_timeline(found)
+        timeline = json.loads(self.group.agree(lambda: json.dumps(
+            [newest[0] + 1 if newest else 0, time.time(), secrets.token_hex(4)]).encode()))
         with self.group.failing_together("the local tier's newer steps could not be removed on {failed} other "
                                          "rank(s) (their errors say why)"):  # and no rank saves before they are
-            if self.leader:
-                self.directory.remove_steps([s for s in self.directory.steps() if step is None or s > step])
+            if self.leader:  # a node that missed a job holds steps of an abandoned timeline: none stays
+                self.directory.remove_steps([s for s in self.directory.steps()
+                                             if step is None or s > step or mine != newest])
+                self.directory.set_timeline(timeline)
             self.replicator.forget_after(step)
         self._timeline = True
 
