@@ -124,10 +124,18 @@ def init_group(rank: int = 0, world: int = 1, port: int | None = None, timeout: 
 # --- running and reporting ------------------------------------------------------------------
 
 
-def write_all(fd: int, view: memoryview) -> None:
-    """Write all of ``view`` to ``fd`` (``os.write`` may write less than asked)."""
+def write_all(fd: int, view: memoryview, writeback: bool = False) -> None:
+    """Write all of ``view`` to ``fd`` (``os.write`` may write less than asked). ``writeback``: for a
+    file about to be fsynced, start the write-back of every few MiB written, as zerostall does
+    (:class:`zerostall.storage.vectored.WriteBack`), so a raw anchor is the best a plain write can do."""
+    from zerostall.storage.vectored import WRITEBACK_BYTES, WriteBack
+
+    behind, end = (WriteBack(fd), os.lseek(fd, 0, os.SEEK_CUR)) if writeback else (None, 0)
     while view.nbytes:
-        view = view[os.write(fd, view):]
+        n = os.write(fd, view[:WRITEBACK_BYTES] if behind is not None else view)
+        view, end = view[n:], end + n
+        if behind is not None:
+            behind.wrote(end)
 
 
 def progress(line: str) -> None:

@@ -24,7 +24,8 @@ an NVMe swap folder against ``shutil.copytree`` and the raw copy rate.
    optimizer's state is dropped, as a new process that resumes has none until its first step,
    while its weight and fp32 partitions exist), and ``raw``
    writes a file of the rank's bytes (those of its files in the default engine's checkpoint) with
-   ``os.write`` from a preallocated buffer and fsyncs it, then reads it back with ``os.preadv``
+   ``os.write`` from a preallocated buffer, starting the write-back of every 8 MiB written as
+   zerostall does (the best a plain write does), and fsyncs it, then reads it back with ``os.preadv``
    into that buffer (``load_s``) and into a new one (``load_fresh_s``: memory not touched yet, as
    an engine's ``load`` must return new tensors; ``load_fresh_huge_s``: the same into memory
    offered for huge pages, as zerostall allocates what it reads into; the pages are dropped again
@@ -281,7 +282,7 @@ def raw_rep(root: str, rank: int, buffer: torch.Tensor) -> dict[str, float]:
     def write() -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            write_all(fd, view)
+            write_all(fd, view, writeback=FSYNC)
             if FSYNC:
                 os.fsync(fd)
         finally:
@@ -449,7 +450,7 @@ def raw_copy(src: str, dst: str, buffer: memoryview, fsync: bool) -> None:
         fout = os.open(os.path.join(dst, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             while got := os.readv(fin, [buffer]):
-                write_all(fout, buffer[:got])
+                write_all(fout, buffer[:got], writeback=fsync)
             if fsync:
                 os.fsync(fout)
         finally:

@@ -14,7 +14,8 @@ for a disk):
 - safetensors ``save_file`` / ``load_file`` + ``copy_`` into the target (``load_file`` memory-maps);
   neither of these two fsyncs (their defaults): on a disk their saves return before the data is
   durable, so they are not comparable with the fsync'd saves above (JSON ``unsynced_saves``);
-- raw: plain ``os.write`` of the tensor bytes (fsync'd per file, as zerostall fsyncs) and
+- raw: plain ``os.write`` of the tensor bytes (fsync'd per file, as zerostall fsyncs, the write-back of every
+  8 MiB started as it is written, as zerostall does) and
   ``os.preadv`` back into the target, with 1 thread and with ``default_threads()`` threads
   (one file per thread, bytes balanced): the floor no library can beat;
 - raw hashed: the same raw writes and reads with default_threads() threads, each 512 KiB piece
@@ -115,7 +116,7 @@ def write_file(path: str, views: list[memoryview], fsync: bool, hashed: bool = F
         for view in hashed_pieces(views) if hashed else views:
             if hashed:
                 xxhash.xxh3_64_intdigest(view)
-            write_all(fd, view)
+            write_all(fd, view, writeback=fsync)
         if fsync:
             os.fsync(fd)
     finally:

@@ -281,3 +281,26 @@ def test_a_replaced_checkpoint_that_one_set_aside_refers_to_stays(tmp_path):
     for step in (1, 3):
         os.rename(tmp_path / ".superseded" / step_tag(step), tmp_path / step_tag(step))
     assert same(load(tmp_path, 3, state), step_3)
+
+
+def test_the_base_of_a_save_in_flight_stays_while_a_tag_commits_and_retention_runs(tmp_path, monkeypatch):
+    """keep_last=1: step 3's save took step 1 as its base, then ``best`` (step 2) committed and its
+    retention round, no longer seeing step 1 pinned, deleted it: step 3 failed, or committed
+    referring to deleted files (nothing under the root loaded any more)."""
+    import zerostall.saving.pipeline as pipeline
+    state = make_state()
+    real = pipeline.split_unchanged
+    with manager(tmp_path, keep_last=1) as mgr:
+        mgr.save(1, state)
+        state["model"]["lora"].add_(1)
+        mgr.save(2, state, tag="best")
+
+        def after_the_retention_round(*args, **kwargs):
+            mgr._pending_delete.result()  # best's round, run while step 3 is being saved
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(pipeline, "split_unchanged", after_the_retention_round)
+        state["model"]["lora"].add_(1)
+        info = mgr.save(3, state)
+        assert set(read_body(tmp_path / step_tag(3))["refs"].values()) == {step_tag(1)} and info.step == 3
+    assert same(load(tmp_path, 3, state), state)

@@ -20,6 +20,7 @@ class Increments:
     def __init__(self, options: SaveOptions) -> None:
         self.options = options
         self._last: Reuse | None = None
+        self._taken: Reuse | None = None  # the base the save in flight refers to, until it commits
         self._saves = 0
 
     def base(self, step: int, tag: str) -> Reuse | None:
@@ -38,15 +39,17 @@ class Increments:
             return None
         if last.tag == tag or (last.step is not None and last.step >= step):
             return None  # the manager sets that checkpoint aside before this save
+        self._taken = last
         return last
 
     def committed(self, info: SaveInfo) -> None:
         """The save just committed: the next one may refer to its chunks (not a named one's)."""
         if info.reuse is None or info.reuse.step is None or info.reuse.tag == step_tag(info.reuse.step):
             self._last = info.reuse
+            self._taken = None  # it refers to its base through its manifest now
 
     def pinned(self, steps: set[int]) -> set[int]:
-        """``steps`` and the step of the checkpoint the next save may refer to, which retention
-        must keep too (a tagged save of a later step may rank above it)."""
-        last = self._last
-        return steps | {last.step} if last is not None and last.step is not None else set(steps)
+        """``steps``, the step of the checkpoint the next save may refer to and that of the one the
+        save in flight refers to, which retention must keep too (a tagged save of a later step,
+        committed meanwhile, may rank above them)."""
+        return set(steps) | {r.step for r in (self._last, self._taken) if r is not None and r.step is not None}
