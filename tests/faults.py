@@ -214,6 +214,9 @@ class FaultyStorage(Storage):
     def children(self) -> list[str]:
         return self._run("children", "", self.inner.children)
 
+    def links(self) -> list[str]:
+        return self._run("links", "", self.inner.links)
+
     def size(self, name: str) -> int:
         return self._run("size", name, lambda: self.inner.size(name))
 

@@ -243,3 +243,18 @@ def test_an_s3_root_holding_unrelated_objects_is_refused(s3_url):
     with pytest.raises(zs.CheckpointError, match=r"neither checkpoints nor a checkpoint manager's own \(notes.txt, runs/\)"):
         zs.CheckpointManager(s3_url)
     assert LEASE_NAME not in root.list()
+
+
+def test_a_link_to_a_checkpoint_directory_is_neither_taken_over_nor_deleted_through(tmp_path):
+    """A pretrained checkpoint linked into a manager's root as step 0 had its manifest deleted by
+    retention, where it really lies: it loaded no more, from anywhere."""
+    shared = tmp_path / "pretrained"
+    save(shared, 0)
+    root = tmp_path / "root"
+    root.mkdir()
+    os.symlink(shared, root / step_tag(0))
+    with pytest.raises(zs.CheckpointError, match=rf"holds links to directories \({step_tag(0)}\).*nothing was written"):
+        zs.CheckpointManager(str(root), keep_last=1)
+    with pytest.raises(zs.CheckpointError, match="is a link to a directory: not deleted"):
+        CheckpointRoot(LocalStorage(str(root))).delete(step_tag(0))  # as `zerostall prune` deletes
+    assert sorted(os.listdir(root)) == [step_tag(0)] and zs.verify(shared)

@@ -309,6 +309,11 @@ class CheckpointRoot:
                                               or _update_temp(n))]
         unrelated += [f"{n}/" for n in dirs if not (n.startswith(".") or tag_step(n) is not None  # ours by name
                                                      or _holds_nothing_foreign(self.storage.child(n)))]
+        links = self.storage.links()
+        if links:
+            raise CheckpointError(f"{self.location} holds links to directories ({few(links)}), whose targets a "
+                                  "manager deleting checkpoints there would delete; nothing was written: copy such a "
+                                  "checkpoint in, or load it from its own path (zerostall.load) before the first save")
         if unrelated:
             raise CheckpointError(f"{self.location} holds files that are neither checkpoints nor a checkpoint "
                                   f"manager's own ({few(unrelated)}); nothing was written: give the manager an "
@@ -354,7 +359,9 @@ class CheckpointRoot:
     def delete(self, tag: str) -> bool:
         """Delete checkpoint ``tag`` so that it never looks valid half-way: the manifest goes first.
         Its data files that other checkpoints refer to stay, behind a retained record (see
-        :mod:`zerostall.roots.sharing`). True when nothing of it is left."""
+        :mod:`zerostall.roots.sharing`). True when nothing of it is left. Never through a symbolic link."""
+        if tag in self.storage.links():
+            raise CheckpointError(f"{self.where(tag)} is a link to a directory: not deleted (nor its target)")
         return delete_checkpoint(self.storage, tag, self.references(but=tag).get(tag, set()))
 
     def collect_retained(self) -> None:

@@ -96,6 +96,11 @@ class Storage(ABC):
     def children(self) -> list[str]:
         """Names of the sub-locations directly under the location (checkpoints under a root), sorted."""
 
+    def links(self) -> list[str]:
+        """Names of the sub-locations that are symbolic links to directories (a local file system's;
+        an object store has none): what a root's clean-up must never delete through."""
+        return []
+
     @abstractmethod
     def size(self, name: str) -> int:
         """Size in bytes of one (regular) file; FileNotFoundError if it is absent."""

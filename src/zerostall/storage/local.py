@@ -170,6 +170,13 @@ class LocalStorage(Storage):
         except (FileNotFoundError, NotADirectoryError):
             return []
 
+    def links(self) -> list[str]:
+        try:
+            with os.scandir(self.location) as entries:
+                return sorted(e.name for e in entries if e.is_symlink() and _is_dir(e))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
     def size(self, name: str) -> int:
         """The size of the regular file ``name`` (a symbolic link is not followed; anything but a
         regular file raises ``UnsafeFileError``, as reading it would)."""
