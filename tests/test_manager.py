@@ -204,6 +204,24 @@ def test_two_managers_on_one_root_are_refused(tmp_path):
     zs.CheckpointManager(tmp_path).close()
 
 
+def test_a_lease_of_another_host_is_taken_over_once_it_lapses_and_refused_once_renewed(tmp_path):
+    """A job restarted on other nodes found its dead predecessor's lease (another host's) not yet
+    past its ttl and failed at once, again at every restart until the ttl ran out. It now waits
+    for the lease to lapse, or to be renewed by a holder that lives (refused then)."""
+    gone = {"host": "a-node-that-died", "boot_id": "-", "pid": 1, "token": "gone", "ttl": 1.5, "renewed": time.time()}
+    (tmp_path / LEASE_NAME).write_text(json.dumps(gone))
+    with zs.CheckpointManager(tmp_path):
+        assert json.loads((tmp_path / LEASE_NAME).read_text())["pid"] == os.getpid()
+    alive = {**gone, "host": "a-node-alive", "token": "alive", "ttl": 30.0, "renewed": time.time()}
+    (tmp_path / LEASE_NAME).write_text(json.dumps(alive))
+    renewing = threading.Timer(0.5, lambda: (tmp_path / LEASE_NAME).write_text(json.dumps(
+        {**alive, "renewed": time.time()})))
+    renewing.start()
+    with pytest.raises(zs.CheckpointError, match="being written by a-node-alive"):
+        zs.CheckpointManager(tmp_path)
+    renewing.join()
+
+
 def test_lease_of_a_dead_process_is_taken_over(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(proc.stdout)

@@ -76,6 +76,8 @@ class WriterLease:
         stale one is replaced only if it is still the one seen (a conditional PUT on an object
         store), then read back after a moment to settle a race where no such check holds."""
         current = self.holder()
+        if current is not None and current.get("token") != self.me["token"] and not self.is_stale(current):
+            current = self._outlive(current)
         if current is None:
             if self.storage.create_exclusive(LEASE_NAME, self._record()):
                 self._start_renewing()
@@ -91,6 +93,21 @@ class WriterLease:
         if (self.holder() or {}).get("token") != self.me["token"]:
             raise CheckpointError(f"another manager took {self.storage.location} at the same moment")
         self._start_renewing()
+
+    def _outlive(self, lease: dict[str, Any]) -> dict[str, Any] | None:
+        """Wait, for a live-looking ``lease`` of another host, until its holder renews it (it is
+        alive: returned, to be refused) or its ttl runs out (it died with its node: a job restarted
+        on other nodes takes over instead of failing until then). Returns the lease as it is then."""
+        if lease.get("host") == self.me["host"] and lease.get("boot_id") == self.me["boot_id"]:
+            return lease  # this host's: its pid said whether it lives
+        log.info("the writer lease of %s is held by %s, not renewed for %.0f s: waiting for it to be renewed or to "
+                 "lapse", self.storage.location, lease.get("host"), time.time() - lease.get("renewed", 0))
+        while True:
+            time.sleep(max(0.05, min(1.0, lease.get("renewed", 0) + lease.get("ttl", self.ttl) - time.time())))
+            now = self.holder()
+            if now is None or self.is_stale(now) or (now.get("token"), now.get("renewed")) != (
+                    lease.get("token"), lease.get("renewed")):
+                return now
 
     def _record(self) -> bytes:
         return json.dumps({**self.me, "ttl": self.ttl, "renewed": time.time()}).encode()
