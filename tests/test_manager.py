@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -624,3 +625,30 @@ def test_a_save_killed_before_it_commits_leaves_the_root_as_it_was(tmp_path, cal
         aside = sorted(os.listdir(tmp_path / SUPERSEDED_NAME)) if (tmp_path / SUPERSEDED_NAME).exists() else []
         assert aside == sorted(step_tag(s) if isinstance(s, int) else s for s in then["aside"])
         assert not (tmp_path / RESAVING_NAME).exists()
+
+
+def test_a_save_over_a_checkpoint_that_failed_is_undone_before_the_next_save(tmp_path):
+    """A re-save of step 300 failed and the run went on: its journal entry stayed. After a rollback
+    to 100 and a save of 150, the next manager moved the old step 300 back, and restore resumed the
+    abandoned run. A tag whose re-save failed kept its old copy set aside for good."""
+    def fail() -> None:
+        raise OSError(5, "the disk went away")
+
+    with zs.CheckpointManager(tmp_path, fsync=False) as mgr:
+        for step in (100, 200, 300):
+            mgr.save(step, part(step))
+        mgr.save(300, part(300), tag="best")
+        fence = mgr._save_options.before_commit
+        mgr._save_options = dataclasses.replace(mgr._save_options, before_commit=fail)
+        for tag in (None, "best"):
+            with pytest.raises((OSError, zs.CheckpointError), match="the disk went away"):
+                mgr.save(300, part(301), tag=tag)
+        mgr._save_options = dataclasses.replace(mgr._save_options, before_commit=fence)
+        assert mgr.restore(part(0), 100) == 100
+        mgr.save(150, part(150))
+        mgr.save(150, part(150), tag="best")
+    with zs.CheckpointManager(tmp_path) as mgr:
+        target = part(0)
+        assert mgr.restore(target) == 150 and saved_w(tmp_path / "best")[0].item() == 150.0
+    aside = sorted(os.listdir(tmp_path / SUPERSEDED_NAME))  # the rollback's: the run forked at 150
+    assert aside == ["best", step_tag(200), step_tag(300)] and saved_w(tmp_path / SUPERSEDED_NAME / "best")[0] == 300

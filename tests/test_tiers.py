@@ -866,3 +866,46 @@ def test_after_a_restart_the_restored_step_is_kept_until_a_newer_one_is_replicat
     restored step, the only one with copies on two nodes (a node lost then restored nothing)."""
     out = ranks(2).run(restart_then_a_replication_fails, str(tmp_path / "root"), str(tmp_path / "nodes"), timeout=240)
     assert all(20 in held and 30 in held for held in out), out
+
+
+def timeline_not_recorded_on_b(root: str, base: str, fail: bool) -> tuple:
+    """Restore (nodes a and b); with ``fail``, node b cannot record the job's timeline (a full disk)."""
+    node = os.environ["ZEROSTALL_NODE_ID"] = "ab"[dist.get_rank()]
+    real = NodeDirectory.set_timeline
+    if fail and node == "b":
+        def full(self, timeline):
+            raise OSError(28, "No space left on device")
+        NodeDirectory.set_timeline = full
+    tier = zs.LocalTier(node_dir(base, node), every=10, keep=1, replicas=1, timeout_s=20)
+    target = single_state(-1.0)
+    try:
+        with zs.CheckpointManager(root, save_every=1000, local=tier, fsync=False) as mgr:
+            return mgr.restore(target), target["step"], mgr.last_restore.sources
+    except zs.CheckpointError as exc:
+        return type(exc).__name__, str(exc)[:200]
+    finally:
+        NodeDirectory.set_timeline = real
+
+
+def test_a_node_that_took_part_in_a_job_but_could_not_record_its_timeline_is_not_taken_for_absent(ranks, tmp_path):
+    """Node a recorded job 2's timeline, node b's disk was full: job 3 took b for a node that missed
+    job 2 and used none of its copies (with one replica: rank 1's only ones), and refused or went
+    back to the root's older step."""
+    root, base = str(tmp_path / "root"), str(tmp_path / "nodes")
+    ranks(2).run(runs_on_one_root, root, base, 1, 10, False, "ab", timeout=240)
+    failed = ranks(2).run(timeline_not_recorded_on_b, root, base, True)
+    assert all(kind == "CheckpointError" and "timeline could not be recorded" in message for kind, message in failed), \
+        failed
+    assert ranks(2).run(timeline_not_recorded_on_b, root, base, False) == [(10, 1010.0, ("local", "local"))] * 2
+
+
+def test_a_first_local_save_that_never_committed_everywhere_is_a_fresh_start(ranks, tmp_path):
+    """Killed during the first local save: rank 0's copy of step 10 committed, rank 1's did not. The
+    restore refused (the tier held a step it could not use) at every restart, though nothing could
+    ever make that step whole."""
+    root, base = str(tmp_path / "root"), str(tmp_path / "nodes")
+    ranks(2).run(runs_on_one_root, root, base, 1, 10, False, "ab", timeout=240)
+    for node in "ab":
+        run = os.path.join(node_dir(base, node), os.listdir(node_dir(base, node))[0])
+        os.unlink(os.path.join(run, step_tag(10), "rank_00001", "manifest.json"))
+    assert ranks(2).run(runs_on_one_root, root, base, 2, 10, True, "ab", timeout=240) == [(None, -1.0)] * 2

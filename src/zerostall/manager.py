@@ -26,6 +26,7 @@ from .gcpause import gc_paused
 from .loading.checkpoint import Checkpoint
 from .loading.load_plan import key_filter
 from .options import LoadOptions, SaveOptions
+from .roots import resaving
 from .roots.increments import Increments
 from .roots.lease import DEFAULT_TTL, WriterLease
 from .roots.loaders import LoaderGuard
@@ -184,23 +185,22 @@ class CheckpointManager:
         return handle
 
     def _before_saving(self, step: int, tag: str) -> None:
-        """Settle the last asynchronous save's commit, then, on the coordinator, set aside what
-        saving ``step`` would fork: checkpoints (damaged ones too) of later steps or under the same
-        tag (a rollback to an earlier checkpoint, or a new run in the same root) move into
+        """Settle the last asynchronous save's commit, then, on the coordinator, undo what a save
+        that failed left (see :mod:`zerostall.roots.resaving`) and set aside what saving ``step``
+        would fork: checkpoints (damaged ones too) of later steps or under the same tag move into
         ``.superseded/``, so that restore, ``latest`` and retention follow the run being written
-        (they pick by step, and would resume the abandoned run or delete the new one's checkpoints)
-        and no committed checkpoint is lost by being saved over. A failure here (a lost lease)
-        refuses the save in its first collective: every rank raises, with no collective of the
-        manager's own."""
+        (they pick by step) and no committed checkpoint is lost by being saved over. A failure here
+        (a lost lease) refuses the save in its first collective: every rank raises."""
         try:
             self._settle_commit()
             if not self.group.is_coordinator:
                 return
+            self._still_the_writer()  # no save in flight: an entry of the journal left is a failed one's
+            self._deleter.submit(resaving.settle, self.checkpoint_root.storage, takeover=True).result()
             later = [name for name, record in self.checkpoints() if record.step > step or name == tag]
             later += [name for name in self.checkpoint_root.unreadable  # a damaged manifest's step is its tag's
                       if name == tag or (tag_step(name) is not None and tag_step(name) > step)]
             if later or tag in self.checkpoint_root.bare or tag_step(tag) is None:  # not while retention deletes
-                self._still_the_writer()
                 try:
                     self._deleter.submit(self.checkpoint_root.set_aside, later, step, tag).result()
                 except OSError as exc:

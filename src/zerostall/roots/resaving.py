@@ -57,14 +57,19 @@ def record(root: Storage, tag: str, aside: str | None) -> None:
     root.put(RESAVING_NAME, json.dumps(entries).encode())
 
 
-def settle(root: Storage, where: Callable[[str], str], *, takeover: bool) -> None:
+def settle(root: Storage, *, takeover: bool) -> None:
     """Each noted save that committed: the checkpoint it replaced is deleted (kept, as any set aside,
     where another set aside refers to its files: both may be moved back), and the note goes. With
-    ``takeover`` (a writer taking the root over: the one before is dead), each that did not commit
-    has its attempt removed and what it set aside moved back; otherwise it is in flight, and stays."""
+    ``takeover`` (no save in flight: a writer taking the root over, the one before dead, or a
+    manager about to save), each that did not commit (it died, or failed) has its attempt removed
+    and what it set aside moved back; otherwise it may be in flight, and stays."""
     entries = _read(root)
     if entries is None:
         return
+
+    def where(name: str) -> str:
+        return root.child(name).location
+
     left = {}
     for tag, aside in entries.items():
         if has_manifest(root.child(tag)):

@@ -368,7 +368,7 @@ class CheckpointRoot:
         """Remove retained data that no checkpoint refers to any more (see :mod:`zerostall.roots.sharing`),
         and the checkpoints that committed re-saves replaced (see :mod:`zerostall.roots.resaving`)."""
         collect_retained(self.storage, self.references)
-        resaving.settle(self.storage, self.where, takeover=False)
+        resaving.settle(self.storage, takeover=False)
 
     def set_aside(self, tags: list[str], step: int, target: str) -> None:
         """Move ``tags`` into ``.superseded/`` (see :func:`zerostall.roots.sharing.set_aside`):
@@ -387,7 +387,7 @@ class CheckpointRoot:
         temp files of ``latest``/lease updates older than ``temp_age`` seconds (a younger one may be
         another writer's, in flight). Only for the lease holder: the other writers are dead."""
         remove_attempts(self.storage, self.where)
-        resaving.settle(self.storage, self.where, takeover=True)
+        resaving.settle(self.storage, takeover=True)
         for name in self.storage.list():
             if _update_temp(name):
                 self._remove_if_older(name, temp_age)  # a publish that a crash interrupted

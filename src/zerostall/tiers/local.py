@@ -43,7 +43,7 @@ MARKER = ".zerostall-run"
 TIMELINE = ".zerostall-timeline"
 """The timeline the node's copies belong to (see :meth:`NodeDirectory.timeline`)."""
 
-Timeline = list  # [sequence number, start time, id]: ordered as lists are, the newest last
+Timeline = list  # [sequence number, start time, id, the job's node ids]: ordered as lists are, the newest last
 
 INCOMING = ".incoming-"
 """The prefix of a copy's folder while it arrives from another node, beside the folder it is
@@ -150,8 +150,8 @@ class NodeDirectory:
         except (ValueError, RecursionError):
             log.warning("local tier %s: %s is damaged: its copies are taken for another timeline's", self.run, TIMELINE)
             return None
-        ok = isinstance(found, list) and len(found) == 3 and type(found[0]) is int and isinstance(found[1], float) \
-            and isinstance(found[2], str)
+        ok = isinstance(found, list) and len(found) == 4 and type(found[0]) is int and isinstance(found[1], float) \
+            and isinstance(found[2], str) and isinstance(found[3], list) and all(isinstance(n, str) for n in found[3])
         return found if ok else None
 
     def set_timeline(self, timeline: Timeline) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from ..collectives import Group
-from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
+from ..errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ..loading.opening import read_manifest_head
 from ..roots.restore import DAMAGED, FAILED, OK, kind_of
 from ..storage import storage_for
@@ -130,7 +130,7 @@ def survey(group: Group, nodes: Nodes, directory: NodeDirectory, digest: str) ->
     newest = max_timeline(timeline for r, (_, (_, timeline)) in enumerate(reports) if nodes.leads(r))
     held: list[dict[int, dict[int, str]]] = [{} for _ in range(nodes.count)]
     for r, (_, (copies, timeline)) in enumerate(reports):
-        if copies and timeline == newest:
+        if copies and (timeline == newest or newest is not None and nodes.ids[r] in newest[3]):  # took part in it
             held[nodes.index(r)] = copies
         elif copies and group.is_coordinator:
             log.warning("the local tier on node %s holds copies of an abandoned timeline (it missed a job), not "
@@ -229,22 +229,21 @@ def _as_json(choice: Choice | None) -> Any:
 
 
 def say_why_not(group: Group, seen: Survey, directory: NodeDirectory, fresh: bool) -> None:
-    """The tiers hold steps, but none that a restore can use: log it, once, where the root has
-    checkpoints to go on from; raise where it has none (``fresh``), for a fresh start would delete those
-    steps (another world size or mesh: :class:`StateMismatchError`; copies lost: :class:`IncompleteCheckpointError`)."""
+    """The tiers hold steps, but none that a restore can use: log it, once. Where they were saved
+    from another layout (world size, mesh) and the root holds no checkpoint (``fresh``), raise
+    :class:`StateMismatchError` instead: the fresh start that follows would delete those steps."""
     steps = sorted({s for copies in seen.held for s in copies}, reverse=True)
     if not steps:
         return
-    why = "another world size or mesh, copies lost or damaged"
-    if not fresh:
-        if group.is_coordinator:
-            log.warning("the local tier holds steps %s, but no step left holds a good copy of every rank's state saved "
-                        "from the layout the ranks have now (%s): restoring from the persistent tier", steps[:5], why)
-        return
     other = any(d not in (seen.digests[r] if r < len(seen.digests) else None, UNREADABLE)
                 for copies in seen.held for ranks in copies.values() for r, d in ranks.items())
-    error = StateMismatchError if other else IncompleteCheckpointError
-    raise error(f"the local tier ({directory.run}) holds steps {steps[:5]}, but none with a copy of every rank's "
-                f"state saved from the layout the ranks have now ({why}), and the persistent tier holds no "
-                "checkpoint: nothing was restored, and nothing deleted. Restart with the ranks and nodes that saved "
-                f"them, or delete {directory.run} on every node to start from scratch")
+    if fresh and other:
+        raise StateMismatchError(
+            f"the local tier ({directory.run}) holds steps {steps[:5]} saved from another layout than the ranks have "
+            "now (another world size or mesh), and the persistent tier holds no checkpoint: nothing was restored, and "
+            f"nothing deleted. Restart with the ranks and nodes that saved them, or delete {directory.run} on every "
+            "node to start from scratch")
+    if group.is_coordinator:
+        log.warning("the local tier holds steps %s, but no step left holds a good copy of every rank's state saved "
+                    "from the layout the ranks have now (another world size or mesh, copies lost or damaged): "
+                    "restoring from the persistent tier%s", steps[:5], "" if not fresh else ", which holds none")

@@ -246,15 +246,25 @@ class NodeTier:
             mine = self.directory.timeline() if self.leader else None
         found = [t for r, t in enumerate(self.group.all_gather_object(mine)) if self.nodes.leads(r)]
         newest = max_timeline(found)
+        member = newest is not None and self.nodes.ids[self.group.rank] in newest[3]  # took part, if not written
         timeline = json.loads(self.group.agree(lambda: json.dumps(
-            [newest[0] + 1 if newest else 0, time.time(), secrets.token_hex(4)]).encode()))
+            [newest[0] + 1 if newest else 0, time.time(), secrets.token_hex(4), sorted(set(self.nodes.ids))]).encode()))
         with self.group.failing_together("the local tier's newer steps could not be removed on {failed} other "
                                          "rank(s) (their errors say why)"):  # and no rank saves before they are
             if self.leader:  # a node that missed a job holds steps of an abandoned timeline: none stays
-                self.directory.remove_steps([s for s in self.directory.steps()
-                                             if step is None or s > step or mine != newest])
-                self.directory.set_timeline(timeline)
+                try:
+                    self.directory.remove_steps([s for s in self.directory.steps()
+                                                 if step is None or s > step or not (mine == newest or member)])
+                except OSError as exc:
+                    raise typed_error(exc, f"cannot remove the newer steps of the local tier in {self.directory.run}")
             self.replicator.forget_after(step)
+        with self.group.failing_together("the local tier's timeline could not be recorded on {failed} other "
+                                         "rank(s) (their errors say why)"):  # once every node removed its steps
+            if self.leader:
+                try:
+                    self.directory.set_timeline(timeline)
+                except OSError as exc:
+                    raise typed_error(exc, f"the local tier's timeline could not be recorded in {self.directory.run}")
         self._timeline = True
 
     def wait_staged(self) -> None:
