@@ -258,3 +258,13 @@ def test_a_link_to_a_checkpoint_directory_is_neither_taken_over_nor_deleted_thro
     with pytest.raises(zs.CheckpointError, match="is a link to a directory: not deleted"):
         CheckpointRoot(LocalStorage(str(root))).delete(step_tag(0))  # as `zerostall prune` deletes
     assert sorted(os.listdir(root)) == [step_tag(0)] and zs.verify(shared)
+
+
+def test_a_damaged_re_save_journal_is_ignored_once_and_removed(tmp_path, caplog):
+    """The journal is read before every save: a damaged one warned at each, and stayed."""
+    (tmp_path / ".resaving").write_text('{"../escape": 1}')
+    with zs.CheckpointManager(str(tmp_path), fsync=False) as mgr:
+        mgr.save(1, {"w": torch.ones(2)})
+        mgr.save(2, {"w": torch.ones(2)})
+    assert caplog.text.count("is not a re-save journal zerostall wrote") == 1
+    assert not (tmp_path / ".resaving").exists() and sorted(os.listdir(tmp_path / step_tag(2)))

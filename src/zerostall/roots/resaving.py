@@ -66,6 +66,10 @@ def settle(root: Storage, *, takeover: bool) -> None:
     entries = _read(root)
     if entries is None:
         return
+    if not entries:  # a damaged journal (an empty one is deleted, never written): nothing it says can be undone
+        if takeover:
+            root.delete(RESAVING_NAME)
+        return
 
     def where(name: str) -> str:
         return root.child(name).location
