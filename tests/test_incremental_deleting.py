@@ -155,17 +155,24 @@ def test_a_failed_retention_round_is_raised_by_wait_even_after_a_later_save_comm
         assert [name for name, _ in mgr.checkpoints()] == [step_tag(4)]
     assert same(load(tmp_path, 4, state), state)
 
+def three_steps_then_a_rollback(mgr: zs.CheckpointManager, state: dict) -> dict:
+    """Steps 1 to 3 (only the small tensor changes), then step 2 again: steps 2 and 3 set aside, each
+    referring to step 1. Returns step 3's state."""
+    for step in (1, 2, 3):
+        state["model"]["lora"].add_(1)
+        mgr.save(step, state)
+    step_3 = snapshot(state)
+    state["model"]["lora"].add_(1)
+    mgr.save(2, state)
+    return step_3
+
+
 def test_replacing_a_checkpoint_that_one_set_aside_refers_to_is_refused(tmp_path):
     """Only the checkpoints in the root were asked: one set aside by a rollback (which the warning
     says to move back to resume from) referred to step 1, and ``overwrite=True`` replaced it."""
     state = make_state()
     with manager(tmp_path) as mgr:
-        for step in (1, 2, 3):
-            state["model"]["lora"].add_(1)
-            mgr.save(step, state)
-        step_3 = snapshot(state)
-        state["model"]["lora"].add_(1)
-        mgr.save(2, state)  # a rollback: steps 2 and 3 set aside, step 3 referring to step 1
+        step_3 = three_steps_then_a_rollback(mgr, state)
     assert step_tag(1) in read_body(tmp_path / ".superseded" / step_tag(3))["refs"].values()
     with pytest.raises(zs.CheckpointError, match=f".superseded/{step_tag(3)}.*refer to"):
         zs.save(make_state(), tmp_path / step_tag(1), overwrite=True)
@@ -268,11 +275,7 @@ def test_a_replaced_checkpoint_that_one_set_aside_refers_to_stays(tmp_path):
     old one set aside, so all three can be moved back and load."""
     state = make_state()
     with manager(tmp_path) as mgr:
-        for step in (1, 2, 3):
-            state["model"]["lora"].add_(1)
-            mgr.save(step, state)
-        step_3 = snapshot(state)
-        mgr.save(2, state)  # a rollback: steps 2 and 3 set aside, both referring to step 1
+        step_3 = three_steps_then_a_rollback(mgr, state)
         shutil.rmtree(tmp_path / step_tag(2))
         state["model"]["frozen"].add_(1)
         mgr.save(1, state)  # saved again alone: the old step 1 goes aside, and stays there
