@@ -652,3 +652,40 @@ def test_a_save_over_a_checkpoint_that_failed_is_undone_before_the_next_save(tmp
         assert mgr.restore(target) == 150 and saved_w(tmp_path / "best")[0].item() == 150.0
     aside = sorted(os.listdir(tmp_path / SUPERSEDED_NAME))  # the rollback's: the run forked at 150
     assert aside == ["best", step_tag(200), step_tag(300)] and saved_w(tmp_path / SUPERSEDED_NAME / "best")[0] == 300
+
+
+UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]  # a process in a PID namespace of its own, as in a container
+HOLD = """
+import sys, time, torch, zerostall as zs
+mgr = zs.CheckpointManager(sys.argv[1], lease_ttl=6.0, fsync=False)  # longer than an import of torch
+print("holding", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run([*UNSHARE, "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs unshare --pid (a PID namespace of its own)")
+def test_a_lease_from_another_pid_namespace_is_judged_by_its_renewals_not_its_pid(tmp_path):
+    """Containers share the host's name and boot: a container restarted at once after its writer
+    was killed found the lease naming pid 1, its own pid, alive, and was refused until the ttl ran
+    out. A pid of another PID namespace names nothing here: only the lease's renewals say whether
+    its writer lives."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent / "src"))
+    writer = subprocess.Popen([*UNSHARE, sys.executable, "-c", HOLD, str(tmp_path), "60"], stdout=subprocess.PIPE,
+                              text=True, env=env, start_new_session=True)
+    try:
+        assert writer.stdout.readline().strip() == "holding"
+        with pytest.raises(zs.CheckpointError, match="being written by"):  # it renews: alive
+            zs.CheckpointManager(tmp_path, lease_ttl=6.0)
+    finally:
+        os.killpg(writer.pid, signal.SIGKILL)
+        writer.wait()
+    restarted = subprocess.run([*UNSHARE, sys.executable, "-c", HOLD, str(tmp_path), "0"], capture_output=True,
+                               text=True, env=env, timeout=60)
+    assert restarted.returncode == 0 and restarted.stdout.strip() == "holding", restarted.stderr[-2000:]

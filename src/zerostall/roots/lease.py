@@ -25,6 +25,15 @@ log = logging.getLogger(__name__)
 DEFAULT_TTL = 60.0
 
 
+def _pid_namespace() -> str:
+    """This process's PID namespace (a container has its own, new at every start): pids name
+    processes only within it."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "unknown"
+
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -44,8 +53,8 @@ class WriterLease:
         self.storage = storage_for(root, fsync=fsync)
         self.where = f"{self.storage.location.rstrip('/')}/{LEASE_NAME}"
         self.ttl = ttl
-        self.me = {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": os.getpid(),
-                   "token": secrets.token_hex(8)}
+        self.me = {"host": socket.gethostname(), "boot_id": _boot_id(), "pid_namespace": _pid_namespace(),
+                   "pid": os.getpid(), "token": secrets.token_hex(8)}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -59,10 +68,11 @@ class WriterLease:
         return LeaseFence(self.storage, self.me["token"], then)
 
     def is_stale(self, lease: dict[str, Any]) -> bool:
-        """Whether ``lease`` was not renewed in time, or names a process of this host that is gone."""
+        """Whether ``lease`` was not renewed in time, or names a process of this host (and PID
+        namespace: a container that shares the host's name has its own) that is gone."""
         if time.time() - lease.get("renewed", 0) > lease.get("ttl", self.ttl):
             return True
-        if lease.get("host") == self.me["host"] and lease.get("boot_id") == self.me["boot_id"]:
+        if self._here(lease):
             try:
                 os.kill(int(lease["pid"]), 0)
             except ProcessLookupError:
@@ -94,12 +104,17 @@ class WriterLease:
             raise CheckpointError(f"another manager took {self.storage.location} at the same moment")
         self._start_renewing()
 
+    def _here(self, lease: dict[str, Any]) -> bool:
+        """Whether ``lease``'s pid names a process this one can see: the same host, boot and PID namespace."""
+        return all(lease.get(k) == self.me[k] for k in ("host", "boot_id", "pid_namespace"))
+
     def _outlive(self, lease: dict[str, Any]) -> dict[str, Any] | None:
-        """Wait, for a live-looking ``lease`` of another host, until its holder renews it (it is
-        alive: returned, to be refused) or its ttl runs out (it died with its node: a job restarted
-        on other nodes takes over instead of failing until then). Returns the lease as it is then."""
-        if lease.get("host") == self.me["host"] and lease.get("boot_id") == self.me["boot_id"]:
-            return lease  # this host's: its pid said whether it lives
+        """Wait, for a live-looking ``lease`` of another host or container, until its holder renews it
+        (it is alive: returned, to be refused) or its ttl runs out (it died with its node or
+        container: a job restarted elsewhere takes over instead of failing until then). Returns the
+        lease as it is then."""
+        if self._here(lease):
+            return lease  # its pid said whether it lives
         log.info("the writer lease of %s is held by %s, not renewed for %.0f s: waiting for it to be renewed or to "
                  "lapse", self.storage.location, lease.get("host"), time.time() - lease.get("renewed", 0))
         while True:
