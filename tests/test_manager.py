@@ -689,3 +689,21 @@ def test_a_lease_from_another_pid_namespace_is_judged_by_its_renewals_not_its_pi
     restarted = subprocess.run([*UNSHARE, sys.executable, "-c", HOLD, str(tmp_path), "0"], capture_output=True,
                                text=True, env=env, timeout=60)
     assert restarted.returncode == 0 and restarted.stdout.strip() == "holding", restarted.stderr[-2000:]
+
+
+def test_a_manager_dropped_without_close_gives_up_the_root(tmp_path):
+    """A manager dropped without ``close()`` (a notebook cell run again, an exception before the
+    close) went on renewing its lease from a daemon thread: no manager could open the root again
+    in that process."""
+    import gc
+
+    def saved_and_dropped() -> None:
+        mgr = zs.CheckpointManager(tmp_path, fsync=False)
+        mgr.save(1, part(1))
+        mgr.wait()  # its retention round done: nothing in the background refers to it
+
+    saved_and_dropped()
+    gc.collect()
+    with zs.CheckpointManager(tmp_path) as again:
+        target = part(0)
+        assert again.restore(target) == 1 and torch.equal(target["w"], part(1)["w"])

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import weakref
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -106,6 +107,7 @@ class CheckpointManager:
             self.checkpoint_root.check_only_ours()
             self.lease = WriterLease(self.checkpoint_root.storage, lease_ttl)
             self.lease.acquire()  # every commit first checks that the lease is still this manager's
+            weakref.finalize(self, self.lease.release)  # a manager dropped unclosed does not hold the root
             self._save_options = dataclasses.replace(self.save_options,
                                                      before_commit=self.lease.fence(self.save_options.before_commit))
             self.checkpoint_root.clean_stale_attempts(temp_age=lease_ttl)
@@ -185,12 +187,10 @@ class CheckpointManager:
         return handle
 
     def _before_saving(self, step: int, tag: str) -> None:
-        """Settle the last asynchronous save's commit, then, on the coordinator, undo what a save
-        that failed left (see :mod:`zerostall.roots.resaving`) and set aside what saving ``step``
-        would fork: checkpoints (damaged ones too) of later steps or under the same tag move into
-        ``.superseded/``, so that restore, ``latest`` and retention follow the run being written
-        (they pick by step) and no committed checkpoint is lost by being saved over. A failure here
-        (a lost lease) refuses the save in its first collective: every rank raises."""
+        """Settle the last asynchronous save's commit; on the coordinator, undo what a failed save left
+        (see :mod:`zerostall.roots.resaving`) and move into ``.superseded/`` the checkpoints (damaged too)
+        of later steps or of ``tag``: restore, ``latest`` and retention go by step, and none is saved
+        over. A failure here (a lost lease) refuses the save in its first collective on every rank."""
         try:
             self._settle_commit()
             if not self.group.is_coordinator:
