@@ -307,3 +307,18 @@ def test_the_base_of_a_save_in_flight_stays_while_a_tag_commits_and_retention_ru
         info = mgr.save(3, state)
         assert set(read_body(tmp_path / step_tag(3))["refs"].values()) == {step_tag(1)} and info.step == 3
     assert same(load(tmp_path, 3, state), state)
+
+
+def test_a_reference_through_a_link_to_another_directory_is_refused(tmp_path):
+    """A copy of step 2 beside a link to another root's step 1 was read through the link: an
+    incremental checkpoint read, and its manager then deleted, files outside its root."""
+    state = make_state()
+    with manager(tmp_path / "a") as mgr:
+        mgr.save(1, state)
+        state["model"]["lora"].add_(1)
+        mgr.save(2, state)
+    shutil.copytree(tmp_path / "a" / step_tag(2), tmp_path / "b" / step_tag(2))
+    os.symlink(tmp_path / "a" / step_tag(1), tmp_path / "b" / step_tag(1))
+    with pytest.raises(zs.CorruptCheckpointError, match=f"checkpoint {step_tag(1)} beside it, which is a link"):
+        zs.load(make_state(), tmp_path / "b" / step_tag(2))
+    assert same(load(tmp_path / "a", 2, state), state)

@@ -161,11 +161,14 @@ def linked(storage: Storage, manifest: Manifest) -> Storage:
     for name, tag in manifest.refs.items():
         by_tag.setdefault(tag, []).append(name)
     routes: dict[str, Storage] = {}
+    links = set(storage.parent().links())
     for tag, names in sorted(by_tag.items()):
         holder = storage.sibling(tag)
-        owned = owned_files(holder)
+        owned = None if tag in links else owned_files(holder)
         for name in sorted(names):
-            if owned is None:
+            if tag in links:
+                why = "which is a link to a directory elsewhere (not followed)"
+            elif owned is None:
                 why = "which is gone"
             elif name not in owned:
                 why = "which does not own that file"
