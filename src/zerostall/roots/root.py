@@ -376,7 +376,7 @@ class CheckpointRoot:
         A save of a tag, or over ``target`` alone, is noted first for a takeover to undo should it
         never commit (see :mod:`zerostall.roots.resaving`)."""
         def note(going: dict[str, str]) -> None:
-            alone = list(going) == [target]
+            alone = list(going) == [target] and target not in self.unreadable  # a damaged one is kept
             if alone or tag_step(target) is None:
                 resaving.record(self.storage, target, f"{SUPERSEDED_NAME}/{going[target]}" if alone else None)
 
