@@ -67,8 +67,7 @@ class CheckpointManager:
                  lease_ttl: float = DEFAULT_TTL, local: LocalTier | None = None, **shorthand: Any) -> None:
         rules, overrides = split_shorthand(shorthand)
         self.policy = policy_of(retention, rules)
-        self.save_options = SaveOptions.of(save_options, overrides)
-        self.load_options = LoadOptions.of(load_options)
+        self.save_options, self.load_options = SaveOptions.of(save_options, overrides), LoadOptions.of(load_options)
         self.checkpoint_root = CheckpointRoot(storage_for(root, fsync=self.save_options.fsync))
         self.root = self.checkpoint_root.location
         self.rank_local_keys = rank_local_keys
@@ -187,20 +186,21 @@ class CheckpointManager:
         return handle
 
     def _before_saving(self, step: int, tag: str) -> None:
-        """Settle the last asynchronous save's commit; on the coordinator, undo what a failed save left
-        (see :mod:`zerostall.roots.resaving`) and move into ``.superseded/`` the checkpoints (damaged too)
-        of later steps or of ``tag``: restore, ``latest`` and retention go by step, and none is saved
-        over. A failure here (a lost lease) refuses the save in its first collective on every rank."""
+        """Settle the last async save's commit; on the coordinator, undo failed saves (:mod:`~zerostall.roots.resaving`)
+        and move checkpoints of later steps or of ``tag`` into ``.superseded/``. A failure refuses it on every rank."""
         try:
             self._settle_commit()
             if not self.group.is_coordinator:
                 return
-            self._still_the_writer()  # no save in flight: an entry of the journal left is a failed one's
-            self._deleter.submit(resaving.settle, self.checkpoint_root.storage, takeover=True).result()
+            if self.checkpoint_root.journaled:  # no save in flight: an entry left is a failed save's
+                self._still_the_writer()
+                self._deleter.submit(resaving.settle, self.checkpoint_root.storage, takeover=True).result()
+                self.checkpoint_root.journaled = False
             later = [name for name, record in self.checkpoints() if record.step > step or name == tag]
             later += [name for name in self.checkpoint_root.unreadable  # a damaged manifest's step is its tag's
                       if name == tag or (tag_step(name) is not None and tag_step(name) > step)]
             if later or tag in self.checkpoint_root.bare or tag_step(tag) is None:  # not while retention deletes
+                self._still_the_writer()
                 try:
                     self._deleter.submit(self.checkpoint_root.set_aside, later, step, tag).result()
                 except OSError as exc:

@@ -126,10 +126,8 @@ def looks_like_checkpoint(storage: Storage) -> bool:
 
 
 def _update_temp(name: str) -> bool:
-    """Whether ``name`` is a temp file of an update of ``latest``, the lease or the re-save journal (see
-    :meth:`Storage.put`)."""
-    return name.startswith(tuple(f"{n}." for n in (LATEST_NAME, LEASE_NAME, resaving.RESAVING_NAME))) \
-        and name.endswith(".tmp")
+    """Whether ``name`` is a temp file of a ``latest``, lease or re-save journal update (see :meth:`Storage.put`)."""
+    return name.endswith(".tmp") and name.rsplit(".", 2)[0] in (LATEST_NAME, LEASE_NAME, resaving.RESAVING_NAME)
 
 
 def _holds_nothing_foreign(storage: Storage) -> bool:
@@ -200,6 +198,7 @@ class CheckpointRoot:
         """The checkpoints of the last listing whose manifest is there but could not be read, and why."""
         self.bare: set[str] = set()
         """Folders with no manifest at the last listing (attempts, retained data)."""
+        self.journaled = False  # whether this writer noted a save in the re-save journal since it was last settled
 
     def where(self, name: str) -> str:
         """The location of ``name`` under the root, for messages."""
@@ -378,6 +377,7 @@ class CheckpointRoot:
         def note(going: dict[str, str]) -> None:
             alone = list(going) == [target] and target not in self.unreadable  # a damaged one is kept
             if alone or tag_step(target) is None:
+                self.journaled = True
                 resaving.record(self.storage, target, f"{SUPERSEDED_NAME}/{going[target]}" if alone else None)
 
         set_aside(self.storage, tags, step, target, {i.name: i.refs for i in self._all_read()}, note)
