@@ -168,11 +168,11 @@ def train(rank: int, args: argparse.Namespace, port: int, run: dict[str, str]) -
         handle.committed.add_done_callback(lambda f: commits.setdefault(step, time.monotonic()))
         return handle
 
-    def timed_replicate(step: int, saved: bool) -> None:
-        failures = replicator.failures
-        replicate(step, saved)
-        if replicator.failures == failures:
+    def timed_replicate(step: int, saved: bool) -> bool:
+        done = replicate(step, saved)
+        if done:
             replicated[step] = time.monotonic()
+        return done
 
     tier.save, replicator._replicate = timed_save, timed_replicate  # bench instrumentation only
     digests: dict[int, str] = {}

@@ -39,7 +39,7 @@ ORDER = [
     # the public functions, then the manager over them
     "api",
     # tiers/: the node-local tier, node identity, copies between nodes, restore from the fastest copy
-    "tiers.nodes", "tiers.local", "tiers.stream", "tiers.placing", "tiers.transfer", "tiers.copies", "tiers.replication", "tiers.sources",
+    "tiers.nodes", "tiers.timelines", "tiers.local", "tiers.stream", "tiers.placing", "tiers.transfer", "tiers.copies", "tiers.replication", "tiers.sources",
     "tiers.tier", "tiers",
     "manager",
     # integrations/: adapters for the frameworks users train with, over the public API

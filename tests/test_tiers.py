@@ -752,19 +752,20 @@ def test_retention_keeps_the_newest_step_every_rank_saved_not_the_newest_of_each
     assert out == [([10], 10, 10)] * 2  # the steps missing a rank's copy are gone; 10 restores
 
 
-def runs_on_one_root(root: str, base: str, run: int, last: int, restore: bool, nodes: str = "ab") -> tuple:
-    """Run ``run`` on ``nodes`` (one a rank): restore (or not), then save steps 10 to ``last``, each
-    of value 1000 * run + step."""
+def runs_on_one_root(root: str, base: str, run: int, last: int, restore: bool | str, nodes: str = "ab") -> tuple:
+    """Run ``run`` on ``nodes`` (one a rank): restore (a tag of the root's, when ``restore`` is
+    one) or not, then save steps 10 to ``last``, each of value 1000 * run + step; returns the step
+    restored, its value and where each rank's state came from."""
     node = os.environ["ZEROSTALL_NODE_ID"] = nodes[dist.get_rank()]
     tier = zs.LocalTier(node_dir(base, node), every=10, keep=1, replicas=2, timeout_s=20)
     target = single_state(-1.0)
     with zs.CheckpointManager(root, save_every=20, local=tier, fsync=False) as mgr:
-        restored = mgr.restore(target) if restore else None
+        restored = mgr.restore(target, **({"tag": restore} if isinstance(restore, str) else {})) if restore else None
         for step in range(10, last + 1, 10):
             assert mgr.should_save(step)
             mgr.save(step, single_state(float(1000 * run + step)))
         mgr.wait()
-    return restored, target["step"]
+    return restored, target["step"], mgr.last_restore.sources if restore else None
 
 
 def test_a_run_that_starts_anew_drops_the_local_steps_of_the_run_before(ranks, tmp_path):
@@ -773,7 +774,7 @@ def test_a_run_that_starts_anew_drops_the_local_steps_of_the_run_before(ranks, t
     root, base = str(tmp_path / "root"), str(tmp_path / "nodes")
     ranks(2).run(runs_on_one_root, root, base, 1, 40, False, timeout=240)
     ranks(2).run(runs_on_one_root, root, base, 2, 20, False, timeout=240)  # starts anew: no restore
-    assert ranks(2).run(runs_on_one_root, root, base, 3, 0, True, timeout=240) == [(20, 2020)] * 2
+    assert ranks(2).run(runs_on_one_root, root, base, 3, 0, True, timeout=240) == [(20, 2020, ("local",) * 2)] * 2
 
 
 def test_a_node_that_missed_a_job_brings_back_none_of_its_abandoned_steps(ranks, tmp_path):
@@ -782,8 +783,24 @@ def test_a_node_that_missed_a_job_brings_back_none_of_its_abandoned_steps(ranks,
     root, base = str(tmp_path / "root"), str(tmp_path / "nodes")
     ranks(2).run(runs_on_one_root, root, base, 1, 10, False, "ab", timeout=240)
     ranks(2).run(runs_on_one_root, root, base, 2, 10, False, "ac", timeout=240)  # starts anew, without b
-    assert ranks(2).run(runs_on_one_root, root, base, 3, 0, True, "ab", timeout=240) == [(10, 2010)] * 2
+    assert ranks(2).run(runs_on_one_root, root, base, 3, 0, True, "ab", timeout=240) == [(10, 2010, ("local", "peer"))] * 2
     assert NodeDirectory(node_dir(base, "b"), os.listdir(node_dir(base, "b"))[0]).steps() == []  # deleted by run 3
+
+
+def test_a_node_that_missed_a_job_keeps_the_steps_the_run_went_through_and_drops_those_after(ranks, tmp_path):
+    """Node b missed run 2 (on a, c: it went on from step 30) and run 5 (on a, c: a rollback to the
+    root's step 20). Run 4 on a, b took its rank 1 from the peer: b's own step 30, which run 2 went on
+    from, was dropped as an abandoned timeline's. Run 6 must take none of b's step 30, which the
+    rollback left."""
+    root, base = str(tmp_path / "root"), str(tmp_path / "nodes")
+    ranks(2).run(runs_on_one_root, root, base, 1, 30, False, "ab", timeout=240)
+    assert ranks(2).run(runs_on_one_root, root, base, 2, 0, True, "ac", timeout=240) == [(30, 1030, ("local", "peer"))] * 2
+    assert ranks(2).run(runs_on_one_root, root, base, 4, 0, True, "ab", timeout=240) == [(30, 1030, ("local",) * 2)] * 2
+    ranks(2).run(runs_on_one_root, root, base, 5, 0, "step_000000020", "ac", timeout=240)  # a rollback without b
+    b = NodeDirectory(node_dir(base, "b"), os.listdir(node_dir(base, "b"))[0])
+    assert 30 in b.steps()
+    assert ranks(2).run(runs_on_one_root, root, base, 6, 0, True, "ab", timeout=240) == [(20, 1020, ("persistent",) * 2)] * 2
+    assert b.steps() == []  # its step 30 was of the timeline the rollback left
 
 
 def test_a_tier_directory_that_cannot_be_made_is_a_typed_error(tmp_path):
@@ -908,4 +925,4 @@ def test_a_first_local_save_that_never_committed_everywhere_is_a_fresh_start(ran
     for node in "ab":
         run = os.path.join(node_dir(base, node), os.listdir(node_dir(base, node))[0])
         os.unlink(os.path.join(run, step_tag(10), "rank_00001", "manifest.json"))
-    assert ranks(2).run(runs_on_one_root, root, base, 2, 10, True, "ab", timeout=240) == [(None, -1.0)] * 2
+    assert ranks(2).run(runs_on_one_root, root, base, 2, 10, True, "ab", timeout=240) == [(None, -1, ())] * 2

@@ -292,14 +292,14 @@ class CheckpointManager:
         root = functools.partial(restore_first_whole, self.group, self.checkpoint_root,
                                  attempt=functools.partial(self._load, state, options), fallback=fallback, named=named,
                                  record=functools.partial(setattr, self, "last_restore"))
-        if self.tier is not None and tiers:  # the newest step of the root and the tiers together
-            info, loaded = self.tier.restore(self._wrap(state), options, candidates, unreachable, fallback=fallback,
-                                             root=root)
+        if self.tier is not None and tiers:  # the newest step of the root and the tiers together (and what they hold)
+            info, loaded, seen = self.tier.restore(self._wrap(state), options, candidates, unreachable,
+                                                   fallback=fallback, root=root)
             self.last_restore = info or self.last_restore
         else:
-            loaded = root(candidates)
+            loaded, seen = root(candidates), None
         if self.tier is not None:  # the run goes on from this step: the tier's newer steps are another timeline's
-            self.tier.forget_after(self.last_restore.step if loaded is not None else None)
+            self.tier.forget_after(self.last_restore.step if loaded is not None else None, seen)
         if loaded is None:  # nothing committed yet
             return None
         for key in state.keys() & loaded.keys():  # python values and tuples are new objects: put them in place

@@ -31,6 +31,7 @@ from ..errors import InsufficientSpaceError, InvalidPathError
 from ..format.layout import MANIFEST_NAME
 from ..storage.base import free_bytes
 from ..storage.location import within
+from .timelines import Timeline, valid
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,6 @@ MARKER = ".zerostall-run"
 """The file that makes a folder of the node directory a run's (see the module's docstring)."""
 TIMELINE = ".zerostall-timeline"
 """The timeline the node's copies belong to (see :meth:`NodeDirectory.timeline`)."""
-
-Timeline = list  # [sequence number, start time, id, the job's node ids]: ordered as lists are, the newest last
 
 INCOMING = ".incoming-"
 """The prefix of a copy's folder while it arrives from another node, beside the folder it is
@@ -150,9 +149,7 @@ class NodeDirectory:
         except (ValueError, RecursionError):
             log.warning("local tier %s: %s is damaged: its copies are taken for another timeline's", self.run, TIMELINE)
             return None
-        ok = isinstance(found, list) and len(found) == 4 and type(found[0]) is int and isinstance(found[1], float) \
-            and isinstance(found[2], str) and isinstance(found[3], list) and all(isinstance(n, str) for n in found[3])
-        return found if ok else None
+        return found if valid(found) else None
 
     def set_timeline(self, timeline: Timeline) -> None:
         """Record that this node's copies belong to ``timeline`` (replaced atomically)."""

@@ -15,10 +15,11 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from ..collectives import Group
 from ..errors import CheckpointError, CorruptCheckpointError, StateMismatchError
@@ -26,10 +27,11 @@ from ..loading.opening import read_manifest_head
 from ..roots.restore import DAMAGED, FAILED, OK, kind_of
 from ..storage import storage_for
 from .copies import LAYOUT_KEY
-from .local import NodeDirectory, Timeline
+from .local import NodeDirectory
 from .nodes import Nodes
 from .placing import Placer
 from .stream import LinkError
+from .timelines import Timeline, kept_until, latest
 from .transfer import Landed, exchange
 
 log = logging.getLogger(__name__)
@@ -106,11 +108,19 @@ def choose(nodes: Nodes, digests: list[str], held: list[dict[int, dict[int, str]
 @dataclass(frozen=True)
 class Survey:
     """What every node holds, as every rank learned it: each rank's layout digest, and by node
-    the copies it holds ({step: {rank: digest}}, as :func:`report` gives), none for a node whose
-    copies belong to an older timeline than another node's (it missed a job: they were abandoned)."""
+    the copies it holds ({step: {rank: digest}}, as :func:`report` gives) that belong to the
+    newest timeline a node records (see :mod:`zerostall.tiers.timelines`), each node's timeline,
+    and the coordinator's clock."""
 
     digests: list[str]
     held: list[dict[int, dict[int, str]]]
+    timelines: list[Timeline | None]
+    clock: float
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """The newest timeline a node records: the one the run went on along."""
+        return latest(self.timelines)
 
     def newest(self, nodes: Nodes, bad: set[Copy]) -> int | None:
         """The newest step with a good copy of every rank's state on some node, leaving out the
@@ -120,27 +130,24 @@ class Survey:
 
 
 def survey(group: Group, nodes: Nodes, directory: NodeDirectory, digest: str) -> Survey:
-    """Every node's copies and every rank's layout ``digest`` (collective: each node's first rank
-    lists its directory, then one all-gather)."""
+    """Every node's copies and timeline, and every rank's layout ``digest`` (collective: each
+    node's first rank lists its directory, then one all-gather)."""
     leader = nodes.leads(group.rank)
     with group.failing_together("the local tier could not be listed on {failed} other rank(s) (their errors say "
                                 "why)"):
-        mine = report(directory, group.size, leader), directory.timeline() if leader else None
-    reports = group.all_gather_object((digest, mine))
-    newest = max_timeline(timeline for r, (_, (_, timeline)) in enumerate(reports) if nodes.leads(r))
-    held: list[dict[int, dict[int, str]]] = [{} for _ in range(nodes.count)]
-    for r, (_, (copies, timeline)) in enumerate(reports):
-        if copies and (timeline == newest or newest is not None and nodes.ids[r] in newest[3]):  # took part in it
-            held[nodes.index(r)] = copies
-        elif copies and group.is_coordinator:
+        mine = (report(directory, group.size, leader), directory.timeline()) if leader else ({}, None)
+    reports = group.all_gather_object((digest, *mine, time.time()))
+    firsts = [nodes.ranks_on(node)[0] for node in range(nodes.count)]  # each lists its node's copies
+    found: list[Timeline | None] = [reports[r][2] for r in firsts]
+    current = latest(found)
+    held: list[dict[int, dict[int, str]]] = []
+    for r in firsts:
+        copies, until = reports[r][1], kept_until(reports[r][2], nodes.ids[r], current)
+        held.append({step: ranks for step, ranks in copies.items() if step <= until})
+        if len(held[-1]) < len(copies) and group.is_coordinator:
             log.warning("the local tier on node %s holds copies of an abandoned timeline (it missed a job), not "
-                        "used: steps %s", nodes.ids[r], sorted(copies)[-5:])
-    return Survey([d for d, _ in reports], held)
-
-
-def max_timeline(timelines: Iterable[Timeline | None]) -> Timeline | None:
-    """The newest of ``timelines`` (None: older than any)."""
-    return max((t for t in timelines if t is not None), default=None)
+                        "used: steps %s", nodes.ids[r], sorted(s for s in copies if s > until)[-5:])
+    return Survey([d for d, *_ in reports], held, found, reports[0][3])
 
 
 def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirectory, seen: Survey,

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import secrets
-import time
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -35,7 +33,8 @@ from .copies import LAYOUT_KEY, View, load_copy, placeable, placements, view
 from .local import LocalTier, NodeDirectory, check_space, run_id_for
 from .nodes import NODE_ENV, Nodes, gather_nodes
 from .replication import Replicator
-from .sources import max_timeline, restore_from_tiers, say_why_not, survey
+from .sources import Survey, restore_from_tiers, say_why_not, survey
+from .timelines import following, kept_until
 from .transfer import Landed
 
 log = logging.getLogger(__name__)
@@ -78,9 +77,9 @@ class NodeTier:
         if options.replicas > 1 and self.nodes.count == 1 and group.is_coordinator:
             log.info("local tier: one node, so no replicas on other nodes (replicas=%d asked for)", options.replicas)
         background = self.restoring if group.size > 1 else Group(ALONE)
-        token = group.agree(lambda: secrets.token_hex(8).encode()).decode()  # this tier's, in the group's store
+        self.token = group.agree(lambda: secrets.token_hex(8).encode()).decode()  # its store keys' and timelines' id
         self.replicator = Replicator(background, self.pg, self.nodes, self.directory, self.replicas, options.keep,
-                                     token, options.timeout_s)
+                                     self.token, options.timeout_s)
         self.saver = AsyncSaver()
         self._space_checked = False
         self._timeline = False  # whether this run's timeline is set: a restore took a step, or a save began anew
@@ -184,12 +183,13 @@ class NodeTier:
     @gc_paused()  # the caller waits: no cyclic collections over the per-leaf and per-chunk objects
     def restore(self, state: dict[str, Any], options: LoadOptions, candidates: list[Candidate],
                 unreachable: Exception | None, *, fallback: bool,
-                root: Callable[..., Any]) -> tuple[RestoreInfo | None, Any]:
+                root: Callable[..., Any]) -> tuple[RestoreInfo | None, Any, Survey]:
         """Restore ``state`` from the newest step: the root's checkpoints (``candidates``, newest
         first) newer than the newest step the tiers hold for every rank, then that step (its other
         copies, older steps), then the root's older checkpoints. ``root(candidates, earlier=...,
         until=...)`` restores from the root as :func:`restore_first_whole` does, recording what it
-        restored. Returns what the tiers restored (None when the root did) and the loaded state."""
+        restored. Returns what the tiers restored (None when the root did), the loaded state and
+        what the tiers hold (for :meth:`forget_after`)."""
         self.wait()
         if not self.mend(if_any=True):  # a group that failed earlier in this run (a restore that timed out)
             raise CheckpointError("the local tier's process group failed earlier in this run and could not be made "
@@ -207,7 +207,7 @@ class NodeTier:
             if cut > i:  # the root's newer checkpoints first; all of them damaged: the tiers' step
                 got = root(candidates[i:], until=cut - i, earlier=tuple(fallbacks))
                 if not isinstance(got, PassedOver):
-                    return None, got
+                    return None, got, seen
                 fallbacks = list(got.fallbacks)
             rest = [step for _, damage, step in candidates[cut:] if damage is None]
             try:  # the tiers' steps no older than the root's next (all damaged: the root's next, and on)
@@ -225,36 +225,34 @@ class NodeTier:
             if unreachable is not None:
                 raise unreachable
             say_why_not(self.group, seen, self.directory, fresh=not candidates[i:] and not fallbacks)
-            return None, root(candidates[i:], earlier=tuple(fallbacks))
+            return None, root(candidates[i:], earlier=tuple(fallbacks)), seen
         choice, loaded = chosen
         if unreachable is not None and self.group.is_coordinator:
             log.warning("the checkpoint root could not be listed (%s): restored step %d from the local tier",
                         unreachable, choice.step)
         kinds = tuple(choice.kinds)
-        return RestoreInfo(choice.step, kinds[self.group.rank], kinds, tuple(fallbacks), step_tag(choice.step)), loaded
+        info = RestoreInfo(choice.step, kinds[self.group.rank], kinds, tuple(fallbacks), step_tag(choice.step))
+        return info, loaded, seen
 
-    def forget_after(self, step: int | None) -> None:
+    def forget_after(self, step: int | None, seen: Survey | None = None) -> None:
         """Delete this node's local steps newer than ``step`` (None: every one), once a restore took
-        ``step``: they belong to a timeline that does not go on (a rollback, saves made after the
-        step a crash fell back to), so no later restore takes them or mixes them with this run's. A
-        new timeline is recorded on every node of the job; a node that missed the job before
-        (its timeline older than another node's) keeps none of its steps."""
+        ``step`` (``seen``: what its survey found): they belong to a timeline that does not go on (a
+        rollback, saves made after the step a crash fell back to), so no later restore takes them or
+        mixes them with this run's. A new timeline is recorded on every node of the job; a node that
+        missed jobs keeps only its copies of steps the run went through (see :mod:`.timelines`)."""
         self.wait()
-        self.mend(if_any=True)  # a broken group's store holds what the ranks posted about the abandoned timeline
-        with self.group.failing_together("the local tier's timeline could not be read on {failed} other rank(s) "
-                                         "(their errors say why)"):
-            mine = self.directory.timeline() if self.leader else None
-        found = [t for r, t in enumerate(self.group.all_gather_object(mine)) if self.nodes.leads(r)]
-        newest = max_timeline(found)
-        member = newest is not None and self.nodes.ids[self.group.rank] in newest[3]  # took part, if not written
-        timeline = json.loads(self.group.agree(lambda: json.dumps(
-            [newest[0] + 1 if newest else 0, time.time(), secrets.token_hex(4), sorted(set(self.nodes.ids))]).encode()))
+        if seen is None:
+            self.mend(if_any=True)  # a broken group's store holds what the ranks posted about the abandoned timeline
+            seen = survey(self.group, self.nodes, self.directory, "")
+        node = self.nodes.ids[self.group.rank]
+        until = kept_until(seen.timelines[self.nodes.index(self.group.rank)], node, seen.timeline)
+        timeline = following(seen.timeline, step, seen.clock, self.token, self.nodes.ids)
         with self.group.failing_together("the local tier's newer steps could not be removed on {failed} other "
                                          "rank(s) (their errors say why)"):  # and no rank saves before they are
-            if self.leader:  # a node that missed a job holds steps of an abandoned timeline: none stays
+            if self.leader:  # and a node that missed jobs, those of the timeline it was left on
                 try:
                     self.directory.remove_steps([s for s in self.directory.steps()
-                                                 if step is None or s > step or not (mine == newest or member)])
+                                                 if step is None or s > min(step, until)])
                 except OSError as exc:
                     raise typed_error(exc, f"cannot remove the newer steps of the local tier in {self.directory.run}")
             self.replicator.forget_after(step)
