@@ -926,3 +926,30 @@ def test_a_first_local_save_that_never_committed_everywhere_is_a_fresh_start(ran
         run = os.path.join(node_dir(base, node), os.listdir(node_dir(base, node))[0])
         os.unlink(os.path.join(run, step_tag(10), "rank_00001", "manifest.json"))
     assert ranks(2).run(runs_on_one_root, root, base, 2, 10, True, "ab", timeout=240) == [(None, -1, ())] * 2
+
+
+def restore_with_node_b_unlistable(root: str, base: str) -> tuple:
+    """Step 10 saved on nodes a and b; at the restart, node b's directory cannot be listed."""
+    rank = dist.get_rank()
+    node = os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
+    tier = zs.LocalTier(node_dir(base, node), every=10, keep=1, replicas=2, timeout_s=20)
+    with zs.CheckpointManager(root, save_every=1000, local=tier, fsync=False) as mgr:
+        mgr.save(10, single_state(10.0))
+    real = NodeDirectory.holdings
+    if node == "b":
+        NodeDirectory.holdings = lambda self: (_ for _ in ()).throw(PermissionError(13, "Permission denied", "node-b"))
+    try:
+        with zs.CheckpointManager(root, save_every=1000, local=tier, fsync=False) as mgr:
+            mgr.restore(single_state(-1.0))
+    except zs.CheckpointError as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        NodeDirectory.holdings = real
+    return "restored", ""
+
+
+def test_a_node_whose_tier_cannot_be_listed_fails_the_restore_on_every_rank(ranks, tmp_path):
+    """Each rank raises a typed error, node b's naming its directory and the cause, none waits."""
+    out = ranks(2).run(restore_with_node_b_unlistable, str(tmp_path / "root"), str(tmp_path / "nodes"), timeout=120)
+    assert out[0] == ("CheckpointError", "the local tier could not be listed on 1 other rank(s) (their errors say why)")
+    assert out[1][0] == "CheckpointError" and "node-b" in out[1][1] and "Permission denied" in out[1][1], out[1]

@@ -108,6 +108,20 @@ class Group:
         dist.all_gather_object(out, obj, group=self.pg)
         return out
 
+    def all_gather_or_fail(self, make: Callable[[], Any], message: str) -> list[Any]:
+        """Every rank's ``make()`` in one all-gather; where it raised on any rank, that rank raises
+        its error and the others ``CheckpointError(message)`` (see :meth:`all_reduce_or_fail`)."""
+        try:
+            mine, failure = (True, make()), None
+        except Exception as exc:
+            mine, failure = (False, None), exc
+        got = self.all_gather_object(mine)
+        if failure is not None:
+            raise failure
+        if failed := sum(not ok for ok, _ in got):
+            raise CheckpointError(message.format(failed=failed))
+        return [value for _, value in got]
+
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
         """``data`` from ``src`` on every rank, sent as a tensor (size first, then the bytes)."""
         if self.pg is None:

@@ -1,8 +1,9 @@
 """Restore from the tiers: the newest step every rank's copy survived, each from the fastest copy.
 
-Every rank reports its node's copies (one rank a node) and the digest of its own layout; rank 0
-picks the newest step that holds a copy of every rank's state, saved from the layout that rank
-has now, on some node (:func:`choose`), unless the persistent tier holds a newer one. A rank
+Every rank reports its node's copies (one rank a node) and the digest of its own layout, in one
+all-gather; from what it gathered, every rank picks alike the newest step that holds a copy of
+every rank's state, saved from the layout that rank has now, on some node (:func:`choose`),
+unless the persistent tier holds a newer one. A rank
 whose node holds its copy loads it (``"local"``); the others receive theirs from a node that
 holds it (``"peer"``), every block checked on arrival, straight into the state where it can
 (:mod:`zerostall.tiers.transfer`). Every rank then says how it fared: if any
@@ -12,7 +13,6 @@ older step, and (returning None) to the persistent tier; any other failure is ra
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -25,6 +25,7 @@ from ..collectives import Group
 from ..errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ..loading.opening import read_manifest_head
 from ..roots.restore import DAMAGED, FAILED, OK, kind_of
+from ..roots.root import typed_error
 from ..storage import storage_for
 from .copies import LAYOUT_KEY
 from .local import NodeDirectory
@@ -133,10 +134,15 @@ def survey(group: Group, nodes: Nodes, directory: NodeDirectory, digest: str) ->
     """Every node's copies and timeline, and every rank's layout ``digest`` (collective: each
     node's first rank lists its directory, then one all-gather)."""
     leader = nodes.leads(group.rank)
-    with group.failing_together("the local tier could not be listed on {failed} other rank(s) (their errors say "
-                                "why)"):
-        mine = (report(directory, group.size, leader), directory.timeline()) if leader else ({}, None)
-    reports = group.all_gather_object((digest, *mine, time.time()))
+    def listing() -> tuple[str, dict[int, dict[int, str]], Timeline | None, float]:
+        try:
+            mine = (report(directory, group.size, leader), directory.timeline()) if leader else ({}, None)
+        except OSError as exc:
+            raise typed_error(exc, f"cannot list the local tier in {directory.run}")
+        return digest, *mine, time.time()
+
+    reports = group.all_gather_or_fail(listing, "the local tier could not be listed on {failed} other rank(s) (their "
+                                                "errors say why)")
     firsts = [nodes.ranks_on(node)[0] for node in range(nodes.count)]  # each lists its node's copies
     found: list[Timeline | None] = [reports[r][2] for r in firsts]
     current = latest(found)
@@ -158,15 +164,13 @@ def restore_from_tiers(group: Group, pg: Any, nodes: Nodes, directory: NodeDirec
     used; a copy from a peer is received into memory where ``place`` says. Copies found damaged
     are added to ``bad`` and to ``fallbacks`` (what, why)."""
     digests, held = seen.digests, seen.held
-    while True:
-        choice = json.loads(group.agree(lambda: json.dumps(_as_json(choose(nodes, digests, held, bad, newer_than)))
-                                        .encode()))
-        if choice is None:
+    while True:  # every rank chooses alike: from what the survey gathered, and the same copies found bad
+        chosen = choose(nodes, digests, held, bad, newer_than)
+        if chosen is None:
             return None
-        chosen = Choice(choice["step"], [tuple(s) for s in choice["sources"]], choice["kinds"])
         outcome, result, error = _attempt(group, pg, nodes, directory, chosen, load, place)
         try:
-            outcomes = group.all_gather_object(outcome)
+            outcomes = _outcomes(group, outcome)
         except RuntimeError as exc:  # a rank died or timed out: the restarted job restores again
             link = LinkError(f"the tier's group failed: {exc}")
             link.__cause__ = exc
@@ -231,8 +235,11 @@ def _load_while_sending(pg: Any, sends: list[tuple[int, Path]], own: str, load: 
     return loaded
 
 
-def _as_json(choice: Choice | None) -> Any:
-    return None if choice is None else {"step": choice.step, "sources": choice.sources, "kinds": choice.kinds}
+def _outcomes(group: Group, outcome: tuple[str, str]) -> list[tuple[str, str]]:
+    """Every rank's outcome: one all-reduce when every rank's is OK; else an all-gather after it."""
+    if group.all_reduce_ints([outcome[0] != OK])[0] == 0:
+        return [(OK, "")] * group.size
+    return group.all_gather_object(outcome)
 
 
 def say_why_not(group: Group, seen: Survey, directory: NodeDirectory, fresh: bool) -> None:
