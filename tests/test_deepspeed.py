@@ -41,16 +41,18 @@ from small_tmpfs import in_small_tmpfs, unavailable  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "deepspeed_train.py"
+CASES = HERE / "deepspeed_cases.py"
 
 
 # -- two-rank jobs ---------------------------------------------------------------------------------
-def job(tmp: Path, name: str, *args: str, expect_kill: bool = False, timeout: float = 240) -> dict[int, dict]:
-    """Run tests/deepspeed_train.py on two gloo ranks; each rank's losses (and what else it wrote)."""
+def job(tmp: Path, name: str, *args: str, expect_kill: bool = False, timeout: float = 240,
+        script: Path = TRAIN) -> dict[int, dict]:
+    """Run tests/deepspeed_train.py (or ``script``) on two gloo ranks; each rank's losses (and what else it wrote)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]),
                WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent / "src"),
                PYTHONFAULTHANDLER="1")  # an abort prints every thread's stack
     out = tmp / name
-    procs = [subprocess.Popen([sys.executable, str(TRAIN), *args, "--losses", str(out)],
+    procs = [subprocess.Popen([sys.executable, str(script), *args, "--losses", str(out)],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
     logs = []
@@ -64,6 +66,27 @@ def job(tmp: Path, name: str, *args: str, expect_kill: bool = False, timeout: fl
         want = -signal.SIGKILL if expect_kill else 0
         assert p.returncode == want, f"rank {r} ended with {p.returncode}, not {want}:\n{logs[r][-6000:]}"
     return {r: json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)}
+
+
+def test_an_asynchronous_save_is_loaded_back_at_once_and_destroy_waits_for_the_one_in_flight(tmp_path: Path) -> None:
+    """load_checkpoint did not wait for the save in flight: it loaded the version of ``best`` before
+    and the ``latest`` before; a tag 100 in ``latest`` read as JSON, taken for no tag;
+    DeepSpeed's positional arguments were a TypeError; and destroy left the save in flight running."""
+    seen = job(tmp_path, "reload", "--case", "reload", "--dir", str(tmp_path / "ck"), script=CASES)
+    for rank in (0, 1):
+        assert seen[rank] == {"best": 2, "latest": 3, "latest_file": "100", "positional": 2,
+                              "after_destroy": {"committed": True, "saver_closed": True, "threads": []}}
+
+
+def test_a_value_that_cannot_be_encoded_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    """Only rank 0 writes the model file, with client_state: it raised alone, and rank 1 waited in
+    the save's collectives (a hang)."""
+    seen = job(tmp_path, "unencodable", "--case", "unencodable", "--dir", str(tmp_path / "ck"), script=CASES,
+               timeout=120)
+    assert "UnsupportedValueError" in seen[0]["said"] and "mine" in seen[0]["said"], seen[0]
+    assert seen[1]["said"].startswith(f"CheckpointError: checkpoint {tmp_path}/ck/s1 was not saved on any rank: 1 "
+                                      "other rank(s) could not prepare it"), seen[1]
+    assert "s1" not in seen[0]["tags"] and "latest" not in seen[0]["tags"] and seen[0]["loss"] > 0
 
 
 def losses(run: dict, steps: range) -> list[list[float]]:
@@ -396,8 +419,9 @@ def test_a_failed_update_of_latest_fails_the_save_on_every_rank(ranks, tmp_path:
     for message in refused:
         assert "committed, but" in message and "could not be made to name it" in message and "its tag" in message
     assert said[0][0] == "saved" if asynchronous else True
-    assert said[1] == (["saved", "rank 0 could not point latest at the checkpoint saved before (its error says why), "
-                                 "so this save was not started on any rank"] if asynchronous else
+    assert said[1] == (["saved", f"checkpoint {tmp_path}/ck/t3 was not saved on any rank: 1 other rank(s) could not "
+                                 "prepare it (their errors say why: a value they cannot encode, or rank 0's failure to "
+                                 "point latest at the checkpoint saved before)"] if asynchronous else
                        [f"checkpoint {tmp_path}/ck/{t} committed, but rank 0 could not point {tmp_path}/ck/latest at "
                         "it (its error says why)" for t in ("t2", "t3")])
 

@@ -329,10 +329,12 @@ class CheckpointRoot:
         try:
             pointer = json.loads(data)
         except (ValueError, RecursionError):
-            plain = data.decode("utf-8", "replace").strip()
-            return plain if _PLAIN_TAG.fullmatch(plain) else None
-        tag = pointer.get("tag") if isinstance(pointer, dict) else None
-        return tag if isinstance(tag, str) else None
+            pointer = None
+        if isinstance(pointer, dict):
+            tag = pointer.get("tag")
+            return tag if isinstance(tag, str) else None
+        plain = data.decode("utf-8", "replace").strip()  # also a plain tag that reads as JSON: 100, true, null
+        return plain if _PLAIN_TAG.fullmatch(plain) else None
 
     def write_latest(self, tag: str, step: int | None) -> None:
         """Point ``latest`` at ``tag`` (atomically, once it committed); OSError if it cannot be written."""

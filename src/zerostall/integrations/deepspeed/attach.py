@@ -33,12 +33,22 @@ def attach(engine: Any, options: DeepSpeedOptions | None = None, **overrides: An
         previous.cleanup()  # its writer process
     engine.checkpoint_engine = ours
     _decide_writers(engine, ours)
-    save, load = engine.save_checkpoint, engine.load_checkpoint
+    save, load, destroy = engine.save_checkpoint, engine.load_checkpoint, engine.destroy
     engine.save_checkpoint = functools.wraps(save)(functools.partial(_save_checkpoint, engine, ours, save))
     engine.load_checkpoint = functools.wraps(load)(functools.partial(_load_checkpoint, engine, ours, load))
+    engine.destroy = functools.wraps(destroy)(functools.partial(_destroy, ours, destroy))
     if ours.saver is not None:
         ours.saver.hold_steps(_torch_optimizers(engine.optimizer))
     return ours
+
+
+def _destroy(ours: ZeroStallCheckpointEngine, original: Any) -> None:
+    """DeepSpeed's ``destroy``, after the save in flight committed and the saver was closed (DeepSpeed
+    cleans up only a decoupled checkpoint engine); a failure of that save is raised once destroyed."""
+    try:
+        ours.cleanup()
+    finally:
+        original()
 
 
 def _decide_writers(engine: Any, ours: ZeroStallCheckpointEngine) -> None:
@@ -77,10 +87,18 @@ def _save_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any
 
 
 def _load_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any, load_dir: str, tag: Any = None,
-                     **kwargs: Any) -> tuple[Any, Any]:
-    """DeepSpeed's ``load_checkpoint`` between ``open`` and ``close``: swap files restored in place
-    first (DeepSpeed then resets its swap buffers from them), every file read through the session.
-    A checkpoint of DeepSpeed's own engine is loaded by that engine (see :func:`_load_deepspeeds_own`)."""
+                     load_module_strict: bool = True, load_optimizer_states: bool = True,
+                     load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                     custom_load_fn: Any = None) -> tuple[Any, Any]:
+    """DeepSpeed's ``load_checkpoint`` (its arguments), once the asynchronous save in flight has
+    committed (it may be the checkpoint asked for, and the load overwrites what it captures), between
+    ``open`` and ``close``: swap files restored in place first (DeepSpeed then resets its swap buffers
+    from them), every file read through the session. A checkpoint of DeepSpeed's own engine is
+    loaded by that engine (see :func:`_load_deepspeeds_own`)."""
+    kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+                  load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                  custom_load_fn=custom_load_fn)
+    ours.wait()
     own = ours.deepspeeds_own(load_dir, None if tag is None else str(tag))
     if own is not None:
         return _load_deepspeeds_own(engine, ours, original, load_dir, own, **kwargs)

@@ -157,16 +157,19 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
         current, self._save = self._save, None
         if current is None:
             return True
-        allow_pickle = self.options.allow_pickle
-        state: dict[str, Any] = {name: values.split(sd, allow_pickle=allow_pickle, where=name)
-                                 for name, sd in current.files.items()}
-        offloaded = current.swap.tensors() if current.swap else {}
         save_options = self.options.save_options
-        if offloaded:
-            state[swap.KEY] = rank_local(offloaded)
-        needed = bytes_needed(flatten(state).leaves, save_options.block_size, allow_pickle, self.group.size)
-        self._raise_latest_failure()
-        space.check_space(self.group, current.directory, current.save_dir, needed)
+        failure = self._latest_failure()
+        with self.group.failing_together(  # no rank waits for the others in the save's collectives
+                f"checkpoint {current.directory} was not saved on any rank: {{failed}} other rank(s) could not "
+                "prepare it (their errors say why: a value they cannot encode, or rank 0's failure to point latest "
+                "at the checkpoint saved before)"):
+            if failure is not None:  # rank 0's failure to point latest at the save before
+                raise failure
+            state = self._state(current)
+            needed = bytes_needed(flatten(state).leaves, save_options.block_size, save_options.allow_pickle,
+                                  self.group.size)
+            free = space.free_space(current.save_dir)
+        space.check_space(self.group, current.directory, needed, free)
         storage = CheckpointRoot(storage_for(current.save_dir)).child(current.tag)
         metadata = {"deepspeed": {"tag": current.tag}}
         if self.saver is None:
@@ -180,6 +183,16 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
         self._latest = latest = Future()
         handle.committed.add_done_callback(OneShot(functools.partial(self._committed, current, latest)))
         return True
+
+    def _state(self, current: _Save) -> dict[str, Any]:
+        """What this rank saves: each file DeepSpeed gave split into its tensors and values, and its swap files."""
+        allow_pickle = self.options.allow_pickle
+        state: dict[str, Any] = {name: values.split(sd, allow_pickle=allow_pickle, where=name)
+                                 for name, sd in current.files.items()}
+        offloaded = current.swap.tensors() if current.swap else {}
+        if offloaded:
+            state[swap.KEY] = rank_local(offloaded)
+        return state
 
     def _point_latest(self, current: _Save) -> None:
         """Rank 0 rewrites ``latest`` (DeepSpeed's plain-text tag, replaced atomically) once the
@@ -208,15 +221,6 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
         """Rank 0's failure to point ``latest`` at the asynchronous save before (waited for), once."""
         latest, self._latest = self._latest, None
         return latest.exception() if latest is not None else None
-
-    def _raise_latest_failure(self) -> None:
-        """Raise :meth:`_latest_failure` on every rank: a rank raising alone would leave the others
-        waiting in this save's collectives."""
-        failure = self._latest_failure()
-        with self.group.failing_together("rank 0 could not point latest at the checkpoint saved before (its error "
-                                         "says why), so this save was not started on any rank"):
-            if failure is not None:
-                raise failure
 
     def wait(self) -> None:
         """Wait for the asynchronous save in flight to commit and ``latest`` to name it; raises

@@ -11,12 +11,16 @@ from ...errors import InsufficientSpaceError
 from ...storage.base import free_bytes
 
 
-def check_space(group: Group, directory: str, save_dir: str, needed: int) -> None:
-    """Refuse on every rank, before anything is written, the save of checkpoint ``directory`` in
-    ``save_dir`` when every rank's ``needed`` bytes together exceed the free space any rank sees there."""
-    total = group.all_reduce_ints([needed])[0]
+def free_space(save_dir: str) -> int:
+    """The bytes free in ``save_dir`` (made if missing) as this rank sees it."""
     os.makedirs(save_dir, exist_ok=True)
-    free = free_bytes(save_dir)
+    return free_bytes(save_dir)
+
+
+def check_space(group: Group, directory: str, needed: int, free: int) -> None:
+    """Refuse on every rank, before anything is written, the save of checkpoint ``directory`` when
+    every rank's ``needed`` bytes together exceed the ``free`` space any rank sees in its save directory."""
+    total = group.all_reduce_ints([needed])[0]
     short = int(total > free)
     if group.all_reduce_ints([short])[0]:
         seen = f"its file system has {free} bytes free" if short else "another rank sees less free space"

@@ -1,0 +1,103 @@
+"""Two-rank DeepSpeed jobs for tests/test_deepspeed.py that check how the engine ``attach`` installs
+meets DeepSpeed's own calls; one rank of a gloo job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in
+the environment) on the CPU, writing what it saw as JSON to ``--losses``.rank<r> (the name
+tests/deepspeed_train.py uses).
+
+``--case reload``: asynchronous saves (each held back a moment before it writes, as on a slow
+disk) loaded back at once: a tag saved again and ``latest``, which must be the checkpoints just
+saved; DeepSpeed's positional ``load_checkpoint`` arguments; a tag that reads as a number; and
+``destroy`` with a save in flight. ``--case unencodable``: a save whose ``client_state`` holds a
+value zerostall cannot encode (only rank 0 writes it), then a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+
+from deepspeed_train import _step, config  # noqa: E402
+
+
+def reload(engine: Any, directory: str) -> dict[str, Any]:
+    from zerostall.saving import asynchronous
+
+    persist = asynchronous.persist
+    asynchronous.persist = lambda prepared: (time.sleep(0.5), persist(prepared))[1]  # a slow disk
+    seen: dict[str, Any] = {}
+    rank = torch.distributed.get_rank()
+    for step, tag in ((1, "best"), (2, "best")):
+        _step(engine, step, rank, 64)
+        engine.save_checkpoint(directory, tag, client_state={"step": step})
+    seen["best"] = engine.load_checkpoint(directory, "best")[1]["step"]
+    _step(engine, 3, rank, 64)
+    engine.save_checkpoint(directory, 100, client_state={"step": 3})
+    _step(engine, 4, rank, 64)
+    engine.save_checkpoint(directory, "other", client_state={"step": 4}, save_latest=False)
+    seen["latest"] = engine.load_checkpoint(directory)[1]["step"]
+    seen["latest_file"] = open(os.path.join(directory, "latest")).read()
+    seen["positional"] = engine.load_checkpoint(directory, "best", True, True, True, False, None)[1]["step"]
+    _step(engine, 5, rank, 64)
+    engine.save_checkpoint(directory, "last", client_state={"step": 5})
+    saver = engine.checkpoint_engine.saver
+    engine.destroy()
+    seen["after_destroy"] = {"committed": os.path.exists(os.path.join(directory, "last", "manifest.json")),
+                             "saver_closed": saver._closed,
+                             "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("zerostall"))}
+    return seen
+
+
+class Unencodable:
+    """A value of the user's own class in client_state."""
+
+
+def unencodable(engine: Any, directory: str) -> dict[str, Any]:
+    from zerostall import CheckpointError
+
+    rank = torch.distributed.get_rank()
+    _step(engine, 1, rank, 64)
+    seen: dict[str, Any] = {}
+    try:
+        engine.save_checkpoint(directory, "s1", client_state={"mine": Unencodable()})
+        seen["said"] = "saved"
+    except CheckpointError as exc:
+        seen["said"] = f"{type(exc).__name__}: {exc}"
+    seen["loss"] = _step(engine, 2, rank, 64)  # the ranks go on together
+    seen["tags"] = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    engine.destroy()
+    return seen
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--case", choices=["reload", "unencodable"], required=True)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--losses", dest="out", required=True)
+    args = p.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    settings = config(argparse.Namespace(stage=2, offload="none/none", nvme=""))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 64))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=settings)
+    from zerostall.integrations.deepspeed import attach
+
+    attach(engine, asynchronous=args.case == "reload")
+    seen = {"reload": reload, "unencodable": unencodable}[args.case](engine, args.dir)
+    with open(f"{args.out}.rank{torch.distributed.get_rank()}", "w") as f:
+        json.dump(seen, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
