@@ -382,6 +382,16 @@ def test_saving_a_tag_again_replaces_it_and_latest_follows_the_commit(tmp_path: 
     ours.close()
 
 
+def test_a_save_under_the_tag_of_deepspeeds_own_checkpoint_is_refused_and_leaves_it(tmp_path: Path) -> None:
+    """The refusal named files "not part of a zerostall checkpoint", and no way out."""
+    own = tmp_path / "global_step3"
+    own.mkdir()
+    (own / "mp_rank_00_model_states.pt").write_bytes(b"DeepSpeed's")
+    with pytest.raises(zs.CheckpointError, match=f"{own} is a checkpoint of DeepSpeed's own engine: .* another tag"):
+        save_tag(ZeroStallCheckpointEngine(), tmp_path, "global_step3", {"f.pt": {"x": torch.zeros(3)}})
+    assert sorted(os.listdir(own)) == ["mp_rank_00_model_states.pt"] and not (tmp_path / "latest").exists()
+
+
 def save_with_latest_blocked(directory: str, asynchronous: bool) -> list[str]:
     """On each of two ranks: save t1, make ``latest`` impossible to replace (on rank 0, the one that
     writes it), then save t2 and t3; what each save said."""

@@ -165,6 +165,11 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
                 "at the checkpoint saved before)"):
             if failure is not None:  # rank 0's failure to point latest at the save before
                 raise failure
+            if _deepspeeds_own(current.save_dir, current.tag):
+                raise CheckpointError(
+                    f"{current.directory} is a checkpoint of DeepSpeed's own engine: zerostall does not save over it "
+                    "(it would be lost if the save failed); save under another tag, or move it away first; nothing "
+                    "was written")
             state = self._state(current)
             needed = bytes_needed(flatten(state).leaves, save_options.block_size, save_options.allow_pickle,
                                   self.group.size)
