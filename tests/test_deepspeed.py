@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -390,6 +391,32 @@ def test_a_save_under_the_tag_of_deepspeeds_own_checkpoint_is_refused_and_leaves
     with pytest.raises(zs.CheckpointError, match=f"{own} is a checkpoint of DeepSpeed's own engine: .* another tag"):
         save_tag(ZeroStallCheckpointEngine(), tmp_path, "global_step3", {"f.pt": {"x": torch.zeros(3)}})
     assert sorted(os.listdir(own)) == ["mp_rank_00_model_states.pt"] and not (tmp_path / "latest").exists()
+
+
+def open_with_rank_1_unable_to_lay_out_its_view(directory: str) -> str:
+    """Save t1 on two ranks; open it with rank 1's temporary folder of names impossible to make."""
+    import torch.distributed as dist
+
+    ours = ZeroStallCheckpointEngine()
+    save_tag(ours, Path(directory), "t1", {"f.pt": {"x": torch.zeros(3)}})
+    real = tempfile.mkdtemp
+    if dist.get_rank() == 1:
+        tempfile.mkdtemp = lambda **kw: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    try:
+        ours.open(directory)
+        return "opened"
+    except zs.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        tempfile.mkdtemp = real
+
+
+def test_an_open_that_fails_on_one_rank_fails_on_every_rank(ranks, tmp_path: Path) -> None:
+    """Rank 1 raised alone and rank 0 waited for it in the load's next collective."""
+    said = ranks(2).run(open_with_rank_1_unable_to_lay_out_its_view, str(tmp_path / "ck"), timeout=120)
+    assert said == [f"CheckpointError: checkpoint t1 of {tmp_path}/ck could not be opened on 1 other rank(s) (their "
+                    "errors say why)", f"CheckpointError: cannot show checkpoint t1 of {tmp_path}/ck to DeepSpeed (a "
+                    f"folder of its file names under {tempfile.gettempdir()}, TMPDIR): [Errno 28] No space left on device"]
 
 
 def save_with_latest_blocked(directory: str, asynchronous: bool) -> list[str]:

@@ -109,8 +109,10 @@ def _load_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any
         session = ours.session
         assert session is not None
         # a load that fails on some ranks fails on all: no rank trains on from a checkpoint the others refused
-        with ours.group.failing_together(f"loading checkpoint {opened} from {load_dir} failed on {{failed}} other "
-                                         "rank(s) (their errors name the file)"):
+        with ours.group.failing_together(
+                f"loading checkpoint {opened} from {load_dir} failed on {{failed}} other rank(s) (their errors name "
+                "the file)" + ("; this rank's own tensors may hold what it loaded in place: load another checkpoint "
+                               "before training on" if ours.options.in_place else "")):
             path, client_state = _load_opened(engine, ours, original, load_dir, opened, session, kwargs)
         if path is not None:
             path = os.path.join(load_dir, opened, os.path.relpath(path, session.directory))
@@ -140,7 +142,7 @@ def _load_opened(engine: Any, ours: ZeroStallCheckpointEngine, original: Any, lo
                 "checkpoint whose optimizer state was offloaded to NVMe (it rebuilds them from the optimizer's "
                 "fp32 partitions, which lie in the swap files): load it whole (load_optimizer_states=True); "
                 f"the optimizer's swap files were left as they were ({exc})") from exc
-    if path is not None and engine.zero_nvme_offload_optimizer() and kwargs.get("load_optimizer_states", True):
+    if path is not None and engine.zero_nvme_offload_optimizer() and optimizer:
         _restore_optimizer_state(engine, ours.load(engine._get_zero_ckpt_name(session.view, opened)))
     return path, client_state
 

@@ -30,7 +30,7 @@ from ...errors import CheckpointError, CheckpointNotFoundError
 from ...format.layout import MANIFEST_NAME
 from ...loading.checkpoint import Checkpoint
 from ...options import LoadOptions, SaveOptions, _Options
-from ...roots.root import LATEST_NAME, CheckpointRoot, validate_tag
+from ...roots.root import LATEST_NAME, CheckpointRoot, typed_error, validate_tag
 from ...saving.asynchronous import AsyncSaver
 from ...saving.estimate import bytes_needed
 from ...saving.handles import OneShot
@@ -259,12 +259,20 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
             return None
         checkpoint = Checkpoint(CheckpointRoot(storage_for(load_dir)).child(agreed), self.options.load_options,
                                 process_group=ALONE if self.group.pg is None else self.group.pg)
-        view = tempfile.mkdtemp(prefix="zerostall-deepspeed-")
+        view = ""
         try:
-            _show(view, agreed, checkpoint, self.group.rank)
+            with self.group.failing_together(f"checkpoint {agreed} of {load_dir} could not be opened on {{failed}} "
+                                             "other rank(s) (their errors say why)"):  # none waits for the others
+                try:
+                    view = tempfile.mkdtemp(prefix="zerostall-deepspeed-")
+                    _show(view, agreed, checkpoint, self.group.rank)
+                except OSError as exc:
+                    raise typed_error(exc, f"cannot show checkpoint {agreed} of {load_dir} to DeepSpeed (a folder of "
+                                      f"its file names under {tempfile.gettempdir()}, TMPDIR)") from exc
         except BaseException:
             checkpoint.close()
-            shutil.rmtree(view, ignore_errors=True)
+            if view:
+                shutil.rmtree(view, ignore_errors=True)
             raise
         self._session = _Session(load_dir, agreed, checkpoint, view)
         return agreed
