@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -956,3 +957,44 @@ def test_a_node_whose_tier_cannot_be_listed_fails_the_restore_on_every_rank(rank
     out = ranks(2).run(restore_with_node_b_unlistable, str(tmp_path / "root"), str(tmp_path / "nodes"), timeout=120)
     assert out[0] == ("CheckpointError", "the local tier could not be listed on 1 other rank(s) (their errors say why)")
     assert out[1][0] == "CheckpointError" and "node-b" in out[1][1] and "Permission denied" in out[1][1], out[1]
+
+
+def test_a_new_run_whose_first_saves_are_local_is_not_undone_by_an_older_runs_checkpoints(ranks, tmp_path):
+    """Run 1 saved up to step 40 (the root: 20 and 40); run 2 started anew and saved steps 10 and 30
+    in the local tier only (save_every=20: 10 and 30 are not the root's). Run 3 restored run 1's step 40."""
+    root, base = str(tmp_path / "root"), str(tmp_path / "nodes")
+    ranks(2).run(runs_on_one_root, root, base, 1, 40, False, "ab", timeout=240)
+    ranks(2).run(local_saves_only, root, base, 2, (10, 30), timeout=240)
+    assert ranks(2).run(runs_on_one_root, root, base, 3, 0, True, "ab", timeout=240) == [(30, 2030, ("local",) * 2)] * 2
+
+
+def local_saves_only(root: str, base: str, run: int, steps: tuple[int, ...]) -> None:
+    node = os.environ["ZEROSTALL_NODE_ID"] = "ab"[dist.get_rank()]
+    tier = zs.LocalTier(node_dir(base, node), every=10, keep=1, replicas=2, timeout_s=20)
+    with zs.CheckpointManager(root, save_every=20, local=tier, fsync=False) as mgr:
+        for step in steps:
+            assert mgr.should_save(step)
+            mgr.save(step, single_state(float(1000 * run + step)))
+
+
+def rollback_then_a_local_save(root: str, base: str) -> tuple:
+    """Run 2 on nodes a, b: roll back to the root's step 20, then save step 30 (the local tier alone)."""
+    node = os.environ["ZEROSTALL_NODE_ID"] = "ab"[dist.get_rank()]
+    tier = zs.LocalTier(node_dir(base, node), every=10, keep=1, replicas=2, timeout_s=20)
+    with zs.CheckpointManager(root, save_every=20, local=tier, fsync=False) as mgr:
+        assert mgr.restore(single_state(-1.0), step_tag(20)) == 20
+        assert mgr.should_save(30)
+        mgr.save(30, single_state(2030.0))
+    return sorted(os.listdir(root))
+
+
+def test_a_rollback_then_local_saves_is_not_undone_by_the_roots_later_checkpoints(ranks, tmp_path):
+    """Run 1 saved up to step 40 (the root: 20 and 40); run 2 rolled back to 20 and saved step 30 in
+    the local tier only. Run 3 restored the root's step 40, of the timeline run 2 left: the root's
+    later checkpoints are now set aside as soon as the run goes on from 20."""
+    root, base = str(tmp_path / "root"), str(tmp_path / "nodes")
+    ranks(2).run(runs_on_one_root, root, base, 1, 40, False, "ab", timeout=240)
+    listed = ranks(2).run(rollback_then_a_local_save, root, base, timeout=240)[0]
+    assert listed == [".superseded", "latest", step_tag(20)]
+    assert json.loads((tmp_path / "root" / "latest").read_text())["tag"] == step_tag(20)
+    assert ranks(2).run(runs_on_one_root, root, base, 3, 0, True, "ab", timeout=240) == [(30, 2030, ("local",) * 2)] * 2

@@ -9,6 +9,7 @@ each commit, in the background; a checkpoint is deleted manifest first.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -27,7 +28,7 @@ from .gcpause import gc_paused
 from .loading.checkpoint import Checkpoint
 from .loading.load_plan import key_filter
 from .options import LoadOptions, SaveOptions
-from .roots import resaving
+from .roots import forking, resaving
 from .roots.increments import Increments
 from .roots.lease import DEFAULT_TTL, WriterLease
 from .roots.loaders import LoaderGuard
@@ -70,8 +71,7 @@ class CheckpointManager:
         self.save_options, self.load_options = SaveOptions.of(save_options, overrides), LoadOptions.of(load_options)
         self.checkpoint_root = CheckpointRoot(storage_for(root, fsync=self.save_options.fsync))
         self.root = self.checkpoint_root.location
-        self.rank_local_keys = rank_local_keys
-        self.process_group = process_group
+        self.rank_local_keys, self.process_group = rank_local_keys, process_group
         self.group = Group(process_group)
         self.schedule = SaveSchedule(self.group, save_every, save_interval_s)
         self.saver = AsyncSaver() if async_save else None
@@ -125,8 +125,7 @@ class CheckpointManager:
         return persistent or local
 
     def _tiers_due(self, step: int) -> tuple[bool, bool]:
-        """Where ``save(step)`` writes: as :meth:`should_save` said for this step; without it, the
-        root, and the local tier too when the step is one of its own."""
+        """Where ``save(step)`` writes: as :meth:`should_save` said for it; else the root, and the local tier if due."""
         if self._due is not None and self._due[0] == step and (self._due[1] or self._due[2]):
             return self._due[1], self._due[2]
         return True, self.tier is not None and self.tier.due(step)
@@ -141,8 +140,8 @@ class CheckpointManager:
             raise UnsupportedValueError("CheckpointManager.save needs the training step (a non-negative int)")
         metrics = checked_metrics(metrics)
         persistent, local = self._tiers_due(step) if tag is None else (True, False)
-        if self.tier is not None:  # a collective point: a new timeline, or a failed tier group made anew
-            self.tier.before_save(persistent)
+        if self.tier is not None and self.tier.before_save(persistent) and not persistent:  # a new timeline
+            self._go_on_from(step)
         tag = tag or step_tag(step)
         storage = self.checkpoint_root.child(validate_tag(tag)) if persistent else None
         self.loaders.before_save(state, sys._getframe(1))
@@ -185,6 +184,18 @@ class CheckpointManager:
             OneShot(functools.partial(self._committed_async, tag=tag, step=step, committing=committing)))
         return handle
 
+    def _go_on_from(self, step: int) -> None:
+        """The run goes on from ``step``, its local tier's saves first: the root's later checkpoints are set aside."""
+        self.group.agree(lambda: self._deleter.submit(forking.fork, self.checkpoint_root, step,
+                                                      self._still_the_writer).result() or b"")
+
+    def _undo_failed_saves(self) -> None:
+        """On the coordinator, with no save in flight: put back the checkpoints that failed saves set aside."""
+        if self.checkpoint_root.journaled:
+            self._still_the_writer()
+            self._deleter.submit(resaving.settle, self.checkpoint_root.storage, takeover=True).result()
+            self.checkpoint_root.journaled = False
+
     def _before_saving(self, step: int, tag: str) -> None:
         """Settle the last async save's commit; on the coordinator, undo failed saves (:mod:`~zerostall.roots.resaving`)
         and move checkpoints of later steps or of ``tag`` into ``.superseded/``. A failure refuses it on every rank."""
@@ -192,20 +203,11 @@ class CheckpointManager:
             self._settle_commit()
             if not self.group.is_coordinator:
                 return
-            if self.checkpoint_root.journaled:  # no save in flight: an entry left is a failed save's
-                self._still_the_writer()
-                self._deleter.submit(resaving.settle, self.checkpoint_root.storage, takeover=True).result()
-                self.checkpoint_root.journaled = False
-            later = [name for name, record in self.checkpoints() if record.step > step or name == tag]
-            later += [name for name in self.checkpoint_root.unreadable  # a damaged manifest's step is its tag's
-                      if name == tag or (tag_step(name) is not None and tag_step(name) > step)]
+            self._undo_failed_saves()
+            later = forking.later(self.checkpoint_root, step, tag)
             if later or tag in self.checkpoint_root.bare or tag_step(tag) is None:  # not while retention deletes
                 self._still_the_writer()
-                try:
-                    self._deleter.submit(self.checkpoint_root.set_aside, later, step, tag).result()
-                except OSError as exc:
-                    raise CheckpointError(f"cannot set {', '.join(later)} aside under {self.root} before saving "
-                                          f"step {step}: {exc}") from exc
+                self._deleter.submit(forking.set_aside, self.checkpoint_root, later, step, tag).result()
         except Exception:
             SavePlanner.refuse(self.group)
             raise
@@ -268,23 +270,23 @@ class CheckpointManager:
 
     def restore(self, state: Any, tag: str | int | None = None, *, fallback: bool = True, strict: bool | None = None,
                 **overrides: Any) -> int | None:
-        """Load the newest committed checkpoint (or ``tag``) into ``state`` in place (its python
-        values and tuples replaced in the dict), RNG states included; returns its step, or ``None``
-        for a fresh start. It stays protected from retention; :attr:`last_restore` says what was restored.
+        """Load the newest committed checkpoint (or ``tag``) into ``state`` in place (its python values and
+        tuples replaced in the dict), RNG states included; returns its step, or ``None`` for a fresh start. It
+        stays protected from retention; :attr:`last_restore` says what was restored.
 
-        A damaged newest checkpoint (a checksum, a truncated or missing file) makes every rank fall
-        back to the previous committed one, with a warning naming it and what failed; never past a
-        ``tag`` asked for, nor over an I/O error. ``fallback=False`` raises instead. ``strict=False``
-        (default: the ``load_options``' own) resumes on another world size, leaving each rank's RNG
-        and per-rank state as they are. Other keywords override fields of the manager's ``load_options``."""
+        A damaged newest checkpoint (a checksum, a truncated or missing file) makes every rank fall back to
+        the previous committed one, with a warning naming it and what failed; never past a ``tag`` asked for,
+        nor over an I/O error. ``fallback=False`` raises instead. ``strict=False`` (default: the
+        ``load_options``' own) resumes on another world size, leaving each rank's RNG and per-rank state as
+        they are. Other keywords override fields of the manager's ``load_options``."""
         self.last_restore, tag = NOTHING, checkpoint_name(tag)  # until this restore says otherwise, even if it raises
         futures.wait([self._committing] if self._committing else [])  # the save in flight first (its failure stays)
         options = LoadOptions.of(self.load_options, {**overrides, **({} if strict is None else {"strict": strict})})
         named = tag not in (None, "latest")
         tiers, unreachable = self.tier is not None and not named, None
-        try:
-            candidates = [(tag, None, -1)] if named else json.loads(self.group.agree(
-                lambda: json.dumps(newest_first(self.checkpoint_root)).encode()))
+        try:  # the coordinator undoes failed saves first: a checkpoint one set aside is restored, not the one before
+            candidates = json.loads(self.group.agree(lambda: json.dumps((self._undo_failed_saves(), [(tag, None, -1)]
+                                                    if named else newest_first(self.checkpoint_root))[1]).encode()))
         except CheckpointError as exc:  # the local tier may do without the root
             if not tiers:
                 raise
@@ -300,6 +302,8 @@ class CheckpointManager:
             loaded, seen = root(candidates), None
         if self.tier is not None:  # the run goes on from this step: the tier's newer steps are another timeline's
             self.tier.forget_after(self.last_restore.step if loaded is not None else None, seen)
+            if loaded is not None and self.last_restore.step is not None:
+                self._go_on_from(self.last_restore.step)
         if loaded is None:  # nothing committed yet
             return None
         for key in state.keys() & loaded.keys():  # python values and tuples are new objects: put them in place
@@ -352,8 +356,8 @@ class CheckpointManager:
             raise failed
 
     def wait_staged(self) -> None:
-        """Block until the asynchronous save in flight (if any) has captured the state: call it
-        before mutating the state (the optimizer step). A no-op with synchronous saves."""
+        """Block until the asynchronous save in flight (if any) has captured the state: call it before changing
+        the state (the optimizer step). A no-op with synchronous saves."""
         if self.tier is not None:
             self.tier.wait_staged()
         if self.saver is not None:
@@ -378,20 +382,15 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Finish pending work, stop background threads and give up the writer lease."""
-        try:
+        with contextlib.ExitStack() as stack:  # the steps below run last to first, whatever the others raise
+            if self.lease is not None:
+                stack.callback(self.lease.release)
+            stack.callback(self._deleter.shutdown, wait=True)
+            if self.saver is not None:
+                stack.callback(self.saver.close)
+            if self.tier is not None:
+                stack.callback(self.tier.close)
             self.wait()
-        finally:
-            try:
-                if self.tier is not None:
-                    self.tier.close()
-            finally:
-                try:
-                    if self.saver is not None:
-                        self.saver.close()
-                finally:
-                    self._deleter.shutdown(wait=True)
-                    if self.lease is not None:
-                        self.lease.release()
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -329,11 +329,10 @@ class CheckpointRoot:
         try:
             pointer = json.loads(data)
         except (ValueError, RecursionError):
-            pointer = None
+            pointer = None  # a plain tag, as DeepSpeed writes it (also one that reads as JSON: 100, true, null)
         if isinstance(pointer, dict):
-            tag = pointer.get("tag")
-            return tag if isinstance(tag, str) else None
-        plain = data.decode("utf-8", "replace").strip()  # also a plain tag that reads as JSON: 100, true, null
+            return pointer["tag"] if isinstance(pointer.get("tag"), str) else None
+        plain = data.decode("utf-8", "replace").strip()
         return plain if _PLAIN_TAG.fullmatch(plain) else None
 
     def write_latest(self, tag: str, step: int | None) -> None:
@@ -372,10 +371,9 @@ class CheckpointRoot:
         resaving.settle(self.storage, takeover=False)
 
     def set_aside(self, tags: list[str], step: int, target: str) -> None:
-        """Move ``tags`` into ``.superseded/`` (see :func:`zerostall.roots.sharing.set_aside`):
-        saving ``step`` as ``target`` below them forks the run (see :meth:`CheckpointManager.save`).
-        A save of a tag, or over ``target`` alone, is noted first for a takeover to undo should it
-        never commit (see :mod:`zerostall.roots.resaving`)."""
+        """Move ``tags`` into ``.superseded/`` (see :func:`zerostall.roots.sharing.set_aside`): saving ``step`` as
+        ``target`` below them forks the run (see :mod:`zerostall.roots.forking`). A save of a tag, or over ``target``
+        alone, is noted first for a takeover to undo should it never commit (see :mod:`zerostall.roots.resaving`)."""
         def note(going: dict[str, str]) -> None:
             alone = list(going) == [target] and target not in self.unreadable  # a damaged one is kept
             if alone or tag_step(target) is None:

@@ -94,15 +94,17 @@ class NodeTier:
         return dist.new_group(dist.get_process_group_ranks(self.group.pg), backend="gloo",
                               timeout=timedelta(seconds=self.options.timeout_s))
 
-    def before_save(self, persistent: bool) -> None:
-        """A save's collective point, on every rank before anything is written. The first save of a
-        run that restored nothing starts a new timeline: the local steps found at start (an earlier
-        run's, which the root may have set aside) are removed, so no later restore takes them. A
+    def before_save(self, persistent: bool) -> bool:
+        """A save's collective point, on every rank before anything is written; returns whether the
+        run starts a new timeline here. The first save of a run that restored nothing does: the
+        local steps found at start (an earlier run's) are removed, so no later restore takes them. A
         persistent save mends a broken group (see :meth:`mend`)."""
         if not self._timeline:
             self.forget_after(None)
-        elif persistent:
+            return True
+        if persistent:
             self.mend()
+        return False
 
     def mend(self, *, if_any: bool = False) -> bool:
         """At a collective point of the training thread (a persistent save; a restore, ``if_any``):
