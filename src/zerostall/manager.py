@@ -302,8 +302,8 @@ class CheckpointManager:
             loaded, seen = root(candidates), None
         if self.tier is not None:  # the run goes on from this step: the tier's newer steps are another timeline's
             self.tier.forget_after(self.last_restore.step if loaded is not None else None, seen)
-            if loaded is not None and self.last_restore.step is not None:
-                self._go_on_from(self.last_restore.step)
+            if loaded is not None and self.last_restore.step is not None and unreachable is None:
+                self._go_on_from(self.last_restore.step)  # (a root that could not be listed: at its next save)
         if loaded is None:  # nothing committed yet
             return None
         for key in state.keys() & loaded.keys():  # python values and tuples are new objects: put them in place
