@@ -43,7 +43,7 @@ ORDER = [
     "tiers.tier", "tiers",
     "manager",
     # integrations/: adapters for the frameworks users train with, over the public API
-    "integrations.deepspeed.values", "integrations.deepspeed.space", "integrations.deepspeed.swap", "integrations.deepspeed.engine",
+    "integrations.deepspeed.values", "integrations.deepspeed.space", "integrations.deepspeed.swap", "integrations.deepspeed.tags", "integrations.deepspeed.engine",
     "integrations.deepspeed.consolidate", "integrations.deepspeed.attach", "integrations.deepspeed",
     "integrations.lightning.values", "integrations.lightning.checkpoint_io",
     "integrations.lightning.model_parallel", "integrations.lightning",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
 import logging
 import os
 import shutil
@@ -27,7 +26,6 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from ... import api
 from ...collectives import ALONE, Group
 from ...errors import CheckpointError, CheckpointNotFoundError
-from ...format.layout import MANIFEST_NAME
 from ...loading.checkpoint import Checkpoint
 from ...options import LoadOptions, SaveOptions, _Options
 from ...roots.root import LATEST_NAME, CheckpointRoot, typed_error, validate_tag
@@ -36,7 +34,7 @@ from ...saving.estimate import bytes_needed
 from ...saving.handles import OneShot
 from ...state import flatten, rank_local
 from ...storage import storage_for
-from . import space, swap, values
+from . import space, swap, tags, values
 from .swap import SwapFolders
 
 log = logging.getLogger(__name__)
@@ -165,7 +163,7 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
                 "at the checkpoint saved before)"):
             if failure is not None:  # rank 0's failure to point latest at the save before
                 raise failure
-            if _deepspeeds_own(current.save_dir, current.tag):
+            if tags.deepspeeds_own(current.save_dir, current.tag):
                 raise CheckpointError(
                     f"{current.directory} is a checkpoint of DeepSpeed's own engine: zerostall does not save over it "
                     "(it would be lost if the save failed); save under another tag, or move it away first; nothing "
@@ -253,7 +251,7 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
             raise CheckpointError(f"checkpoint {self._session.tag} of {self._session.load_dir} is still open: "
                                   "close() it first")
         load_dir = os.fspath(load_dir)
-        agreed = self.group.agree(lambda: _resolve(load_dir, tag).encode()).decode()
+        agreed = self.group.agree(lambda: tags.resolve(load_dir, tag).encode()).decode()
         if not agreed:
             log.warning("no checkpoint to load in %s", load_dir)
             return None
@@ -281,7 +279,7 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
         """``tag`` (None or ``"latest"``: the tag ``latest`` names) when it is a checkpoint that
         DeepSpeed's own engine wrote in ``load_dir`` (its files and no zerostall manifest), else
         None. Collective: rank 0 decides."""
-        found = self.group.agree(lambda: _deepspeeds_own(os.fspath(load_dir), tag).encode()).decode()
+        found = self.group.agree(lambda: tags.deepspeeds_own(os.fspath(load_dir), tag).encode()).decode()
         return found or None
 
     def close(self) -> None:
@@ -355,40 +353,6 @@ def _file_value(ck: Checkpoint, name: str) -> Any:
 
 def _to(t: torch.Tensor, device: Any) -> torch.Tensor:
     return t if device is None or torch.device(device).type == "cpu" else t.to(device)
-
-
-def _resolve(load_dir: str, tag: str | None) -> str:
-    """On rank 0: the tag to open (empty when there is none)."""
-    root = CheckpointRoot(storage_for(load_dir))
-    committed = [info.name for info in root.checkpoints()] if os.path.isdir(load_dir) else []
-    if tag is not None and tag != LATEST_NAME:
-        validate_tag(tag)
-        if tag not in committed:
-            raise CheckpointNotFoundError(f"no committed zerostall checkpoint {tag!r} in {load_dir}"
-                                          + (f" (there: {', '.join(committed[-5:])})" if committed else ""))
-        return tag
-    named = root.read_latest() if committed else None
-    if named in committed:
-        return named
-    if committed:
-        newest = root.latest() or ""
-        log.warning("%s/latest %s; opening the newest committed checkpoint, %s", load_dir,
-                    f"names {named!r}, which is not a committed checkpoint" if named else "is missing", newest)
-        return newest
-    return ""
-
-
-def _deepspeeds_own(load_dir: str, tag: str | None) -> str:
-    """On rank 0: :meth:`ZeroStallCheckpointEngine.deepspeeds_own` (empty for None)."""
-    if tag is None or tag == LATEST_NAME:
-        tag = CheckpointRoot(storage_for(load_dir)).read_latest()  # as DeepSpeed writes it: a plain tag
-        if tag is None:
-            return ""
-    validate_tag(tag)
-    directory = os.path.join(load_dir, tag)
-    if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
-        return ""
-    return tag if glob.glob(os.path.join(glob.escape(directory), "*_model_states.pt")) else ""
 
 
 def _show(view: str, tag: str, ck: Checkpoint, rank: int) -> None:
