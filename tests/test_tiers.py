@@ -998,3 +998,31 @@ def test_a_rollback_then_local_saves_is_not_undone_by_the_roots_later_checkpoint
     assert listed == [".superseded", "latest", step_tag(20)]
     assert json.loads((tmp_path / "root" / "latest").read_text())["tag"] == step_tag(20)
     assert ranks(2).run(runs_on_one_root, root, base, 3, 0, True, "ab", timeout=240) == [(30, 2030, ("local",) * 2)] * 2
+
+
+def first_local_save_with_a_value_rank_1_cannot_encode(root: str, base: str) -> tuple:
+    """Nodes a and b; rank 1's loader state holds an object of no known kind; then close twice."""
+    rank = dist.get_rank()
+    node = os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
+    tier = zs.LocalTier(node_dir(base, node), every=10, keep=1, replicas=2, timeout_s=20)
+    mgr = zs.CheckpointManager(root, save_every=1000, local=tier, fsync=False)
+    with mgr:
+        loader = {"epoch": 1} if rank == 0 else {"epoch": 1, "sampler": object()}
+        try:
+            assert mgr.should_save(10)
+            mgr.save(10, {"w": torch.ones(10), "dataloader": loader})
+            said = "saved"
+        except zs.CheckpointError as exc:
+            said = f"{type(exc).__name__}: {exc}"
+        mgr.close()  # and again on leaving the block
+    return said
+
+
+def test_a_first_local_save_that_one_rank_cannot_encode_fails_on_every_rank_and_close_may_repeat(ranks, tmp_path):
+    """Rank 1 raised alone and rank 0 waited in the space check's all-gather for the group's whole
+    timeout; a second close() of a manager with a local tier raised ValueError (its group destroyed twice)."""
+    said = ranks(2).run(first_local_save_with_a_value_rank_1_cannot_encode, str(tmp_path / "root"),
+                        str(tmp_path / "nodes"), timeout=120)
+    assert said[0] == ("CheckpointError: the first local-tier save could not be prepared on 1 other rank(s) (their "
+                       "errors say why); nothing was saved")
+    assert said[1].startswith("UnsupportedValueError") and "sampler" in said[1], said[1]

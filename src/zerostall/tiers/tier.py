@@ -155,10 +155,15 @@ class NodeTier:
     def save(self, step: int, state: dict[str, Any], options: SaveOptions) -> SaveHandle:
         """Start saving this rank's copy of ``step`` (collective only the first time: the space
         check); replication and retention follow its commit in the background."""
-        tree, flat, digest = view(state)
-        if not self._space_checked:
-            self._check_space(bytes_needed(flat.leaves, options.block_size, options.allow_pickle, 1))  # saved alone
+        if not self._space_checked:  # a collective: a value one rank cannot encode fails it on every rank
+            with self.group.failing_together("the first local-tier save could not be prepared on {failed} other "
+                                             "rank(s) (their errors say why); nothing was saved"):
+                tree, flat, digest = view(state)
+                nbytes = bytes_needed(flat.leaves, options.block_size, options.allow_pickle, 1)  # saved alone
+            self._check_space(nbytes)
             self._space_checked = True
+        else:
+            tree, flat, digest = view(state)
         metadata = {"tier": "local", "rank": self.group.rank, "world_size": self.group.size,
                     "node": self.nodes.ids[self.group.rank], LAYOUT_KEY: digest}
         path = self.directory.copy_path(step, self.group.rank)
@@ -287,8 +292,9 @@ class NodeTier:
             finally:
                 self.replicator.close()
                 self.directory.release()
-                if self.pg is not None:
-                    dist.destroy_process_group(self.pg)
+                pg, self.pg = self.pg, None  # closed once: a second close has nothing left to destroy
+                if pg is not None:
+                    dist.destroy_process_group(pg)
 
 
 def _load(state: dict[str, Any], target: View, options: LoadOptions, path: str, landed: Landed | None) -> Any:
