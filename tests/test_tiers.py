@@ -1026,3 +1026,40 @@ def test_a_first_local_save_that_one_rank_cannot_encode_fails_on_every_rank_and_
     assert said[0] == ("CheckpointError: the first local-tier save could not be prepared on 1 other rank(s) (their "
                        "errors say why); nothing was saved")
     assert said[1].startswith("UnsupportedValueError") and "sampler" in said[1], said[1]
+
+
+def saves_whose_replication_fails(root: str, base: str, steps: tuple[int, ...], failing: int, restore: bool) -> tuple:
+    """Nodes a and b: restore or not, then save ``steps``; the replication of step ``failing`` fails
+    (a receiver's full disk: an error, not a broken link). Returns what restore gave, and the holdings."""
+    from zerostall.tiers import replication
+
+    rank = dist.get_rank()
+    node = os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
+    real = replication.exchange
+
+    def exchange(pg, sends, receives, *, step=None, **kw):
+        if step == failing:
+            raise zs.CheckpointError(f"cannot write the copy of step {step}: No space left on device")
+        return real(pg, sends, receives, step=step, **kw)
+
+    replication.exchange = exchange
+    tier = zs.LocalTier(node_dir(base, node), every=10, keep=1, replicas=2, timeout_s=20)
+    try:
+        with zs.CheckpointManager(root, save_every=1000, local=tier, fsync=False) as mgr:
+            got = mgr.restore(single_state(-1.0)) if restore else None
+            for step in steps:
+                assert mgr.should_save(step)
+                mgr.save(step, single_state(float(100 * rank + step)))
+                mgr.wait()
+            return got, mgr.tier.directory.holdings()
+    finally:
+        replication.exchange = real
+
+
+def test_after_a_restart_retention_keeps_the_newest_step_every_replica_of_which_arrived(ranks, tmp_path):
+    """Step 10 replicated, 20 and 30 not. A restart restored 20, taken for replicated: step 30's
+    round deleted step 10, and once node b was lost nothing could be restored."""
+    root, base = str(tmp_path / "root"), str(tmp_path / "nodes")
+    ranks(2).run(saves_whose_replication_fails, root, base, (10, 20), 20, False, timeout=240)
+    got = ranks(2).run(saves_whose_replication_fails, root, base, (30,), 30, True, timeout=240)
+    assert got == [(20, {10: [0, 1], 30: [0]}), (20, {10: [0, 1], 30: [1]})]  # as a run without the restart keeps

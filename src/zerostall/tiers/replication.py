@@ -184,10 +184,11 @@ class Replicator:
         newest = self._in_store(post_and_read)  # no store to reach, or no answer in time: nothing is deleted
         return newest if newest is not None and newest >= 0 else None
 
-    def forget_after(self, step: int | None) -> None:
+    def forget_after(self, step: int | None, replicated: int = -1) -> None:
         """The run goes on from ``step`` (None: from scratch): steps newer than it were deleted, so
         they no longer count as saved, also in what this rank posts; with the group still broken
-        (it could not be made anew), at once, and the first rank's answers about them are removed."""
+        (it could not be made anew), at once, and the first rank's answers about them are removed.
+        ``replicated``: the newest step up to it the nodes hold every replica of, kept by retention."""
         def kept(s: int) -> int:
             return s if step is not None and s <= step else -1
 
@@ -195,8 +196,8 @@ class Replicator:
         self._partial = {s for s in self._partial if kept(s) >= 0}
         self._saved, self._done = kept(self._saved), kept(self._done)
         self._agreed = (kept(self._agreed[0]), kept(self._agreed[1]))
-        if step is not None:  # the step restored: kept as the newest replicated until a newer one is (a
-            self._agreed = (max(self._agreed[0], step), max(self._agreed[1], step))  # restarted process knew none)
+        if step is not None:  # a restarted process knew none: the step restored counts as saved, and as
+            self._agreed = (max(self._agreed[0], step), max(self._agreed[1], replicated))  # replicated only if it is
         if self.broken is not None:
             self._in_store(self._repost)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +123,13 @@ class Survey:
     def timeline(self) -> Timeline | None:
         """The newest timeline a node records: the one the run went on along."""
         return latest(self.timelines)
+
+    def replicated(self, world: int, copies: int, until: int) -> int:
+        """The newest step up to ``until`` of which the nodes hold ``copies`` copies of every
+        rank's state (-1: none): the one retention keeps while no newer one is replicated."""
+        count = Counter((step, rank) for held in self.held for step, ranks in held.items() for rank in ranks)
+        return max((s for s, _ in count if s <= until and all(count[(s, r)] >= copies for r in range(world))),
+                   default=-1)
 
     def newest(self, nodes: Nodes, bad: set[Copy]) -> int | None:
         """The newest step with a good copy of every rank's state on some node, leaving out the

@@ -262,7 +262,8 @@ class NodeTier:
                                                  if step is None or s > min(step, until)])
                 except OSError as exc:
                     raise typed_error(exc, f"cannot remove the newer steps of the local tier in {self.directory.run}")
-            self.replicator.forget_after(step)
+            self.replicator.forget_after(step, -1 if step is None else seen.replicated(self.group.size, self.replicas,
+                                                                                        step))
         with self.group.failing_together("the local tier's timeline could not be recorded on {failed} other "
                                          "rank(s) (their errors say why)"):  # once every node removed its steps
             if self.leader:
