@@ -627,20 +627,28 @@ def test_a_save_killed_before_it_commits_leaves_the_root_as_it_was(tmp_path, cal
         assert not (tmp_path / RESAVING_NAME).exists()
 
 
-def test_a_save_over_a_checkpoint_that_failed_is_undone_before_a_restore_in_the_same_process(tmp_path):
-    """The failed re-save of step 300 and of ``best`` left them set aside until the next save: a
-    restore took step 200, and ``best`` was not found."""
+def resaves_of_300_that_fail(mgr: zs.CheckpointManager):
+    """Save steps 100, 200, 300 and ``best`` (300), then fail to save step 300 and ``best`` again
+    (at their commit); returns the commit fence the manager had."""
     def fail() -> None:
         raise OSError(5, "the disk went away")
 
+    for step in (100, 200, 300):
+        mgr.save(step, part(step))
+    mgr.save(300, part(300), tag="best")
+    fence = mgr._save_options.before_commit
+    mgr._save_options = dataclasses.replace(mgr._save_options, before_commit=fail)
+    for tag in (None, "best"):
+        with pytest.raises((OSError, zs.CheckpointError), match="the disk went away"):
+            mgr.save(300, part(301), tag=tag)
+    return fence
+
+
+def test_a_save_over_a_checkpoint_that_failed_is_undone_before_a_restore_in_the_same_process(tmp_path):
+    """The failed re-save of step 300 and of ``best`` left them set aside until the next save: a
+    restore took step 200, and ``best`` was not found."""
     with zs.CheckpointManager(tmp_path, fsync=False) as mgr:
-        for step in (100, 200, 300):
-            mgr.save(step, part(step))
-        mgr.save(300, part(300), tag="best")
-        mgr._save_options = dataclasses.replace(mgr._save_options, before_commit=fail)
-        for tag in (None, "best"):
-            with pytest.raises((OSError, zs.CheckpointError), match="the disk went away"):
-                mgr.save(300, part(301), tag=tag)
+        resaves_of_300_that_fail(mgr)
         target = part(0)
         assert mgr.restore(target, "best") == 300 and torch.equal(target["w"], part(300)["w"])
         assert mgr.restore(target) == 300 and torch.equal(target["w"], part(300)["w"])
@@ -651,18 +659,8 @@ def test_a_save_over_a_checkpoint_that_failed_is_undone_before_the_next_save(tmp
     """A re-save of step 300 failed and the run went on: its journal entry stayed. After a rollback
     to 100 and a save of 150, the next manager moved the old step 300 back, and restore resumed the
     abandoned run. A tag whose re-save failed kept its old copy set aside for good."""
-    def fail() -> None:
-        raise OSError(5, "the disk went away")
-
     with zs.CheckpointManager(tmp_path, fsync=False) as mgr:
-        for step in (100, 200, 300):
-            mgr.save(step, part(step))
-        mgr.save(300, part(300), tag="best")
-        fence = mgr._save_options.before_commit
-        mgr._save_options = dataclasses.replace(mgr._save_options, before_commit=fail)
-        for tag in (None, "best"):
-            with pytest.raises((OSError, zs.CheckpointError), match="the disk went away"):
-                mgr.save(300, part(301), tag=tag)
+        fence = resaves_of_300_that_fail(mgr)
         mgr._save_options = dataclasses.replace(mgr._save_options, before_commit=fence)
         assert mgr.restore(part(0), 100) == 100
         mgr.save(150, part(150))
