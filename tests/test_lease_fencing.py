@@ -125,3 +125,39 @@ def test_a_takeover_refused_at_the_switch_leaves_the_rival_s_lease_and_no_temp_f
         lease.acquire()
     assert json.loads((tmp_path / LEASE_NAME).read_text()) == rival
     assert sorted(os.listdir(tmp_path)) == [LEASE_NAME]  # the refused takeover's temp file is gone
+
+
+def test_a_lease_that_cannot_be_read_for_a_while_is_neither_lost_nor_free(tmp_path):
+    """Reads of the lease failing (an object store's 500s) were taken for "no lease": the writer
+    stopped renewing for good, another manager took the root of a live writer over, and ``prune``
+    deleted under it."""
+    from click.testing import CliRunner
+
+    from zerostall.cli import cli
+
+    storage = FaultyStorage(LocalStorage(str(tmp_path)))
+    lease = WriterLease(storage, ttl=0.3)
+    lease.acquire()
+    fault = storage.fail("read_bytes", OSError(5, "the store answered 500"), name=LEASE_NAME)
+    time.sleep(1.0)  # three renewals come and go unable to read it
+    assert lease._thread.is_alive(), "the renewal gave up on a lease it could not read"
+    with pytest.raises(zs.StorageError, match="cannot read the writer lease"):
+        WriterLease(storage, ttl=0.3).acquire()
+    with pytest.raises(zs.StorageError, match="cannot read the writer lease"):
+        lease.fence()()
+    for step in (1, 2):
+        zs.save({"w": torch.ones(2)}, str(tmp_path / f"step_00000000{step}"), step=step)
+    from zerostall.cli import common
+
+    real = common.live_holder
+    common.live_holder = lambda root: real(storage)  # the command's view of the root, its lease reads failing
+    try:
+        result = CliRunner().invoke(cli, ["prune", str(tmp_path), "--keep-last", "1"])
+    finally:
+        common.live_holder = real
+    assert result.exit_code != 0 and "an unknown writer" in result.output, result.output
+    assert os.path.exists(tmp_path / "step_000000001" / "manifest.json")
+    storage._faults.remove(fault)
+    time.sleep(0.5)
+    assert json.loads((tmp_path / LEASE_NAME).read_text())["renewed"] > time.time() - 0.3  # renewed again
+    lease.release()

@@ -268,3 +268,32 @@ def test_a_damaged_re_save_journal_is_ignored_once_and_removed(tmp_path, caplog)
         mgr.save(2, {"w": torch.ones(2)})
     assert caplog.text.count("is not a re-save journal zerostall wrote") == 1
     assert not (tmp_path / ".resaving").exists() and sorted(os.listdir(tmp_path / step_tag(2)))
+
+
+def test_a_folder_named_like_a_step_holding_other_files_is_left_and_uploads_deeper_down_are_not_ours(tmp_path,
+                                                                                                       caplog):
+    """A manager's start-up deleted ``step_000000007/`` whole, the user's README and eval results in
+    it, and aborted another program's upload to ``other-app/model/<a data file's name>``."""
+    from zerostall.roots.stale import _owned
+
+    folder = tmp_path / "step_000000007"
+    (folder / "eval").mkdir(parents=True)
+    (folder / "README.txt").write_text("mine")
+    (folder / "eval" / "results.csv").write_text("1,2")
+    zs.save({"w": torch.ones(2)}, str(tmp_path / "step_000000001"), step=1)
+    data = next(n for n in os.listdir(tmp_path / "step_000000001") if n != MANIFEST_NAME)
+    with zs.CheckpointManager(str(tmp_path)) as mgr:
+        assert mgr.latest() == "step_000000001"
+    assert (folder / "README.txt").read_text() == "mine" and (folder / "eval" / "results.csv").exists()
+    assert "step_000000007 holds no checkpoint's files but others" in caplog.text
+    assert _owned(f"step_000000009/{data}") and _owned(f".superseded/step_000000009/{data}")
+    assert not _owned(f"other-app/model/{data}") and not _owned(f"other-app/{data}/x")
+
+
+@pytest.mark.parametrize("tag", ["a\\b", "a\x01b", "tab\there", "del\x7f"])
+def test_a_tag_with_a_backslash_or_a_control_character_is_refused(tmp_path, tag):
+    """On S3 a backslash became '/' (the checkpoint landed elsewhere) and a control character made
+    every later deletion fail (DeleteObjects' XML cannot carry it): the root was unusable."""
+    with zs.CheckpointManager(str(tmp_path)) as mgr, pytest.raises(zs.InvalidPathError, match="control character"):
+        mgr.save(1, {"w": torch.ones(2)}, tag=tag)
+    assert [n for n in os.listdir(tmp_path) if not n.startswith(".")] == []  # nothing written

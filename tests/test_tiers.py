@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -1063,3 +1064,44 @@ def test_after_a_restart_retention_keeps_the_newest_step_every_replica_of_which_
     ranks(2).run(saves_whose_replication_fails, root, base, (10, 20), 20, False, timeout=240)
     got = ranks(2).run(saves_whose_replication_fails, root, base, (30,), 30, True, timeout=240)
     assert got == [(20, {10: [0, 1], 30: [0]}), (20, {10: [0, 1], 30: [1]})]  # as a run without the restart keeps
+
+
+def saves_faster_than_a_slow_link(root: str, base: str) -> dict:
+    """Nodes a and b, a local save every step of 50 ms, each replication 0.5 s: the most steps the
+    node directory held, and what replication did."""
+    from zerostall.tiers import replication
+
+    rank = dist.get_rank()
+    node = os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
+    real = replication.exchange
+
+    def slow(*args, **kwargs):
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    replication.exchange = slow
+    tier = zs.LocalTier(node_dir(base, node), every=1, keep=1, replicas=2, timeout_s=30)
+    most = 0
+    try:
+        with zs.CheckpointManager(root, save_every=10_000, local=tier, fsync=False) as mgr:
+            for step in range(1, 13):
+                time.sleep(0.05)
+                assert mgr.should_save(step)
+                mgr.save(step, single_state(float(step)))
+                dist.barrier()
+                most = max(most, len(mgr.tier.directory.steps()))
+            mgr.wait()
+            return {"most": most, "replicated": len(mgr.tier.replicator.replicated), "failures": mgr.tier.replicator.failures,
+                    "kept": mgr.tier.directory.steps(), "holders": mgr.tier.directory.holdings()[12]}
+    finally:
+        replication.exchange = real
+
+
+def test_replication_slower_than_the_saves_holds_the_saves_back_instead_of_piling_steps_up(ranks, tmp_path):
+    """Each step waited for its replication in a queue, kept on the node until then: 10 of 12 steps
+    at once on the node (a RAM disk fills up), where the space check counted keep + 1 = 2. Now a
+    local save waits for the replication of the step before, said once."""
+    got = ranks(2).run(saves_faster_than_a_slow_link, str(tmp_path / "root"), str(tmp_path / "nodes"), timeout=240)
+    for seen in got:
+        assert seen["most"] <= 2 and seen["replicated"] == 12 and seen["failures"] == 0, seen
+        assert seen["kept"] == [12] and seen["holders"] == [0, 1], seen

@@ -155,7 +155,10 @@ def open_any(ckpt: str, allow_pickle: bool) -> tuple[Storage, Manifest]:
 def refuse_live_writer(root: Storage, doing: str, force: bool) -> None:
     """Stop a command that writes or deletes under ``root`` while a manager holds its writer lease
     (its retention and ``latest`` assume it alone writes there); with ``force``, warn and go on."""
-    holder = live_holder(root)
+    try:
+        holder = live_holder(root)
+    except zs.StorageError as exc:  # whether a manager writes there is unknown: taken for yes
+        holder = {"host": "an unknown writer", "pid": f"? ({exc})"}
     if holder is None:
         return
     who = f"{holder.get('host')} pid {holder.get('pid')}"

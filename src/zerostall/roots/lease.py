@@ -16,8 +16,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..errors import CheckpointError, ConcurrentWriteError
+from ..errors import CheckpointError, ConcurrentWriteError, StorageError
 from ..storage import SMALL_FILE_BYTES, Storage, storage_for
+from ..storage.base import FileTooLargeError
 from .root import LEASE_NAME
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class WriterLease:
         self._thread: threading.Thread | None = None
 
     def holder(self) -> dict[str, Any] | None:
-        """The lease as it is now; None when there is none (or it cannot be read)."""
+        """The lease as it is now; None when there is none (see :func:`read_lease`)."""
         return read_lease(self.storage)
 
     def fence(self, then: Callable[[], None] | None = None) -> LeaseFence:
@@ -165,16 +166,26 @@ class WriterLease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if (self.holder() or {}).get("token") == self.me["token"]:
-            self.storage.delete(LEASE_NAME)
+        try:
+            if (self.holder() or {}).get("token") == self.me["token"]:
+                self.storage.delete(LEASE_NAME)
+        except OSError as exc:  # it lapses after its ttl
+            log.warning("could not remove the writer lease %s (%s): it lapses %.0f s after its last renewal",
+                        self.where, exc, self.ttl)
 
 
 def read_lease(storage: Storage) -> dict[str, Any] | None:
-    """The lease of the root at ``storage`` as it is now; None when there is none (or it cannot be read)."""
+    """The lease of the root at ``storage`` as it is now; None when there is none (or it is not a
+    lease: too big, not JSON). A failure to read it (an object store's error) is raised as a
+    :class:`StorageError`: whether a writer holds the root is then unknown, never taken for no."""
     try:
         lease = json.loads(storage.read_bytes(LEASE_NAME, SMALL_FILE_BYTES))
-    except (OSError, ValueError, RecursionError):  # absent, unreadable, too big (a few hundred bytes) or not JSON
-        return None
+    except (FileNotFoundError, FileTooLargeError, ValueError, RecursionError):  # none, or not a lease (a few
+        return None  # hundred bytes of JSON)
+    except OSError as exc:
+        if isinstance(exc, StorageError):
+            raise
+        raise StorageError(f"cannot read the writer lease {storage.location.rstrip('/')}/{LEASE_NAME}: {exc}") from exc
     return lease if isinstance(lease, dict) else None
 
 

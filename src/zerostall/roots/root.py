@@ -61,10 +61,12 @@ def tag_step(tag: str) -> int | None:
 
 
 def validate_tag(tag: str) -> str:
-    """``tag``, refused if it is not a plain name of its own (a path, ``latest``, the lease, a hidden name)."""
-    if not isinstance(tag, str) or "/" in tag or tag in (LATEST_NAME, LEASE_NAME) or tag.startswith("."):
-        raise InvalidPathError(f"invalid checkpoint tag {tag!r}: a tag is one plain name of a directory under the "
-                               f"root (no '/', not {LATEST_NAME!r}, not starting with '.'), e.g. 'best-so-far'")
+    """``tag``, refused unless a plain name of its own (not a path, ``latest``, the lease, a hidden name, nor one
+    with a backslash, which some object stores take for '/', or a control character, which some cannot name)."""
+    if (not isinstance(tag, str) or "/" in tag or "\\" in tag or tag in (LATEST_NAME, LEASE_NAME) or tag.startswith(".")
+            or any(ord(c) < 32 or ord(c) == 127 for c in tag)):
+        raise InvalidPathError(f"invalid checkpoint tag {tag!r}: a tag is one plain name of a folder under the root "
+                               f"(no '/', '\\' or control character; not {LATEST_NAME!r} nor starting with '.')")
     return tag
 
 
@@ -288,9 +290,8 @@ class CheckpointRoot:
         candidates = [(name, self.storage.child(name)) for name in self.storage.children()]
         if include_self:
             candidates.insert(0, (self.location.rstrip("/").rsplit("/", 1)[-1], self.storage))
-        rows = [describe(storage, name) for name, storage in candidates if looks_like_checkpoint(storage)]
-        rows.sort(key=lambda r: (r.step is None, r.step or 0, r.name))
-        return rows
+        return sorted((describe(storage, name) for name, storage in candidates if looks_like_checkpoint(storage)),
+                      key=lambda r: (r.step is None, r.step or 0, r.name))
 
     def check_only_ours(self) -> None:
         """Refuse a root holding what is neither a checkpoint (committed or not, or an empty
@@ -343,8 +344,7 @@ class CheckpointRoot:
     def references(self, but: str | None = None) -> dict[str, set[str]]:
         """The data files of each checkpoint (by tag) that the committed checkpoints of the root
         other than ``but`` refer to, those set aside included (they may be moved back)."""
-        found = self._all_read(but)
-        return referenced([i.refs for i in found if i.name != but]
+        return referenced([i.refs for i in self._all_read(but) if i.name != but]
                           + refs_set_aside(self.storage.child(SUPERSEDED_NAME)))
 
     def _all_read(self, but: str | None = None) -> list[CheckpointInfo]:

@@ -30,16 +30,23 @@ def remove_attempts(storage: Storage, where: Callable[[str], str]) -> None:
     for name in storage.children():
         if name.startswith(TRASH_PREFIX):
             storage.delete_tree(name)  # a removal that a crash interrupted
-        elif name.startswith("step_") and not has_manifest(storage.child(name)) \
-                and RETAINED_NAME not in storage.child(name).list():
-            remove_attempt(storage, name, where)
+        elif name.startswith("step_") and not has_manifest(child := storage.child(name)):
+            names = child.list()
+            if any(file_generation(n) for n in names) or not (names or child.children()):
+                if RETAINED_NAME not in names:
+                    remove_attempt(storage, name, where)
+            else:  # no checkpoint's files: someone's own, named like one
+                log.warning("%s holds no checkpoint's files but others, left as they are: move them out of the root",
+                            where(name))
 
 
 def _owned(path: str) -> bool:
-    """Whether an upload to ``path`` (under a root) is the root's: a checkpoint's data file, or
-    anything in the folders it alone writes (checkpoints set aside or being removed)."""
+    """Whether an upload to ``path`` (under a root) is the root's: a checkpoint's data file (right
+    under the root's folder of that checkpoint), or anything in the folders it alone writes
+    (checkpoints set aside or being removed)."""
     folder, _, name = path.rpartition("/")
-    return bool(folder) and (file_generation(name) is not None or folder.startswith((TRASH_PREFIX, SUPERSEDED_NAME)))
+    return bool(folder) and ((file_generation(name) is not None and "/" not in folder)
+                             or folder.startswith((TRASH_PREFIX, SUPERSEDED_NAME)))
 
 
 def remove_attempt(storage: Storage, name: str, where: Callable[[str], str]) -> bool:

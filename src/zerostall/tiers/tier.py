@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import secrets
+import time
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -38,6 +39,9 @@ from .timelines import following, kept_until
 from .transfer import Landed
 
 log = logging.getLogger(__name__)
+
+_SLOW_REPLICATION_S = 0.1
+"""A save's wait for the replication of the step before that is worth a warning (once)."""
 
 class NodeTier:
     """The local tier of one manager on this rank (see the module's docstring)."""
@@ -82,6 +86,7 @@ class NodeTier:
                                      self.token, options.timeout_s)
         self.saver = AsyncSaver()
         self._space_checked = False
+        self._said_slow = False  # whether a save waiting for replication was logged
         self._timeline = False  # whether this run's timeline is set: a restore took a step, or a save began anew
 
     @property
@@ -154,7 +159,9 @@ class NodeTier:
 
     def save(self, step: int, state: dict[str, Any], options: SaveOptions) -> SaveHandle:
         """Start saving this rank's copy of ``step`` (collective only the first time: the space
-        check); replication and retention follow its commit in the background."""
+        check); replication and retention follow its commit in the background. The local save
+        before must be replicated and retired first (normally long done), so that the node never
+        holds more steps than the space check counted."""
         if not self._space_checked:  # a collective: a value one rank cannot encode fails it on every rank
             with self.group.failing_together("the first local-tier save could not be prepared on {failed} other "
                                              "rank(s) (their errors say why); nothing was saved"):
@@ -168,11 +175,22 @@ class NodeTier:
                     "node": self.nodes.ids[self.group.rank], LAYOUT_KEY: digest}
         path = self.directory.copy_path(step, self.group.rank)
         local = dataclasses.replace(options, fsync=False, overwrite=True, before_commit=None, incremental=False)
+        self._wait_for_replication(step)
         handle = self.saver.save(tree, str(path), local, process_group=ALONE, step=step, metadata=metadata)
         assert handle is not None
         self.saver.hold_steps([obj for obj, _ in flat.statefuls.values() if isinstance(obj, torch.optim.Optimizer)])
         self.replicator.submit(step, handle.quiet().committed)  # every rank's worker must see every step
         return handle
+
+    def _wait_for_replication(self, step: int) -> None:
+        """Wait until every step saved before ``step`` is replicated and retired; said once when it takes long."""
+        start = time.monotonic()
+        self.replicator.wait()
+        waited = time.monotonic() - start
+        if waited > _SLOW_REPLICATION_S and not self._said_slow:
+            self._said_slow = True
+            log.warning("local tier: the save of step %d waited %.2f s for the replication of the step before, which "
+                        "is slower than the local saves: raise LocalTier.every to save less often", step, waited)
 
     def _check_space(self, nbytes: int) -> None:
         """Before the first local save: each node needs room for (keep + 1) steps of its copies."""
