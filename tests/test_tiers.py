@@ -1105,3 +1105,23 @@ def test_replication_slower_than_the_saves_holds_the_saves_back_instead_of_pilin
     for seen in got:
         assert seen["most"] <= 2 and seen["replicated"] == 12 and seen["failures"] == 0, seen
         assert seen["kept"] == [12] and seen["holders"] == [0, 1], seen
+
+
+def test_a_run_that_goes_back_without_a_restore_leaves_no_later_local_step(tmp_path):
+    """Saves 5 to 20; the run went back to step 10 by itself (no restore) and saved 15 anew: the
+    root set its step 20 aside, the local tier kept its own, and the next restore took that
+    abandoned step 20 (20.0, where 1015.0 was saved last)."""
+    def manager() -> zs.CheckpointManager:
+        return zs.CheckpointManager(str(tmp_path / "root"), save_every=10, fsync=False,
+                                    local=zs.LocalTier(str(tmp_path / "node"), every=5, keep=1, replicas=1))
+
+    with manager() as mgr:
+        for step in (5, 10, 15, 20):
+            assert mgr.should_save(step)
+            mgr.save(step, single_state(float(step)))
+        assert mgr.should_save(15)  # local only: the root keeps its step 20 until its own next save
+        mgr.save(15, single_state(1015.0))
+    state = single_state(-1.0)
+    with manager() as mgr:
+        assert mgr.restore(state) == 15 and float(state["w"][0]) == 1015.0
+        assert mgr.last_restore.source == "local"

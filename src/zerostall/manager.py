@@ -140,7 +140,7 @@ class CheckpointManager:
             raise UnsupportedValueError("CheckpointManager.save needs the training step (a non-negative int)")
         metrics = checked_metrics(metrics)
         persistent, local = self._tiers_due(step) if tag is None else (True, False)
-        if self.tier is not None and self.tier.before_save(persistent) and not persistent:  # a new timeline
+        if self.tier is not None and self.tier.before_save(None if tag else step, persistent) and not persistent:
             self._go_on_from(step)
         tag = tag or step_tag(step)
         storage = self.checkpoint_root.child(validate_tag(tag)) if persistent else None

@@ -87,6 +87,7 @@ class NodeTier:
         self.saver = AsyncSaver()
         self._space_checked = False
         self._said_slow = False  # whether a save waiting for replication was logged
+        self._last = -1  # the newest step saved (or restored) on this timeline
         self._timeline = False  # whether this run's timeline is set: a restore took a step, or a save began anew
 
     @property
@@ -99,13 +100,15 @@ class NodeTier:
         return dist.new_group(dist.get_process_group_ranks(self.group.pg), backend="gloo",
                               timeout=timedelta(seconds=self.options.timeout_s))
 
-    def before_save(self, persistent: bool) -> bool:
-        """A save's collective point, on every rank before anything is written; returns whether the
-        run starts a new timeline here. The first save of a run that restored nothing does: the
-        local steps found at start (an earlier run's) are removed, so no later restore takes them. A
-        persistent save mends a broken group (see :meth:`mend`)."""
-        if not self._timeline:
-            self.forget_after(None)
+    def before_save(self, step: int | None, persistent: bool) -> bool:
+        """A save's collective point, on every rank before anything is written (``step``: None for a
+        tag's save); returns whether the run starts a new timeline here. The first save of a run
+        that restored nothing does: the local steps found at start (an earlier run's) are removed,
+        so no later restore takes them. So does a save of a step below one this tier saved (the run
+        went back by itself, without a restore): its local steps from ``step`` on are removed, as the
+        root sets its own aside. A persistent save mends a broken group (see :meth:`mend`)."""
+        if not self._timeline or (step is not None and step < self._last):
+            self.forget_after(None if not self._timeline else step - 1)
             return True
         if persistent:
             self.mend()
@@ -176,6 +179,7 @@ class NodeTier:
         path = self.directory.copy_path(step, self.group.rank)
         local = dataclasses.replace(options, fsync=False, overwrite=True, before_commit=None, incremental=False)
         self._wait_for_replication(step)
+        self._last = max(self._last, step)
         handle = self.saver.save(tree, str(path), local, process_group=ALONE, step=step, metadata=metadata)
         assert handle is not None
         self.saver.hold_steps([obj for obj, _ in flat.statefuls.values() if isinstance(obj, torch.optim.Optimizer)])
@@ -290,6 +294,7 @@ class NodeTier:
                 except OSError as exc:
                     raise typed_error(exc, f"the local tier's timeline could not be recorded in {self.directory.run}")
         self._timeline = True
+        self._last = -1 if step is None else step
 
     def wait_staged(self) -> None:
         self.saver.wait_staged()
