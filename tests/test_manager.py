@@ -641,14 +641,19 @@ def resaves_of_300_that_fail(mgr: zs.CheckpointManager):
     for tag in (None, "best"):
         with pytest.raises((OSError, zs.CheckpointError), match="the disk went away"):
             mgr.save(300, part(301), tag=tag)
+            mgr.wait()  # an asynchronous save's failure
     return fence
 
 
-def test_a_save_over_a_checkpoint_that_failed_is_undone_before_a_restore_in_the_same_process(tmp_path):
-    """The failed re-save of step 300 and of ``best`` left them set aside until the next save: a
-    restore took step 200, and ``best`` was not found."""
-    with zs.CheckpointManager(tmp_path, fsync=False) as mgr:
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_over_a_checkpoint_that_failed_is_undone_at_once(tmp_path, async_save):
+    """The failed re-save of step 300 and of ``best`` left them set aside until the next save: the
+    root listed step 200 as its newest (``latest`` named a folder with no manifest), a restore took
+    step 200, and ``best`` was not found."""
+    with zs.CheckpointManager(tmp_path, fsync=False, async_save=async_save) as mgr:
         resaves_of_300_that_fail(mgr)
+        assert mgr.latest() == step_tag(300) and saved_w(tmp_path / step_tag(300))[0] == 300
+        assert saved_w(tmp_path / "best")[0] == 300 and not os.listdir(tmp_path / SUPERSEDED_NAME)
         target = part(0)
         assert mgr.restore(target, "best") == 300 and torch.equal(target["w"], part(300)["w"])
         assert mgr.restore(target) == 300 and torch.equal(target["w"], part(300)["w"])

@@ -30,7 +30,7 @@ from .loading.load_plan import key_filter
 from .options import LoadOptions, SaveOptions
 from .roots import forking, resaving
 from .roots.increments import Increments
-from .roots.lease import DEFAULT_TTL, WriterLease
+from .roots.lease import DEFAULT_TTL, WriterLease, take_root
 from .roots.loaders import LoaderGuard
 from .roots.restore import NOTHING, RestoreInfo, newest_first, other_world, restore_first_whole
 from .roots.retention import CheckpointRecord, RetentionPolicy, checked_metrics, policy_of, split_shorthand
@@ -100,18 +100,11 @@ class CheckpointManager:
         self._sharing: SaveHandle | None = None  # the root's save copying from the local tier's capture
 
     def _take_root(self, lease_ttl: float) -> bytes:
-        """On the coordinator: create the root, take its writer lease, clean up a dead writer's attempt."""
-        try:
-            self.checkpoint_root.storage.create()
-            self.checkpoint_root.check_only_ours()
-            self.lease = WriterLease(self.checkpoint_root.storage, lease_ttl)
-            self.lease.acquire()  # every commit first checks that the lease is still this manager's
-            weakref.finalize(self, self.lease.release)  # a manager dropped unclosed does not hold the root
-            self._save_options = dataclasses.replace(self.save_options,
-                                                     before_commit=self.lease.fence(self.save_options.before_commit))
-            self.checkpoint_root.clean_stale_attempts(temp_age=lease_ttl)
-        except OSError as exc:
-            raise CheckpointError(f"cannot write checkpoints under {self.root}: {exc}") from exc
+        """On the coordinator: take the root and its writer lease (see :func:`take_root`)."""
+        self.lease = take_root(self.checkpoint_root, lease_ttl)  # every commit first checks it is still this one's
+        weakref.finalize(self, self.lease.release)  # a manager dropped unclosed does not hold the root
+        self._save_options = dataclasses.replace(self.save_options,
+                                                 before_commit=self.lease.fence(self.save_options.before_commit))
         return b""
 
     # -- deciding and saving -------------------------------------------------------------------
@@ -176,6 +169,7 @@ class CheckpointManager:
                                      step=step, metadata=metadata, share=shared, reuse=reuse)
         except BaseException:
             self._pinned.discard(step)  # a save refused (an earlier one's failure, say) pins nothing
+            self._undo_failed_saves(failed=True)  # every rank is past its failed commit (or never started)
             raise
         assert handle is not None
         self._sharing = handle if shared is not None else None
@@ -189,12 +183,18 @@ class CheckpointManager:
         self.group.agree(lambda: self._deleter.submit(forking.fork, self.checkpoint_root, step,
                                                       self._still_the_writer).result() or b"")
 
-    def _undo_failed_saves(self) -> None:
-        """On the coordinator, with no save in flight: put back the checkpoints that failed saves set aside."""
-        if self.checkpoint_root.journaled:
-            self._still_the_writer()
-            self._deleter.submit(resaving.settle, self.checkpoint_root.storage, takeover=True).result()
-            self.checkpoint_root.journaled = False
+    def _undo_failed_saves(self, failed: bool = False) -> None:
+        """On the coordinator, with no save in flight: put back what failed saves set aside (``failed``: right
+        after one, whose error stays the one raised; the next save or restore tries again)."""
+        try:
+            if self.group.is_coordinator and self.checkpoint_root.journaled:
+                self._still_the_writer()
+                self._deleter.submit(resaving.settle, self.checkpoint_root.storage, takeover=True).result()
+                self.checkpoint_root.journaled = False
+        except Exception as exc:
+            if not failed:
+                raise
+            log.warning("left set aside under %s until the next save or restore: %s", self.root, exc)
 
     def _before_saving(self, step: int, tag: str) -> None:
         """Settle the last async save's commit; on the coordinator, undo failed saves (:mod:`~zerostall.roots.resaving`)
@@ -219,6 +219,8 @@ class CheckpointManager:
             if fut.unseen_exception() is None:  # a failure stays the user's to see
                 self.increments.committed(fut.unseen_result())
                 self._commit(tag, step)
+            else:
+                self._undo_failed_saves(failed=True)
         except BaseException as exc:
             committing.set_exception(exc)  # raised once, by the next wait(), save() or close()
         else:
@@ -243,9 +245,8 @@ class CheckpointManager:
         return [(info.name, info.record()) for info in self.checkpoint_root.checkpoints()]
 
     def latest(self) -> str | None:
-        """The newest committed checkpoint's tag. Found by listing, which cannot lag behind a
-        commit; the ``latest`` file mirrors it for other tools. A newer manifest that cannot be
-        read is raised, a damaged one passed over with a warning (see :meth:`CheckpointRoot.newest`)."""
+        """The newest committed checkpoint's tag, found by listing (the ``latest`` file mirrors it for other tools); a
+        newer manifest that cannot be read is raised, a damaged one passed over with a warning (see ``newest``)."""
         return self.checkpoint_root.latest()
 
     def open(self, tag: str | int | None = None, **overrides: Any) -> Checkpoint | None:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from ..errors import CheckpointError, ConcurrentWriteError, StorageError
 from ..storage import SMALL_FILE_BYTES, Storage, storage_for
 from ..storage.base import FileTooLargeError
-from .root import LEASE_NAME
+from .root import LEASE_NAME, CheckpointRoot
 
 log = logging.getLogger(__name__)
 
@@ -214,3 +214,23 @@ def live_holder(root: Storage) -> dict[str, Any] | None:
     if holder is None or lease.is_stale(holder):
         return None
     return holder
+
+
+def take_root(root: CheckpointRoot, ttl: float) -> WriterLease:
+    """On a manager's coordinator: create the root, refuse one that holds what is not ours, take its
+    writer lease and remove what a dead writer left (see :meth:`CheckpointRoot.clean_stale_attempts`).
+    Returns the lease, held and renewed; a failure releases it and is a :class:`CheckpointError`."""
+    lease = None
+    try:
+        root.storage.create()
+        root.check_only_ours()
+        lease = WriterLease(root.storage, ttl)
+        lease.acquire()
+        root.clean_stale_attempts(temp_age=ttl)
+    except BaseException as exc:
+        if lease is not None:
+            lease.release()
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"cannot write checkpoints under {root.location}: {exc}") from exc
+        raise
+    return lease
