@@ -437,8 +437,9 @@ def test_asynchronous_saves_commit_on_s3(s3_server, s3_url, writer):
 def test_the_manager_keeps_retains_restores_and_cleans_up_on_s3(s3_server, s3_url):
     storage = storage_for(s3_url)
     dead = storage.child("step_000000009")  # a dead writer's attempt: data, an open upload, no manifest
-    dead.write("x-r00000-000.safetensors", [memoryview(b"x")])
-    raw(s3_server).create_multipart_upload(Bucket=s3_server.bucket, Key=dead.prefix + "y.safetensors")
+    dead.write("0a1b2c3d-4e5f6a7b-r00000-000.safetensors", [memoryview(b"x")])  # named as a save names them
+    raw(s3_server).create_multipart_upload(Bucket=s3_server.bucket,
+                                           Key=dead.prefix + "0a1b2c3d-4e5f6a7b-r00001-000.safetensors")
     with zs.CheckpointManager(s3_url, keep_last=2) as mgr:
         assert not dead.exists() and uploads(s3_server, storage) == []
         for step in (1, 2, 3, 4):
