@@ -1099,11 +1099,11 @@ def saves_faster_than_a_slow_link(root: str, base: str) -> dict:
 
 def test_replication_slower_than_the_saves_holds_the_saves_back_instead_of_piling_steps_up(ranks, tmp_path):
     """Each step waited for its replication in a queue, kept on the node until then: 10 of 12 steps
-    at once on the node (a RAM disk fills up), where the space check counted keep + 1 = 2. Now a
-    local save waits for the replication of the step before, said once."""
+    at once on the node (a RAM disk fills up), where the space check counted 2. Now a local save
+    waits until the step before the last is replicated (keep + 2 steps at most on the node)."""
     got = ranks(2).run(saves_faster_than_a_slow_link, str(tmp_path / "root"), str(tmp_path / "nodes"), timeout=240)
     for seen in got:
-        assert seen["most"] <= 2 and seen["replicated"] == 12 and seen["failures"] == 0, seen
+        assert seen["most"] <= 3 and seen["replicated"] == 12 and seen["failures"] == 0, seen
         assert seen["kept"] == [12] and seen["holders"] == [0, 1], seen
 
 

@@ -62,7 +62,7 @@ class LocalTier:
     """Save to this tier every ``every`` steps (``should_save`` is True at these steps too)."""
 
     keep: int = 1
-    """Newest complete steps this tier keeps, besides the one being written."""
+    """Newest complete steps this tier keeps, besides the one being written and the one being replicated."""
 
     replicas: int = 2
     """Copies of each rank's state, its own included: ``replicas - 1`` go to other nodes (as many as
@@ -233,7 +233,7 @@ def check_space(directory: str, needed: int, reusable: int) -> None:
         return
     shm = " (a RAM disk: raise its size, e.g. docker run --shm-size)" if directory.startswith("/dev/shm") else ""
     raise InsufficientSpaceError(
-        f"the local tier in {directory} needs {needed} bytes ((keep + 1) x this node's copies), but its file system "
+        f"the local tier in {directory} needs {needed} bytes ((keep + 2) x this node's copies), but its file system "
         f"has {free} bytes free (+{reusable} this run's older copies){shm}: free space there, lower "
         "LocalTier.keep or replicas, or choose a larger directory; nothing was written")
 

@@ -9,6 +9,9 @@ save failed (it then sends word that it has nothing), so the pairs always match.
 is published only once every block checked. A failure is logged and counted, never raised into
 training: the step is then restored from other copies, or the root.
 
+A local save waits while the step before the last is not yet replicated and retired (see
+:meth:`wait_for_room`), so a node holds at most ``keep + 2`` steps however slow replication is.
+
 Then, in one small all-reduce on the same group, the ranks agree whether every rank saved this
 step, and whether every rank saved and replicated it (the all-reduce itself waits for every rank's
 exchange of that step); so the ranks know the newest step every rank saved, and the newest every
@@ -76,6 +79,8 @@ class Replicator:
         self.replicated: list[tuple[int, float]] = []
         """Steps replicated on this rank, with the seconds each took."""
         self._queue: queue.Queue[tuple[int, Any] | None] = queue.Queue()
+        self._pending = 0  # steps handed over and not yet replicated and retired
+        self._room = threading.Condition()
         self._saved = -1  # the newest step this rank saved
         self._done = -1  # the newest step this rank saved and replicated
         self._agreed = (-1, -1)  # the newest steps every rank saved, and saved and replicated, last agreed
@@ -89,6 +94,8 @@ class Replicator:
     def submit(self, step: int, committed: Any) -> None:
         """Replicate ``step`` once its local save ends (``committed``: its future). A failed save is
         logged and counted here, never raised into training; the step then goes on without it."""
+        with self._room:
+            self._pending += 1
         self._queue.put((step, committed))
 
     def _run(self) -> None:
@@ -110,6 +117,9 @@ class Replicator:
                             type(exc).__name__, exc)
             finally:
                 self._queue.task_done()
+                with self._room:
+                    self._pending -= 1
+                    self._room.notify_all()
         self._queue.task_done()
 
     def _saved_here(self, step: int, failure: BaseException | None) -> bool:
@@ -242,6 +252,11 @@ class Replicator:
         log.error("local tier: its process group failed on rank %d (%s). No step is replicated to other nodes "
                   "until the next persistent save or restore makes a new group (local saves go on, old ones retired "
                   "as before)", self.rank, self.broken)
+
+    def wait_for_room(self, pending: int) -> None:
+        """Block until at most ``pending`` steps submitted are not yet replicated (or failed) and retired."""
+        with self._room:
+            self._room.wait_for(lambda: self._pending <= pending)
 
     def wait(self) -> None:
         """Block until every step submitted so far is replicated (or failed) and retired."""

@@ -162,9 +162,9 @@ class NodeTier:
 
     def save(self, step: int, state: dict[str, Any], options: SaveOptions) -> SaveHandle:
         """Start saving this rank's copy of ``step`` (collective only the first time: the space
-        check); replication and retention follow its commit in the background. The local save
-        before must be replicated and retired first (normally long done), so that the node never
-        holds more steps than the space check counted."""
+        check); replication and retention follow its commit in the background. The save before the
+        last must be replicated and retired first (normally long done), so that the node never holds
+        more steps than the space check counted."""
         if not self._space_checked:  # a collective: a value one rank cannot encode fails it on every rank
             with self.group.failing_together("the first local-tier save could not be prepared on {failed} other "
                                              "rank(s) (their errors say why); nothing was saved"):
@@ -187,17 +187,19 @@ class NodeTier:
         return handle
 
     def _wait_for_replication(self, step: int) -> None:
-        """Wait until every step saved before ``step`` is replicated and retired; said once when it takes long."""
+        """Wait until at most one step saved before ``step`` (the last) is not yet replicated and retired;
+        said once when it takes long."""
         start = time.monotonic()
-        self.replicator.wait()
+        self.replicator.wait_for_room(1)
         waited = time.monotonic() - start
         if waited > _SLOW_REPLICATION_S and not self._said_slow:
             self._said_slow = True
-            log.warning("local tier: the save of step %d waited %.2f s for the replication of the step before, which "
+            log.warning("local tier: the save of step %d waited %.2f s for the replication of the steps before, which "
                         "is slower than the local saves: raise LocalTier.every to save less often", step, waited)
 
     def _check_space(self, nbytes: int) -> None:
-        """Before the first local save: each node needs room for (keep + 1) steps of its copies."""
+        """Before the first local save: each node needs room for (keep + 2) steps of its copies: the
+        ``keep`` newest, the one being replicated and the one being written."""
         sizes = self.group.all_gather_object(nbytes)
         with self.group.failing_together(f"the local tier in {self.options.directory} has too little space on "
                                          "{failed} other node(s) (their errors give the numbers); nothing was saved"):
@@ -206,7 +208,7 @@ class NodeTier:
                 held = set(self.nodes.ranks_on(node))
                 for r in list(held):
                     held.update(self.nodes.sources(r, self.replicas))
-                check_space(self.options.directory, (self.options.keep + 1) * sum(sizes[r] for r in held),
+                check_space(self.options.directory, (self.options.keep + 2) * sum(sizes[r] for r in held),
                             self.directory.bytes_used())
 
     @gc_paused()  # the caller waits: no cyclic collections over the per-leaf and per-chunk objects
