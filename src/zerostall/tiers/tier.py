@@ -41,7 +41,8 @@ from .transfer import Landed
 log = logging.getLogger(__name__)
 
 _SLOW_REPLICATION_S = 0.1
-"""A save's wait for the replication of the step before that is worth a warning (once)."""
+"""A save's wait for the replication of the steps before that is worth a warning (once)."""
+
 
 class NodeTier:
     """The local tier of one manager on this rank (see the module's docstring)."""
