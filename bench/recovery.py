@@ -1,7 +1,7 @@
 """Recovery with the node-local tier: restore from the own tier, from peers, from the persistent tier.
 
     python bench/recovery.py [--rank-mib 256] [--reps 3] [--every 5] [--save-every 20] [--stop 39]
-                             [--step-s 0.5] [--stall-steps 7] [--dir /dev/shm] [--no-s3] [--json]
+                             [--step-s 0.5] [--stall-steps 7] [--stall-every 1] [--dir /dev/shm] [--no-s3] [--json]
 
 Four gloo ranks (spawned as bench/distributed.py does, OMP_NUM_THREADS=1) on two simulated nodes
 (``ZEROSTALL_NODE_ID``: ranks 0-1 on node a, 2-3 on node b), a directory per node under --dir. Each
@@ -29,7 +29,8 @@ rank) and 1/4 of its own under the rank-local key ``dataloader`` (1/4 GiB over t
    skew in reaching the exchange), and per pair from the moment both its ends were in the exchange
    to its receiver's end, the slowest pair (``peer_pair_vs_raw``: timed as raw is, from a barrier).
 3. Stall: the same state trained for real (forward, backward, gradients all-reduced, AdamW), in
-   blocks of --stall-steps steps with a local save every step and blocks without saves, interleaved;
+   blocks of --stall-steps steps with a local save every --stall-every steps (1: every step) and blocks
+   without saves, interleaved;
    ``mgr.wait_staged()`` before each optimizer step, as the docs say. ``save()`` time (median over
    steps of the slowest rank, the first save apart), the capture (staged) time, the step time of
    both arms and their difference.
@@ -340,7 +341,7 @@ def stall(rank: int, args: argparse.Namespace, port: int, run: dict[str, Any]) -
     torch.set_num_threads(1)
     init_group(rank, WORLD, port, GROUP_TIMEOUT)
     state = make_state(rank, args.rank_mib)
-    args = argparse.Namespace(**{**vars(args), "every": 1, "save_every": None})
+    args = argparse.Namespace(**{**vars(args), "every": args.stall_every, "save_every": None})
     mgr = manager(os.path.join(run["base"], "stall-root"), os.path.join(run["base"], "stall"), "aabb"[rank], args)
     log: dict[str, Any] = {"save": [], "none": [], "save_s": [], "staged_s": [], "committed_s": [], "first": None}
     step, handle = 0, None
@@ -476,7 +477,8 @@ def summarize(args: argparse.Namespace, run: dict[str, Any], trained: list[dict[
                          for failure, s in FAILURES.items()}
     if "persistent_s3" in steps:
         out["steps_lost"]["two_nodes_lost_s3"] = args.stop - steps["persistent_s3"]
-    out |= {"every": args.every, "save_every": args.save_every, "stop": args.stop, "step_s": args.step_s,
+    out |= {"every": args.every, "save_every": args.save_every, "stall_every": args.stall_every, "stop": args.stop,
+            "step_s": args.step_s,
             "rank_mib": args.rank_mib, "world": WORLD, "copy_bytes": run["copy_bytes"], "reps": args.reps,
             "torch_version": torch.__version__}
     if not run.get("s3"):
@@ -494,7 +496,7 @@ def print_table(r: dict[str, Any]) -> None:
           f"{r['peer_transfer_gbps']} GB/s; raw gloo (same pairs) {r['raw_transport_gbps']} GB/s, one pair "
           f"{r['raw_one_pair_gbps']} GB/s; peer/raw {r['peer_vs_raw']}; the slowest pair timed from when both its ends "
           f"were in the exchange (as raw is timed from a barrier): {r['peer_pair_s']} s, {r['peer_pair_vs_raw']} of raw")
-    print(f"local save every step: save() {r['local_save_stall_s']} s ({r['local_save_stall_idle_s']} s when the previous "
+    print(f"local save every {r['stall_every']} step(s): save() {r['local_save_stall_s']} s ({r['local_save_stall_idle_s']} s when the previous "
           f"save had committed; {r['local_saves_behind_previous']} saves waited for it; first {r['local_first_save_s']} s), staged "
           f"{r['local_staged_s']} s, committed {r['local_committed_s']} s; step {r['step_s_without_saves']} -> "
           f"{r['step_s_with_local_saves']} s ({r['step_overhead']}); the last rank to call save() "
@@ -516,6 +518,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--stop", type=int, default=39, help="the step after which every rank crashes")
     ap.add_argument("--step-s", type=float, default=0.5, help="simulated device time of a training step")
     ap.add_argument("--stall-steps", type=int, default=7, help="steps of each block of the stall measurement")
+    ap.add_argument("--stall-every", type=int, default=1, help="a local save every this many steps there")
     ap.add_argument("--dir", default="/dev/shm", help="where the node directories and roots go (memory)")
     ap.add_argument("--no-s3", action="store_true", help="skip the root on S3")
     ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
@@ -553,7 +556,8 @@ def main() -> None:
         restored = load_all(out, "restore")
         for node in os.listdir(run["base"]):
             shutil.rmtree(os.path.join(run["base"], node), ignore_errors=True)
-        progress(f"stall: {args.reps} reps x {args.stall_steps} steps with local saves every step, and without")
+        progress(f"stall: {args.reps} reps x {args.stall_steps} steps with local saves every {args.stall_every} "
+                 "step(s), and without")
         mp.spawn(stall, args=(args, free_port(), run), nprocs=WORLD)
         result = summarize(args, run, trained, restored, load_all(out, "stall"))
     finally:
