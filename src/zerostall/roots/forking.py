@@ -9,15 +9,17 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import CheckpointError
-from .root import LATEST_NAME, CheckpointRoot, step_tag, tag_step
+from .root import LATEST_NAME, CheckpointInfo, CheckpointRoot, step_tag, tag_step
 
 
-def later(root: CheckpointRoot, step: int, tag: str | None = None) -> list[str]:
+def later(root: CheckpointRoot, step: int, tag: str | None = None,
+          found: list[CheckpointInfo] | None = None) -> list[str]:
     """The checkpoints of ``root`` past ``step`` (those of ``tag`` too): committed ones of later
-    steps, and those whose damaged manifest's tag names a later step."""
-    found = [i.name for i in root.checkpoints() if (i.step is not None and i.step > step) or i.name == tag]
-    return found + [name for name in root.unreadable  # a damaged manifest's step is its tag's
-                    if name == tag or (tag_step(name) is not None and tag_step(name) > step)]
+    steps, and those whose damaged manifest's tag names a later step. ``found``: its listing, if made."""
+    found = root.checkpoints() if found is None else found
+    return [i.name for i in found if (i.step is not None and i.step > step) or i.name == tag] + [
+        name for name in root.unreadable  # a damaged manifest's step is its tag's
+        if name == tag or (tag_step(name) is not None and tag_step(name) > step)]
 
 
 def set_aside(root: CheckpointRoot, going: list[str], step: int, tag: str) -> None:
@@ -33,15 +35,16 @@ def set_aside(root: CheckpointRoot, going: list[str], step: int, tag: str) -> No
 def fork(root: CheckpointRoot, step: int, fence: Callable[[], None]) -> None:
     """On the writer (``fence`` raises unless it still is one): set the checkpoints past ``step``
     aside and point ``latest`` at the newest left."""
-    going = later(root, step)
+    found = root.checkpoints()  # oldest step first
+    going = later(root, step, found=found)
     if not going:
         return
     fence()
     set_aside(root, going, step, step_tag(step))
-    newest = next(reversed([(i.name, i.step) for i in root.checkpoints()]), None)
+    newest = next((i for i in reversed(found) if i.name not in going), None)
     try:
         if newest is not None:
-            root.write_latest(*newest)
+            root.write_latest(newest.name, newest.step)
     except OSError as exc:
-        raise CheckpointError(f"{root.where(LATEST_NAME)} could not be pointed at {newest[0]}, the newest checkpoint "
-                              f"left once {', '.join(going)} were set aside: {exc}") from exc
+        raise CheckpointError(f"{root.where(LATEST_NAME)} could not be pointed at {newest.name}, the newest "
+                              f"checkpoint left once {', '.join(going)} were set aside: {exc}") from exc
