@@ -169,8 +169,8 @@ def train(rank: int, args: argparse.Namespace, port: int, run: dict[str, str]) -
         handle.committed.add_done_callback(lambda f: commits.setdefault(step, time.monotonic()))
         return handle
 
-    def timed_replicate(step: int, saved: bool) -> bool:
-        done = replicate(step, saved)
+    def timed_replicate(step: int) -> bool:
+        done = replicate(step)
         if done:
             replicated[step] = time.monotonic()
         return done

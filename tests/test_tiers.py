@@ -1089,22 +1089,69 @@ def saves_faster_than_a_slow_link(root: str, base: str) -> dict:
                 assert mgr.should_save(step)
                 mgr.save(step, single_state(float(step)))
                 dist.barrier()
-                most = max(most, len(mgr.tier.directory.steps()))
+                most = max(most, len(mgr.tier.directory.holdings()))
             mgr.wait()
-            return {"most": most, "replicated": len(mgr.tier.replicator.replicated), "failures": mgr.tier.replicator.failures,
-                    "kept": mgr.tier.directory.steps(), "holders": mgr.tier.directory.holdings()[12]}
+            kept = mgr.tier.directory.steps()
+            state = single_state(-1.0)
+            return {"most": most, "replicated": [s for s, _ in mgr.tier.replicator.replicated],
+                    "dropped": mgr.tier.replicator.dropped, "failures": mgr.tier.replicator.failures,
+                    "save_failures": mgr.tier.failures, "kept": kept, "holders": mgr.tier.directory.holdings()[12],
+                    "restored": (mgr.restore(state), float(state["w"][0]), mgr.last_restore.source)}
     finally:
         replication.exchange = real
 
 
-def test_replication_slower_than_the_saves_holds_the_saves_back_instead_of_piling_steps_up(ranks, tmp_path):
+def test_replication_slower_than_the_saves_drops_the_steps_waiting_instead_of_piling_them_up(ranks, tmp_path):
     """Each step waited for its replication in a queue, kept on the node until then: 10 of 12 steps
-    at once on the node (a RAM disk fills up), where the space check counted 2. Now a local save
-    waits until the step before the last is replicated (keep + 2 steps at most on the node)."""
+    at once on the node (a RAM disk fills up), where the space check counted 2. Then a save waited
+    for the step before the last to be replicated: every step replicated, but the training step
+    held back by replication. Now a save drops the steps waiting for replication: keep + 2 steps
+    at most on the node, only some steps replicated (every one when a save waits), the newest one
+    always, and it restores."""
     got = ranks(2).run(saves_faster_than_a_slow_link, str(tmp_path / "root"), str(tmp_path / "nodes"), timeout=240)
     for seen in got:
-        assert seen["most"] <= 3 and seen["replicated"] == 12 and seen["failures"] == 0, seen
+        assert seen["most"] <= 3 and seen["failures"] == seen["save_failures"] == 0, seen
+        assert seen["dropped"] > 0 and 12 in seen["replicated"] and len(seen["replicated"]) < 12, seen
+        assert len(seen["replicated"]) + seen["dropped"] == 12, seen
         assert seen["kept"] == [12] and seen["holders"] == [0, 1], seen
+        assert seen["restored"] == (12, 12.0, "local"), seen
+
+
+def one_rank_fails_to_save_step_2(root: str, base: str) -> dict:
+    """Nodes a and b, local saves of steps 1 to 3; rank 1's of step 2 fails (a full disk). Returns
+    the steps replicated, and the copies each node holds."""
+    from zerostall.saving import pipeline
+
+    rank = dist.get_rank()
+    node = os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
+    publish = pipeline.publish_manifest
+
+    def full_at_step_2(*args, **kwargs):
+        if rank == 1 and mgr.tier._last == 2:
+            raise OSError(28, "No space left on device")
+        return publish(*args, **kwargs)
+
+    pipeline.publish_manifest = full_at_step_2
+    tier = zs.LocalTier(node_dir(base, node), every=1, keep=3, replicas=2, timeout_s=30)
+    try:
+        with zs.CheckpointManager(root, save_every=10_000, local=tier, fsync=False) as mgr:
+            for step in (1, 2, 3):
+                mgr.save(step, single_state(float(step)))
+                mgr.wait()
+            return {"replicated": [s for s, _ in mgr.tier.replicator.replicated], "held": mgr.tier.directory.holdings(),
+                    "failures": (mgr.tier.failures, mgr.tier.replicator.failures)}
+    finally:
+        pipeline.publish_manifest = publish
+
+
+def test_a_step_one_rank_failed_to_save_is_not_replicated_by_the_others(ranks, tmp_path):
+    """Rank 0 sent its copy of step 2 to node b, though rank 1's save of it failed: a step no
+    restore can use (some rank lacks its copy), sent over the link for nothing. Now the ranks
+    agree first whether every rank holds its copy."""
+    got = ranks(2).run(one_rank_fails_to_save_step_2, str(tmp_path / "root"), str(tmp_path / "nodes"), timeout=240)
+    assert got[0]["replicated"] == got[1]["replicated"] == [1, 3], got
+    assert got[0]["held"] == got[1]["held"] == {1: [0, 1], 3: [0, 1]}, got
+    assert got[0]["failures"] == (0, 0) and got[1]["failures"] == (1, 0), got
 
 
 def test_a_run_that_goes_back_without_a_restore_leaves_no_later_local_step(tmp_path):

@@ -61,10 +61,10 @@ def a_replication_times_out_then_the_run_goes_on(base: str) -> dict:
     root = os.path.join(base, "root")
     real, errors = Replicator._replicate, []
 
-    def late(self: Any, step: int, saved: bool) -> bool:  # rank 0's save of step 10 commits late
+    def late(self: Any, step: int) -> bool:  # rank 0's save of step 10 commits late
         if rank == 0 and step == 10:
             time.sleep(4)
-        return real(self, step, saved)
+        return real(self, step)
 
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: errors.append(record.getMessage())  # type: ignore[method-assign]
@@ -200,10 +200,10 @@ def broken_at_10_then_mended_at_80(base: str, local_70: Callable[..., Any]) -> I
     tier = zs.LocalTier(os.path.join(base, "node-" + "ab"[rank]), every=10, keep=1, replicas=2, timeout_s=2)
     replicate, persist = Replicator._replicate, asynchronous.persist
 
-    def late(self: Any, step: int, saved: bool) -> bool:
+    def late(self: Any, step: int) -> bool:
         if rank == 0 and step == 10:
             time.sleep(4)
-        return replicate(self, step, saved)
+        return replicate(self, step)
 
     def at_70(prepared: Any, *args: Any, **kwargs: Any) -> Any:
         if rank == 0 and prepared.step == 70 and prepared.metadata.get("tier") == "local":

@@ -206,8 +206,13 @@ class NodeDirectory:
         for step in steps:
             folder = self.step_path(step)
             for copy in _entries(folder):
-                (copy / MANIFEST_NAME).unlink(missing_ok=True)
+                self.uncommit(copy)
             _remove(folder)
+
+    @staticmethod
+    def uncommit(copy: Path) -> None:
+        """Remove ``copy``'s manifest, so it is no longer taken for a committed copy while it is deleted."""
+        (copy / MANIFEST_NAME).unlink(missing_ok=True)
 
     def bytes_used(self) -> int:
         """Bytes of every file of this run on this node."""

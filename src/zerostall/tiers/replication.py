@@ -2,15 +2,19 @@
 
 One thread per rank works through the local saves in order (each handed over by ``save()`` as it
 starts, so waiting for the worker waits for every step saved so far), so ``save()`` runs no
-collective and deletes nothing. For each step it sends this rank's copy to its holders and receives the copies
-it holds for others, all in one :func:`~zerostall.tiers.transfer.exchange` over the tier's own
-process group (never the training group). Every rank takes part in every step, also when its own
-save failed (it then sends word that it has nothing), so the pairs always match. A received copy
-is published only once every block checked. A failure is logged and counted, never raised into
-training: the step is then restored from other copies, or the root.
+collective. For each step the ranks first agree, in one small all-reduce on the tier's own
+process group (never the training group), whether every rank holds its copy: a step some rank
+lacks (its save failed, or was dropped) can never be restored, so none is sent. Else each rank
+sends its copy to its holders and receives the copies it holds for others, all in one
+:func:`~zerostall.tiers.transfer.exchange` on that group. A received copy is published only once
+every block checked. A failure is logged and counted, never raised into training: the step is
+then restored from other copies, or the root.
 
-A local save waits while the step before the last is not yet replicated and retired (see
-:meth:`wait_for_room`), so a node holds at most ``keep + 2`` steps however slow replication is.
+Replication never holds a save back. When it is slower than the local saves, the steps handed
+over and not yet taken up are dropped at the next save (:meth:`drop_waiting`, the one thing
+``save()`` deletes): this rank's copy is deleted, so the ranks skip the step, and the newest
+step is replicated next. A node so holds at most ``keep + 2`` steps (the ``keep`` newest, the one
+being replicated, the one being written) however slow replication is.
 
 Then, in one small all-reduce on the same group, the ranks agree whether every rank saved this
 step, and whether every rank saved and replicated it (the all-reduce itself waits for every rank's
@@ -34,8 +38,9 @@ worker goes on with it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
-import queue
+import shutil
 import threading
 import time
 from concurrent import futures
@@ -58,6 +63,15 @@ T = TypeVar("T")
 _POSTED = 64  # the newest steps a rank posts as saved, once the group is broken
 _ANSWERS = 8  # the first rank's newest answers kept in the store (a node's first rank may lag behind)
 
+
+@dataclasses.dataclass
+class _Job:
+    """A local save handed over to the worker."""
+
+    step: int
+    committed: futures.Future[Any]
+    dropped: bool = False  # its copy deleted before the worker took it up (a newer save came first)
+
 class Replicator:
     """This rank's background worker of the local tier (see the module's docstring)."""
 
@@ -78,9 +92,12 @@ class Replicator:
         """Local saves that failed on this rank (logged each time; a restore never uses such a step)."""
         self.replicated: list[tuple[int, float]] = []
         """Steps replicated on this rank, with the seconds each took."""
-        self._queue: queue.Queue[tuple[int, Any] | None] = queue.Queue()
-        self._pending = 0  # steps handed over and not yet replicated and retired
-        self._room = threading.Condition()
+        self._jobs: collections.deque[_Job] = collections.deque()  # handed over, not yet taken up
+        self._busy = False  # whether the worker is on a step
+        self._closing = False
+        self._lock = threading.Condition()
+        self.dropped = 0
+        """Steps dropped on this rank before their replication began (a newer local save came first)."""
         self._saved = -1  # the newest step this rank saved
         self._done = -1  # the newest step this rank saved and replicated
         self._agreed = (-1, -1)  # the newest steps every rank saved, and saved and replicated, last agreed
@@ -91,21 +108,45 @@ class Replicator:
         self._thread = threading.Thread(target=self._run, name="zerostall-replication", daemon=True)
         self._thread.start()
 
-    def submit(self, step: int, committed: Any) -> None:
+    def submit(self, step: int, committed: futures.Future[Any]) -> None:
         """Replicate ``step`` once its local save ends (``committed``: its future). A failed save is
         logged and counted here, never raised into training; the step then goes on without it."""
-        with self._room:
-            self._pending += 1
-        self._queue.put((step, committed))
+        with self._lock:
+            self._jobs.append(_Job(step, committed))
+            self._lock.notify_all()
+
+    def drop_waiting(self) -> list[int]:
+        """Before a newer local save (the ones handed over committed): drop the steps the worker has
+        not taken up, deleting this rank's copy of each (its manifest at once, the rest in a thread
+        of its own), so the node never holds more steps than the space check counted. Returns them."""
+        with self._lock:
+            waiting = [job for job in self._jobs if not job.dropped]
+            for job in waiting:
+                job.dropped = True
+        for job in waiting:
+            copy = self.directory.copy_path(job.step, self.rank)
+            self.directory.uncommit(copy)
+            threading.Thread(target=shutil.rmtree, args=(copy,), kwargs={"ignore_errors": True},
+                             name="zerostall-tier-drop", daemon=True).start()
+        self.dropped += len(waiting)
+        return [job.step for job in waiting]
+
+    def _take(self) -> _Job | None:
+        with self._lock:
+            self._lock.wait_for(lambda: self._jobs or self._closing)
+            if not self._jobs:
+                return None
+            self._busy = True
+            return self._jobs.popleft()
 
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            step, committed = job
+        while (job := self._take()) is not None:
+            step = job.step
             try:
-                futures.wait([committed])
-                saved = self._saved_here(step, committed.exception())
-                replicated = self.broken is None and (self._replicate(step, saved) if self.holders or self.sources
-                                                      else True)
+                futures.wait([job.committed])
+                saved = self._saved_here(step, job.committed.exception()) and not job.dropped
+                replicated = self.broken is None and (not (self.holders or self.sources)
+                                                      or self._everyone_saved(step, saved) and self._replicate(step))
                 if saved:
                     self._saved = step
                     self._kept = [*self._kept[1 - _POSTED:], step]
@@ -116,11 +157,9 @@ class Replicator:
                 log.warning("local tier: retiring old steps after step %d failed: %s: %s", step,
                             type(exc).__name__, exc)
             finally:
-                self._queue.task_done()
-                with self._room:
-                    self._pending -= 1
-                    self._room.notify_all()
-        self._queue.task_done()
+                with self._lock:
+                    self._busy = False
+                    self._lock.notify_all()
 
     def _saved_here(self, step: int, failure: BaseException | None) -> bool:
         if failure is not None:
@@ -129,9 +168,21 @@ class Replicator:
                       self.save_failures, failure)
         return failure is None
 
-    def _replicate(self, step: int, saved: bool) -> bool:
+    def _everyone_saved(self, step: int, saved: bool) -> bool:
+        """Whether every rank holds its copy of ``step`` (one small all-reduce): else none is sent, as a
+        step some rank lacks (its save failed, or was dropped) is never restored."""
+        try:
+            return self.group.all_reduce_min([int(saved)])[0] == 1
+        except RuntimeError as exc:  # what torch.distributed raises for a dead peer or a timeout
+            self.failures += 1
+            log.warning("replicating step %d of rank %d failed (%d so far): %s: %s", step, self.rank, self.failures,
+                        type(exc).__name__, exc)
+            self._break(exc)
+            return False
+
+    def _replicate(self, step: int) -> bool:
         start = time.perf_counter()
-        own = self.directory.copy_path(step, self.rank) if saved else None
+        own = self.directory.copy_path(step, self.rank)
         try:
             exchange(self.pg, [(dst, own) for dst in self.holders],
                      [(src, self.directory.copy_path(step, src)) for src in self.sources], step=step)
@@ -253,16 +304,14 @@ class Replicator:
                   "until the next persistent save or restore makes a new group (local saves go on, old ones retired "
                   "as before)", self.rank, self.broken)
 
-    def wait_for_room(self, pending: int) -> None:
-        """Block until at most ``pending`` steps submitted are not yet replicated (or failed) and retired."""
-        with self._room:
-            self._room.wait_for(lambda: self._pending <= pending)
-
     def wait(self) -> None:
-        """Block until every step submitted so far is replicated (or failed) and retired."""
-        self._queue.join()
+        """Block until every step submitted so far is replicated (or failed, or dropped) and retired."""
+        with self._lock:
+            self._lock.wait_for(lambda: not self._jobs and not self._busy)
 
     def close(self) -> None:
         """Finish the steps submitted, then stop the thread."""
-        self._queue.put(None)
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
         self._thread.join()

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import logging
 import secrets
-import time
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -39,10 +38,6 @@ from .timelines import following, kept_until
 from .transfer import Landed
 
 log = logging.getLogger(__name__)
-
-_SLOW_REPLICATION_S = 0.1
-"""A save's wait for the replication of the steps before that is worth a warning (once)."""
-
 
 class NodeTier:
     """The local tier of one manager on this rank (see the module's docstring)."""
@@ -87,7 +82,7 @@ class NodeTier:
                                      self.token, options.timeout_s)
         self.saver = AsyncSaver()
         self._space_checked = False
-        self._said_slow = False  # whether a save waiting for replication was logged
+        self._said_slow = False  # whether a step dropped before its replication was logged
         self._last = -1  # the newest step saved (or restored) on this timeline
         self._timeline = False  # whether this run's timeline is set: a restore took a step, or a save began anew
 
@@ -163,9 +158,9 @@ class NodeTier:
 
     def save(self, step: int, state: dict[str, Any], options: SaveOptions) -> SaveHandle:
         """Start saving this rank's copy of ``step`` (collective only the first time: the space
-        check); replication and retention follow its commit in the background. The save before the
-        last must be replicated and retired first (normally long done), so that the node never holds
-        more steps than the space check counted."""
+        check); replication and retention follow its commit in the background. Steps saved before
+        and not yet taken up by replication (it is slower than the saves) are dropped first, so the
+        node never holds more steps than the space check counted and ``save()`` never waits for it."""
         if not self._space_checked:  # a collective: a value one rank cannot encode fails it on every rank
             with self.group.failing_together("the first local-tier save could not be prepared on {failed} other "
                                              "rank(s) (their errors say why); nothing was saved"):
@@ -179,7 +174,7 @@ class NodeTier:
                     "node": self.nodes.ids[self.group.rank], LAYOUT_KEY: digest}
         path = self.directory.copy_path(step, self.group.rank)
         local = dataclasses.replace(options, fsync=False, overwrite=True, before_commit=None, incremental=False)
-        self._wait_for_replication(step)
+        self._drop_unreplicated(step)
         self._last = max(self._last, step)
         handle = self.saver.save(tree, str(path), local, process_group=ALONE, step=step, metadata=metadata)
         assert handle is not None
@@ -187,16 +182,16 @@ class NodeTier:
         self.replicator.submit(step, handle.quiet().committed)  # every rank's worker must see every step
         return handle
 
-    def _wait_for_replication(self, step: int) -> None:
-        """Wait until at most one step saved before ``step`` (the last) is not yet replicated and retired;
-        said once when it takes long."""
-        start = time.monotonic()
-        self.replicator.wait_for_room(1)
-        waited = time.monotonic() - start
-        if waited > _SLOW_REPLICATION_S and not self._said_slow:
+    def _drop_unreplicated(self, step: int) -> None:
+        """Once the local save before has committed (the saver waits for it anyway), drop the steps
+        replication has not taken up; said once, as it means replication is slower than the saves."""
+        self.saver.await_done()
+        dropped = self.replicator.drop_waiting()
+        if dropped and not self._said_slow:
             self._said_slow = True
-            log.warning("local tier: the save of step %d waited %.2f s for the replication of the steps before, which "
-                        "is slower than the local saves: raise LocalTier.every to save less often", step, waited)
+            log.warning("local tier: replication is slower than the local saves, so step(s) %s were dropped on rank "
+                        "%d before being replicated (step %d is replicated next): raise LocalTier.every to save less "
+                        "often", dropped, self.group.rank, step)
 
     def _check_space(self, nbytes: int) -> None:
         """Before the first local save: each node needs room for (keep + 2) steps of its copies: the
