@@ -32,7 +32,7 @@ ORDER = [
     "loading.optimizers", "loading.load_plan", "loading.fetch", "loading.broadcast", "loading.verification",
     "loading.trees", "loading.checkpoint", "loading.tensor_stream", "loading",
     # roots/: checkpoints by step under a root
-    "roots.retention", "roots.sharing", "roots.stale", "roots.resaving", "roots.root", "roots.forking", "roots.naming", "roots.restore", "roots.schedule", "roots.lease",
+    "roots.retention", "roots.sharing", "roots.stale", "roots.resaving", "roots.described", "roots.root", "roots.forking", "roots.naming", "roots.restore", "roots.schedule", "roots.lease",
     "roots.loaders", "roots.increments", "roots",
     # interop/: checkpoints leaving zerostall
     "interop.contained", "interop.copying", "interop.torch_file", "interop.export_files", "interop.exporting", "interop",

@@ -149,8 +149,11 @@ def test_inspect_errors(root: Path) -> None:
 
 
 def test_an_s3_path_without_the_s3_extra_is_one_line_not_a_traceback(monkeypatch, tmp_path: Path) -> None:
+    from zerostall.storage.s3client import Connection
+
     for name in ("boto3", "botocore"):  # as after pip install zerostall, without [s3]
         monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setattr(Connection, "_cache", {})  # no client an earlier test made in this process
     for args in (("inspect", "s3://bucket/ck"), ("cp", "s3://bucket/ck", tmp_path / "copy")):
         result = run(*args)
         assert result.exit_code == 2 and "need boto3: pip install 'zerostall[s3]'" in result.stderr, result.output

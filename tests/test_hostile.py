@@ -24,7 +24,8 @@ import zerostall as zs
 from hostile import (MANIFEST, body_bytes, cli_outcome, compact, data_files, entry, opened, parse_body, read_body,
                      under, within, write_body)
 from zerostall.format.layout import dump_json
-from zerostall.roots.root import CORRUPT, CheckpointRoot
+from zerostall.roots.described import CORRUPT
+from zerostall.roots.root import CheckpointRoot
 from zerostall.storage import LocalStorage
 
 WAIT = 20  # seconds any refusal may take: a call still running then has hung

@@ -13,8 +13,8 @@ import torch
 import zerostall as zs
 from faults import FaultyStorage
 from zerostall.format.layout import MANIFEST_NAME
-from zerostall.roots.root import (COMMITTED, CORRUPT, INCOMPLETE, LATEST_NAME, LEASE_NAME, SUPERSEDED_NAME,
-                                  CheckpointRoot, step_tag, validate_tag)
+from zerostall.roots.described import COMMITTED, CORRUPT, INCOMPLETE, UNREADABLE
+from zerostall.roots.root import LATEST_NAME, LEASE_NAME, SUPERSEDED_NAME, CheckpointRoot, step_tag, validate_tag
 from zerostall.storage import LocalStorage, storage_for
 
 
@@ -105,6 +105,18 @@ def test_each_manifest_is_parsed_once_until_it_is_replaced(tmp_path):
     save(tmp_path / "a", 3, overwrite=True)  # a new manifest in the same place
     assert [(i.name, i.step) for i in ckroot.checkpoints()] == [("b", 2), ("a", 3)]
     assert sorted(storage.names("read_bytes")) == ["a/manifest.json", "a/manifest.json", "b/manifest.json"]
+
+
+def test_a_manifest_that_cannot_be_read_is_listed_as_unreadable_not_corrupt(tmp_path):
+    """A read error (an S3 server's 500, a failing disk) was listed as ``corrupt``: damage, which it
+    is not known to be (``zerostall ls`` said so)."""
+    storage = FaultyStorage(LocalStorage(str(tmp_path)))
+    save(tmp_path / "good", 10)
+    save(tmp_path / "flaky", 20)
+    storage.fail("read_bytes", OSError(5, "Input/output error"), name="flaky/manifest.json")
+    rows = {r.name: r for r in CheckpointRoot(storage).scan()}
+    assert rows["good"].status == COMMITTED
+    assert rows["flaky"].status == UNREADABLE and "Input/output error" in rows["flaky"].error, rows["flaky"]
 
 
 def test_latest_pointer_round_trip(ckroot, tmp_path):

@@ -18,8 +18,8 @@ from rich.filesize import decimal as human_bytes
 from rich.table import Column, Table
 
 from ..roots.retention import RetentionPolicy, numeric_metrics
-from ..roots.root import (COMMITTED, CORRUPT, RETAINED, SUPERSEDED_NAME, CheckpointInfo, CheckpointRoot, describe,
-                          looks_like_checkpoint, retained)
+from ..roots.described import COMMITTED, CORRUPT, RETAINED, CheckpointInfo, describe
+from ..roots.root import SUPERSEDED_NAME, CheckpointRoot, looks_like_checkpoint, retained
 from ..roots.sharing import referenced, refs_set_aside
 from ..storage import storage_for
 from ..storage.location import few
@@ -242,7 +242,7 @@ def prune(root: str, keep_last: int | None, keep_every: int | None, keep_best: i
     """Delete the committed checkpoints under ROOT that no rule keeps.
 
     Rules combine: a checkpoint is kept when any rule keeps it. The newest committed checkpoint
-    and the one ROOT/latest names are always kept; incomplete, corrupt and step-less checkpoint
+    and the one ROOT/latest names are always kept; incomplete, corrupt, unreadable and step-less checkpoint
     directories are left alone. A checkpoint is deleted manifest first, so a half-deleted one is
     never seen as valid. Data files that checkpoints still there refer to (incremental saves) stay
     as retained data, shown by ls, until none refers to them; then prune removes them. Refused while

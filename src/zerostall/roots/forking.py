@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import CheckpointError
-from .root import LATEST_NAME, CheckpointInfo, CheckpointRoot, step_tag, tag_step
+from .described import CheckpointInfo
+from .root import LATEST_NAME, CheckpointRoot, step_tag, tag_step
 
 
 def later(root: CheckpointRoot, step: int, tag: str | None = None,

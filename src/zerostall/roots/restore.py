@@ -16,7 +16,8 @@ from typing import Callable, TypeVar
 from ..collectives import Group
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from ..format.layout import RNG_KEY
-from .root import DAMAGE, CheckpointRoot, tag_step
+from .described import DAMAGE
+from .root import CheckpointRoot, tag_step
 
 log = logging.getLogger(__name__)
 

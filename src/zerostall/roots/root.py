@@ -14,18 +14,15 @@ import json
 import logging
 import re
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Iterable
 
-from ..errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
-                      InvalidPathError)
-from ..format import codec
-from ..format.layout import MANIFEST_NAME, SUPERSEDED_NAME, ManifestHead, file_generation
+from ..errors import CheckpointError, CheckpointNotFoundError, InvalidPathError
+from ..format.layout import MANIFEST_NAME, SUPERSEDED_NAME, file_generation
 from ..loading.opening import read_manifest_head
 from ..storage import SMALL_FILE_BYTES, Storage
 from ..storage.location import few
-from ..storage.references import read_retained
-from .retention import CheckpointRecord, RetentionPolicy, kept, numeric_metrics
+from .described import COMMITTED, DAMAGE, CheckpointInfo, committed_info, describe
+from .retention import RetentionPolicy, kept
 from .sharing import collect_retained, delete_checkpoint, referenced, refs_set_aside, set_aside
 from . import resaving
 from .stale import remove_attempts
@@ -40,13 +37,6 @@ FRAMEWORK_FILES = frozenset({"zero_to_fp32.py"})
 """Files a training framework keeps beside its checkpoints in its save directory (DeepSpeed's
 conversion script; DeepSpeed's ``latest`` shares our pointer's name): not unrelated to a root."""
 
-DAMAGE = (CorruptCheckpointError, IncompleteCheckpointError)
-"""What a checkpoint's own bytes or files cause (not an I/O error): a reason to pass it over."""
-
-COMMITTED = "committed"
-INCOMPLETE = "incomplete"
-CORRUPT = "corrupt"
-RETAINED = "retained"  # deleted, but some of its data files are still referred to (see roots.sharing)
 
 
 def step_tag(step: int) -> str:
@@ -80,33 +70,6 @@ def checkpoint_name(tag: str | int | None) -> str | None:
     return validate_tag(tag)
 
 
-@dataclass
-class CheckpointInfo:
-    """One checkpoint as a listing shows it. ``status``: committed (its manifest reads and checks),
-    incomplete (data files but no manifest: its save never committed) or corrupt (``error`` says
-    why). Step, created and metrics come from a committed one's manifest; ``bytes``: its data."""
-
-    name: str
-    location: str
-    status: str
-    step: int | None = None
-    bytes: int = 0
-    created: float | None = None
-    metrics: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-    files: dict[str, int] = field(default_factory=dict)
-    """A committed one's own data files and sizes (a retained one's: those kept)."""
-    refs: dict[str, str] = field(default_factory=dict)
-    """The data files of other checkpoints of the root it refers to, with their tags (incremental saves)."""
-    referenced_bytes: int = 0
-    """The size of those files, as its manifest records them."""
-
-    def record(self) -> CheckpointRecord:
-        """What retention knows of it (a step-less checkpoint counts as step -1)."""
-        return CheckpointRecord(-1 if self.step is None else self.step, self.created or 0.0,
-                                numeric_metrics(self.metrics))
-
-
 def retained(infos: list[CheckpointInfo], policy: RetentionPolicy, pinned: Iterable[int] = ()) -> dict[str, list[str]]:
     """For each committed checkpoint with a step, the rules that keep it (see
     :func:`zerostall.roots.retention.kept`); an empty list: retention may delete it. Checkpoints that share
@@ -136,46 +99,6 @@ def _holds_nothing_foreign(storage: Storage) -> bool:
     """Whether a directory under a root is a checkpoint (committed or not) or empty."""
     names = storage.list()
     return checkpoint_files(names) or not (names or storage.children())
-
-
-def describe(storage: Storage, name: str) -> CheckpointInfo:
-    """Read the checkpoint at ``storage`` (called ``name``) and classify it: committed, incomplete or corrupt."""
-    try:
-        head = read_manifest_head(storage)
-    except IncompleteCheckpointError:
-        try:
-            kept = read_retained(storage)
-        except CheckpointError as exc:
-            return CheckpointInfo(name, storage.location, CORRUPT, error=str(exc))
-        if kept is not None:
-            return CheckpointInfo(name, storage.location, RETAINED, bytes=sum(kept[0].values()), files=kept[0])
-        info = CheckpointInfo(name, storage.location, INCOMPLETE)
-    except CheckpointError as exc:
-        info = CheckpointInfo(name, storage.location, CORRUPT, error=str(exc))
-    else:
-        return _committed(name, storage, head)
-    info.bytes = sum(_size(storage, n) for n in storage.list() if file_generation(n))
-    return info
-
-
-def _size(storage: Storage, name: str) -> int:
-    """The size of file ``name``; 0 if it vanished meanwhile or is not a regular file."""
-    try:
-        return storage.size(name)
-    except OSError:
-        return 0
-
-
-def _committed(name: str, storage: Storage, head: ManifestHead) -> CheckpointInfo:
-    metadata = head.metadata if isinstance(head.metadata, dict) else {}
-    try:  # as saved: non-finite floats and numbers of earlier versions are encoded
-        metrics = codec.decode(metadata.get("metrics"), where=f"{name} metrics")
-    except CheckpointError:
-        metrics = None
-    return CheckpointInfo(name, storage.location, COMMITTED, head.step, head.total_bytes, head.created,
-                          dict(metrics) if isinstance(metrics, dict) else {},
-                          files={n: s for n, s in head.files.items() if n not in head.refs}, refs=head.refs,
-                          referenced_bytes=sum(head.files[n] for n in head.refs))
 
 
 def typed_error(exc: OSError, what: str) -> CheckpointError:
@@ -240,7 +163,7 @@ class CheckpointRoot:
                 info = cached[1]
             else:
                 try:
-                    info = _committed(name, storage, read_manifest_head(storage))
+                    info = committed_info(name, storage, read_manifest_head(storage))
                 except CheckpointError as exc:
                     unreadable[name] = exc
                     continue

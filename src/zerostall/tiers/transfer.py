@@ -45,7 +45,7 @@ from ..gcpause import gc_paused
 from ..loading.opening import read_manifest, read_manifest_bytes
 from ..loading.reader import ChunkReader
 from ..loading.verification import ArrivingFile, arriving_files, verify_all
-from ..roots.root import DAMAGE
+from ..roots.described import DAMAGE
 from ..storage.base import check_name
 from ..storage.local import LocalStorage, open_regular
 from .local import INCOMING
