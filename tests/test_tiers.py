@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import zerostall as zs
 from distributed import RankError
+from zerostall.format.layout import MANIFEST_NAME
 from zerostall.roots.root import step_tag
 from zerostall.storage.s3 import S3Storage
 from zerostall.storage.s3client import S3Options
@@ -319,6 +320,49 @@ def test_start_up_removes_other_runs_and_unfinished_copies_and_keeps_committed_o
     assert os.listdir(tmp_path / "ckpt") == ["step_000000030"] and d.holdings() == {10: [0]}
     d.release()
     live.release()
+
+
+def test_a_copy_dropped_before_replication_is_gone_at_once_and_its_step_can_be_written_anew(tmp_path):
+    """A dropped copy was deleted where it lay, in a thread of its own: a save of the same step
+    made meanwhile (a run that went back) wrote into the folder being deleted, and lost files."""
+    d = NodeDirectory(str(tmp_path), "run-1")
+    d.claim()
+    zs.save({"w": torch.ones(3)}, str(d.copy_path(10, 0)))
+    aside = d.set_aside(10, 0)
+    assert aside is not None and aside.parent == d.step_path(10) and (aside / MANIFEST_NAME).is_file()
+    assert d.holdings() == {} and not d.copy_path(10, 0).exists() and d.set_aside(10, 0) is None
+    zs.save({"w": torch.full((3,), 2.0)}, str(d.copy_path(10, 0)))  # written anew beside the one set aside
+    shutil.rmtree(aside)
+    assert d.holdings() == {10: [0]} and float(zs.open(str(d.copy_path(10, 0))).read("w")[0]) == 2.0
+    d.set_aside(10, 0)
+    d.clean_at_start()  # one left by a crash is removed at start-up
+    assert d.holdings() == {} and not d.step_path(10).exists()
+    d.release()
+
+
+def test_a_step_saved_twice_while_replication_lags_keeps_its_new_copy(tmp_path, monkeypatch):
+    """Step 2 saved twice (a final save of the last step) while the worker was still on step 1:
+    the first save of step 2 was dropped, taken for a step some rank lacks, and retention deleted
+    the step's folder, with the second save's copy in it: a restore took step 1."""
+    from zerostall.tiers.replication import Replicator
+
+    retire = Replicator._retire
+
+    def busy_on_step_1(self, step, *args):
+        if step == 1:
+            time.sleep(1.0)
+        return retire(self, step, *args)
+
+    monkeypatch.setattr(Replicator, "_retire", busy_on_step_1)
+    tier = zs.LocalTier(str(tmp_path / "node"), every=1, keep=2, replicas=1)
+    with zs.CheckpointManager(str(tmp_path / "root"), save_every=10_000, fsync=False, local=tier) as mgr:
+        for step, value in ((1, 1.0), (2, 2.0), (2, 22.0)):
+            mgr.save(step, single_state(value))
+        mgr.wait()
+        assert mgr.tier.directory.holdings() == {1: [0], 2: [0]} and mgr.tier.replicator.dropped == 0
+    state = single_state(-1.0)
+    with zs.CheckpointManager(str(tmp_path / "root"), local=tier) as mgr:
+        assert mgr.restore(state) == 2 and float(state["w"][0]) == 22.0 and mgr.last_restore.source == "local"
 
 
 def test_every_spelling_of_a_root_directory_names_one_run(tmp_path):

@@ -44,6 +44,8 @@ MARKER = ".zerostall-run"
 TIMELINE = ".zerostall-timeline"
 """The timeline the node's copies belong to (see :meth:`NodeDirectory.timeline`)."""
 
+DROPPED = ".dropped-"
+"""The prefix of a copy set aside to be deleted (see :meth:`NodeDirectory.set_aside`)."""
 INCOMING = ".incoming-"
 """The prefix of a copy's folder while it arrives from another node, beside the folder it is
 published as (removed at start-up when a crash leaves one)."""
@@ -206,13 +208,20 @@ class NodeDirectory:
         for step in steps:
             folder = self.step_path(step)
             for copy in _entries(folder):
-                self.uncommit(copy)
+                (copy / MANIFEST_NAME).unlink(missing_ok=True)
             _remove(folder)
 
-    @staticmethod
-    def uncommit(copy: Path) -> None:
-        """Remove ``copy``'s manifest, so it is no longer taken for a committed copy while it is deleted."""
-        (copy / MANIFEST_NAME).unlink(missing_ok=True)
+    def set_aside(self, step: int, rank: int) -> Path | None:
+        """Move ``rank``'s copy of ``step`` aside (one rename) under a name no listing takes and
+        start-up removes, for the caller to delete; where it went, or None when there is none. A
+        save of that step may then write its copy anew while the old one is being deleted."""
+        copy = self.copy_path(step, rank)
+        aside = copy.with_name(f"{DROPPED}{copy.name}-{secrets.token_hex(4)}")
+        try:
+            os.rename(copy, aside)
+        except FileNotFoundError:
+            return None
+        return aside
 
     def bytes_used(self) -> int:
         """Bytes of every file of this run on this node."""

@@ -12,8 +12,8 @@ then restored from other copies, or the root.
 
 Replication never holds a save back. When it is slower than the local saves, the steps handed
 over and not yet taken up are dropped at the next save (:meth:`drop_waiting`, the one thing
-``save()`` deletes): this rank's copy is deleted, so the ranks skip the step, and the newest
-step is replicated next. A node so holds at most ``keep + 2`` steps (the ``keep`` newest, the one
+``save()`` deletes): this rank's copy is set aside and deleted, so the ranks skip the step, and
+the newest step is replicated next. A node so holds at most ``keep + 2`` steps (the ``keep`` newest, the one
 being replicated, the one being written) however slow replication is.
 
 Then, in one small all-reduce on the same group, the ranks agree whether every rank saved this
@@ -115,21 +115,28 @@ class Replicator:
             self._jobs.append(_Job(step, committed))
             self._lock.notify_all()
 
-    def drop_waiting(self) -> list[int]:
-        """Before a newer local save (the ones handed over committed): drop the steps the worker has
-        not taken up, deleting this rank's copy of each (its manifest at once, the rest in a thread
-        of its own), so the node never holds more steps than the space check counted. Returns them."""
+    def drop_waiting(self, step: int) -> list[int]:
+        """Before the local save of ``step`` (the ones handed over committed): drop the steps the
+        worker has not taken up, deleting this rank's copy of each (set aside at once, deleted in a
+        thread of its own), so the node never holds more steps than the space check counted; but
+        not ``step`` itself (saved again: its copy is rewritten in place). Returns the steps dropped
+        whose save had succeeded. A failure to delete is logged, never raised into training."""
         with self._lock:
-            waiting = [job for job in self._jobs if not job.dropped]
+            waiting = [job for job in self._jobs if not job.dropped and job.step != step]
             for job in waiting:
                 job.dropped = True
         for job in waiting:
-            copy = self.directory.copy_path(job.step, self.rank)
-            self.directory.uncommit(copy)
-            threading.Thread(target=shutil.rmtree, args=(copy,), kwargs={"ignore_errors": True},
-                             name="zerostall-tier-drop", daemon=True).start()
-        self.dropped += len(waiting)
-        return [job.step for job in waiting]
+            try:
+                aside = self.directory.set_aside(job.step, self.rank)
+                if aside is not None:
+                    threading.Thread(target=shutil.rmtree, args=(aside,), kwargs={"ignore_errors": True},
+                                     name="zerostall-tier-drop", daemon=True).start()
+            except Exception as exc:  # left for retention, or the next start-up
+                log.warning("local tier: the copy of step %d on rank %d, dropped before its replication, could not "
+                            "be deleted: %s: %s", job.step, self.rank, type(exc).__name__, exc)
+        dropped = [job.step for job in waiting if job.committed.exception() is None]
+        self.dropped += len(dropped)
+        return dropped
 
     def _take(self) -> _Job | None:
         with self._lock:

@@ -186,12 +186,12 @@ class NodeTier:
         """Once the local save before has committed (the saver waits for it anyway), drop the steps
         replication has not taken up; said once, as it means replication is slower than the saves."""
         self.saver.await_done()
-        dropped = self.replicator.drop_waiting()
+        dropped = self.replicator.drop_waiting(step)
         if dropped and not self._said_slow:
             self._said_slow = True
             log.warning("local tier: replication is slower than the local saves, so step(s) %s were dropped on rank "
-                        "%d before being replicated (step %d is replicated next): raise LocalTier.every to save less "
-                        "often", dropped, self.group.rank, step)
+                        "%d before being replicated (replication goes on with the newest, step %d or later): raise "
+                        "LocalTier.every to save less often", dropped, self.group.rank, step)
 
     def _check_space(self, nbytes: int) -> None:
         """Before the first local save: each node needs room for (keep + 2) steps of its copies: the
