@@ -187,7 +187,8 @@ def test_a_named_root_checkpoint_counts_by_its_step_against_the_local_tier(tmp_p
 @contextlib.contextmanager
 def broken_at_10_then_mended_at_80(base: str, local_70: Callable[..., Any]) -> Iterator[zs.CheckpointManager]:
     """Nodes a and b, local saves every 10 steps, a persistent one every 80, the tier's group broken
-    at step 10 (rank 0's replication of it starts after the timeout); rank 0's local save of step
+    at step 10 (rank 0's worker comes to it after the timeout: the ranks' agreement on whether
+    each holds its copy times out, before any transfer); rank 0's local save of step
     70 is ``local_70(persist, prepared, ...)``, while the persistent save of step 80 makes the group
     anew. Yields the manager once every save, step 80's included, is done."""
     import time
@@ -198,19 +199,19 @@ def broken_at_10_then_mended_at_80(base: str, local_70: Callable[..., Any]) -> I
     rank = dist.get_rank()
     os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
     tier = zs.LocalTier(os.path.join(base, "node-" + "ab"[rank]), every=10, keep=1, replicas=2, timeout_s=2)
-    replicate, persist = Replicator._replicate, asynchronous.persist
+    agree, persist = Replicator._everyone_saved, asynchronous.persist
 
-    def late(self: Any, step: int) -> bool:
+    def late(self: Any, step: int, saved: bool) -> bool:
         if rank == 0 and step == 10:
             time.sleep(4)
-        return replicate(self, step)
+        return agree(self, step, saved)
 
     def at_70(prepared: Any, *args: Any, **kwargs: Any) -> Any:
         if rank == 0 and prepared.step == 70 and prepared.metadata.get("tier") == "local":
             return local_70(persist, prepared, *args, **kwargs)
         return persist(prepared, *args, **kwargs)
 
-    Replicator._replicate, asynchronous.persist = late, at_70
+    Replicator._everyone_saved, asynchronous.persist = late, at_70
     try:
         with zs.CheckpointManager(os.path.join(base, "root"), save_every=80, fsync=False, local=tier) as mgr:
             for step in range(1, 81):
@@ -222,7 +223,7 @@ def broken_at_10_then_mended_at_80(base: str, local_70: Callable[..., Any]) -> I
             mgr.wait()
             yield mgr
     finally:
-        Replicator._replicate, asynchronous.persist = replicate, persist
+        Replicator._everyone_saved, asynchronous.persist = agree, persist
 
 
 def a_slow_node_saves_while_the_group_is_made_anew(base: str) -> tuple:
