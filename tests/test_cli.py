@@ -97,16 +97,18 @@ def test_ls_of_a_local_tier_lists_each_steps_copies(tmp_path: Path) -> None:
     shutil.copytree(run_dir / "step_000000002" / "rank_00000", run_dir / "step_000000002" / "rank_00001")
     (run_dir / "step_000000002" / "rank_00001" / "manifest.json").unlink()  # a copy whose save never committed
     shutil.copytree(run_dir / "step_000000003" / "rank_00000", run_dir / "step_000000003" / ".incoming-rank_00001-0a1b")
+    shutil.copytree(run_dir / "step_000000002" / "rank_00000", run_dir / "step_000000002" / ".dropped-rank_00002-0a1b")
     for where in (node, run_dir):
         rows = json.loads(run("ls", where, "--json").stdout)["local_tier"]
         assert [(r["run"], r["step"], r["copy"], r["status"]) for r in rows] == [
-            (run_dir.name, 2, "rank_00000", "committed"), (run_dir.name, 2, "rank_00001", "incomplete"),
+            (run_dir.name, 2, ".dropped-rank_00002-0a1b", "dropped"), (run_dir.name, 2, "rank_00000", "committed"),
+            (run_dir.name, 2, "rank_00001", "incomplete"),
             (run_dir.name, 3, ".incoming-rank_00001-0a1b", "arriving"), (run_dir.name, 3, "rank_00000", "corrupt")]
-        assert rows[0]["bytes"] > 0 and rows[0]["path"] == str(run_dir / "step_000000002" / "rank_00000")
+        assert rows[1]["bytes"] > 0 and rows[1]["path"] == str(run_dir / "step_000000002" / "rank_00000")
         result = run("ls", where)
         assert result.exit_code == 0, result.output
         lines = [line for line in result.stdout.splitlines() if "rank_" in line]
-        assert len(lines) == 4 and "corrupt" in lines[3] and "arriving" in lines[2] and run_dir.name in lines[0]
+        assert len(lines) == 5 and "corrupt" in lines[4] and "arriving" in lines[3] and "dropped" in lines[0]
     assert "local_tier" not in json.loads(run("ls", tmp_path / "root", "--json").stdout)
 
 

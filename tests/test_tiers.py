@@ -365,6 +365,30 @@ def test_a_step_saved_twice_while_replication_lags_keeps_its_new_copy(tmp_path, 
         assert mgr.restore(state) == 2 and float(state["w"][0]) == 22.0 and mgr.last_restore.source == "local"
 
 
+def test_a_step_saved_again_after_its_replication_began_is_not_dropped_by_the_next_save(tmp_path, monkeypatch):
+    """Step 2 saved again while the worker retired its first save, then step 3 saved: the second
+    save of step 2 was dropped, which set aside step 2's one copy (the one just replicated, the
+    step kept for a lost node), and its folder was deleted as a step some rank lacks: while step 3
+    was written, no step was left to restore."""
+    from zerostall.tiers.replication import Replicator
+
+    retire, held = Replicator._retire, {}
+
+    def busy_retiring_step_2(self, step, *args):
+        held[step] = self.directory.holdings()
+        if step == 2 and len(held) == 2:
+            time.sleep(1.0)
+        return retire(self, step, *args)
+
+    monkeypatch.setattr(Replicator, "_retire", busy_retiring_step_2)
+    tier = zs.LocalTier(str(tmp_path / "node"), every=1, keep=1, replicas=1)
+    with zs.CheckpointManager(str(tmp_path / "root"), save_every=10_000, fsync=False, local=tier) as mgr:
+        for step in (1, 2, 2, 3):
+            mgr.save(step, single_state(float(step)))
+        mgr.wait()
+        assert mgr.tier.replicator.dropped == 0 and 2 in held[3], held
+
+
 def test_every_spelling_of_a_root_directory_names_one_run(tmp_path):
     """The run id hashed the root as spelled: through a symbolic link the restarted job was another
     run, and its start-up removed the run's own local steps."""

@@ -24,7 +24,7 @@ from ..roots.sharing import referenced, refs_set_aside
 from ..storage import storage_for
 from ..storage.location import few
 from ..storage.local import LocalStorage
-from ..tiers.local import INCOMING, step_folders
+from ..tiers.local import DROPPED, INCOMING, step_folders
 
 from .common import (EXIT_STATUSES, FAILED, USAGE, Failure, cli, clip, console, format_time, print_json,
                      refuse_live_writer, reported_errors)
@@ -207,15 +207,17 @@ def ls(root: str, keep_last: int | None, keep_every: int | None, keep_best: int 
 def node_copies(root: CheckpointRoot) -> list[dict[str, Any]]:
     """The copies a local tier keeps under ``root`` (a node directory, or one run's folder in it):
     one row per rank's copy of a step, the run and step its folders name; a copy still arriving
-    from another node (or left by a crash, until the next start) is ``arriving``."""
+    from another node (or left by a crash, until the next start) is ``arriving``, one dropped
+    before its replication ``dropped`` (being deleted)."""
     if not isinstance(root.storage, LocalStorage):
         return []
     rows = []
     for run, step, folder in step_folders(root.location):
         for info in CheckpointRoot(storage_for(str(folder))).scan(include_self=False):
-            arriving = info.name.startswith(INCOMING)  # whatever it holds so far
-            rows.append({"run": run, "step": step, "copy": info.name, "status": "arriving" if arriving else info.status,
-                         "error": None if arriving else info.error,
+            passing = next((status for prefix, status in ((INCOMING, "arriving"), (DROPPED, "dropped"))
+                            if info.name.startswith(prefix)), None)  # whatever it holds: not a copy of the step
+            rows.append({"run": run, "step": step, "copy": info.name, "status": passing or info.status,
+                         "error": None if passing else info.error,
                          "bytes": info.bytes, "created": info.created, "path": info.location})
     return rows
 

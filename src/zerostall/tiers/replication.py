@@ -94,6 +94,7 @@ class Replicator:
         """Steps replicated on this rank, with the seconds each took."""
         self._jobs: collections.deque[_Job] = collections.deque()  # handed over, not yet taken up
         self._busy = False  # whether the worker is on a step
+        self._taken = -1  # the step the worker took up last: a later job of it shares its copy
         self._closing = False
         self._lock = threading.Condition()
         self.dropped = 0
@@ -119,10 +120,11 @@ class Replicator:
         """Before the local save of ``step`` (the ones handed over committed): drop the steps the
         worker has not taken up, deleting this rank's copy of each (set aside at once, deleted in a
         thread of its own), so the node never holds more steps than the space check counted; but
-        not ``step`` itself (saved again: its copy is rewritten in place). Returns the steps dropped
-        whose save had succeeded. A failure to delete is logged, never raised into training."""
+        neither ``step`` itself nor the step the worker took up last (saved again: each copy is
+        rewritten in place, the one a job taken up replicated among them). Returns the steps
+        dropped whose save had succeeded. A failure to delete is logged, never raised into training."""
         with self._lock:
-            waiting = [job for job in self._jobs if not job.dropped and job.step != step]
+            waiting = [job for job in self._jobs if not job.dropped and job.step not in (step, self._taken)]
             for job in waiting:
                 job.dropped = True
         for job in waiting:
@@ -144,7 +146,9 @@ class Replicator:
             if not self._jobs:
                 return None
             self._busy = True
-            return self._jobs.popleft()
+            job = self._jobs.popleft()
+            self._taken = job.step
+            return job
 
     def _run(self) -> None:
         while (job := self._take()) is not None:
