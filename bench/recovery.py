@@ -33,7 +33,8 @@ rank) and 1/4 of its own under the rank-local key ``dataloader`` (1/4 GiB over t
    without saves, interleaved;
    ``mgr.wait_staged()`` before each optimizer step, as the docs say. ``save()`` time (median over
    steps of the slowest rank, the first save apart), the capture (staged) time, the step time of
-   both arms and their difference.
+   both arms and their difference, and how many local saves were dropped before their
+   replication (``stall_steps_dropped``: replication slower than the saves).
 
 ``steps_lost``: --stop minus the step each failure scenario restored. Progress goes to stderr, a
 table to stdout, and with --json one JSON object as the last line.
@@ -343,7 +344,8 @@ def stall(rank: int, args: argparse.Namespace, port: int, run: dict[str, Any]) -
     state = make_state(rank, args.rank_mib)
     args = argparse.Namespace(**{**vars(args), "every": args.stall_every, "save_every": None})
     mgr = manager(os.path.join(run["base"], "stall-root"), os.path.join(run["base"], "stall"), "aabb"[rank], args)
-    log: dict[str, Any] = {"save": [], "none": [], "save_s": [], "staged_s": [], "committed_s": [], "first": None}
+    log: dict[str, Any] = {"save": [], "none": [], "save_s": [], "staged_s": [], "committed_s": [], "first": None,
+                           "saves": 0}
     step, handle = 0, None
     for rep in range(args.reps + 1):  # block 0: warm-up (the first save allocates and checks the space)
         for arm in rotated(["save", "none"], rep):
@@ -357,6 +359,7 @@ def stall(rank: int, args: argparse.Namespace, port: int, run: dict[str, Any]) -
                     called = time.monotonic()
                     handle = mgr.save(step, state)
                     returned = time.monotonic()
+                    log["saves"] += 1
                     times = {"save_s": returned - called, "busy": busy}
                     handle.staged.add_done_callback(lambda f, t=times: t.setdefault("staged_s", time.monotonic()))
                     handle.committed.add_done_callback(lambda f, t=times: t.setdefault("committed_s", time.monotonic()))
@@ -373,6 +376,7 @@ def stall(rank: int, args: argparse.Namespace, port: int, run: dict[str, Any]) -
             log.setdefault(what, []).append(times[what] - (called if what in ("staged_s", "committed_s") else 0.0))
         log.setdefault("busy", []).append(times["busy"])
     log["replication_s"] = [s for _, s in mgr.tier.replicator.replicated]
+    log["dropped"] = mgr.tier.replicator.dropped
     mgr.close()
     write_json(os.path.join(run["out"], f"stall-{rank}.json"), log)
     dist.destroy_process_group()
@@ -461,7 +465,9 @@ def summarize(args: argparse.Namespace, run: dict[str, Any], trained: list[dict[
     without = median([max(v) for v in zip(*(r["none"] for r in stalled))])
     out |= {"step_s_with_local_saves": rnd(with_saves), "step_s_without_saves": rnd(without),
             "step_overhead": rnd(with_saves / without - 1, 3) if with_saves and without else None,
-            "stall_replication_s": rnd(median([s for r in stalled for s in r["replication_s"]]))}
+            "stall_replication_s": rnd(median([s for r in stalled for s in r["replication_s"]])),
+            "stall_steps_dropped": max(r["dropped"] for r in stalled),
+            "stall_steps_saved": max(r["saves"] for r in stalled)}
     # replication: from rank r's commit of a step to the last of its holders' replication of that step
     delays = []
     for rank, rec in enumerate(trained):
@@ -500,7 +506,8 @@ def print_table(r: dict[str, Any]) -> None:
           f"save had committed; {r['local_saves_behind_previous']} saves waited for it; first {r['local_first_save_s']} s), staged "
           f"{r['local_staged_s']} s, committed {r['local_committed_s']} s; step {r['step_s_without_saves']} -> "
           f"{r['step_s_with_local_saves']} s ({r['step_overhead']}); the last rank to call save() "
-          f"{r['local_save_stall_last_rank_s']} s")
+          f"{r['local_save_stall_last_rank_s']} s; {r['stall_steps_dropped']} of {r['stall_steps_saved']} local saves "
+          "dropped before their replication (it was slower than the saves)")
     print(f"while training: a local save commits {r['train_commit_s']} s after save(), its replicas are published "
           f"{r['replication_s']} s after its commit")
     print(f"steps lost (every={r['every']}, save_every={r['save_every']}, crash after step {r['stop']}): "
