@@ -46,6 +46,7 @@ TIMELINE = ".zerostall-timeline"
 
 DROPPED = ".dropped-"
 """The prefix of a copy set aside to be deleted (see :meth:`NodeDirectory.set_aside`)."""
+
 INCOMING = ".incoming-"
 """The prefix of a copy's folder while it arrives from another node, beside the folder it is
 published as (removed at start-up when a crash leaves one)."""

@@ -13,8 +13,8 @@ then restored from other copies, or the root.
 Replication never holds a save back. When it is slower than the local saves, the steps handed
 over and not yet taken up are dropped at the next save (:meth:`drop_waiting`, the one thing
 ``save()`` deletes): this rank's copy is set aside and deleted, so the ranks skip the step, and
-the newest step is replicated next. A node so holds at most ``keep + 2`` steps (the ``keep`` newest, the one
-being replicated, the one being written) however slow replication is.
+the newest step is replicated next. A node so holds at most ``keep + 2`` steps (the ``keep``
+newest, the one being replicated, the one being written) however slow replication is.
 
 Then, in one small all-reduce on the same group, the ranks agree whether every rank saved this
 step, and whether every rank saved and replicated it (the all-reduce itself waits for every rank's
@@ -71,6 +71,7 @@ class _Job:
     step: int
     committed: futures.Future[Any]
     dropped: bool = False  # its copy deleted before the worker took it up (a newer save came first)
+
 
 class Replicator:
     """This rank's background worker of the local tier (see the module's docstring)."""

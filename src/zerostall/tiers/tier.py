@@ -39,6 +39,7 @@ from .transfer import Landed
 
 log = logging.getLogger(__name__)
 
+
 class NodeTier:
     """The local tier of one manager on this rank (see the module's docstring)."""
 
