@@ -416,6 +416,20 @@ def test_last_checkpoint_is_the_newest_committed_last(tmp_path: Path) -> None:
     assert last_checkpoint(tmp_path) == str(tmp_path / "last-v1.ckpt")
     io.save_checkpoint({"global_step": 4}, tmp_path / "final.ckpt")
     assert last_checkpoint(tmp_path, name="final") == str(tmp_path / "final.ckpt")
+    io.save_checkpoint({"global_step": 6}, tmp_path / "last-epoch=2.ckpt")  # CHECKPOINT_NAME_LAST = "last-{epoch}"
+    assert last_checkpoint(tmp_path) == str(tmp_path / "last-epoch=2.ckpt")  # as Lightning's "last" finds it
+
+
+def test_an_asynchronous_first_save_makes_its_folder_before_it_returns(tmp_path: Path) -> None:
+    """``ModelCheckpoint(save_last="link")`` links last.ckpt into the folder of the checkpoint just
+    saved once the save returns (TorchCheckpointIO makes it then); an asynchronous save made it
+    later, in the background, and the first link failed (FileNotFoundError), ending training."""
+    io = ZeroStallCheckpointIO(asynchronous=True)
+    folder = tmp_path / "new" / "checkpoints"
+    io.save_checkpoint({"w": torch.ones(2), "global_step": 2}, folder / "epoch=0-step=2.ckpt")
+    os.symlink("epoch=0-step=2.ckpt", folder / "last.ckpt")  # what Lightning does next, at once
+    io.teardown()
+    assert io.load_checkpoint(folder / "last.ckpt")["global_step"] == 2
 
 
 

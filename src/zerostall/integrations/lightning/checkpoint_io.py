@@ -106,6 +106,8 @@ class ZeroStallCheckpointIO(CheckpointIO):
         self._settle_placing()  # the last save's move out of the staging folder this one may use
         target = _plain(path)
         staged = staging_path(target)
+        if not _is_url(target):  # Lightning links last.ckpt into it once this returns, as TorchCheckpointIO makes it
+            os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
         if not self.options.asynchronous:
             api.save(tree, staged or target, options, **kwargs)
             if staged is not None:
@@ -201,11 +203,13 @@ class ZeroStallCheckpointIO(CheckpointIO):
 
 
 def last_checkpoint(dirpath: Any, name: str = "last") -> str | None:
-    """The newest committed ``last.ckpt`` (or ``last-vN.ckpt``; ``name``: ``ModelCheckpoint``'s
-    ``CHECKPOINT_NAME_LAST``) under ``dirpath``, or None: ``ckpt_path="last"`` for an ``s3://``
-    ``dirpath``, where Lightning's own lookup finds nothing. A save that never committed is skipped."""
-    pattern = re.compile(rf"{re.escape(name)}(-v\d+)?\.ckpt")  # ModelCheckpoint's versions: last-v1.ckpt
-    found = [i for i in CheckpointRoot(storage_for(_plain(dirpath))).checkpoints() if pattern.fullmatch(i.name)]
+    """The newest committed ``last.ckpt`` (``name``: ``ModelCheckpoint``'s ``CHECKPOINT_NAME_LAST``)
+    under ``dirpath``, or None: ``ckpt_path="last"`` for an ``s3://`` ``dirpath``, where Lightning's
+    own lookup finds nothing. Matched as Lightning does: a ``.ckpt`` whose name begins with it
+    (``last-v1.ckpt``, ``last-epoch=3.ckpt``). A save that never committed is skipped."""
+    pattern = re.compile(rf"{re.escape(name)}(-(\d+))?")  # ModelCheckpoint._find_last_checkpoints' rule
+    found = [i for i in CheckpointRoot(storage_for(_plain(dirpath))).checkpoints()
+             if i.name.endswith(".ckpt") and pattern.match(i.name[:-len(".ckpt")])]
     return max(found, key=lambda i: i.created or 0.0).location if found else None
 
 
