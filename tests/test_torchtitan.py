@@ -172,9 +172,10 @@ def test_an_fsdp_sharded_resume_is_bit_exact_on_2_ranks(ranks, tmp_path, async_m
     assert ranks(2).run(resume_bit_exact, str(tmp_path), async_mode, True, timeout=240) == [True, True]
 
 
-def retention(base: str) -> list[list[str]]:
-    """Saves every step with keep_latest_k=2, asynchronously: the two newest stay."""
-    run = Run("ckpt", base, interval=1, keep_latest_k=2, async_mode="async", last_save_model_only=False)
+def retention(base: str, model_only: bool) -> list[list[str]]:
+    """Saves every step with keep_latest_k=2, asynchronously: the two newest stay, and the last
+    step's save (the model alone, with ``model_only``) deletes none, as torchtitan's DCP manager's."""
+    run = Run("ckpt", base, interval=1, keep_latest_k=2, async_mode="async", last_save_model_only=model_only)
     run.steps(1, 5, 5)
     run.ckpt.maybe_wait_for_saving()  # on rank 0, which deletes, retention has run too
     if dist.is_initialized():
@@ -185,9 +186,12 @@ def retention(base: str) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_keep_latest_k_keeps_the_newest_k(ranks, tmp_path, world):
-    kept = [step_tag(4), step_tag(5)]
-    assert ranks(world).run(retention, str(tmp_path), timeout=240) == [[kept, kept]] * world
+@pytest.mark.parametrize("model_only", [False, True])
+def test_keep_latest_k_keeps_the_newest_k(ranks, tmp_path, world, model_only):
+    """The last step's save counted for keep_latest_k: with the model alone saved there, one
+    checkpoint left to resume training from, where torchtitan's own manager leaves k."""
+    kept = [step_tag(3), step_tag(4), step_tag(5)]
+    assert ranks(world).run(retention, str(tmp_path), model_only, timeout=240) == [[kept, kept]] * world
 
 
 def test_an_async_save_is_committed_once_waited_for(tmp_path):

@@ -3,9 +3,10 @@ torchtitan 0.3.0) over zerostall's ``CheckpointManager``, selected by a config's
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import torch
 from torchtitan.components.checkpointer import (DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER, BaseCheckpointManager,
@@ -18,6 +19,7 @@ from ...errors import CheckpointError, CheckpointNotFoundError, UnsupportedValue
 from ...format.layout import RNG_KEY
 from ...manager import CheckpointManager
 from ...options import LoadOptions
+from ...roots.retention import RetentionPolicy
 from ...roots.root import step_tag
 from .hf import export_hf, load_hf
 
@@ -97,27 +99,42 @@ class ZeroStallCheckpointManager(BaseCheckpointManager):
     @torch.no_grad()
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         """Save the training state as step ``curr_step``; the last step, when ``last_save_model_only``,
-        only the model in ``export_dtype`` (and its safetensors, with ``last_save_in_hf``), waited for."""
+        only the model in ``export_dtype`` (and its safetensors, with ``last_save_in_hf``). The last
+        step's save is waited for, and deletes no older checkpoint (``keep_latest_k`` as torchtitan's own)."""
         if not self._should_save(curr_step, last_step):
             return False
-        if last_step and self.config.last_save_model_only:
-            self._save_model_only(curr_step)
+        if last_step:  # as torchtitan's own manager: the last step's save deletes no older checkpoint
+            with self._keeping_all():
+                if self.config.last_save_model_only:
+                    self._save_model_only(curr_step)
+                else:
+                    self.manager.save(curr_step, self.states)
+                self.manager.wait()
+            self.save_future = None
             return True
         handle = self.manager.save(curr_step, self.states)
         if self.config.async_mode == "async":
             self.save_future = handle.committed
-        if last_step:
-            self.maybe_wait_for_saving()
         return True
 
+    @contextlib.contextmanager
+    def _keeping_all(self) -> Iterator[None]:
+        """Retention keeps every checkpoint meanwhile (the rounds of the saves before run first, as
+        they always did; those of the saves inside are waited for inside)."""
+        self.manager.wait()
+        policy, self.manager.policy = self.manager.policy, RetentionPolicy()
+        try:
+            yield
+        finally:
+            self.manager.policy = policy
+
     def _save_model_only(self, step: int) -> None:
-        """The end of training: the model alone, cast, committed before returning; then its safetensors."""
+        """The end of training: the model alone, cast; then its safetensors, once committed."""
         dtype = TORCH_DTYPE_MAP[self.config.export_dtype]
         model = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                  for k, v in self.states[MODEL].state_dict().items()}
         self.manager.save(step, {MODEL: model})
         self.manager.wait()
-        self.save_future = None
         if self.config.last_save_in_hf:
             export_hf(model, self.sd_adapter, filesystem.join(self.hf_folder, f"step-{step}"), self.manager.group)
 
