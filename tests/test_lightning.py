@@ -464,6 +464,29 @@ def test_a_first_save_killed_half_way_leaves_nothing_lightning_would_resume_from
     assert torch.equal(io.load_checkpoint(tmp_path / "last.ckpt")["w"], torch.full((3,), 2.0))
     assert os.listdir(tmp_path) == ["last.ckpt"]
 
+def test_a_last_link_to_an_asynchronous_save_that_never_committed_is_not_passed_over(tmp_path: Path) -> None:
+    """``save_last="link"``, the run killed before the asynchronous save that last.ckpt links to
+    committed: the link pointed at nothing, which Lightning's ``ckpt_path="last"`` passes over (it
+    keeps only paths that exist), so the next run started afresh beside a committed checkpoint. Now
+    it points at the save's folder, and loading it says what to resume from."""
+    script = ("import os, sys, torch, zerostall as zs\n"
+              "from zerostall.integrations.lightning import ZeroStallCheckpointIO\n"
+              "io = ZeroStallCheckpointIO(asynchronous=True)\n"
+              "d = sys.argv[1]\n"
+              "io.save_checkpoint({'w': torch.ones(2), 'global_step': 2}, d + '/epoch=0-step=2.ckpt')\n"
+              "io.wait()\n"
+              "io.save_checkpoint({'w': torch.ones(2), 'global_step': 4}, d + '/epoch=0-step=4.ckpt',\n"
+              "                   storage_options=zs.SaveOptions(before_commit=lambda: os._exit(9)))\n"
+              "os.symlink('epoch=0-step=4.ckpt', d + '/last.ckpt')  # what ModelCheckpoint does once it returns\n"
+              "io.wait()\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], timeout=120)
+    assert done.returncode == 9
+    assert os.path.exists(tmp_path / "last.ckpt")  # Lightning's "last" lookup keeps it
+    with pytest.raises(zs.CheckpointNotFoundError, match=r"epoch=0-step=4.ckpt, which holds no committed checkpoint"
+                       r".*resume from .*epoch=0-step=2.ckpt \(step 2\)"):
+        ZeroStallCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
+
+
 def test_a_last_link_to_a_save_that_never_committed_names_the_checkpoint_to_resume_from(tmp_path: Path) -> None:
     """``save_last="link"`` links last.ckpt to a top-k checkpoint as soon as its asynchronous save
     returns; a run stopped before that save committed left a link to nothing, and resuming from

@@ -113,6 +113,9 @@ class ZeroStallCheckpointIO(CheckpointIO):
             if staged is not None:
                 place(staged, target, options.fsync)
             return
+        if staged is not None and not os.path.lexists(target) and not _looked_up(target):
+            os.mkdir(target)  # Lightning may link last.ckpt to it at once: to a save that has not committed, not to
+            # nothing (a link Lightning's ckpt_path="last" would pass over, starting afresh); moved over at the commit
         if self._saver is None:
             self._saver = AsyncSaver()
         handle = self._saver.save(tree, staged or target, options, **kwargs)
@@ -343,6 +346,12 @@ def _remove(path: str) -> None:
         raise CheckpointError(f"checkpoint {path} was not wholly deleted (its manifest is gone, so it no longer "
                               "loads): delete what is left there by hand")
     log.debug("removed checkpoint %s", path)
+
+
+def _looked_up(path: str) -> bool:
+    """Whether Lightning's lookups (``ckpt_path="last"``, ``hpc_ckpt_``) may take ``path`` (by its
+    name), so that no folder of a save that has not committed may lie there."""
+    return os.path.basename(path).startswith(("last", "hpc_ckpt_"))
 
 
 def _plain(path: Any) -> str:
