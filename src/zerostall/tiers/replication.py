@@ -186,10 +186,7 @@ class Replicator:
         try:
             return self.group.all_reduce_min([int(saved)])[0] == 1
         except RuntimeError as exc:  # what torch.distributed raises for a dead peer or a timeout
-            self.failures += 1
-            log.warning("replicating step %d of rank %d failed (%d so far): %s: %s", step, self.rank, self.failures,
-                        type(exc).__name__, exc)
-            self._break(exc)
+            self._failed(step, exc, broken=True)
             return False
 
     def _replicate(self, step: int) -> bool:
@@ -199,14 +196,18 @@ class Replicator:
             exchange(self.pg, [(dst, own) for dst in self.holders],
                      [(src, self.directory.copy_path(step, src)) for src in self.sources], step=step)
         except Exception as exc:  # never fatal to training: the step still has its own copies
-            self.failures += 1
-            log.warning("replicating step %d of rank %d failed (%d so far): %s: %s", step, self.rank, self.failures,
-                        type(exc).__name__, exc)
-            if isinstance(exc, LinkError):
-                self._break(exc)
+            self._failed(step, exc, broken=isinstance(exc, LinkError))
             return False
         self.replicated.append((step, time.perf_counter() - start))
         return True
+
+    def _failed(self, step: int, exc: BaseException, *, broken: bool) -> None:
+        """Log and count a failed replication of ``step``; ``broken``: it broke the tier's group."""
+        self.failures += 1
+        log.warning("replicating step %d of rank %d failed (%d so far): %s: %s", step, self.rank, self.failures,
+                    type(exc).__name__, exc)
+        if broken:
+            self._break(exc)
 
     def _retire(self, step: int, saved_here: bool, replicated_here: bool) -> None:
         """Delete the steps every rank saved beyond the ``keep`` newest, but never the newest

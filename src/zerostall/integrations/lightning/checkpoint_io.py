@@ -18,7 +18,6 @@ import functools
 import hashlib
 import logging
 import os
-import re
 import shutil
 from concurrent import futures
 from concurrent.futures import Future
@@ -106,16 +105,17 @@ class ZeroStallCheckpointIO(CheckpointIO):
         self._settle_placing()  # the last save's move out of the staging folder this one may use
         target = _plain(path)
         staged = staging_path(target)
-        if not _is_url(target):  # Lightning links last.ckpt into it once this returns, as TorchCheckpointIO makes it
-            os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
         if not self.options.asynchronous:
             api.save(tree, staged or target, options, **kwargs)
             if staged is not None:
                 place(staged, target, options.fsync)
             return
-        if staged is not None and not os.path.lexists(target) and not _looked_up(target):
-            os.mkdir(target)  # Lightning may link last.ckpt to it at once: to a save that has not committed, not to
-            # nothing (a link Lightning's ckpt_path="last" would pass over, starting afresh); moved over at the commit
+        if not _is_url(target):  # Lightning may link last.ckpt into the folder once this returns, as after
+            # TorchCheckpointIO, and to the save's own folder: to a save that has not committed, not to nothing
+            # (which ckpt_path="last" would pass over, starting afresh); the save is moved over it at its commit
+            os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+            if staged is not None and not os.path.lexists(target) and not _looked_up(target):
+                os.mkdir(target)
         if self._saver is None:
             self._saver = AsyncSaver()
         handle = self._saver.save(tree, staged or target, options, **kwargs)
@@ -210,9 +210,8 @@ def last_checkpoint(dirpath: Any, name: str = "last") -> str | None:
     under ``dirpath``, or None: ``ckpt_path="last"`` for an ``s3://`` ``dirpath``, where Lightning's
     own lookup finds nothing. Matched as Lightning does: a ``.ckpt`` whose name begins with it
     (``last-v1.ckpt``, ``last-epoch=3.ckpt``). A save that never committed is skipped."""
-    pattern = re.compile(rf"{re.escape(name)}(-(\d+))?")  # ModelCheckpoint._find_last_checkpoints' rule
     found = [i for i in CheckpointRoot(storage_for(_plain(dirpath))).checkpoints()
-             if i.name.endswith(".ckpt") and pattern.match(i.name[:-len(".ckpt")])]
+             if i.name.endswith(".ckpt") and i.name.startswith(name)]  # ModelCheckpoint._find_last_checkpoints' rule
     return max(found, key=lambda i: i.created or 0.0).location if found else None
 
 

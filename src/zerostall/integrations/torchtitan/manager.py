@@ -109,7 +109,6 @@ class ZeroStallCheckpointManager(BaseCheckpointManager):
                     self._save_model_only(curr_step)
                 else:
                     self.manager.save(curr_step, self.states)
-                self.manager.wait()
             self.save_future = None
             return True
         handle = self.manager.save(curr_step, self.states)
@@ -119,12 +118,13 @@ class ZeroStallCheckpointManager(BaseCheckpointManager):
 
     @contextlib.contextmanager
     def _keeping_all(self) -> Iterator[None]:
-        """Retention keeps every checkpoint meanwhile (the rounds of the saves before run first, as
-        they always did; those of the saves inside are waited for inside)."""
+        """Retention keeps every checkpoint for the saves inside, waited for (the saves before it
+        run their rounds first, as they always did)."""
         self.manager.wait()
         policy, self.manager.policy = self.manager.policy, RetentionPolicy()
         try:
             yield
+            self.manager.wait()
         finally:
             self.manager.policy = policy
 
