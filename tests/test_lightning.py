@@ -464,6 +464,28 @@ def test_a_first_save_killed_half_way_leaves_nothing_lightning_would_resume_from
     assert torch.equal(io.load_checkpoint(tmp_path / "last.ckpt")["w"], torch.full((3,), 2.0))
     assert os.listdir(tmp_path) == ["last.ckpt"]
 
+def test_staging_folders_left_by_killed_saves_are_removed_by_the_next_run(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A top-k save killed before its commit left its hidden staging folder, and top-k names are
+    never saved again: every crash left one (a whole checkpoint's bytes) for good. The next run's
+    first save there removes those; one that committed but was never moved into place is kept, and named."""
+    script = ("import os, sys, torch, zerostall as zs\n"
+              "from zerostall.integrations.lightning import ZeroStallCheckpointIO\n"
+              "io = ZeroStallCheckpointIO(save=zs.SaveOptions(before_commit=lambda: os._exit(9)))\n"
+              "io.save_checkpoint({'w': torch.ones(3)}, sys.argv[1])\n")
+    for name in ("epoch=0-step=5.ckpt", "epoch=1-step=10.ckpt"):  # the second run's save removes the first's
+        done = subprocess.run([sys.executable, "-c", script, str(tmp_path / name)], timeout=120)
+        assert done.returncode == 9
+        assert os.listdir(tmp_path) == [os.path.basename(checkpoint_io.staging_path(str(tmp_path / name)))]
+    unplaced = checkpoint_io.staging_path(str(tmp_path / "epoch=2-step=15.ckpt"))
+    zs.save({"w": torch.zeros(3)}, unplaced)  # committed, the run killed before the move
+    io = ZeroStallCheckpointIO()
+    with caplog.at_level("WARNING", logger=checkpoint_io.__name__):
+        io.save_checkpoint({"w": torch.full((3,), 2.0)}, tmp_path / "epoch=3-step=20.ckpt")
+    assert sorted(os.listdir(tmp_path)) == sorted(["epoch=3-step=20.ckpt", os.path.basename(unplaced)])
+    assert unplaced in caplog.text and zs.verify(unplaced) > 0
+
+
 def test_a_last_link_to_an_asynchronous_save_that_never_committed_is_not_passed_over(tmp_path: Path) -> None:
     """``save_last="link"``, the run killed before the asynchronous save that last.ckpt links to
     committed: the link pointed at nothing, which Lightning's ``ckpt_path="last"`` passes over (it

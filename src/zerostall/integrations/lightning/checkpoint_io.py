@@ -44,6 +44,9 @@ from . import values
 
 log = logging.getLogger(__name__)
 
+STAGING = ".zerostall-staging-"
+"""The name's beginning of the hidden folder a save is written to before it is moved into place."""
+
 
 @dataclass(frozen=True)
 class LightningOptions(_Options):
@@ -89,6 +92,7 @@ class ZeroStallCheckpointIO(CheckpointIO):
         self._pending: SaveHandle | None = None
         self._placing: Future | None = None  # the save in flight's move into place, when it was staged
         self._removals: list[Future] = []
+        self._swept: set[str] = set()  # the folders whose leftover staging folders are gone
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         """Save ``checkpoint`` as the zerostall checkpoint ``path`` (replacing one there once this
@@ -105,6 +109,8 @@ class ZeroStallCheckpointIO(CheckpointIO):
         self._settle_placing()  # the last save's move out of the staging folder this one may use
         target = _plain(path)
         staged = staging_path(target)
+        if staged is not None:
+            self._sweep(os.path.dirname(staged))
         if not self.options.asynchronous:
             api.save(tree, staged or target, options, **kwargs)
             if staged is not None:
@@ -191,6 +197,24 @@ class ZeroStallCheckpointIO(CheckpointIO):
         finally:
             self._settle_removals()
 
+    def _sweep(self, folder: str) -> None:
+        """Once per folder: delete the staging folders that saves killed before their commit left
+        there (top-k names are not saved again, so nothing else would); one that committed but was
+        never moved into place (killed in between) is kept, and named in the log."""
+        if folder in self._swept:
+            return
+        self._swept.add(folder)
+        for name in os.listdir(folder):
+            left = os.path.join(folder, name)
+            if not name.startswith(STAGING) or os.path.islink(left) or not os.path.isdir(left):
+                continue
+            if os.path.isfile(os.path.join(left, MANIFEST_NAME)):
+                log.warning("%s holds a committed checkpoint that was never moved into place (the run stopped "
+                            "between its commit and the move): load it from there, or delete it", left)
+                continue
+            shutil.rmtree(left, ignore_errors=True)
+            log.info("removed %s, left by a save that never committed", left)
+
     def _settle_placing(self) -> None:
         """Wait for the last staged save's move into place; raise if it failed."""
         placing, self._placing = self._placing, None
@@ -247,7 +271,7 @@ def staging_path(path: str, lightnings_dcp: bool = False) -> str | None:
             return None
         _not_foreign(path, lightnings_dcp=lightnings_dcp)
     parent, name = os.path.split(os.path.abspath(path))
-    return os.path.join(parent, f".zerostall-staging-{hashlib.sha256(name.encode()).hexdigest()[:16]}")
+    return os.path.join(parent, f"{STAGING}{hashlib.sha256(name.encode()).hexdigest()[:16]}")
 
 
 def place(staged: str, path: str, fsync: bool, lightnings_dcp: bool = False) -> None:
