@@ -300,9 +300,10 @@ def test_local_tier_options_are_checked_when_built():
 
 
 def test_start_up_removes_other_runs_and_unfinished_copies_and_keeps_committed_ones(tmp_path):
-    """Removed: a run no process holds any more, a copy that never committed, a replica still
-    arriving. Kept: a run still held (another job on the node), and every folder that is not a
-    run's: the whole checkpoint root once went, when it lay in the tier's directory."""
+    """Removed: a copy that never committed, a replica still arriving at start-up; at the first
+    save, a run no process holds any more. Kept: a run still held (another job on the node), and
+    every folder that is not a run's: the whole checkpoint root once went, when it lay in the
+    tier's directory."""
     ended, live = NodeDirectory(str(tmp_path), "run-0"), NodeDirectory(str(tmp_path), "run-live")
     for other in (ended, live):
         other.claim()
@@ -316,10 +317,42 @@ def test_start_up_removes_other_runs_and_unfinished_copies_and_keeps_committed_o
     (d.copy_path(20, 0) / "data-x.safetensors").write_bytes(b"partial")
     os.makedirs(d.step_path(20) / ".incoming-rank_00001-abc")
     d.clean_at_start()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "run-0", "run-1", "run-live"] and d.holdings() == {10: [0]}
+    assert not d.copy_path(20, 0).exists() and not (d.step_path(20) / ".incoming-rank_00001-abc").exists()
+    d.remove_other_runs()
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "run-1", "run-live"]
     assert os.listdir(tmp_path / "ckpt") == ["step_000000030"] and d.holdings() == {10: [0]}
     d.release()
     live.release()
+
+
+def test_two_managers_sharing_a_node_directory_each_restore_their_own_steps_after_a_requeue(tmp_path):
+    """Two managers of one job (two roots) with their local tiers in one directory: at the
+    requeued job's start, the first manager built removed the second's run folder, which no process
+    held yet, and the second started afresh beside its lost steps. Other runs go at the first save."""
+    node = str(tmp_path / "node")
+
+    def job(*steps: int) -> tuple[int | None, int | None]:
+        a, b = {"w": torch.full((100,), 1.0)}, {"ema": torch.full((100,), 2.0)}
+        ma = zs.CheckpointManager(str(tmp_path / "a"), save_every=100, local=LocalTier(node, every=5))
+        mb = zs.CheckpointManager(str(tmp_path / "b"), save_every=100, local=LocalTier(node, every=5))
+        try:
+            got = ma.restore(a), mb.restore(b)
+            for step in steps:  # the local tier only (save() without should_save() writes the root too)
+                assert ma.should_save(step) and mb.should_save(step)
+                ma.save(step, a)
+                mb.save(step, b)
+            return got
+        finally:
+            ma.close()
+            mb.close()
+
+    assert job(5, 10) == (None, None)
+    finished = NodeDirectory(node, "run-finished")  # a finished job's, held by no process
+    finished.claim()
+    finished.release()
+    assert job() == (10, 10) and len(os.listdir(node)) == 3
+    assert job(15) == (10, 10) and len(os.listdir(node)) == 2  # the finished one went at the first save
 
 
 def test_a_copy_dropped_before_replication_is_gone_at_once_and_its_step_can_be_written_anew(tmp_path):

@@ -185,10 +185,9 @@ class NodeDirectory:
         return [step for step, _ in self._steps()]
 
     def clean_at_start(self) -> list[str]:
-        """Remove other runs' folders that no live process holds, copies that never committed and
-        replicas still arriving (a crashed trainer's leftovers); returns what was removed. Run by
-        one rank of the node, once it has claimed the run (:meth:`claim`)."""
-        others = [p for p in _entries(self.top) if p != self.run and _remove_abandoned(p)]
+        """Remove this run's copies that never committed and replicas still arriving (a crashed
+        trainer's leftovers); returns what was removed. Run by one rank of the node, once it has
+        claimed the run (:meth:`claim`)."""
         leftovers = [p for _, folder in self._steps() for p in _entries(folder)
                      if not (_COPY_RE.match(p.name) and (p / MANIFEST_NAME).is_file())]
         leftovers += [p for p in _entries(self.run) if not _STEP_RE.match(p.name) and p.name not in (MARKER, TIMELINE)]
@@ -197,7 +196,16 @@ class NodeDirectory:
         for _, folder in self._steps():
             if not any(_entries(folder)):
                 _remove(folder)
-        removed = others + leftovers
+        return self._said_removed(leftovers)
+
+    def remove_other_runs(self) -> list[str]:
+        """Remove the folders of other runs that no live process holds (a finished or crashed
+        job's); returns what was removed. Run by one rank of the node at the run's first local
+        save, not at start-up: every manager of a requeued job (one per root) claims its run
+        before then, so none takes another's steps, still to be restored, for a finished job's."""
+        return self._said_removed([p for p in _entries(self.top) if p != self.run and _remove_abandoned(p)])
+
+    def _said_removed(self, removed: list[Path]) -> list[str]:
         if removed:
             log.info("local tier %s: removed %s", self.top, ", ".join(str(p.relative_to(self.top)) for p in removed))
         return [str(p) for p in removed]

@@ -195,12 +195,17 @@ class NodeTier:
                         "LocalTier.every to save less often", dropped, self.group.rank, step)
 
     def _check_space(self, nbytes: int) -> None:
-        """Before the first local save: each node needs room for (keep + 2) steps of its copies: the
-        ``keep`` newest, the one being replicated and the one being written."""
+        """Before the first local save: other runs' folders no live process holds are removed (see
+        :meth:`NodeDirectory.remove_other_runs`), then each node needs room for (keep + 2) steps of
+        its copies: the ``keep`` newest, the one being replicated and the one being written."""
         sizes = self.group.all_gather_object(nbytes)
         with self.group.failing_together(f"the local tier in {self.options.directory} has too little space on "
                                          "{failed} other node(s) (their errors give the numbers); nothing was saved"):
             if self.leader:
+                try:
+                    self.directory.remove_other_runs()
+                except OSError as exc:
+                    raise typed_error(exc, f"cannot prepare the local tier in {self.options.directory}") from exc
                 node = self.nodes.index(self.group.rank)
                 held = set(self.nodes.ranks_on(node))
                 for r in list(held):
