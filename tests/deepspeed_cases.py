@@ -7,7 +7,8 @@ tests/deepspeed_train.py uses).
 disk) loaded back at once: a tag saved again and ``latest``, which must be the checkpoints just
 saved; DeepSpeed's positional ``load_checkpoint`` arguments; a tag that reads as a number; and
 ``destroy`` with a save in flight. ``--case unencodable``: a save whose ``client_state`` holds a
-value zerostall cannot encode (only rank 0 writes it), then a step.
+value zerostall cannot encode (only rank 0 writes it), then a step. ``--case bookends``: loads
+inside the caller's ``open``/``close``, and a load after rank 0 failed to update ``latest``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,47 @@ def reload(engine: Any, directory: str) -> dict[str, Any]:
     return seen
 
 
+def bookends(engine: Any, directory: str) -> dict[str, Any]:
+    """``load_checkpoint`` inside the caller's own ``open``/``close``; then, asynchronously, a load
+    after rank 0 failed to point ``latest`` at the save in flight, and the save after it."""
+    import shutil
+
+    from zerostall import CheckpointError
+
+    rank, ours, seen = torch.distributed.get_rank(), engine.checkpoint_engine, {}
+    for step, tag in ((1, "t1"), (2, "t2")):
+        _step(engine, step, rank, 64)
+        engine.save_checkpoint(directory, tag, client_state={"step": step})
+    ours.wait()
+    seen["opened"] = ours.open(directory, "t1")
+    seen["held"] = engine.load_checkpoint(directory)[1]["step"]  # the open one, not the one latest names
+    try:
+        engine.load_checkpoint(directory, "t2")
+    except CheckpointError as exc:
+        seen["other"] = str(exc)
+    seen["still_open"] = ours.session is not None and ours.session.tag
+    ours.close()
+    torch.distributed.barrier()
+    if rank == 0:  # rank 0 cannot replace latest (as on a full or read-only disk)
+        os.unlink(os.path.join(directory, "latest"))
+        os.makedirs(os.path.join(directory, "latest", "in the way"))
+    torch.distributed.barrier()
+    _step(engine, 3, rank, 64)
+    engine.save_checkpoint(directory, "t3", client_state={"step": 3})
+    seen["loaded"] = engine.load_checkpoint(directory, "t3")[1]["step"]
+    _step(engine, 4, rank, 64)
+    try:
+        engine.save_checkpoint(directory, "t4", client_state={"step": 4})
+        ours.wait()
+        seen["next_save"] = "saved"
+    except CheckpointError as exc:
+        seen["next_save"] = str(exc)
+    if rank == 0:
+        shutil.rmtree(os.path.join(directory, "latest"))
+    engine.destroy()
+    return seen
+
+
 class Unencodable:
     """A value of the user's own class in client_state."""
 
@@ -80,7 +122,7 @@ def unencodable(engine: Any, directory: str) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--case", choices=["reload", "unencodable"], required=True)
+    p.add_argument("--case", choices=["reload", "unencodable", "bookends"], required=True)
     p.add_argument("--dir", required=True)
     p.add_argument("--losses", dest="out", required=True)
     args = p.parse_args()
@@ -91,8 +133,8 @@ def main() -> None:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=settings)
     from zerostall.integrations.deepspeed import attach
 
-    attach(engine, asynchronous=args.case == "reload")
-    seen = {"reload": reload, "unencodable": unencodable}[args.case](engine, args.dir)
+    attach(engine, asynchronous=args.case in ("reload", "bookends"))
+    seen = {"reload": reload, "unencodable": unencodable, "bookends": bookends}[args.case](engine, args.dir)
     with open(f"{args.out}.rank{torch.distributed.get_rank()}", "w") as f:
         json.dump(seen, f)
     torch.distributed.barrier()

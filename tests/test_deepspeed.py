@@ -79,6 +79,22 @@ def test_an_asynchronous_save_is_loaded_back_at_once_and_destroy_waits_for_the_o
                               "after_destroy": {"committed": True, "saver_closed": True, "threads": []}}
 
 
+def test_loads_go_through_the_callers_open_session_and_a_failed_latest_never_splits_the_ranks(tmp_path: Path) -> None:
+    """``load_checkpoint`` between the caller's ``open`` and ``close`` was refused ("still open"),
+    so a library staging checkpoints could not hold a session across DeepSpeed's load; and after
+    rank 0 failed to point ``latest`` at the asynchronous save in flight, a load raised on rank 0
+    alone while rank 1 went on into the load's collectives and waited there."""
+    d = tmp_path / "ck"
+    seen = job(tmp_path, "bookends", "--case", "bookends", "--dir", str(d), script=CASES, timeout=180)
+    for rank in (0, 1):
+        assert seen[rank]["opened"] == "t1" and seen[rank]["held"] == 1 and seen[rank]["still_open"] == "t1"
+        assert seen[rank]["other"] == (f"load_checkpoint('{d}', 't2') while checkpoint 't1' of {d} is open: load "
+                                       "that one, or close() it first; nothing was loaded"), seen[rank]
+        assert seen[rank]["loaded"] == 3, seen[rank]
+    assert "committed, but" in seen[0]["next_save"] and "t3" in seen[0]["next_save"], seen[0]
+    assert seen[1]["next_save"].startswith(f"checkpoint {d}/t4 was not saved on any rank"), seen[1]
+
+
 def test_a_value_that_cannot_be_encoded_fails_the_save_on_every_rank(tmp_path: Path) -> None:
     """Only rank 0 writes the model file, with client_state: it raised alone, and rank 1 waited in
     the save's collectives (a hang)."""

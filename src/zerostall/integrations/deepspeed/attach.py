@@ -93,16 +93,19 @@ def _load_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any
     """DeepSpeed's ``load_checkpoint`` (its arguments), once the asynchronous save in flight has
     committed (it may be the checkpoint asked for, and the load overwrites what it captures), between
     ``open`` and ``close``: swap files restored in place first (DeepSpeed then resets its swap buffers
-    from them), every file read through the session. A checkpoint of DeepSpeed's own engine is
-    loaded by that engine (see :func:`_load_deepspeeds_own`)."""
+    from them), every file read through the session. A session the caller opened is used, and left
+    open. A checkpoint of DeepSpeed's own engine is loaded by that engine (see :func:`_load_deepspeeds_own`)."""
     kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                   load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                   custom_load_fn=custom_load_fn)
-    ours.wait()
-    own = ours.deepspeeds_own(load_dir, None if tag is None else str(tag))
-    if own is not None:
+    ours.settle()
+    held = ours.session
+    if held is not None:
+        opened: str | None = _held(held.load_dir, held.tag, load_dir, tag)
+    elif (own := ours.deepspeeds_own(load_dir, None if tag is None else str(tag))) is not None:
         return _load_deepspeeds_own(engine, ours, original, load_dir, own, **kwargs)
-    opened = ours.open(load_dir, None if tag is None else str(tag))
+    else:
+        opened = ours.open(load_dir, None if tag is None else str(tag))
     if opened is None:
         return None, None
     try:
@@ -118,7 +121,17 @@ def _load_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any
             path = os.path.join(load_dir, opened, os.path.relpath(path, session.directory))
         return path, client_state
     finally:
-        ours.close()
+        if held is None:
+            ours.close()
+
+
+def _held(held_dir: str, held_tag: str, load_dir: str, tag: Any) -> str:
+    """The tag of the session the caller opened, when ``load_checkpoint(load_dir, tag)`` asks for
+    it (``tag`` None or ``"latest"``: whatever was opened); else a :class:`CheckpointError` naming both."""
+    if os.path.abspath(os.fspath(load_dir)) == os.path.abspath(held_dir) and tag in (None, "latest", held_tag):
+        return held_tag
+    raise CheckpointError(f"load_checkpoint({os.fspath(load_dir)!r}, {tag!r}) while checkpoint {held_tag!r} of "
+                          f"{held_dir} is open: load that one, or close() it first; nothing was loaded")
 
 
 def _load_opened(engine: Any, ours: ZeroStallCheckpointEngine, original: Any, load_dir: str, opened: str,

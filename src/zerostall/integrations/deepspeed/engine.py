@@ -234,6 +234,15 @@ class ZeroStallCheckpointEngine(CheckpointEngine):
         if failure is not None:
             raise failure
 
+    def settle(self) -> None:
+        """Before a load (collective): wait for the asynchronous save in flight to commit; its
+        failure fails the load on every rank. Rank 0's failure to point ``latest`` at it is left
+        for the next save to raise on every rank (that checkpoint committed: it loads by its tag)."""
+        with self.group.failing_together("the asynchronous save before this load failed on {failed} other rank(s) "
+                                         "(their errors say why); nothing was loaded"):
+            if self.saver is not None:
+                self.saver.wait()
+
     def cleanup(self) -> None:
         """Finish the save in flight and free the saver's buffers."""
         try:
