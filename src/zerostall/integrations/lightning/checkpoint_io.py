@@ -204,7 +204,11 @@ class ZeroStallCheckpointIO(CheckpointIO):
         if folder in self._swept:
             return
         self._swept.add(folder)
-        for name in os.listdir(folder):
+        try:
+            names = os.listdir(folder)
+        except (FileNotFoundError, NotADirectoryError):  # not made yet: nothing left there
+            return
+        for name in names:
             left = os.path.join(folder, name)
             if not name.startswith(STAGING) or os.path.islink(left) or not os.path.isdir(left):
                 continue
