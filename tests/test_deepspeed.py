@@ -95,6 +95,18 @@ def test_loads_go_through_the_callers_open_session_and_a_failed_latest_never_spl
     assert seen[1]["next_save"].startswith(f"checkpoint {d}/t4 was not saved on any rank"), seen[1]
 
 
+def test_a_load_inside_an_open_session_takes_the_tag_as_open_does() -> None:
+    """A tag given as a number (``save_checkpoint(d, 100)``) is opened as "100": a load of 100 inside
+    that session was refused as another tag."""
+    from zerostall.integrations.deepspeed.attach import _held
+
+    for tag in (None, "latest", "100", 100):
+        assert _held("/ck", "100", "/ck/", tag) == "100"
+    for load_dir, tag in (("/ck", "101"), ("/other", None)):
+        with pytest.raises(zs.CheckpointError, match="while checkpoint '100' of /ck is open"):
+            _held("/ck", "100", load_dir, tag)
+
+
 def test_a_value_that_cannot_be_encoded_fails_the_save_on_every_rank(tmp_path: Path) -> None:
     """Only rank 0 writes the model file, with client_state: it raised alone, and rank 1 waited in
     the save's collectives (a hang)."""

@@ -128,8 +128,9 @@ def _load_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any
 def _held(held_dir: str, held_tag: str, load_dir: str, tag: Any) -> str:
     """The tag of the session the caller opened, when ``load_checkpoint(load_dir, tag)`` asks for
     it (``tag`` None or ``"latest"``: whatever was opened); else a :class:`CheckpointError` naming both."""
-    if os.path.abspath(os.fspath(load_dir)) == os.path.abspath(held_dir) and tag in (None, "latest", held_tag):
-        return held_tag
+    if os.path.abspath(os.fspath(load_dir)) == os.path.abspath(held_dir) and (tag is None
+                                                                               or str(tag) in ("latest", held_tag)):
+        return held_tag  # a tag DeepSpeed is given as a number is its name as text, as open() takes it
     raise CheckpointError(f"load_checkpoint({os.fspath(load_dir)!r}, {tag!r}) while checkpoint {held_tag!r} of "
                           f"{held_dir} is open: load that one, or close() it first; nothing was loaded")
 
