@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 def config(args: argparse.Namespace) -> dict:
     zero: dict = {"stage": args.stage}
-    if args.stage == 3:
+    if args.stage == 3 and not args.persist_small:
         zero["stage3_param_persistence_threshold"] = 0  # every parameter partitioned (and swapped, with nvme)
     param, optimizer = args.offload.split("/")
     if param != "none":
@@ -65,6 +65,8 @@ def main() -> None:
                    help="resume the module alone through a custom_load_fn that loads its first layer only")
     p.add_argument("--engine", choices=["zerostall", "deepspeed"], default="zerostall")
     p.add_argument("--asynchronous", action="store_true")
+    p.add_argument("--persist-small", action="store_true",
+                   help="ZeRO-3's default persistence threshold: small parameters (the biases) whole on every rank")
     p.add_argument("--allow-pickle", action="store_true")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--losses", required=True)

@@ -240,6 +240,16 @@ def test_asynchronous_saves_resume_exactly_and_open_resolves_tags(tmp_path: Path
         assert "step999" in seen["missing"] and "step2" in seen["missing"]
 
 
+def test_zero3_keeping_small_parameters_whole_resumes_exactly_from_an_asynchronous_save(tmp_path: Path) -> None:
+    """ZeRO-3's default persistence threshold keeps the biases whole on every rank; DeepSpeed
+    gathers and re-partitions them around a save, between the capture and the deferred write."""
+    common = ["--stage", "3", "--persist-small", "--dir", str(tmp_path / "ck"), "--asynchronous", "--save-at", "3"]
+    first = job(tmp_path, "first", *common, "--kill-at", "6", expect_kill=True)
+    resumed = job(tmp_path, "resumed", *common, "--resume")
+    assert resumed[0]["resumed_from"] == 3
+    assert losses(resumed, range(4, 7)) == losses(first, range(4, 7))
+
+
 # -- the engine in this process ----------------------------------------------------------------------
 def save_tag(ours: ZeroStallCheckpointEngine, save_dir: Path, tag: str, files: dict, *, step: int = 1,
              save_latest: bool = True) -> None:
