@@ -259,3 +259,53 @@ def test_a_checkpoint_of_another_world_size_names_the_call_that_restores_it(rank
     assert torch.equal(target["dataloader"]["pos"], torch.zeros(N))  # this rank's own, not another rank's
     assert "its per-rank state (the RNG states, 'dataloader') is not restored, each rank keeps its own" in caplog.text
     assert "load with strict=False" not in caplog.text  # the call that works was made: no advice to make it
+
+
+class Position:
+    """A per-rank object restored through its own ``load_state_dict`` (a sampler's position)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def state_dict(self) -> dict:
+        return {"at": self.at}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.at = sd["at"]
+
+
+def loader_state(step: int) -> dict:
+    rank = dist.get_rank()
+    return {"w": torch.full((N,), float(step)),
+            "dataloader": {"pos": torch.full((N,), 100.0 * step + rank), "epoch": step, "order": Position(step),
+                           "seen": (step, [step])}}
+
+
+def save_loader_steps(root: str, steps: list[int]) -> None:
+    with zs.CheckpointManager(root, fsync=False) as mgr:
+        for step in steps:
+            mgr.save(step, loader_state(step))
+
+
+def restore_non_strict(root: str) -> tuple:
+    target = loader_state(0)
+    with zs.CheckpointManager(root) as mgr:
+        step = mgr.restore(target, strict=False)
+    loader = target["dataloader"]
+    return (step, [t for t, _ in mgr.last_restore.fallbacks], target["w"][0].item(), loader["pos"][0].item(),
+            loader["epoch"], loader["order"].at, loader["seen"])
+
+
+def test_a_fallback_to_another_world_size_leaves_per_rank_state_as_given_not_as_the_failed_attempt_left_it(
+        ranks, tmp_path):
+    """Step 2 (2 ranks) loaded on rank 0 and failed its checksum on rank 1; both fell back to step 1,
+    saved by 1 rank, whose per-rank state a non-strict restore leaves as it is: rank 0 kept step 2's
+    loader position, epoch and sampler beside step 1's weights."""
+    root = str(tmp_path / "root")
+    ranks(1).run(save_loader_steps, root, [1])
+    pool = ranks(2)
+    pool.run(save_loader_steps, root, [2])
+    file, offset = data_file_of(root, step_tag(2), "dataloader.pos@rank1")
+    flip(file, offset + 5)
+    for rank, got in enumerate(pool.run(restore_non_strict, root)):
+        assert got == (1, [step_tag(2)], 1.0, float(rank), 0, 0, (0, [0])), (rank, got)

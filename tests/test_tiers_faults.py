@@ -507,3 +507,40 @@ def test_a_step_damaged_in_the_root_and_the_local_tier_falls_back_to_the_tiers_o
     with manager() as mgr:
         assert mgr.restore(state) == 35 and float(state["w"][0]) == 35.0
         assert mgr.last_restore.source == "local" and len(mgr.last_restore.fallbacks) == 2
+
+
+def loader_run(base: str, phase: str) -> Any:
+    """Phase "one": 1 rank saves root step 12. "two": 2 ranks (nodes a, b) resume from it (another
+    world size) and save local steps 15 and 20. "restore": fresh state, restored non-strict."""
+    rank = dist.get_rank()
+    os.environ["ZEROSTALL_NODE_ID"] = "ab"[rank]
+    state = {"w": torch.zeros(1000), "dataloader": {"pos": 0, "seen": torch.zeros(4)}}
+    tier = zs.LocalTier(os.path.join(base, "node-" + "ab"[rank]), every=5, keep=2, replicas=2, timeout_s=30)
+    with zs.CheckpointManager(os.path.join(base, "root"), save_every=12, local=tier, fsync=False) as mgr:
+        start = 0 if phase == "one" else mgr.restore(state, strict=False)
+        for step in range(start + 1, {"one": 13, "two": 21, "restore": 0}[phase]):
+            mgr.wait_staged()
+            state["w"] += 1
+            state["dataloader"]["pos"] = 1000 * (rank + 1) + step
+            state["dataloader"]["seen"] += 1
+            if mgr.should_save(step):
+                mgr.save(step, state)
+        return start, [tag for tag, _ in mgr.last_restore.fallbacks], state["w"][0].item(), \
+            state["dataloader"]["pos"], state["dataloader"]["seen"][0].item()
+
+
+def test_a_fallback_from_the_tiers_to_a_root_checkpoint_of_another_world_size_leaves_per_rank_state_as_given(
+        ranks, tmp_path):
+    """Rank 0 loaded its per-rank state of local step 20 (then 15) in place; every copy of rank 1's was
+    damaged, so both fell back to root step 12, saved by 1 rank, which leaves per-rank state as it is:
+    rank 0 kept step 15's loader position beside step 12's weights."""
+    base = str(tmp_path)
+    ranks(1).run(loader_run, base, "one")
+    pool = ranks(2)
+    assert [got[0] for got in pool.run(loader_run, base, "two")] == [12, 12]
+    for node in "ab":  # rank 1's copies, own and replica, of every step
+        for folder, _, files in os.walk(os.path.join(base, "node-" + node)):
+            if os.path.basename(folder) == "rank_00001" and "manifest.json" in files:
+                _flip_a_data_byte(folder)
+    for got in pool.run(loader_run, base, "restore"):
+        assert got[0] == 12 and len(got[1]) == 4 and got[2:] == (12.0, 0, 0.0), got

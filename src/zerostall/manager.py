@@ -18,7 +18,6 @@ import os
 import sys
 import weakref
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .collectives import Group
@@ -32,7 +31,7 @@ from .roots import forking, resaving
 from .roots.increments import Increments
 from .roots.lease import DEFAULT_TTL, WriterLease, take_root
 from .roots.loaders import LoaderGuard
-from .roots.restore import NOTHING, RestoreInfo, newest_first, other_world, restore_first_whole
+from .roots.restore import NOTHING, PerRankCopy, RestoreInfo, newest_first, other_world, restore_first_whole
 from .roots.retention import CheckpointRecord, RetentionPolicy, checked_metrics, policy_of, split_shorthand
 from .roots.root import LATEST_NAME, CheckpointRoot, checkpoint_name, retained, step_tag, tag_step, validate_tag
 from .roots.schedule import SaveSchedule
@@ -76,9 +75,9 @@ class CheckpointManager:
         self.schedule = SaveSchedule(self.group, save_every, save_interval_s)
         self.saver = AsyncSaver() if async_save else None
         self._pinned: set[int] = set()
-        self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerostall-retention")
-        self._pending_delete: Future[None] | None = None
-        self._committing: Future[None] | None = None
+        self._deleter = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerostall-retention")
+        self._pending_delete: futures.Future[None] | None = None
+        self._committing: futures.Future[None] | None = None
         self.lease: WriterLease | None = None
         self.last_restore: RestoreInfo = NOTHING
         """What the last :meth:`restore` restored: step, source(s), checkpoints passed over as damaged."""
@@ -173,7 +172,7 @@ class CheckpointManager:
             raise
         assert handle is not None
         self._sharing = handle if shared is not None else None
-        self._committing = committing = Future()
+        self._committing = committing = futures.Future()
         handle.committed.add_done_callback(
             OneShot(functools.partial(self._committed_async, tag=tag, step=step, committing=committing)))
         return handle
@@ -212,7 +211,7 @@ class CheckpointManager:
             SavePlanner.refuse(self.group)
             raise
 
-    def _committed_async(self, fut: Future, tag: str, step: int, committing: Future) -> None:
+    def _committed_async(self, fut: futures.Future, tag: str, step: int, committing: futures.Future) -> None:
         """Runs when an asynchronous save is done: commit it (latest, retention) if it succeeded."""
         try:
             self._pinned.discard(step)
@@ -251,9 +250,8 @@ class CheckpointManager:
 
     def open(self, tag: str | int | None = None, **overrides: Any) -> Checkpoint | None:
         """Open ``tag`` (``None``/``"latest"``: the newest committed; a step: its) on every rank: rank 0 resolves,
-        everyone opens the same one. ``None`` when nothing was committed yet; a named tag that
-        does not exist raises :class:`CheckpointNotFoundError`. Close it (or use ``with``).
-        Keywords override fields of the manager's ``load_options``."""
+        everyone opens the same one. ``None`` when nothing was committed yet; a named tag that does not exist
+        raises :class:`CheckpointNotFoundError`. Close it (or use ``with``). Keywords override ``load_options``."""
         resolved = json.loads(self.group.agree(lambda: json.dumps(self.latest() if tag in (None, "latest")
                                                                   else checkpoint_name(tag)).encode()))
         if resolved is None:
@@ -292,8 +290,9 @@ class CheckpointManager:
             if not tiers:
                 raise
             candidates, unreachable = [], exc
-        root = functools.partial(restore_first_whole, self.group, self.checkpoint_root,
-                                 attempt=functools.partial(self._load, state, options), fallback=fallback, named=named,
+        kept = None if options.strict else PerRankCopy(self._wrap(state))  # what an attempt may leave as it is
+        root = functools.partial(restore_first_whole, self.group, self.checkpoint_root, fallback=fallback, named=named,
+                                 attempt=functools.partial(self._load, state, options, kept),
                                  record=functools.partial(setattr, self, "last_restore"))
         if self.tier is not None and tiers:  # the newest step of the root and the tiers together (and what they hold)
             info, loaded, seen = self.tier.restore(self._wrap(state), options, candidates, unreachable,
@@ -318,9 +317,11 @@ class CheckpointManager:
             self._pinned.add(step)
         return step
 
-    def _load(self, state: Any, options: LoadOptions, tag: str) -> tuple[int | None, dict[str, Any]]:
-        """Load checkpoint ``tag`` into the tensors of ``state``; returns its step and the loaded
-        state, which :meth:`restore` puts in place once every rank has loaded it."""
+    def _load(self, state: Any, options: LoadOptions, kept: PerRankCopy | None, tag: str) -> tuple[int | None, Any]:
+        """Load checkpoint ``tag`` into the tensors of ``state`` (``kept``'s per-rank state put back
+        first); returns its step and the loaded state, which :meth:`restore` puts in place."""
+        if kept is not None:
+            kept.put_back(state)
         with self._checkpoint(tag, options) as ck:
             wrapped = self._wrap(state)
             if ck.manifest.world_size != self.group.size:  # per-rank state cannot go to ranks one to one
@@ -346,7 +347,7 @@ class CheckpointManager:
         if self.lease is not None:
             self.lease.fence()()
 
-    def _apply_retention(self, earlier: Future[None] | None) -> None:
+    def _apply_retention(self, earlier: futures.Future[None] | None) -> None:
         """One round; an ``earlier`` round's failure (it is done: one thread runs them) is raised after it."""
         self._still_the_writer()
         kept = retained(self.checkpoint_root.checkpoints(), self.policy, self.increments.pinned(self._pinned))
@@ -357,8 +358,7 @@ class CheckpointManager:
             raise failed
 
     def wait_staged(self) -> None:
-        """Block until the asynchronous save in flight (if any) has captured the state: call it before changing
-        the state (the optimizer step). A no-op with synchronous saves."""
+        """Block until the save in flight (if any) has captured the state: call it before changing the state."""
         if self.tier is not None:
             self.tier.wait_staged()
         if self.saver is not None:

@@ -9,13 +9,17 @@ resume an older step.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
+
+import torch
 
 from ..collectives import Group
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from ..format.layout import RNG_KEY
+from ..state import RankLocal, flatten, rebuild
 from .described import DAMAGE
 from .root import CheckpointRoot, tag_step
 
@@ -197,3 +201,27 @@ def other_world(where: str, saved: int, group: Group, strict: bool, asked: list[
                                  "and leaves each rank's per-rank state as it is")
     log.log(logging.WARNING if group.is_coordinator else logging.DEBUG, "%s was saved by %d rank(s) and is restored "
             "on %d: its per-rank state (%s) is not restored, each rank keeps its own", where, saved, group.size, what)
+
+
+class PerRankCopy:
+    """The per-rank parts of a wrapped state (:class:`RankLocal` values; the RNG states aside, which
+    a restore sets from what it loaded) as a non-strict restore was given them. An attempt that
+    failed on another rank may have loaded its per-rank values in place here; a checkpoint of
+    another world size leaves per-rank state as it is, so each attempt puts them back first."""
+
+    def __init__(self, wrapped: dict[str, Any]) -> None:
+        self.parts = {k: v for k, v in wrapped.items() if isinstance(v, RankLocal) and k != RNG_KEY}
+        self.flat = flatten(self.parts)  # stateful objects by their state dicts, as a load sees them
+        self.saved = {path: leaf.detach().clone() if isinstance(leaf, torch.Tensor) else copy.deepcopy(leaf)
+                      for path, leaf in self.flat.leaves.items()}
+
+    def put_back(self, state: dict[str, Any]) -> None:
+        """Make ``state``'s per-rank parts what they were when this copy was taken, in place."""
+        with torch.no_grad():
+            for path, leaf in self.flat.leaves.items():
+                if isinstance(leaf, torch.Tensor):
+                    leaf.copy_(self.saved[path])
+        rebuild(self.parts, self.flat, {path: copy.deepcopy(value) for path, value in self.saved.items()
+                                        if not isinstance(value, torch.Tensor)})
+        for key, part in self.parts.items():  # a tuple is rebuilt, not refilled
+            state[key] = part if isinstance(state[key], RankLocal) else part.value
