@@ -45,7 +45,7 @@ ORDER = [
     # integrations/: adapters for the frameworks users train with, over the public API
     "integrations.deepspeed.values", "integrations.deepspeed.space", "integrations.deepspeed.swap", "integrations.deepspeed.tags", "integrations.deepspeed.engine",
     "integrations.deepspeed.consolidate", "integrations.deepspeed.attach", "integrations.deepspeed",
-    "integrations.lightning.values", "integrations.lightning.checkpoint_io",
+    "integrations.lightning.values", "integrations.lightning.staging", "integrations.lightning.checkpoint_io",
     "integrations.lightning.model_parallel", "integrations.lightning",
     "integrations.torchtitan.hf", "integrations.torchtitan.manager", "integrations.torchtitan", "integrations",
     "cli.common", "cli.listing", "cli.inspecting", "cli.comparing", "cli.copying", "cli.exporting", "cli.importing",

@@ -33,7 +33,7 @@ from zerostall.errors import CheckpointError, CorruptCheckpointError, Unsupporte
 from zerostall.format.layout import MANIFEST_NAME  # noqa: E402
 from zerostall.integrations.lightning import (LightningOptions, ZeroStallCheckpointIO,  # noqa: E402
                                              ZeroStallModelParallelStrategy, last_checkpoint)
-from zerostall.integrations.lightning import checkpoint_io, values  # noqa: E402
+from zerostall.integrations.lightning import checkpoint_io, staging, values  # noqa: E402
 from zerostall.saving import asynchronous  # noqa: E402
 from zerostall.storage import storage_for  # noqa: E402
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
@@ -440,7 +440,7 @@ def test_a_save_over_lightnings_own_file_replaces_it(tmp_path: Path, monkeypatch
     its first save over it failed ("Not a directory"): training died. (``exchange=False``: a file
     system without an atomic exchange.)"""
     if not exchange:
-        monkeypatch.setattr(checkpoint_io, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(staging, "_exchange", lambda a, b: False)
     TorchCheckpointIO().save_checkpoint({"w": torch.zeros(3)}, tmp_path / "last.ckpt")
     io = ZeroStallCheckpointIO(asynchronous=asynchronous)
     io.save_checkpoint({"w": torch.ones(3), "global_step": 7}, tmp_path / "last.ckpt")
@@ -464,6 +464,7 @@ def test_a_first_save_killed_half_way_leaves_nothing_lightning_would_resume_from
     assert torch.equal(io.load_checkpoint(tmp_path / "last.ckpt")["w"], torch.full((3,), 2.0))
     assert os.listdir(tmp_path) == ["last.ckpt"]
 
+
 def test_staging_folders_left_by_killed_saves_are_removed_by_the_next_run(tmp_path: Path,
                                                                           caplog: pytest.LogCaptureFixture) -> None:
     """A top-k save killed before its commit left its hidden staging folder, and top-k names are
@@ -476,14 +477,58 @@ def test_staging_folders_left_by_killed_saves_are_removed_by_the_next_run(tmp_pa
     for name in ("epoch=0-step=5.ckpt", "epoch=1-step=10.ckpt"):  # the second run's save removes the first's
         done = subprocess.run([sys.executable, "-c", script, str(tmp_path / name)], timeout=120)
         assert done.returncode == 9
-        assert os.listdir(tmp_path) == [os.path.basename(checkpoint_io.staging_path(str(tmp_path / name)))]
-    unplaced = checkpoint_io.staging_path(str(tmp_path / "epoch=2-step=15.ckpt"))
+        assert os.listdir(tmp_path) == [os.path.basename(staging.staging_path(str(tmp_path / name)))]
+    unplaced = staging.staging_path(str(tmp_path / "epoch=2-step=15.ckpt"))
     zs.save({"w": torch.zeros(3)}, unplaced)  # committed, the run killed before the move
     io = ZeroStallCheckpointIO()
-    with caplog.at_level("WARNING", logger=checkpoint_io.__name__):
+    with caplog.at_level("WARNING", logger=staging.__name__):
         io.save_checkpoint({"w": torch.full((3,), 2.0)}, tmp_path / "epoch=3-step=20.ckpt")
     assert sorted(os.listdir(tmp_path)) == sorted(["epoch=3-step=20.ckpt", os.path.basename(unplaced)])
     assert unplaced in caplog.text and zs.verify(unplaced) > 0
+
+
+KILLED_BEFORE_COMMIT = ("import os, sys, torch, zerostall as zs\n"
+                        "from zerostall.integrations.lightning import ZeroStallCheckpointIO\n"
+                        "io = ZeroStallCheckpointIO(asynchronous=sys.argv[2] == 'async',\n"
+                        "                           save=zs.SaveOptions(before_commit=lambda: os._exit(9)))\n"
+                        "io.save_checkpoint({'w': torch.ones(3)}, sys.argv[1])\n"
+                        "io.wait()\n")
+
+
+def test_an_asynchronous_save_killed_before_its_commit_leaves_nothing_after_the_next_runs_first_save(
+        tmp_path: Path) -> None:
+    """The folder an asynchronous save makes at its name before it returns (for a link Lightning may
+    make to it) stayed empty for good when the run was killed before the commit."""
+    done = subprocess.run([sys.executable, "-c", KILLED_BEFORE_COMMIT, str(tmp_path / "epoch=1-step=8.ckpt"), "async"],
+                          timeout=120)
+    assert done.returncode == 9
+    staged = os.path.basename(staging.staging_path(str(tmp_path / "epoch=1-step=8.ckpt")))
+    assert sorted(os.listdir(tmp_path)) == sorted(["epoch=1-step=8.ckpt", staged])
+    ZeroStallCheckpointIO(asynchronous=True).save_checkpoint({"w": torch.zeros(3)}, tmp_path / "epoch=2-step=12.ckpt")
+    assert os.listdir(tmp_path) == ["epoch=2-step=12.ckpt"]
+
+
+def test_an_empty_stand_in_under_another_last_name_names_the_checkpoint_to_resume_from(tmp_path: Path) -> None:
+    """``ModelCheckpoint.CHECKPOINT_NAME_LAST = "latest"``: the killed asynchronous save's empty
+    folder was what Lightning's lookup found, and loading it said only that no checkpoint was there."""
+    ZeroStallCheckpointIO().save_checkpoint({"w": torch.ones(2), "global_step": 4}, tmp_path / "epoch=0-step=4.ckpt")
+    done = subprocess.run([sys.executable, "-c", KILLED_BEFORE_COMMIT, str(tmp_path / "latest.ckpt"), "async"],
+                          timeout=120)
+    assert done.returncode == 9 and os.listdir(tmp_path / "latest.ckpt") == []
+    with pytest.raises(zs.CheckpointNotFoundError, match=r"latest\.ckpt holds no committed checkpoint.*resume from "
+                                                         r".*epoch=0-step=4\.ckpt \(step 4\)"):
+        ZeroStallCheckpointIO().load_checkpoint(tmp_path / "latest.ckpt")
+
+
+def test_a_model_parallel_run_removes_what_killed_saves_left(tmp_path: Path) -> None:
+    """``ZeroStallModelParallelStrategy`` never swept: a staging folder (a whole checkpoint's
+    bytes) left by a save killed before its commit stayed for good."""
+    (tmp_path / "ck").mkdir()
+    done = subprocess.run([sys.executable, "-c", KILLED_BEFORE_COMMIT, str(tmp_path / "ck" / "epoch=9-step=99.ckpt"),
+                           "sync"], timeout=120)
+    assert done.returncode == 9 and [n for n in os.listdir(tmp_path / "ck") if n.startswith(staging.STAGING)]
+    run = job(tmp_path, "first", "zerostall", 1, "model-parallel", folder="ck")
+    assert not [n for n in run["kept"] if n.startswith(staging.STAGING)] and "last.ckpt" in run["kept"]
 
 
 def test_a_last_link_to_an_asynchronous_save_that_never_committed_is_not_passed_over(tmp_path: Path) -> None:

@@ -6,19 +6,15 @@ rank that resumes, each reading on its own. The path Lightning names (``epoch=0-
 ``last.ckpt``) becomes a checkpoint directory, replaced atomically when saved again. Where no
 committed checkpoint is there yet (a first save; Lightning's own file, from before the plugin), a
 local save is written beside it under a hidden name and moved into place once committed, so that a
-save killed half-way leaves nothing Lightning's lookup of ``"last"`` would pick.
+save killed half-way leaves nothing Lightning's lookup of ``"last"`` would pick (see :mod:`.staging`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import errno
 import functools
-import hashlib
 import logging
 import os
-import shutil
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -38,14 +34,10 @@ from ...roots.root import CheckpointRoot
 from ...saving.asynchronous import AsyncSaver
 from ...saving.handles import OneShot, SaveHandle
 from ...storage import storage_for
-from ...storage.local import fsync_dir
-from ...storage.location import check_location
-from . import values
+from . import staging, values
+from .staging import is_url, place, staging_path
 
 log = logging.getLogger(__name__)
-
-STAGING = ".zerostall-staging-"
-"""The name's beginning of the hidden folder a save is written to before it is moved into place."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +108,7 @@ class ZeroStallCheckpointIO(CheckpointIO):
             if staged is not None:
                 place(staged, target, options.fsync)
             return
-        if not _is_url(target):  # Lightning may link last.ckpt into the folder once this returns, as after
+        if not is_url(target):  # Lightning may link last.ckpt into the folder once this returns, as after
             # TorchCheckpointIO, and to the save's own folder: to a save that has not committed, not to nothing
             # (which ckpt_path="last" would pass over, starting afresh); the save is moved over it at its commit
             os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
@@ -141,13 +133,15 @@ class ZeroStallCheckpointIO(CheckpointIO):
         parameter name (as ``torch.distributed.checkpoint.state_dict`` gives them)."""
         target = _plain(path)
         self.wait()  # a save in flight may be this very checkpoint (or replace Lightning's own file there)
-        if not _is_url(target) and os.path.isfile(target):
+        if not is_url(target) and os.path.isfile(target):
             return TorchCheckpointIO().load_checkpoint(target, map_location, weights_only)
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise TypeError(f"map_location must be None, a torch.device or a device name for a zerostall checkpoint "
                             f"(its tensors load on the CPU and are moved there), not {type(map_location).__name__}")
-        if not _is_url(target) and os.path.islink(target) and not os.path.isfile(os.path.join(target, MANIFEST_NAME)):
-            raise _dangling(target)
+        if not is_url(target) and os.path.isdir(target) and not os.path.isfile(os.path.join(target, MANIFEST_NAME)):
+            raise _dangling(target) if os.path.islink(target) else CheckpointNotFoundError(
+                f"{target} holds no committed checkpoint (a save there did not commit before the run stopped, or it "
+                f"is no checkpoint at all): {resume_instead(target)}")
         options = self.options.load_options(weights_only)
         with Checkpoint(storage_for(target), options, process_group=ALONE) as ck:
             tree = ck.state()
@@ -198,26 +192,10 @@ class ZeroStallCheckpointIO(CheckpointIO):
             self._settle_removals()
 
     def _sweep(self, folder: str) -> None:
-        """Once per folder: delete the staging folders that saves killed before their commit left
-        there (top-k names are not saved again, so nothing else would); one that committed but was
-        never moved into place (killed in between) is kept, and named in the log."""
-        if folder in self._swept:
-            return
-        self._swept.add(folder)
-        try:
-            names = os.listdir(folder)
-        except (FileNotFoundError, NotADirectoryError):  # not made yet: nothing left there
-            return
-        for name in names:
-            left = os.path.join(folder, name)
-            if not name.startswith(STAGING) or os.path.islink(left) or not os.path.isdir(left):
-                continue
-            if os.path.isfile(os.path.join(left, MANIFEST_NAME)):
-                log.warning("%s holds a committed checkpoint that was never moved into place (the run stopped "
-                            "between its commit and the move): load it from there, or delete it", left)
-                continue
-            shutil.rmtree(left, ignore_errors=True)
-            log.info("removed %s, left by a save that never committed", left)
+        """Once per folder: :func:`~.staging.sweep` it."""
+        if folder not in self._swept:
+            self._swept.add(folder)
+            staging.sweep(folder)
 
     def _settle_placing(self) -> None:
         """Wait for the last staged save's move into place; raise if it failed."""
@@ -261,79 +239,6 @@ def resume_instead(path: str) -> str:
             else "none there has committed")
 
 
-def staging_path(path: str, lightnings_dcp: bool = False) -> str | None:
-    """Where a save of ``path`` is written before it is moved there: a hidden folder beside it
-    (a name Lightning's lookups of ``last`` and ``hpc_ckpt_`` never match) while no committed
-    checkpoint is at ``path``, or a link is (``save_last="link"``: the link is replaced, never written
-    through into the checkpoint it names); None (written in place, swapped atomically at its
-    commit) otherwise. A folder at ``path`` holding other files than a save's is refused (unless
-    ``lightnings_dcp`` and it is the sharded checkpoint of Lightning's ``ModelParallelStrategy``)."""
-    if _is_url(path):
-        return None
-    if not os.path.islink(path):
-        if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
-            return None
-        _not_foreign(path, lightnings_dcp=lightnings_dcp)
-    parent, name = os.path.split(os.path.abspath(path))
-    return os.path.join(parent, f"{STAGING}{hashlib.sha256(name.encode()).hexdigest()[:16]}")
-
-
-def place(staged: str, path: str, fsync: bool, lightnings_dcp: bool = False) -> None:
-    """Move the committed checkpoint ``staged`` to ``path``: over Lightning's own file or link
-    there in one atomic exchange where the file system can (else removed first), over a folder
-    whose save never committed (or, ``lightnings_dcp``, Lightning's sharded checkpoint), or into
-    the free name."""
-    if os.path.islink(path) or os.path.isfile(path):
-        if _exchange(staged, path):
-            os.remove(staged)  # what was at path
-        else:
-            os.remove(path)
-            os.rename(staged, path)
-    else:
-        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
-            _not_foreign(path, staged, lightnings_dcp)
-            shutil.rmtree(path)  # a save that never committed (killed half-way), or Lightning's DCP folder
-        os.rename(staged, path)
-    if fsync:
-        fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def _not_foreign(path: str, staged: str | None = None, lightnings_dcp: bool = False) -> None:
-    """Refuse a folder at ``path`` that holds anything but the files of a save that never committed
-    (the user's own folder; Lightning's sharded checkpoint, unless ``lightnings_dcp``): it would be
-    deleted to make room. ``staged``: where this save's committed checkpoint waits meanwhile."""
-    if not os.path.isdir(path) or (lightnings_dcp and _is_lightnings_dcp(path)):
-        return
-    try:
-        check_location(storage_for(path), True, what="save")
-    except CheckpointError as exc:
-        kept = f"; this save's checkpoint is kept in {staged}" if staged else ""
-        raise CheckpointError(f"{path} is a folder that is not a zerostall checkpoint, which a save there would "
-                              f"delete ({exc}){kept}: save under another name") from None
-
-
-def _is_lightnings_dcp(path: str) -> bool:
-    """Whether folder ``path`` is a sharded checkpoint of Lightning's ``ModelParallelStrategy``
-    (DCP's ``.metadata`` and ``*.distcp`` shards, Lightning's ``meta.pt``), and nothing else."""
-    names = os.listdir(path)
-    return ".metadata" in names and all(n in (".metadata", "meta.pt") or n.endswith(".distcp") for n in names)
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swap the entries ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False
-    where the system or file system has no such call."""
-    call = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if call is None:
-        return False
-    at_cwd, exchange = -100, 2
-    if call(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), exchange) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(code, os.strerror(code), b)
-
-
 def _place_after(staged: str, path: str, fsync: bool, placing: Future, committed: Future) -> None:
     """A done-callback of a staged save: move it into place once committed (a failed save is its own to raise)."""
     try:
@@ -361,12 +266,12 @@ def _remove_after(path: str, removal: Future, committed: Future) -> None:
 def _remove(path: str) -> None:
     """Delete checkpoint ``path``: a zerostall checkpoint, or a file (one of ``TorchCheckpointIO``,
     locally or on ``s3://``; a link of ``ModelCheckpoint(save_last="link")``). Already gone is not an error."""
-    if not _is_url(path) and (os.path.islink(path) or os.path.isfile(path)):
+    if not is_url(path) and (os.path.islink(path) or os.path.isfile(path)):
         os.remove(path)
         return
-    parent, name = path.rstrip("/").rsplit("/", 1) if _is_url(path) else os.path.split(os.path.abspath(path))
+    parent, name = path.rstrip("/").rsplit("/", 1) if is_url(path) else os.path.split(os.path.abspath(path))
     root = CheckpointRoot(storage_for(parent))
-    if _is_url(path) and name in root.storage.list():  # an object: Lightning's own file, written through fsspec
+    if is_url(path) and name in root.storage.list():  # an object: Lightning's own file, written through fsspec
         root.storage.delete(name)
         return
     if not root.delete(name):
@@ -377,8 +282,10 @@ def _remove(path: str) -> None:
 
 def _looked_up(path: str) -> bool:
     """Whether Lightning's lookups (``ckpt_path="last"``, ``hpc_ckpt_``) may take ``path`` (by its
-    name), so that no folder of a save that has not committed may lie there."""
-    return os.path.basename(path).startswith(("last", "hpc_ckpt_"))
+    name), so that no folder of a save that has not committed may lie there. (A ``CHECKPOINT_NAME_LAST``
+    of another word is not known here: its stand-in is refused on load, naming what to resume from.)"""
+    name = os.path.basename(path)
+    return "last" in name or name.startswith("hpc_ckpt_")  # Lightning's test for "last": the word in the name
 
 
 def _plain(path: Any) -> str:
@@ -386,6 +293,3 @@ def _plain(path: Any) -> str:
     text = os.fspath(path)
     return text.removeprefix("file://") if text.startswith("file://") else text
 
-
-def _is_url(path: str) -> bool:
-    return "://" in path

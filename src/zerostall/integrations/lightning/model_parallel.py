@@ -25,7 +25,8 @@ from ...format.layout import MANIFEST_NAME
 from ...loading.checkpoint import Checkpoint
 from ...storage import storage_for
 from . import values
-from .checkpoint_io import LightningOptions, ZeroStallCheckpointIO, place, resume_instead, staging_path
+from .checkpoint_io import LightningOptions, ZeroStallCheckpointIO, resume_instead
+from .staging import place, staging_path
 
 
 class ZeroStallModelParallelStrategy(ModelParallelStrategy):
@@ -67,6 +68,8 @@ class ZeroStallModelParallelStrategy(ModelParallelStrategy):
         options = self.options.save_options()
         group = Group(None)
         staged = group.agree(lambda: (staging_path(path, lightnings_dcp=True) or "").encode()).decode() or None
+        if staged is not None:  # what killed saves left beside it, as ZeroStallCheckpointIO sweeps
+            group.agree(lambda: self.checkpoint_io._sweep(os.path.dirname(staged)) or b"")
         api.save(state, staged or path, options, step=step if type(step) is int else None,
                  metadata={values.METADATA_KEY: {"objects": objects, "layout": values.SHARDED}})
         if staged is not None:  # into place once committed, as ZeroStallCheckpointIO does; failing on every rank
