@@ -5,8 +5,10 @@ and a directory each (``ZEROSTALL_NODE_ID``)."""
 from __future__ import annotations
 
 import contextlib
+import shutil
 import logging
 import os
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -544,3 +546,70 @@ def test_a_fallback_from_the_tiers_to_a_root_checkpoint_of_another_world_size_le
                 _flip_a_data_byte(folder)
     for got in pool.run(loader_run, base, "restore"):
         assert got[0] == 12 and len(got[1]) == 4 and got[2:] == (12.0, 0, 0.0), got
+
+
+def saved_at_5_then_restored(base: str, nodes: str, phase: str) -> Any:
+    """Phase "save": step 5 on 2 ranks (nodes ``nodes``), each copy replicated to the other node.
+    "restore": a fresh state restored; the step, sources and this rank's loader position."""
+    rank = dist.get_rank()
+    os.environ["ZEROSTALL_NODE_ID"] = nodes[rank]
+    state = {"w": torch.full((1000,), 5.0 if phase == "save" else 0.0), "dataloader": {"pos": 0}}
+    state["dataloader"]["pos"] = 100 * (rank + 1) if phase == "save" else -1
+    tier = zs.LocalTier(os.path.join(base, "node-" + nodes[rank]), every=5, keep=1, replicas=2, timeout_s=30)
+    with zs.CheckpointManager(os.path.join(base, "root"), save_every=1000, local=tier, fsync=False) as mgr:
+        if phase == "save":
+            assert mgr.should_save(5)
+            mgr.save(5, state)
+            return None
+        return mgr.restore(state), mgr.last_restore.sources, state["dataloader"]["pos"], state["w"][0].item()
+
+
+def _copy_folder(base: str, node: str, rank: int) -> str:
+    run = os.path.join(base, "node-" + node)
+    run = os.path.join(run, os.listdir(run)[0], "step_000000005")
+    return os.path.join(run, f"rank_{rank:05d}")
+
+
+def test_a_replica_killed_between_its_two_renames_is_put_back_at_start_up(ranks, tmp_path):
+    """A replica arriving for a step held already moves the held copy aside, then moves itself in;
+    killed in between, both lay under hidden names, which start-up removed: with node b lost, rank 1's
+    only copies were gone and the restore started afresh."""
+    from zerostall.tiers.local import replaced_path
+
+    pool = ranks(2)
+    pool.run(saved_at_5_then_restored, str(tmp_path), "ab", "save")
+    held = Path(_copy_folder(str(tmp_path), "a", 1))  # rank 1's replica on node a
+    shutil.copytree(held, held.parent / f".incoming-{held.name}-0a1b2c3d")  # the new one, whole, not yet in place
+    os.rename(held, replaced_path(held))  # the old one moved aside: the process died here
+    shutil.rmtree(tmp_path / "node-b")
+    for rank, got in enumerate(pool.run(saved_at_5_then_restored, str(tmp_path), "ac", "restore")):
+        assert got == (5, ("local", "peer"), 100 * (rank + 1), 5.0), got
+
+
+def test_a_copy_moved_into_another_ranks_folder_is_not_restored_as_that_ranks(ranks, tmp_path, caplog):
+    """Rank 0's and rank 1's copies on node a swapped by hand (same shapes: one layout digest): each
+    rank restored the other's data-loader position, silently."""
+    pool = ranks(2)
+    pool.run(saved_at_5_then_restored, str(tmp_path), "ab", "save")
+    zero, one = _copy_folder(str(tmp_path), "a", 0), _copy_folder(str(tmp_path), "a", 1)
+    os.rename(zero, zero + ".x")
+    os.rename(one, zero)
+    os.rename(zero + ".x", one)
+    out = pool.run(saved_at_5_then_restored, str(tmp_path), "ab", "restore")
+    for rank, got in enumerate(out):  # node b's copies: rank 1's own, rank 0's replica
+        assert got[0] == 5 and got[2:] == (100 * (rank + 1), 5.0), got
+    assert out[0][1] == ("peer", "local")
+
+
+def test_a_second_manager_of_a_run_held_by_a_live_one_is_refused(tmp_path):
+    """Two managers given one run_id (two roots) in one node directory: the second took the first's
+    steps for its own (and its retention deleted them)."""
+    tier = zs.LocalTier(str(tmp_path / "node"), every=5, run_id="shared")
+    with zs.CheckpointManager(str(tmp_path / "root-a"), local=tier, fsync=False) as first:
+        first.save(5, single_state(5.0))
+        first.wait()
+        with pytest.raises(zs.CheckpointError, match=r"is held by another live process.*run_id"):
+            zs.CheckpointManager(str(tmp_path / "root-b"), local=tier, fsync=False)
+        first.save(10, single_state(10.0))
+    with zs.CheckpointManager(str(tmp_path / "root-b"), local=tier, fsync=False) as second:  # free once closed
+        assert second.tier is not None

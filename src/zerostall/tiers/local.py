@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InsufficientSpaceError, InvalidPathError
+from ..errors import CheckpointError, InsufficientSpaceError, InvalidPathError
 from ..format.layout import MANIFEST_NAME
 from ..storage.base import free_bytes
 from ..storage.location import within
@@ -50,6 +50,7 @@ DROPPED = ".dropped-"
 INCOMING = ".incoming-"
 """The prefix of a copy's folder while it arrives from another node, beside the folder it is
 published as (removed at start-up when a crash leaves one)."""
+_REPLACED_RE = re.compile(rf"^{re.escape(INCOMING)}(rank_\d{{5,}})-[0-9a-f]+-replaced$")
 
 
 @dataclass(frozen=True)
@@ -120,12 +121,34 @@ class NodeDirectory:
         self._claim: int | None = None  # the locked marker's descriptor, while this process holds the run
 
     def claim(self) -> None:
-        """Make the run's folder and marker, and hold the marker locked (shared) until :meth:`release`:
-        no other run's start-up removes a live run."""
+        """Make the run's folder and marker, and hold the marker locked until :meth:`release`: no
+        other run's start-up removes a live run, and no second live job takes this run's steps."""
         self.run.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.run / MARKER, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException as exc:
+            os.close(fd)
+            if isinstance(exc, BlockingIOError):
+                raise CheckpointError(
+                    f"the local tier's run folder {self.run} is held by another live process: another job given "
+                    "this run id (LocalTier.run_id; by default it comes from the checkpoint root), or a manager of "
+                    "this run not closed yet. Give each job its own run_id, or close the other manager; nothing "
+                    "was saved") from None
+            raise
         self._claim = fd
+
+    def put_back_replaced(self) -> list[str]:
+        """Put back each copy that a replica's arrival moved aside (see ``replaced_path``) when the
+        process died before the new copy took its place; returns those put back."""
+        back = []
+        for _, folder in self._steps():
+            for p in _entries(folder):
+                if (m := _REPLACED_RE.match(p.name)) and (p / MANIFEST_NAME).is_file() \
+                        and not (folder / m.group(1)).exists():
+                    os.rename(p, folder / m.group(1))
+                    back.append(str(folder / m.group(1)))
+        return back
 
     def identity(self) -> tuple[int, int] | None:
         """The run's marker as this process sees it (device, inode), or None where it sees none:
@@ -188,6 +211,9 @@ class NodeDirectory:
         """Remove this run's copies that never committed and replicas still arriving (a crashed
         trainer's leftovers); returns what was removed. Run by one rank of the node, once it has
         claimed the run (:meth:`claim`)."""
+        if back := self.put_back_replaced():
+            log.info("local tier %s: put back %s, moved aside by a replica that never took its place", self.top,
+                     ", ".join(back))
         leftovers = [p for _, folder in self._steps() for p in _entries(folder)
                      if not (_COPY_RE.match(p.name) and (p / MANIFEST_NAME).is_file())]
         leftovers += [p for p in _entries(self.run) if not _STEP_RE.match(p.name) and p.name not in (MARKER, TIMELINE)]
@@ -292,3 +318,9 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def replaced_path(final: Path) -> Path:
+    """Where a copy at ``final`` waits, moved aside, while a replica that arrived takes its place;
+    start-up puts it back if the process died between the two renames."""
+    return final.parent / f"{INCOMING}{final.name}-{secrets.token_hex(4)}-replaced"

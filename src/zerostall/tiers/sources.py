@@ -77,7 +77,12 @@ def report(directory: NodeDirectory, world: int, leader: bool) -> dict[int, dict
                 held.setdefault(step, {})[rank] = UNREADABLE
                 continue
             meta = head.metadata if isinstance(head.metadata, dict) else {}
-            usable = head.world_size == 1 and meta.get("world_size") == world and isinstance(meta.get(LAYOUT_KEY), str)
+            moved = meta.get("rank", rank) != rank  # by hand: never taken for the rank its folder names
+            if moved:
+                log.warning("local tier: %s holds rank %s's copy, not rank %d's: not used",
+                            directory.copy_path(step, rank), meta.get("rank"), rank)
+            usable = not moved and head.world_size == 1 and meta.get("world_size") == world and \
+                isinstance(meta.get(LAYOUT_KEY), str)
             held.setdefault(step, {})[rank] = meta[LAYOUT_KEY] if usable else ""  # "": never this layout's
     return held
 

@@ -48,7 +48,7 @@ from ..loading.verification import ArrivingFile, arriving_files, verify_all
 from ..roots.described import DAMAGE
 from ..storage.base import check_name
 from ..storage.local import LocalStorage, open_regular
-from .local import INCOMING
+from .local import INCOMING, replaced_path
 from .placing import PLACEABLE, Placer, Spans, direct
 from .stream import CHUNK_LIMIT, IN_FLIGHT, LinkError, Plan, Wire, plan_header, receive_header, send_header
 
@@ -370,7 +370,7 @@ def _publish(incoming: Path, final: Path) -> None:
     so ``final`` never holds a mixture of two copies."""
     old = None
     if final.exists():
-        old = final.parent / f"{INCOMING}{final.name}-{secrets.token_hex(4)}-replaced"
+        old = replaced_path(final)
         os.rename(final, old)
     os.rename(incoming, final)
     if old is not None:
