@@ -9,6 +9,7 @@ saved; DeepSpeed's positional ``load_checkpoint`` arguments; a tag that reads as
 ``destroy`` with a save in flight. ``--case unencodable``: a save whose ``client_state`` holds a
 value zerostall cannot encode (only rank 0 writes it), then a step. ``--case bookends``: loads
 inside the caller's ``open``/``close``, and a load after rank 0 failed to update ``latest``.
+``--case damaged``: ZeRO-3 with its small parameters whole on every rank, a load that one rank finds damaged.
 """
 
 from __future__ import annotations
@@ -99,6 +100,37 @@ def bookends(engine: Any, directory: str) -> dict[str, Any]:
     return seen
 
 
+def damaged(engine: Any, directory: str) -> dict[str, Any]:
+    """ZeRO-3 keeping its small parameters whole on every rank (DeepSpeed's default threshold): a
+    load whose optimizer file rank 1 finds damaged, and then a step on both ranks."""
+    import zerostall as zs
+    from zerostall.collectives import ALONE
+
+    rank, seen = torch.distributed.get_rank(), {}
+    _step(engine, 1, rank, 64)
+    engine.save_checkpoint(directory, "t1")
+    seen["persistent"] = len(engine.optimizer.persistent_parameters)
+    if rank == 1:  # one byte of a tensor only rank 1 reads
+        with zs.open(os.path.join(directory, "t1"), process_group=ALONE) as ck:
+            entry = next(e for e in ck.manifest.entries if e.kind == "tensor" and e.nbytes > 0
+                         and str(e.path[0]).startswith("zero_pp_rank_1"))
+            chunk = entry.chunks[0]
+        with open(os.path.join(directory, "t1", chunk.file), "r+b") as f:
+            f.seek(chunk.offset)
+            byte = f.read(1)
+            f.seek(chunk.offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    torch.distributed.barrier()
+    try:
+        engine.load_checkpoint(directory, "t1")
+        seen["load"] = "loaded"
+    except zs.CheckpointError as exc:
+        seen["load"] = f"{type(exc).__name__}: {exc}"
+    seen["loss"] = _step(engine, 2, rank, 64)  # the ranks go on together
+    engine.destroy()
+    return seen
+
+
 class Unencodable:
     """A value of the user's own class in client_state."""
 
@@ -122,19 +154,21 @@ def unencodable(engine: Any, directory: str) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--case", choices=["reload", "unencodable", "bookends"], required=True)
+    p.add_argument("--case", choices=["reload", "unencodable", "bookends", "damaged"], required=True)
     p.add_argument("--dir", required=True)
     p.add_argument("--losses", dest="out", required=True)
     args = p.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
-    settings = config(argparse.Namespace(stage=2, offload="none/none", nvme=""))
+    damage = args.case == "damaged"  # ZeRO-3 at DeepSpeed's default persistence threshold
+    settings = config(argparse.Namespace(stage=3 if damage else 2, offload="none/none", nvme="", persist_small=damage))
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 64))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=settings)
     from zerostall.integrations.deepspeed import attach
 
     attach(engine, asynchronous=args.case in ("reload", "bookends"))
-    seen = {"reload": reload, "unencodable": unencodable, "bookends": bookends}[args.case](engine, args.dir)
+    seen = {"reload": reload, "unencodable": unencodable, "bookends": bookends, "damaged": damaged}[args.case](
+        engine, args.dir)
     with open(f"{args.out}.rank{torch.distributed.get_rank()}", "w") as f:
         json.dump(seen, f)
     torch.distributed.barrier()

@@ -95,6 +95,18 @@ def test_loads_go_through_the_callers_open_session_and_a_failed_latest_never_spl
     assert seen[1]["next_save"].startswith(f"checkpoint {d}/t4 was not saved on any rank"), seen[1]
 
 
+def test_a_zero3_load_one_rank_finds_damaged_fails_on_every_rank_instead_of_hanging(tmp_path: Path) -> None:
+    """With DeepSpeed's default persistence threshold (small parameters whole on every rank), rank 0
+    went on into DeepSpeed's all-gather at the end of its load while rank 1, whose file was damaged,
+    waited in zerostall's agreement: both hung until killed."""
+    seen = job(tmp_path, "damaged", "--case", "damaged", "--dir", str(tmp_path / "ck"), script=CASES, timeout=150)
+    assert seen[0]["persistent"] > 0
+    assert seen[1]["load"].startswith("CorruptCheckpointError: ") and "zero_pp_rank_1" in seen[1]["load"], seen[1]
+    assert seen[0]["load"].startswith("CheckpointError: loading checkpoint t1 from ") and \
+        "failed on 1 other rank(s)" in seen[0]["load"], seen[0]
+    assert all(isinstance(seen[r]["loss"], float) for r in (0, 1))  # and both stepped on together
+
+
 def test_a_load_inside_an_open_session_takes_the_tag_as_open_does() -> None:
     """A tag given as a number (``save_checkpoint(d, 100)``) is opened as "100": a load of 100 inside
     that session was refused as another tag."""
@@ -365,6 +377,21 @@ def test_deepspeeds_own_checkpoint_is_found_through_its_latest_and_a_bad_latest_
         assert ours.deepspeeds_own(str(tmp_path)) is None
     save_tag(ours, tmp_path, "global_step5", {"f.pt": {"x": torch.ones(2)}})  # ours: not DeepSpeed's
     assert ours.deepspeeds_own(str(tmp_path)) is None and ours.deepspeeds_own(str(tmp_path), "global_step5") is None
+    (tmp_path / "epoch 1").mkdir()  # any tag a save takes: DeepSpeed writes and reads latest as the bare name
+    (tmp_path / "epoch 1" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (tmp_path / "latest").write_text("epoch 1")
+    assert ours.deepspeeds_own(str(tmp_path)) == "epoch 1"
+
+
+def test_latest_naming_a_tag_with_spaces_or_signs_opens_that_tag(tmp_path: Path) -> None:
+    """``latest`` held "best loss 0.12", a tag every save takes, and was read as missing: the load
+    opened the newest checkpoint instead (an evaluation snapshot saved with save_latest=False)."""
+    ours = ZeroStallCheckpointEngine()
+    for tag in ("best loss 0.12", "val:0.3@5", "-1"):
+        save_tag(ours, tmp_path, tag, {"f.pt": {"x": torch.zeros(3)}}, step=3)
+        save_tag(ours, tmp_path, "global_step6", {"f.pt": {"x": torch.ones(3)}}, step=6, save_latest=False)
+        assert ours.open(str(tmp_path)) == tag
+        ours.close()
 
 
 def test_zero_to_fp32_reads_through_an_engine_in_the_calling_thread_only_and_may_nest(tmp_path: Path) -> None:

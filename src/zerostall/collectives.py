@@ -91,14 +91,26 @@ class Group:
         return sums
 
     @contextlib.contextmanager
-    def failing_together(self, message: str) -> Iterator[None]:
-        """Run the block on every rank; if it raised on any, raise on all (see :meth:`all_reduce_or_fail`)."""
+    def failing_together(self, message: str, points: int = 1) -> Iterator[Callable[[], None]]:
+        """Run the block on every rank; if it raised on any, raise on all (see :meth:`all_reduce_or_fail`).
+        ``points``: the agreements every rank makes, the last at the block's end; the block calls what
+        this yields at each earlier one, before a collective of its own (which a rank that failed
+        earlier would never join): a failure on any rank by then raises there on every rank."""
+        left = [points]
+
+        def agree(failed: bool = False) -> None:
+            if left[0] > 0:
+                left[0] -= 1
+                self.all_reduce_or_fail([], message, failed=failed)
+
         try:
-            yield
+            yield agree
         except Exception:
-            self.all_reduce_or_fail([], message, failed=True)
+            while left[0]:  # a rank that failed makes every agreement it has not made yet
+                agree(failed=True)
             raise
-        self.all_reduce_or_fail([], message)
+        while left[0]:
+            agree()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's python object (planning metadata only, never tensor data)."""

@@ -30,7 +30,6 @@ from .stale import remove_attempts
 log = logging.getLogger(__name__)
 
 LATEST_NAME = "latest"
-_PLAIN_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")  # a tag as DeepSpeed writes ``latest``: the name alone
 LEASE_NAME = ".writer-lease"
 
 FRAMEWORK_FILES = frozenset({"zero_to_fp32.py"})
@@ -256,8 +255,11 @@ class CheckpointRoot:
             pointer = None  # a plain tag, as DeepSpeed writes it (also one that reads as JSON: 100, true, null)
         if isinstance(pointer, dict):
             return pointer["tag"] if isinstance(pointer.get("tag"), str) else None
-        plain = data.decode("utf-8", "replace").strip()
-        return plain if _PLAIN_TAG.fullmatch(plain) else None
+        plain = data.decode("utf-8", "replace").strip()  # DeepSpeed reads it so: any tag a save takes
+        try:
+            return validate_tag(plain) if plain else None
+        except InvalidPathError:
+            return None
 
     def write_latest(self, tag: str, step: int | None) -> None:
         """Point ``latest`` at ``tag`` (atomically, once it committed); OSError if it cannot be written."""

@@ -111,12 +111,17 @@ def _load_checkpoint(engine: Any, ours: ZeroStallCheckpointEngine, original: Any
     try:
         session = ours.session
         assert session is not None
-        # a load that fails on some ranks fails on all: no rank trains on from a checkpoint the others refused
+        # a load that fails on some ranks fails on all: no rank trains on from a checkpoint the others refused;
+        # under ZeRO-3 also before DeepSpeed's own collective at the end of its load (a rank that failed before it
+        # would never join it)
         with ours.group.failing_together(
                 f"loading checkpoint {opened} from {load_dir} failed on {{failed}} other rank(s) (their errors name "
                 "the file)" + ("; this rank's own tensors may hold what it loaded in place: load another checkpoint "
-                               "before training on" if ours.options.in_place else "")):
-            path, client_state = _load_opened(engine, ours, original, load_dir, opened, session, kwargs)
+                               "before training on" if ours.options.in_place else ""), points=2) as files_read:
+            epilogue = getattr(engine.optimizer, "checkpoint_event_epilogue", None)
+            with (_without(engine.optimizer, "checkpoint_event_epilogue", lambda: (files_read(), epilogue())[1])
+                  if epilogue is not None else contextlib.nullcontext()):
+                path, client_state = _load_opened(engine, ours, original, load_dir, opened, session, kwargs)
         if path is not None:
             path = os.path.join(load_dir, opened, os.path.relpath(path, session.directory))
         return path, client_state
