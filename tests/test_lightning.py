@@ -33,7 +33,7 @@ from zerostall.errors import CheckpointError, CorruptCheckpointError, Unsupporte
 from zerostall.format.layout import MANIFEST_NAME  # noqa: E402
 from zerostall.integrations.lightning import (LightningOptions, ZeroStallCheckpointIO,  # noqa: E402
                                              ZeroStallModelParallelStrategy, last_checkpoint)
-from zerostall.integrations.lightning import checkpoint_io, staging, values  # noqa: E402
+from zerostall.integrations.lightning import staging, values  # noqa: E402
 from zerostall.saving import asynchronous  # noqa: E402
 from zerostall.storage import storage_for  # noqa: E402
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
