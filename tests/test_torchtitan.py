@@ -365,11 +365,12 @@ def test_a_last_model_only_checkpoint_is_not_taken_for_a_resume(tmp_path):
     again.ckpt.close()
 
 
-def load_elsewhere(base: str, **config: Any) -> tuple[bool, Any, int] | str:
-    """Load what one process saved under ``base`` on these ranks: the model, and the train state's step."""
+def load_elsewhere(base: str, step: int = -1, **config: Any) -> tuple[bool, Any, int] | str:
+    """Load what one process saved under ``base`` on these ranks (``step``: as the trainer passes
+    checkpoint.load_step): the model, and the train state's step."""
     run = Run("ckpt", base, **config)
     try:
-        loaded = run.ckpt.load()
+        loaded = run.ckpt.load(step)
     except zs.CheckpointError as exc:
         return str(exc)
     finally:
@@ -417,6 +418,85 @@ def test_a_damaged_newest_checkpoint_of_another_world_size_falls_back_to_the_pre
     for loaded, model, step in ranks(2).run(load_elsewhere, str(tmp_path), exclude_from_loading=["dataloader"],
                                             timeout=240):
         assert loaded is True and step == 2 and same(model, at_2)
+
+
+def damage_model_weight(folder: Path) -> None:
+    chunk = next(e for e in read_manifest(storage_for(folder)).entries if e.fqn == "model.0.weight").chunks[0]
+    data = bytearray((folder / chunk.file).read_bytes())
+    data[chunk.offset + 5] ^= 0xFF
+    (folder / chunk.file).write_bytes(bytes(data))
+
+
+def train_on(base: str, first: int, last: int) -> dict[str, Any]:
+    """Resume what is under ``base`` (of any world size, the data loader excluded), train ``first``..``last``."""
+    run = Run("ckpt", base, async_mode="disabled", exclude_from_loading=["dataloader"])
+    run.ckpt.load()
+    run.steps(first, last, 10)
+    run.ckpt.close()
+    return run.snapshot()["model"]
+
+
+def test_a_fallback_takes_the_older_checkpoints_own_world_size_and_seed_rules(ranks, tmp_path):
+    """The rules for what to load (per-rank state, the seed's model alone) were taken from the newest
+    checkpoint: falling back from a damaged one of 2 ranks to one of 1 rank asked for its RNG states
+    and was refused with advice a torchtitan user cannot follow; a damaged step after the seed
+    checkpoint fell back to the seed asking for the optimizer it does not hold."""
+    run = Run("ckpt", str(tmp_path), async_mode="disabled")
+    run.steps(1, 2, 10)
+    run.ckpt.close()
+    at_2 = run.snapshot()["model"]
+    pool = ranks(2)
+    pool.run(train_on, str(tmp_path), 3, 4, timeout=240)  # step 4 on 2 ranks
+    damage_model_weight(tmp_path / "ckpt" / step_tag(4))
+    for loaded, model, step in pool.run(load_elsewhere, str(tmp_path), exclude_from_loading=["dataloader"],
+                                        timeout=240):
+        assert loaded is True and step == 2 and same(model, at_2)
+    for refused in pool.run(load_elsewhere, str(tmp_path), timeout=240):  # each rank's data loader asked for
+        assert refused.startswith(f"{step_tag(4)} is damaged (") and "exclude_from_loading" in refused, refused
+
+    seeded = tmp_path / "seeded"
+    seed = Run("ckpt", str(seeded), last_save_model_only=True)
+    seed.ckpt.save(0, last_step=True)
+    seed.ckpt.close()
+    pool.run(train_on, str(seeded), 1, 2, timeout=240)
+    damage_model_weight(seeded / "ckpt" / step_tag(2))
+    for refused in pool.run(load_elsewhere, str(seeded), timeout=240):
+        assert "the checkpoint before it, step_000000000, cannot restore ['dataloader', 'lr_scheduler', " in refused \
+            and "checkpoint.load_step=0 to resume from step_000000000 in a new process" in refused, refused
+    for got in pool.run(load_elsewhere, str(seeded), 0, timeout=240):
+        assert not isinstance(got, str), got
+        loaded, model, step = got
+        assert loaded is True and same(model, seed.snapshot()["model"]) and step == 0
+
+
+def test_initial_load_path_errors_name_the_keys_and_the_fix(ranks, tmp_path):
+    """A model grown by a layer was taken for a DCP checkpoint, its error naming every key without
+    the "model." prefix; a 1-process checkpoint loaded whole on 2 ranks said the data loader was missing."""
+    source = Run("source", str(tmp_path), async_mode="disabled")
+    source.steps(1, 2, 10)
+    source.ckpt.close()
+    path = str(tmp_path / "source" / step_tag(2))
+    grown = Run("grown", str(tmp_path), initial_load_path=path)
+    grown.model.add_module("3", nn.Linear(4, 4))
+    with pytest.raises(zs.StateMismatchError) as exc:
+        grown.ckpt.load()
+    grown.ckpt.close()
+    assert "model.3.weight" in str(exc.value) and "model.0.weight" not in str(exc.value)
+    refused = ranks(2).run(initial_elsewhere, path, str(tmp_path), timeout=240)
+    assert all("saved by 1 rank(s)" in r and "exclude_from_loading" in r for r in refused), refused
+    for loaded in ranks(2).run(initial_elsewhere, path, str(tmp_path), exclude_from_loading=["dataloader"],
+                               timeout=240):
+        assert loaded is True
+
+
+def initial_elsewhere(path: str, base: str, **config: Any) -> bool | str:
+    run = Run("fresh", base, initial_load_path=path, initial_load_model_only=False, **config)
+    try:
+        return run.ckpt.load()
+    except zs.CheckpointError as exc:
+        return str(exc)
+    finally:
+        run.ckpt.close()
 
 
 def test_exclude_from_loading_must_name_a_state_key(tmp_path):

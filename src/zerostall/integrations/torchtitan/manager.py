@@ -15,10 +15,11 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools import filesystem
 
 from ... import api
-from ...errors import CheckpointError, CheckpointNotFoundError, UnsupportedValueError
+from ...errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
 from ...format.layout import RNG_KEY
 from ...manager import CheckpointManager
 from ...options import LoadOptions
+from ...roots.described import DAMAGE
 from ...roots.retention import RetentionPolicy
 from ...roots.root import step_tag
 from .hf import export_hf, load_hf
@@ -152,35 +153,71 @@ class ZeroStallCheckpointManager(BaseCheckpointManager):
         if unknown:
             raise UnsupportedValueError(f"checkpoint.exclude_from_loading names {sorted(unknown)}, which the "
                                         f"state does not hold (it holds {sorted(self.states)})")
-        tag = None if step == -1 else step_tag(step)
-        try:
-            ck = self.manager.open(tag)  # every rank agrees on the newest
-        except CheckpointNotFoundError:
-            raise CheckpointNotFoundError(f"checkpoint.load_step={step}: no checkpoint {tag} under {self.folder}; "
-                                          "load_step=-1 loads the newest") from None
-        if ck is None:
-            return self._initial_load()
-        with ck:
-            if ck.step != 0 and all(k.split(".")[0] in (MODEL, RNG_KEY) for k in ck.entries):
-                raise CheckpointError(f"{ck.path} holds the model alone (checkpoint.last_save_model_only, the end of "
-                                      "a run), so training cannot resume from it: set checkpoint.load_step to an "
-                                      f"earlier step that holds the training state (`zerostall ls {self.folder}` "
-                                      "lists them), or train a new run from it with checkpoint.initial_load_path "
-                                      "and initial_load_model_only")
-            keep = [MODEL] if ck.step == 0 else [k for k in self.states if k not in self.config.exclude_from_loading]
-            resharded = ck.step == 0 or ck.manifest.world_size != self.manager.group.size  # no per-rank state
-            if resharded and DATALOADER in keep:
-                raise CheckpointError(f"{ck.path} was saved by {ck.manifest.world_size} rank(s) and is loaded on "
-                                      f"{self.manager.group.size}: each rank's data-loader position cannot be given "
-                                      "to these ranks one to one; add 'dataloader' to checkpoint.exclude_from_loading "
-                                      "to resume the rest (each rank's data loader and RNG states then start as they "
-                                      "are)")
-        # through the manager's restore on any number of ranks: its fallback past a damaged checkpoint, and the
-        # restored step kept from retention
-        restored = self.manager.restore({k: self.states[k] for k in keep}, tag,
-                                        keys=keep if resharded else keep + [RNG_KEY])
-        log.info("restored %s of step %s from %s", ", ".join(keep), restored, self.folder)
-        return True
+        tag, passed = None if step == -1 else step_tag(step), []  # the damaged checkpoints passed over
+        asked: set[str] = set()  # what their attempts may have loaded into (in place) before failing
+        while True:
+            try:
+                ck = self.manager.open(tag)  # every rank agrees on the newest
+            except CheckpointNotFoundError:
+                raise CheckpointNotFoundError(f"checkpoint.load_step={step}: no checkpoint {tag} under {self.folder}; "
+                                              "load_step=-1 loads the newest") from None
+            if ck is None:
+                return self._initial_load()
+            with ck:
+                keep = [MODEL] if ck.step == 0 else [k for k in self.states if k not in self.config.exclude_from_loading]
+                try:
+                    resharded = self._resharded(ck, keep)
+                except CheckpointError as exc:
+                    if not passed:
+                        raise
+                    raise CheckpointError(f"{passed[-1]}, and the one before it cannot be resumed from: {exc}") from exc
+                name, at = ck.tag, ck.step
+            if asked - set(keep):
+                raise CheckpointError(f"{passed[-1]}; the checkpoint before it, {name}, cannot restore "
+                                      f"{sorted(asked - set(keep))}, which that load may have filled in part: set "
+                                      f"checkpoint.load_step={at} to resume from {name} in a new process")
+            try:  # through the manager's restore on any number of ranks (the restored step kept from retention)
+                restored = self.manager.restore({k: self.states[k] for k in keep}, name, fallback=False,
+                                                keys=keep if resharded else keep + [RNG_KEY])
+            except DAMAGE as exc:  # on every rank alike: the one before it, with its own rules (step 0, resharded)
+                if step != -1 or at is None:
+                    raise
+                passed.append(f"{name} is damaged ({dict(self.manager.last_restore.fallbacks).get(name, exc)})")
+                asked |= set(keep)
+                tag = self._before(at)
+                if tag is None:
+                    raise CorruptCheckpointError(f"every checkpoint under {self.folder} is damaged: "
+                                                 f"{'; '.join(passed)}") from exc
+                log.warning("%s: loading the checkpoint before it, %s", passed[-1], tag)
+                continue
+            log.info("restored %s of step %s from %s", ", ".join(keep), restored, self.folder)
+            return True
+
+    def _resharded(self, ck: Any, keep: list[str]) -> bool:
+        """Whether ``keep`` (state keys) loads from ``ck`` without per-rank state (saved by another
+        number of ranks, or the model alone asked for); raises where training cannot resume so."""
+        if keep != [MODEL] and all(k.split(".")[0] in (MODEL, RNG_KEY) for k in ck.entries):
+            raise CheckpointError(f"{ck.path} holds the model alone (checkpoint.last_save_model_only, the end of "
+                                  "a run), so training cannot resume from it: set checkpoint.load_step to an "
+                                  f"earlier step that holds the training state (`zerostall ls {self.folder}` "
+                                  "lists them), or train a new run from it with checkpoint.initial_load_path "
+                                  "and initial_load_model_only")
+        resharded = keep == [MODEL] or ck.manifest.world_size != self.manager.group.size
+        if resharded and DATALOADER in keep:
+            raise CheckpointError(f"{ck.path} was saved by {ck.manifest.world_size} rank(s) and is loaded on "
+                                  f"{self.manager.group.size}: each rank's data-loader position cannot be given "
+                                  "to these ranks one to one; add 'dataloader' to checkpoint.exclude_from_loading "
+                                  "to resume the rest (each rank's data loader and RNG states then start as they "
+                                  "are)")
+        return resharded
+
+    def _before(self, step: Any) -> str | None:
+        """The newest committed checkpoint of a step below ``step``, the same on every rank (None: none)."""
+        def newest() -> bytes:
+            below = [t for t, record in self.manager.checkpoints() if record.step is not None and record.step < step]
+            return (below[-1] if below else "").encode()
+
+        return self.manager.group.agree(newest).decode() or None
 
     def _initial_load(self) -> bool:
         """The first run's load: ``initial_load_path`` (a zerostall or DCP checkpoint, or Hugging
@@ -201,7 +238,8 @@ class ZeroStallCheckpointManager(BaseCheckpointManager):
             [k for k in self.states if k not in self.config.exclude_from_loading]
         model = self.states[MODEL]
         with api.open(path, process_group=self.manager.process_group, allow_pickle=self.config.allow_pickle) as ck:
-            if all(f"{MODEL}.{k}" in ck.entries for k in model.state_dict()):  # ours: the model under "model"
+            if ck.manifest.foreign is None:  # ours: the model under "model"
+                self._resharded(ck, keep)
                 ck.load({k: self.states[k] for k in keep}, keys=keep)
                 return True
             # torchtitan's DCP layout: the model's keys at the top, beside "optimizer", "lr_scheduler"...
