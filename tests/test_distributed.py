@@ -670,3 +670,31 @@ def test_tied_dtensors_with_an_empty_shard_on_a_rank_are_saved_once(ranks, tmp_p
     """The rank whose shard was empty could not tell the second key for the same DTensor (no data
     pointer): it listed a tensor where the others listed an alias, and the save was refused."""
     assert ranks(3).run(tied_with_an_empty_shard, str(tmp_path / "ck"), timeout=60) == [True] * 3
+
+
+def agreements(fail_on: int, midway: bool) -> tuple[str, list[int]]:
+    """A block of ``failing_together(points=2)`` failing on rank ``fail_on`` (before the midway
+    agreement when ``midway``, which the other ranks make), then the job's next collective."""
+    from zerostall.collectives import Group
+
+    group = Group(None)
+    try:
+        with group.failing_together("failed on {failed} other rank(s)", points=2) as halfway:
+            if dist.get_rank() == fail_on:
+                raise RuntimeError("this rank's file is damaged")
+            if midway:
+                halfway()
+        said = "done"
+    except Exception as exc:
+        said = f"{type(exc).__name__}: {exc}"
+    return said, group.all_reduce_ints([10])
+
+
+@pytest.mark.parametrize("midway", [False, True])
+def test_every_rank_makes_each_agreement_of_a_block_that_fails_on_one(ranks, midway):
+    """With the block's agreements left to its end, a rank that learnt of the other's failure at the
+    first one skipped the second: the failed rank's second all-reduce met the job's next collective
+    (10 + 10 + 1 came back as 11), and that rank's own next collective waited for good."""
+    (said0, next0), (said1, next1) = ranks(2).run(agreements, 1, midway)
+    assert said0 == "CheckpointError: failed on 1 other rank(s)" and said1 == "RuntimeError: this rank's file is damaged"
+    assert next0 == next1 == [20]

@@ -18,11 +18,13 @@ from torch.distributed.tensor import DTensor
 pytest.importorskip("torchtitan", reason="the torchtitan extra is not installed: ./dev setup installs it")
 
 import zerostall as zs  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer  # noqa: E402
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig  # noqa: E402
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter  # noqa: E402
+from zerostall.cli import cli  # noqa: E402
 from zerostall.integrations.torchtitan import ZeroStallCheckpointManager  # noqa: E402
 from zerostall.loading.opening import read_manifest  # noqa: E402
 from zerostall.roots.root import step_tag  # noqa: E402
@@ -341,8 +343,12 @@ def test_initial_load_path_reads_a_zerostall_or_a_torchtitan_dcp_checkpoint(tmp_
             "lr_scheduler": source.sched.state_dict(), "train_state": source.train.state_dict(),
             "dataloader": source.loader.state_dict()}
     dcp.save(flat, checkpoint_id=str(tmp_path / "dcp" / "step-4"))  # torchtitan's DCP manager's layout
+    imported = CliRunner().invoke(cli, ["import", "--allow-pickle", str(tmp_path / "dcp" / "step-4"),
+                                        str(tmp_path / "imported")])  # DCP's layout in a checkpoint of ours
+    assert imported.exit_code == 0, imported.output
 
-    for path, allow_pickle in ((tmp_path / "source" / step_tag(4), False), (tmp_path / "dcp" / "step-4", True)):
+    for path, allow_pickle in ((tmp_path / "source" / step_tag(4), False), (tmp_path / "dcp" / "step-4", True),
+                               (tmp_path / "imported", True)):
         fresh = Run(f"fresh-{path.name}", str(tmp_path), initial_load_path=str(path), initial_load_model_only=False,
                     allow_pickle=allow_pickle)
         assert fresh.ckpt.load() is True

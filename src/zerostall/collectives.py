@@ -105,12 +105,12 @@ class Group:
 
         try:
             yield agree
-        except Exception:
-            while left[0]:  # a rank that failed makes every agreement it has not made yet
+            while left[0]:
+                agree()
+        except Exception:  # this rank failed, or learnt another did: it makes every agreement it has not made yet
+            while left[0]:
                 agree(failed=True)
             raise
-        while left[0]:
-            agree()
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's python object (planning metadata only, never tensor data)."""

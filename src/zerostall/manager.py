@@ -290,11 +290,12 @@ class CheckpointManager:
             if not tiers:
                 raise
             candidates, unreachable = [], exc
-        kept = None if options.strict else PerRankCopy(self._wrap(state))  # what an attempt may leave as it is
+        kept = PerRankCopy(None if options.strict else self._wrap)  # what another world size leaves as it is
         root = functools.partial(restore_first_whole, self.group, self.checkpoint_root, fallback=fallback, named=named,
                                  attempt=functools.partial(self._load, state, options, kept),
                                  record=functools.partial(setattr, self, "last_restore"))
         if self.tier is not None and tiers:  # the newest step of the root and the tiers together (and what they hold)
+            kept.before_attempt(state, fills=True)  # the tiers' copies hold this layout's per-rank state
             info, loaded, seen = self.tier.restore(self._wrap(state), options, candidates, unreachable,
                                                    fallback=fallback, root=root)
             self.last_restore = info or self.last_restore
@@ -317,14 +318,14 @@ class CheckpointManager:
             self._pinned.add(step)
         return step
 
-    def _load(self, state: Any, options: LoadOptions, kept: PerRankCopy | None, tag: str) -> tuple[int | None, Any]:
-        """Load checkpoint ``tag`` into the tensors of ``state`` (``kept``'s per-rank state put back
-        first); returns its step and the loaded state, which :meth:`restore` puts in place."""
-        if kept is not None:
-            kept.put_back(state)
+    def _load(self, state: Any, options: LoadOptions, kept: PerRankCopy, tag: str) -> tuple[int | None, Any]:
+        """Load checkpoint ``tag`` into the tensors of ``state`` (per-rank state copied into ``kept``
+        first, or put back from it); returns its step and the loaded state, which :meth:`restore` puts in place."""
         with self._checkpoint(tag, options) as ck:
+            other = ck.manifest.world_size != self.group.size
+            kept.before_attempt(state, fills=not other)
             wrapped = self._wrap(state)
-            if ck.manifest.world_size != self.group.size:  # per-rank state cannot go to ranks one to one
+            if other:  # per-rank state cannot go to ranks one to one
                 per_rank, asked = [k for k, v in wrapped.items() if isinstance(v, RankLocal)], key_filter(options.keys)
                 other_world(self.checkpoint_root.where(tag), ck.manifest.world_size, self.group, options.strict,
                             [k for k in per_rank if asked is None or asked(k)])
@@ -336,8 +337,7 @@ class CheckpointManager:
     def _wrap(self, state: Any) -> dict[str, Any]:
         if not isinstance(state, dict):
             raise TypeError("CheckpointManager saves a dict of named parts, e.g. {'model': m, 'optim': o}")
-        wrapped = {k: rank_local(v) if k in self.rank_local_keys and not isinstance(v, RankLocal) else v
-                   for k, v in state.items()}
+        wrapped = {k: rank_local(v) if k in self.rank_local_keys else v for k, v in state.items()}
         wrapped[RNG_KEY] = rank_local(rng_state())
         return wrapped
 

@@ -204,19 +204,36 @@ def other_world(where: str, saved: int, group: Group, strict: bool, asked: list[
 
 
 class PerRankCopy:
-    """The per-rank parts of a wrapped state (:class:`RankLocal` values; the RNG states aside, which
-    a restore sets from what it loaded) as a non-strict restore was given them. An attempt that
-    failed on another rank may have loaded its per-rank values in place here; a checkpoint of
-    another world size leaves per-rank state as it is, so each attempt puts them back first."""
+    """The per-rank parts of a state (:class:`RankLocal` values; the RNG states aside, which a
+    restore sets from what it loaded) as a non-strict restore was given them, copied to host memory
+    before the first attempt that loads them. An attempt that failed on another rank may have
+    loaded its per-rank values in place here; a checkpoint of another world size leaves per-rank
+    state as it is, so an attempt at one puts them back first. ``wrap``: the state's parts, per-rank
+    ones as :class:`RankLocal` (None: a strict restore, which never leaves per-rank state unloaded)."""
 
-    def __init__(self, wrapped: dict[str, Any]) -> None:
+    def __init__(self, wrap: Callable[[Any], dict[str, Any]] | None) -> None:
+        self.wrap = wrap
+        self.parts: dict[str, Any] | None = None
+
+    def before_attempt(self, state: dict[str, Any], fills: bool) -> None:
+        """Before an attempt that ``fills`` the per-rank parts: copy them (once); else put them back."""
+        if self.wrap is None:
+            return
+        if fills:
+            self._keep(self.wrap(state))
+        elif self.parts is not None:
+            self._put_back(state)
+
+    def _keep(self, wrapped: dict[str, Any]) -> None:
+        if self.parts is not None:
+            return
         self.parts = {k: v for k, v in wrapped.items() if isinstance(v, RankLocal) and k != RNG_KEY}
         self.flat = flatten(self.parts)  # stateful objects by their state dicts, as a load sees them
-        self.saved = {path: leaf.detach().clone() if isinstance(leaf, torch.Tensor) else copy.deepcopy(leaf)
-                      for path, leaf in self.flat.leaves.items()}
+        self.saved = {path: leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor)
+                      else copy.deepcopy(leaf) for path, leaf in self.flat.leaves.items()}
 
-    def put_back(self, state: dict[str, Any]) -> None:
-        """Make ``state``'s per-rank parts what they were when this copy was taken, in place."""
+    def _put_back(self, state: dict[str, Any]) -> None:
+        assert self.parts is not None
         with torch.no_grad():
             for path, leaf in self.flat.leaves.items():
                 if isinstance(leaf, torch.Tensor):

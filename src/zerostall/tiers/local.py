@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CheckpointError, InsufficientSpaceError, InvalidPathError
+from ..errors import InsufficientSpaceError, InvalidPathError
 from ..format.layout import MANIFEST_NAME
 from ..storage.base import free_bytes
 from ..storage.location import within
@@ -73,9 +73,9 @@ class LocalTier:
     there are other nodes)."""
 
     run_id: str | None = None
-    """Keeps runs apart in a shared directory; None: derived from the persistent root, so it stays
-    the same when the job is requeued. At start, the folders of other runs that no live process
-    holds are removed (nothing else in the directory is touched)."""
+    """Keeps runs apart in a shared directory (two jobs running at once need two); None: derived
+    from the persistent root, so it stays the same when the job is requeued. At start, the folders
+    of other runs that no live process holds are removed (nothing else in the directory is touched)."""
 
     timeout_s: float = 300.0
     """The longest any transfer between nodes may wait (replication and restore): a peer that died
@@ -121,21 +121,11 @@ class NodeDirectory:
         self._claim: int | None = None  # the locked marker's descriptor, while this process holds the run
 
     def claim(self) -> None:
-        """Make the run's folder and marker, and hold the marker locked until :meth:`release`: no
-        other run's start-up removes a live run, and no second live job takes this run's steps."""
+        """Make the run's folder and marker, and hold the marker locked (shared) until :meth:`release`:
+        no other run's start-up removes a live run."""
         self.run.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.run / MARKER, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BaseException as exc:
-            os.close(fd)
-            if isinstance(exc, BlockingIOError):
-                raise CheckpointError(
-                    f"the local tier's run folder {self.run} is held by another live process: another job given "
-                    "this run id (LocalTier.run_id; by default it comes from the checkpoint root), or a manager of "
-                    "this run not closed yet. Give each job its own run_id, or close the other manager; nothing "
-                    "was saved") from None
-            raise
+        fcntl.flock(fd, fcntl.LOCK_SH)
         self._claim = fd
 
     def put_back_replaced(self) -> list[str]:

@@ -238,7 +238,8 @@ class ZeroStallCheckpointManager(BaseCheckpointManager):
             [k for k in self.states if k not in self.config.exclude_from_loading]
         model = self.states[MODEL]
         with api.open(path, process_group=self.manager.process_group, allow_pickle=self.config.allow_pickle) as ck:
-            if ck.manifest.foreign is None:  # ours: the model under "model"
+            if ck.manifest.foreign is None and any(name.split(".")[0] == MODEL for name in ck.entries):
+                # ours, the model under "model" (not a DCP checkpoint imported as it was)
                 self._resharded(ck, keep)
                 ck.load({k: self.states[k] for k in keep}, keys=keep)
                 return True
