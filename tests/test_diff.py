@@ -91,6 +91,17 @@ def test_integers_that_differ_past_2_to_the_53_differ(tmp_path):
     assert result.exit_code == 1 and "ids" in result.output
 
 
+def test_tolerances_hold_for_integer_tensors_too(tmp_path):
+    """--atol was ignored for integers: [1, 2] against [1, 3] differed (exit 1) at --atol 5."""
+    zs.save({"n": torch.tensor([1, 2]), "ids": torch.tensor([2**60, 7])}, tmp_path / "a")
+    zs.save({"n": torch.tensor([1, 3]), "ids": torch.tensor([2**60 + 2, 7])}, tmp_path / "b")
+    assert run(tmp_path / "a", tmp_path / "b").exit_code == 1
+    assert run(tmp_path / "a", tmp_path / "b", "--atol", "5").exit_code == 0
+    result = run(tmp_path / "a", tmp_path / "b", "--atol", "1", "--json")  # "ids" differs by 2, exactly
+    assert result.exit_code == 1
+    assert [(d["key"], d["max_abs"]) for d in json.loads(result.output)["differences"]] == [("ids", 2.0)]
+
+
 def test_nan_on_one_side_only_differs(tmp_path):
     zs.save({"x": torch.tensor([math.nan, 1.0])}, tmp_path / "a")
     zs.save({"x": torch.tensor([0.0, 1.0])}, tmp_path / "b")

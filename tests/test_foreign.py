@@ -524,3 +524,54 @@ def test_a_shard_missing_from_an_index_is_named(hf_dirs, tmp_path):
     os.remove(tmp_path / "hf" / "model-00002-of-00002.safetensors")
     with pytest.raises(zs.CorruptCheckpointError, match="model-00002-of-00002.safetensors"):
         zs.open(tmp_path / "hf")
+
+
+def test_shards_without_their_index_or_not_as_it_says_are_refused(hf_dirs, tmp_path):
+    """An export killed between its renames left shards of two saves and no index (or an index of the
+    other save): the shards present were loaded and imported as a whole checkpoint, silently mixed."""
+    import shutil
+
+    root, _ = hf_dirs
+    shutil.copytree(root / "mlp", tmp_path / "no-index")
+    os.remove(tmp_path / "no-index" / "model.safetensors.index.json")
+    with pytest.raises(zs.CorruptCheckpointError, match=r"shards of a sharded checkpoint.*but no "
+                                                        r"model\.safetensors\.index\.json"):
+        zs.open(tmp_path / "no-index")
+    result = CliRunner().invoke(cli, ["import", str(tmp_path / "no-index"), str(tmp_path / "out")])
+    assert result.exit_code == 1 and not (tmp_path / "out").exists()
+    shutil.copytree(root / "mlp", tmp_path / "other-save")
+    index = json.loads((tmp_path / "other-save" / "model.safetensors.index.json").read_text())
+    moved = sorted(index["weight_map"])[0]
+    index["weight_map"]["lm_head.weight"] = index["weight_map"][moved]  # a key no shard holds
+    (tmp_path / "other-save" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(zs.CorruptCheckpointError, match=r"puts tensor 'lm_head\.weight' in model-0000.-of-00002"
+                                                        r"\.safetensors, which does not hold it"):
+        zs.open(tmp_path / "other-save")
+    del index["weight_map"]["lm_head.weight"], index["weight_map"][moved]  # a tensor a shard holds, not named
+    (tmp_path / "other-save" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(zs.CorruptCheckpointError, match=f"does not name tensor '{moved}'"):
+        zs.open(tmp_path / "other-save")
+
+
+@pytest.mark.parametrize("how", ["overlap", "gap"])
+def test_dcp_chunks_that_do_not_tile_a_tensor_are_refused_naming_it(dcp_fsdp, tmp_path, how):
+    """An edited .metadata listing a tensor's first chunk twice (and none for the rows after it):
+    reads returned uninitialised memory, loads left old values, import wrote them under checksums;
+    with a chunk left out, export wrote zeros."""
+    import pickle
+    import shutil
+
+    path, _ = dcp_fsdp
+    shutil.copytree(path, tmp_path / "ck")
+    meta = pickle.loads((tmp_path / "ck" / ".metadata").read_bytes())
+    item = meta.state_dict_metadata["model.0.weight"]
+    assert len(item.chunks) == 2  # a shard a rank
+    item.chunks = [item.chunks[0]] * 2 if how == "overlap" else item.chunks[:1]
+    (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(zs.CorruptCheckpointError, match=r"the chunks \.metadata gives item 'model\.0\.weight' do not "
+                                                        r"tile its shape \[33, 16\]"):
+        zs.open(tmp_path / "ck", allow_pickle=True)
+    for command in (["import", str(tmp_path / "ck"), str(tmp_path / "imported")],
+                    ["export", str(tmp_path / "ck"), str(tmp_path / "exported"), "--prefix", "model."]):
+        result = CliRunner().invoke(cli, [*command, "--allow-pickle"])
+        assert result.exit_code == 1 and "do not tile" in result.output, result.output

@@ -151,7 +151,7 @@ def check_tensor(d: dict[str, Any], e: dict[str, Any], numbers: list[Any], diges
         if elements:
             boxes.append((offsets, sizes))
             spans[file].append((offset, offset + nbytes))
-    if covered != numel or len(boxes) > 1 and not _disjoint(boxes, shape):
+    if not tiled(boxes, covered, shape):
         raise FieldError("chunks", f"the chunks do not tile the shape {shape} exactly (each element in exactly "
                                    f"one chunk): they hold {covered} of its {numel} elements"
                                    + (" with overlaps" if covered == numel else ""))
@@ -201,6 +201,12 @@ def explain_chunk(j: int, c: Any, shape: list[int], dtype: str, itemsize: int, f
             raise FieldError(f"{at}.checksums", f"{clip(digest)} is not an xxh3-64 checksum (16 hex digits)")
     if always:
         raise FieldError(at, "malformed")
+
+
+def tiled(boxes: list[tuple[list[int], list[int]]], covered: int, shape: list[int]) -> bool:
+    """Whether the non-empty ``boxes`` (offsets, sizes), each inside ``shape`` and holding
+    ``covered`` elements together, tile it exactly: each element in exactly one of them."""
+    return covered == math.prod(shape) and (len(boxes) < 2 or _disjoint(boxes, shape))
 
 
 def _disjoint(boxes: list[tuple[list[int], list[int]]], shape: list[int]) -> bool:

@@ -58,7 +58,8 @@ def foreign_manifest(storage: Storage, kind: str, *, allow_pickle: bool, file: s
 
         entries, files, left_out = dcp_entries(storage, allow_pickle)
     else:
-        entries, files = hf_entries(storage, [file] if file is not None else hf_files(storage, storage.list()))
+        entries, files = hf_entries(storage, [file]) if file is not None else \
+            hf_entries(storage, *hf_files(storage, storage.list()))
         left_out = []
     return Manifest(generation=f"{kind}-0", entries=entries, files=files, tree=encode({}),
                     block_size=DEFAULT_BLOCK_SIZE, created=time.time(), foreign=kind, left_out=left_out)

@@ -23,6 +23,7 @@ from ...errors import CorruptCheckpointError, UnsupportedValueError
 from ...format import codec
 from ...format.layout import Chunk, Entry, dtype_name
 from ...format.manifest_check import max_manifest_bytes
+from ...format.tensor_check import tiled
 from ...state import fqn
 from ...storage import FileTooLargeError, Storage, check_name
 
@@ -122,6 +123,11 @@ class _Items:
             name, start, length = self._info(key, c.offsets)
             at, nbytes = self._locate(key, name, start, length, dtype, sizes)
             chunks.append(Chunk(offsets, sizes, name, at, nbytes, []))
+        if not tiled([(list(c.offsets), list(c.sizes)) for c in chunks], sum(math.prod(c.sizes) for c in chunks),
+                     list(shape)):
+            raise CorruptCheckpointError(f"{self.storage.location}: the chunks .metadata gives item {key!r} do not "
+                                         f"tile its shape {list(shape)} exactly (each element in exactly one chunk: "
+                                         "some are missing or overlap); nothing of it can be read as it was saved")
         return Entry(fqn(path), path, "tensor", dtype_name(dtype), shape, chunks)
 
     def _locate(self, key: str, name: str, start: int, length: int, dtype: torch.dtype,

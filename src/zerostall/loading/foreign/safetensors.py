@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from typing import Any
 
@@ -27,6 +28,7 @@ FIRST_READ = 256 << 10  # bytes read at first: the header's length and, for near
 
 # safetensors dtype -> (the manifest's dtype name, bytes per element)
 DTYPES = {st: (name, ITEMSIZES[name]) for st, name in SAFETENSORS_DTYPES.items()}
+_SHARD = re.compile(r"-\d{5}-of-(\d{5})\.safetensors$")  # transformers' shard names: model-00001-of-00003
 SUB_BYTE = frozenset({"F4", "F6_E2M3", "F6_E3M2", "I4", "U4", "I2", "U2", "I1", "U1"})
 
 
@@ -35,11 +37,20 @@ def is_hf_file(name: str) -> bool:
     return name.endswith(".safetensors") and file_generation(name) is None
 
 
-def hf_files(storage: Storage, names: list[str]) -> list[str]:
+def hf_files(storage: Storage, names: list[str]) -> tuple[list[str], dict[str, str] | None]:
     """The safetensors files of the checkpoint at ``storage`` (whose files are ``names``): those
-    its ``model.safetensors.index.json`` maps keys to, else every ``*.safetensors`` file."""
+    its ``model.safetensors.index.json`` maps keys to, with that map, else every ``*.safetensors``
+    file (None for the map). Shards of several (``-00001-of-00003``) without an index are refused:
+    the index says which shard holds each tensor, and its absence (a save or copy killed half-way)
+    leaves nothing to tell a whole set from a mixed one."""
     if INDEX_NAME not in names:
-        return [n for n in names if is_hf_file(n)]
+        files = [n for n in names if is_hf_file(n)]
+        shards = [n for n in files if (m := _SHARD.search(n)) and int(m.group(1)) > 1]
+        if shards:
+            raise CorruptCheckpointError(
+                f"{storage.location} holds shards of a sharded checkpoint ({shards[0]}...) but no {INDEX_NAME}, which "
+                "says which shard holds each tensor: a save or copy that did not finish? Save or copy it again")
+        return files, None
     where = f"{storage.location}/{INDEX_NAME}"
     index = _json(storage.read_bytes(INDEX_NAME, MAX_INDEX_BYTES), where)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -50,12 +61,14 @@ def hf_files(storage: Storage, names: list[str]) -> list[str]:
         if not name.endswith(".safetensors"):
             raise CorruptCheckpointError(f"{where} maps keys to {name!r}, not a .safetensors file")
         check_name(name)
-    return files
+    return files, weight_map
 
 
-def hf_entries(storage: Storage, files: list[str]) -> tuple[list[Entry], dict[str, int]]:
+def hf_entries(storage: Storage, files: list[str],
+               weight_map: dict[str, str] | None = None) -> tuple[list[Entry], dict[str, int]]:
     """One tensor entry per tensor of the safetensors ``files`` (each one chunk, without checksums)
-    and the files' sizes; :class:`CorruptCheckpointError` naming the file and key at fault."""
+    and the files' sizes; :class:`CorruptCheckpointError` naming the file and key at fault, also
+    where the files do not hold exactly the tensors ``weight_map`` (the index's) puts in them."""
     entries: list[Entry] = []
     sizes: dict[str, int] = {}
     owner: dict[str, str] = {}
@@ -69,6 +82,14 @@ def hf_entries(storage: Storage, files: list[str]) -> tuple[list[Entry], dict[st
             owner[key] = name
             chunk = Chunk((0,) * len(shape), shape, name, offset, nbytes, [])
             entries.append(Entry(key, (key,), "tensor", dtype, shape, [chunk]))
+    wrong = [] if weight_map is None else [(k, n) for k, n in weight_map.items() if owner.get(k) != n] + \
+        [(k, None) for k in owner if k not in weight_map]
+    if wrong:
+        key, name = wrong[0]
+        said = f"does not name tensor {key!r}, which {owner[key]} holds" if name is None else \
+            f"puts tensor {key!r} in {name}, " + (f"but {owner[key]} holds it" if key in owner else "which does not hold it")
+        raise CorruptCheckpointError(f"{storage.location}/{INDEX_NAME} {said}: the index and the shards are of two "
+                                     "saves (one killed half-way?); save or copy it again")
     return entries, sizes
 
 
