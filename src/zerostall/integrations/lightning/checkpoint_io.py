@@ -138,7 +138,8 @@ class ZeroStallCheckpointIO(CheckpointIO):
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise TypeError(f"map_location must be None, a torch.device or a device name for a zerostall checkpoint "
                             f"(its tensors load on the CPU and are moved there), not {type(map_location).__name__}")
-        if not is_url(target) and os.path.isdir(target) and not os.path.isfile(os.path.join(target, MANIFEST_NAME)):
+        if not is_url(target) and (os.path.islink(target) or os.path.isdir(target)) and \
+                not os.path.isfile(os.path.join(target, MANIFEST_NAME)):
             raise _dangling(target) if os.path.islink(target) else CheckpointNotFoundError(
                 f"{target} holds no committed checkpoint (a save there did not commit before the run stopped, or it "
                 f"is no checkpoint at all): {resume_instead(target)}")
