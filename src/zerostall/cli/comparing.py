@@ -157,8 +157,8 @@ def _slab_difference(torch: Any, u: Any, v: Any, atol: float, rtol: float) -> tu
             return True, 0.0, 0.0
         p, q = u.to(torch.int64), v.to(torch.int64)  # subtracted exactly (float64 rounds ints past 2**53 alike)
         diff, scale = (p - q).abs().to(torch.float64), q.abs().to(torch.float64)
-        same = (atol or rtol) and bool((diff <= atol + rtol * scale).all())
-        return bool(same), float(diff.max()), float(torch.where(scale > 0, diff / scale, diff).max())
+        same = (atol > 0 or rtol > 0) and bool((diff <= atol + rtol * scale).all())
+        return same, float(diff.max()), float(torch.where(scale > 0, diff / scale, diff).max())
     else:
         wide = (u.to(torch.complex128), v.to(torch.complex128)) if u.dtype.is_complex or v.dtype.is_complex \
             else (u.to(torch.float64), v.to(torch.float64))

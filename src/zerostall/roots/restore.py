@@ -213,7 +213,9 @@ class PerRankCopy:
 
     def __init__(self, wrap: Callable[[Any], dict[str, Any]] | None) -> None:
         self.wrap = wrap
-        self.parts: dict[str, Any] | None = None
+        self.parts: dict[str, Any] | None = None  # the copy, once taken: the parts, their leaves, the leaves' copies
+        self.flat: Any = None
+        self.saved: dict[Any, Any] = {}
 
     def before_attempt(self, state: dict[str, Any], fills: bool) -> None:
         """Before an attempt that ``fills`` the per-rank parts: copy them (once); else put them back."""

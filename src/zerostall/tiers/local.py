@@ -128,7 +128,7 @@ class NodeDirectory:
         fcntl.flock(fd, fcntl.LOCK_SH)
         self._claim = fd
 
-    def put_back_replaced(self) -> list[str]:
+    def _put_back_replaced(self) -> list[str]:
         """Put back each copy that a replica's arrival moved aside (see ``replaced_path``) when the
         process died before the new copy took its place; returns those put back."""
         back = []
@@ -201,7 +201,7 @@ class NodeDirectory:
         """Remove this run's copies that never committed and replicas still arriving (a crashed
         trainer's leftovers); returns what was removed. Run by one rank of the node, once it has
         claimed the run (:meth:`claim`)."""
-        if back := self.put_back_replaced():
+        if back := self._put_back_replaced():
             log.info("local tier %s: put back %s, moved aside by a replica that never took its place", self.top,
                      ", ".join(back))
         leftovers = [p for _, folder in self._steps() for p in _entries(folder)

@@ -41,7 +41,7 @@ def sweep(folder: str) -> None:
         left = os.path.join(folder, name)
         if os.path.islink(left) or not os.path.isdir(left):
             continue
-        if name.endswith(".ckpt") and not os.listdir(left) and _removed(left):
+        if name.endswith(".ckpt") and _removed(left):  # only an empty folder is removed
             log.info("removed %s, the empty stand-in of an asynchronous save that never committed", left)
         if not name.startswith(STAGING):
             continue
@@ -127,10 +127,10 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def _removed(empty: str) -> bool:
-    """Remove the empty folder ``empty``; False when it is not (filled or removed since it was looked at)."""
+    """Remove the folder ``empty`` if it is empty; False when it is not, or cannot be."""
     try:
         os.rmdir(empty)
-    except OSError:  # filled or removed since it was looked at
+    except OSError:  # not empty, gone already, or not ours to remove
         return False
     return True
 
