@@ -426,7 +426,11 @@ def test_a_corrupt_block_fails_the_export_and_leaves_no_model_files(tmp_path):
     for fmt, out in (("hf", tmp_path / "hf"), ("torch", tmp_path / "t" / "m.pt")):
         with pytest.raises(zs.CorruptCheckpointError, match="checksum mismatch"):
             zs.export(path, out, format=fmt, max_shard_size=1100)
-        assert os.listdir(out if fmt == "hf" else out.parent) == []
+        assert not (out if fmt == "hf" else out.parent).exists()  # the folder it made is gone too
+    (tmp_path / "kept").mkdir()  # a folder that was there is left there
+    with pytest.raises(zs.CorruptCheckpointError, match="checksum mismatch"):
+        zs.export(path, tmp_path / "kept", max_shard_size=1100)
+    assert os.listdir(tmp_path / "kept") == []
 
 
 def test_an_export_killed_midway_leaves_no_model_file_and_a_rerun_completes(tmp_path):

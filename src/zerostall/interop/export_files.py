@@ -113,10 +113,9 @@ def write_hf(stream: TensorStream, items: list[Item], path: str, max_shard_size:
     shards = shard(items, max_shard_size)
     names = [HF_WEIGHTS] if len(shards) == 1 else \
         [f"model-{n:05d}-of-{len(shards):05d}.safetensors" for n in range(1, len(shards) + 1)]
-    os.makedirs(path, exist_ok=True)
     token = secrets.token_hex(4)
     temps = [f".{name}.{token}.tmp" for name in [*names, HF_INDEX]]
-    try:
+    with _folder(path), _removed_on_failure(path, temps):
         for temp, files in zip(temps, shards):
             _write_file(os.path.join(path, temp), _file_parts(stream, files, progress))
         stale = [n for n in os.listdir(path) if (_HF_FILE.match(n) and n not in names)
@@ -132,11 +131,6 @@ def write_hf(stream: TensorStream, items: list[Item], path: str, max_shard_size:
                                                                    .encode() + b"\n")])
             _replace(path, temps[-1], HF_INDEX)
         fsync_dir(path)
-    except BaseException:
-        for temp in temps:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(path, temp))
-        raise
     return [os.path.join(path, name) for name in names] + ([os.path.join(path, HF_INDEX)] if len(shards) > 1 else [])
 
 
@@ -146,8 +140,7 @@ def write_torch(stream: TensorStream, items: list[Item], tied: dict[str, str], p
     tensor in memory at a time, in a buffer reused for every tensor; a key of ``tied`` shares the
     storage of the key it maps to."""
     directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
-    temp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
+    temp = f".{name}.{secrets.token_hex(4)}.tmp"
     buf = torch.empty(max(i.nbytes for i in items), dtype=torch.uint8)
     index = {item.key: n for n, item in enumerate(items)}
     shared = {index[key]: index[kept] for key, kept in tied.items()}
@@ -158,17 +151,40 @@ def write_torch(stream: TensorStream, items: list[Item], tied: dict[str, str], p
         progress(item.nbytes)
         return buf[:item.nbytes]
 
-    try:
-        write_torch_file(temp, [(i.key, i.dtype, i.shape) for i in items], data, shared)
-        fd = os.open(temp, os.O_RDONLY | os.O_CLOEXEC)
+    with _folder(directory), _removed_on_failure(directory, [temp]):
+        write_torch_file(os.path.join(directory, temp), [(i.key, i.dtype, i.shape) for i in items], data, shared)
+        fd = os.open(os.path.join(directory, temp), os.O_RDONLY | os.O_CLOEXEC)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(temp, path)
+        os.replace(os.path.join(directory, temp), path)
         fsync_dir(directory)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        raise
     return [path]
+
+
+@contextlib.contextmanager
+def _folder(path: str) -> Iterator[None]:
+    """Make folder ``path`` if it is not there; if the block fails, remove it again when this made it
+    (and nothing else is in it), so a failed export leaves nothing behind."""
+    made = not os.path.isdir(path)
+    os.makedirs(path, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        if made:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+        raise
+
+
+@contextlib.contextmanager
+def _removed_on_failure(directory: str, temps: list[str]) -> Iterator[None]:
+    """Delete the temporary files ``temps`` of ``directory`` if the block fails."""
+    try:
+        yield
+    except BaseException:
+        for temp in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, temp))
+        raise
