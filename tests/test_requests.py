@@ -142,7 +142,7 @@ def test_import_reads_each_header_in_one_request_and_each_value_once(s3_url: str
     source = storage_for(f"{s3_url}/hf")
     sizes = {}
     for n in range(2):
-        name = f"model-{n + 1:05d}-of-00002.safetensors"
+        name = f"part-{n + 1}.safetensors"  # safetensors files side by side (shards would need their index)
         save_file({f"layer{n}.w{i}": torch.randn(100_000, generator=g) for i in range(3)}, tmp_path / name)
         data = (tmp_path / name).read_bytes()
         source.write(name, [memoryview(data)])

@@ -256,6 +256,8 @@ class CheckpointRoot:
         if isinstance(pointer, dict):
             return pointer["tag"] if isinstance(pointer.get("tag"), str) else None
         plain = data.decode("utf-8", "replace").strip()  # DeepSpeed reads it so: any tag a save takes
+        if plain.startswith(("{", "[")):  # a pointer of ours that does not read, or no pointer: no tag
+            return None
         try:
             return validate_tag(plain) if plain else None
         except InvalidPathError:
