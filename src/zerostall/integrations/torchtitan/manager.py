@@ -214,7 +214,7 @@ class ZeroStallCheckpointManager(BaseCheckpointManager):
     def _before(self, step: Any) -> str | None:
         """The newest committed checkpoint of a step below ``step``, the same on every rank (None: none)."""
         def newest() -> bytes:
-            below = [t for t, record in self.manager.checkpoints() if record.step is not None and record.step < step]
+            below = [t for t, record in self.manager.checkpoints() if 0 <= record.step < step]  # step-less: -1
             return (below[-1] if below else "").encode()
 
         return self.manager.group.agree(newest).decode() or None
